@@ -1,0 +1,48 @@
+"""Uniform per-stage accounting, datatrove-style: every stage counts what it kept and what it
+dropped, and why, per source. These counters flow unchanged into the prebuild manifest and the
+W&B callback, so "nothing silently lost" is checkable end to end.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+
+class StageStats:
+    """Counters keyed by (source, reason). ``kept`` is a reason like any other.
+
+    Kept as plain nested dicts of ints so the object is cheap to snapshot into a node's
+    ``get_state()`` and to merge across workers/tasks (``merge``).
+    """
+
+    def __init__(self, stage: str) -> None:
+        self.stage = stage
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def add(self, source: str, reason: str, n: int = 1) -> None:
+        self.counts[source][reason] += n
+
+    def get(self, source: str, reason: str) -> int:
+        return self.counts.get(source, {}).get(reason, 0)
+
+    def total(self, reason: str) -> int:
+        return sum(per.get(reason, 0) for per in self.counts.values())
+
+    def to_dict(self) -> dict[str, dict[str, int]]:
+        return {src: dict(per) for src, per in self.counts.items()}
+
+    def load_dict(self, data: dict[str, dict[str, int]]) -> None:
+        self.counts = defaultdict(lambda: defaultdict(int))
+        for src, per in data.items():
+            for reason, n in per.items():
+                self.counts[src][reason] = int(n)
+
+    def merge(self, other: "StageStats | dict[str, Any]") -> None:
+        data = other.to_dict() if isinstance(other, StageStats) else other
+        for src, per in data.items():
+            for reason, n in per.items():
+                self.counts[src][reason] += int(n)
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        return f"StageStats({self.stage!r}, {self.to_dict()})"

@@ -1,0 +1,5 @@
+"""Byte-level BPE tokenizer: trainer(s), encoder/decoder, artifacts, exports, evaluation."""
+
+from stacklm.tokenizer.specials import GPT4_PATTERN, SPECIAL_TOKENS, DEFAULT_VOCAB_SIZE
+
+__all__ = ["GPT4_PATTERN", "SPECIAL_TOKENS", "DEFAULT_VOCAB_SIZE"]

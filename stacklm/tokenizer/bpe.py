@@ -1,0 +1,568 @@
+"""``StackTokenizer``: byte-level BPE encode/decode over the frozen id layout, its artifact,
+and ``train_from_iterable``, the one entry point to both training backends.
+
+Encoding is rank-priority merging over token bytes (tiktoken's rule: repeatedly merge the
+adjacent pair whose concatenation has the lowest id, leftmost first; a chunk that is itself a
+token maps to it directly). The pure-Python encoder here is the reference; ``encode_batch``
+runs the same ranks through tiktoken's Rust core for speed and must agree with it.
+"""
+
+from __future__ import annotations
+
+import base64
+import heapq
+import json
+import logging
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import regex
+
+from stacklm.tokenizer.backends import BACKENDS, get_backend
+from stacklm.tokenizer.specials import (
+    DEFAULT_VOCAB_SIZE,
+    GPT4_PATTERN,
+    N_BYTES,
+    SPECIAL_TOKENS,
+    special_token_ids,
+    unused_token,
+)
+
+logger = logging.getLogger(__name__)
+
+ARTIFACT_FORMAT = "stacklm-bpe"
+ARTIFACT_VERSION = 1
+_SURROGATES = regex.compile(r"[\ud800-\udfff]")
+_SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")
+
+AllowedSpecial = Literal["all"] | Iterable[str]
+
+
+class TokenizerArtifactError(ValueError):
+    """A tokenizer file that cannot be loaded; the message names the file and the field."""
+
+
+class _BoundedCache(dict):
+    """chunk -> ids with a hard size cap (FIFO eviction): adversarial input of endless distinct
+    chunks cannot grow memory without limit, while common chunks stay hot."""
+
+    def __init__(self, max_entries: int) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def put(self, key: str, value: tuple[int, ...]) -> None:
+        if len(self) >= self.max_entries:
+            del self[next(iter(self))]
+        self[key] = value
+
+
+class StackTokenizer:
+    """Byte-level BPE tokenizer with the stacklm id layout.
+
+    ids 0-255 are bytes, ``256 .. 256+n_merges-1`` the learned tokens in training order,
+    then ``n_unused`` ``<|unused_N|>`` fillers, then the specials on the top ids.
+    """
+
+    MAX_CACHE_ENTRIES = 1 << 17
+    MAX_CACHED_CHUNK_CHARS = 256
+    _SHORT_CHUNK = 128  # above this many bytes, merge with a heap (O(n log n)) not a rescan
+
+    def __init__(
+        self,
+        merged_tokens: Sequence[bytes],
+        *,
+        pattern: str = GPT4_PATTERN,
+        vocab_size: int | None = None,
+        special_tokens: Sequence[str] = SPECIAL_TOKENS,
+        merge_pairs: Sequence[tuple[int, int]] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> None:
+        self.pattern = pattern
+        self._compiled = regex.compile(pattern)
+        self.merged_tokens: list[bytes] = [bytes(t) for t in merged_tokens]
+        self.merge_pairs = [tuple(p) for p in merge_pairs] if merge_pairs is not None else None
+        self.special_tokens: tuple[str, ...] = tuple(special_tokens)
+        n_base = N_BYTES + len(self.merged_tokens)
+        if vocab_size is None:
+            vocab_size = n_base + len(self.special_tokens)
+        self.vocab_size = int(vocab_size)
+        self.n_unused = self.vocab_size - n_base - len(self.special_tokens)
+        if self.n_unused < 0:
+            raise ValueError(
+                f"vocab_size={self.vocab_size} is smaller than 256 bytes + {len(self.merged_tokens)} merges "
+                f"+ {len(self.special_tokens)} specials"
+            )
+        self.metadata: dict[str, Any] = dict(metadata or {})
+        # id -> bytes for every id (specials and fillers decode to their names)
+        self._id_bytes: list[bytes] = [bytes([i]) for i in range(N_BYTES)] + self.merged_tokens
+        self.unused_tokens = tuple(unused_token(i) for i in range(self.n_unused))
+        self._id_bytes += [t.encode() for t in self.unused_tokens]
+        self.special_ids: dict[str, int] = special_token_ids(self.vocab_size, self.special_tokens)
+        self._id_bytes += [t.encode() for t in self.special_tokens]
+        # every named token (fillers + reserved specials), as tiktoken's special_tokens map
+        self.named_tokens: dict[str, int] = {t: n_base + i for i, t in enumerate(self.unused_tokens)}
+        self.named_tokens.update(self.special_ids)
+        # bytes -> rank; a duplicate (two merges spelling the same bytes) keeps the first id,
+        # which is the only one rank-priority encoding can ever produce
+        self._ranks: dict[bytes, int] = {}
+        for i, b in enumerate(self._id_bytes[:n_base]):
+            self._ranks.setdefault(b, i)
+        self.duplicate_ids = [i for i, b in enumerate(self._id_bytes[:n_base]) if self._ranks[b] != i]
+        self._cache = _BoundedCache(self.MAX_CACHE_ENTRIES)
+        self._tiktoken = None
+        self._special_regex_cache: dict[frozenset[str], Any] = {}
+
+    # ------------------------------------------------------------------ ids
+    @property
+    def n_merges(self) -> int:
+        return len(self.merged_tokens)
+
+    @property
+    def bos_id(self) -> int:
+        return self.special_ids["<|bos|>"]
+
+    @property
+    def eos_id(self) -> int:
+        return self.special_ids["<|eos|>"]
+
+    @property
+    def pad_id(self) -> int:
+        return self.special_ids["<|pad|>"]
+
+    def token_id(self, name: str) -> int:
+        """Id of a special or filler token, with an error that lists the known names."""
+        try:
+            return self.named_tokens[name]
+        except KeyError:
+            raise KeyError(f"unknown special token {name!r}; known: {', '.join(self.special_tokens)}") from None
+
+    def id_to_bytes(self, token_id: int) -> bytes:
+        self._check_ids([token_id])
+        return self._id_bytes[token_id]
+
+    @property
+    def mergeable_ranks(self) -> dict[bytes, int]:
+        """bytes -> id for ids below the fillers (what tiktoken calls mergeable ranks)."""
+        return dict(self._ranks)
+
+    # ------------------------------------------------------------------ encode
+    def _resolve_allowed(self, allowed_special: AllowedSpecial) -> frozenset[str]:
+        if allowed_special == "all":
+            return frozenset(self.named_tokens)
+        if isinstance(allowed_special, str):
+            raise TypeError(
+                f"allowed_special must be 'all' or a set of token names, got the string {allowed_special!r}; "
+                f"write allowed_special={{{allowed_special!r}}}"
+            )
+        allowed = frozenset(allowed_special)
+        unknown = sorted(allowed - self.named_tokens.keys())
+        if unknown:
+            raise ValueError(
+                f"unknown special token(s) {unknown} in allowed_special; known: {', '.join(self.special_tokens)}"
+            )
+        return allowed
+
+    def _merge_short(self, piece: bytes) -> list[int]:
+        ranks = self._ranks
+        parts = [piece[i : i + 1] for i in range(len(piece))]
+        while len(parts) > 1:
+            best_rank = None
+            best_i = -1
+            for i in range(len(parts) - 1):
+                r = ranks.get(parts[i] + parts[i + 1])
+                if r is not None and (best_rank is None or r < best_rank):
+                    best_rank, best_i = r, i
+            if best_rank is None:
+                break
+            parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
+        return [ranks[p] for p in parts]
+
+    def _merge_long(self, piece: bytes) -> list[int]:
+        """Same result as ``_merge_short`` in O(n log n): a linked list of parts and a heap of
+        (rank, start) candidates with lazy invalidation; start order == leftmost-first ties."""
+        ranks = self._ranks
+        n = len(piece)
+        end = list(range(1, n + 1))  # end[start] = end offset of the part starting at start
+        prev = list(range(-1, n - 1))
+        alive = [True] * n
+        heap: list[tuple[int, int, int]] = []  # (rank, start, end of right part)
+        for s in range(n - 1):
+            r = ranks.get(piece[s : s + 2])
+            if r is not None:
+                heap.append((r, s, s + 2))
+        heapq.heapify(heap)
+        while heap:
+            r, s, stop = heapq.heappop(heap)
+            if not alive[s]:
+                continue
+            mid = end[s]
+            if mid >= n or not alive[mid] or end[mid] != stop:
+                continue  # stale: a neighbour has been merged since
+            alive[mid] = False
+            end[s] = stop
+            if stop < n:
+                prev[stop] = s
+                r2 = ranks.get(piece[s : end[stop]])
+                if r2 is not None:
+                    heapq.heappush(heap, (r2, s, end[stop]))
+            p = prev[s]
+            if p >= 0:
+                r3 = ranks.get(piece[p:stop])
+                if r3 is not None:
+                    heapq.heappush(heap, (r3, p, stop))
+        out = []
+        s = 0
+        while s < n:
+            out.append(ranks[piece[s : end[s]]])
+            s = end[s]
+        return out
+
+    def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
+        ids = self._cache.get(chunk)
+        if ids is not None:
+            return ids
+        piece = chunk.encode("utf-8", "surrogatepass")
+        direct = self._ranks.get(piece)
+        if direct is not None:
+            ids = (direct,)
+        elif len(piece) <= self._SHORT_CHUNK:
+            ids = tuple(self._merge_short(piece))
+        else:
+            ids = tuple(self._merge_long(piece))
+        if len(chunk) <= self.MAX_CACHED_CHUNK_CHARS:
+            self._cache.put(chunk, ids)
+        return ids
+
+    def encode_ordinary(self, text: str) -> list[int]:
+        """Encode untrusted text: special-token strings in it are ordinary bytes."""
+        text = _SURROGATES.sub("\ufffd", text)
+        out: list[int] = []
+        for chunk in self._compiled.findall(text):
+            out.extend(self._encode_chunk(chunk))
+        return out
+
+    def encode(
+        self,
+        text: str,
+        allowed_special: AllowedSpecial = frozenset(),
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Encode ``text``. By default special strings are ordinary bytes (untrusted text);
+        a trusted call site opts in with ``allowed_special`` (a set of names or ``"all"``) and/or
+        ``add_special_tokens=True`` (wraps the result in ``<|bos|> ... <|eos|>``)."""
+        allowed = self._resolve_allowed(allowed_special)
+        if not allowed:
+            ids = self.encode_ordinary(text)
+        else:
+            ids = []
+            splitter = self._special_splitter(allowed)
+            pos = 0
+            for m in splitter.finditer(text):
+                ids.extend(self.encode_ordinary(text[pos : m.start()]))
+                ids.append(self.named_tokens[m.group()])
+                pos = m.end()
+            ids.extend(self.encode_ordinary(text[pos:]))
+        if add_special_tokens:
+            ids = [self.bos_id, *ids, self.eos_id]
+        return ids
+
+    def _special_splitter(self, allowed: frozenset[str]):
+        rx = self._special_regex_cache.get(allowed)
+        if rx is None:
+            rx = regex.compile("|".join(regex.escape(t) for t in sorted(allowed, key=len, reverse=True)))
+            self._special_regex_cache[allowed] = rx
+        return rx
+
+    def to_tiktoken(self, name: str = "stacklm"):
+        """A ``tiktoken.Encoding`` with exactly these ranks, pattern and named tokens."""
+        import tiktoken
+
+        return tiktoken.Encoding(
+            name,
+            pat_str=self.pattern,
+            mergeable_ranks=self.mergeable_ranks,
+            special_tokens=dict(self.named_tokens),
+        )
+
+    def encode_batch(
+        self,
+        texts: Sequence[str],
+        num_threads: int = 8,
+        allowed_special: AllowedSpecial = frozenset(),
+        add_special_tokens: bool = False,
+    ) -> list[list[int]]:
+        """Encode many texts through tiktoken's Rust core (threads release the GIL)."""
+        if self._tiktoken is None:
+            self._tiktoken = self.to_tiktoken()
+        allowed = self._resolve_allowed(allowed_special)
+        texts = [t if not _SURROGATES.search(t) else _SURROGATES.sub("\ufffd", t) for t in texts]
+        if allowed:
+            out = self._tiktoken.encode_batch(
+                list(texts), num_threads=num_threads, allowed_special=set(allowed), disallowed_special=()
+            )
+        else:
+            out = self._tiktoken.encode_ordinary_batch(list(texts), num_threads=num_threads)
+        if add_special_tokens:
+            out = [[self.bos_id, *ids, self.eos_id] for ids in out]
+        return out
+
+    # ------------------------------------------------------------------ decode
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        for i in ids:
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is out of range for this tokenizer (vocab_size={self.vocab_size})")
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        """The exact bytes behind ``ids`` (specials and fillers as their names)."""
+        ids = [int(i) for i in ids]
+        table = self._id_bytes
+        try:
+            if ids and min(ids) < 0:
+                raise IndexError
+            return b"".join([table[i] for i in ids])
+        except IndexError:
+            self._check_ids(ids)
+            raise
+
+    def decode(self, ids: Iterable[int], errors: str = "replace") -> str:
+        """Text for ``ids``; byte sequences that are not valid UTF-8 become U+FFFD."""
+        return self.decode_bytes(ids).decode("utf-8", errors=errors)
+
+    def id_to_token(self, token_id: int) -> str:
+        """Readable form of one token (invalid UTF-8 shown with backslash escapes)."""
+        return self.id_to_bytes(token_id).decode("utf-8", errors="backslashreplace")
+
+    # ------------------------------------------------------------------ artifact
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": ARTIFACT_FORMAT,
+            "version": ARTIFACT_VERSION,
+            "vocab_size": self.vocab_size,
+            "pattern": self.pattern,
+            "n_merges": self.n_merges,
+            "n_unused": self.n_unused,
+            "special_tokens": list(self.special_tokens),
+            "merged_tokens_b64": [base64.b64encode(b).decode("ascii") for b in self.merged_tokens],
+            "merge_pairs": [list(p) for p in self.merge_pairs] if self.merge_pairs is not None else None,
+            "metadata": self.metadata,
+        }
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the versioned JSON artifact atomically (temp file, fsync, rename)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False))
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "StackTokenizer":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.stacklm.json"
+        try:
+            raw = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise TokenizerArtifactError(f"{path}: no tokenizer artifact here; train one with `stacklm train-tokenizer`") from None
+        try:
+            data = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise TokenizerArtifactError(
+                f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the file is truncated or was edited by hand — "
+                "re-save it from the training run"
+            ) from None
+        return cls.from_dict(data, source=str(path))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "StackTokenizer":
+        def bad(fld: str, why: str) -> TokenizerArtifactError:
+            return TokenizerArtifactError(f"{source}: field {fld!r}: {why}")
+
+        if not isinstance(data, dict):
+            raise bad("<root>", "expected a JSON object")
+        if data.get("format") != ARTIFACT_FORMAT:
+            raise bad("format", f"expected {ARTIFACT_FORMAT!r}, got {data.get('format')!r}")
+        if data.get("version") != ARTIFACT_VERSION:
+            raise bad("version", f"this stacklm reads version {ARTIFACT_VERSION}, got {data.get('version')!r}")
+        for fld, typ in (("vocab_size", int), ("pattern", str), ("n_merges", int), ("n_unused", int),
+                         ("special_tokens", list), ("merged_tokens_b64", list)):
+            if not isinstance(data.get(fld), typ):
+                raise bad(fld, f"missing or not a {typ.__name__}")
+        specials = data["special_tokens"]
+        for s in specials:
+            if not isinstance(s, str) or not _SPECIAL_NAME.fullmatch(s):
+                raise bad("special_tokens", f"{s!r} is not a special token name of the form <|name|>")
+        if len(set(specials)) != len(specials):
+            raise bad("special_tokens", "duplicate names")
+        try:
+            merged = [base64.b64decode(t, validate=True) for t in data["merged_tokens_b64"]]
+        except (ValueError, TypeError) as e:
+            raise bad("merged_tokens_b64", f"invalid base64 ({e})") from None
+        if len(merged) != data["n_merges"]:
+            raise bad("n_merges", f"says {data['n_merges']} but merged_tokens_b64 has {len(merged)} entries")
+        expect = N_BYTES + len(merged) + data["n_unused"] + len(specials)
+        if data["vocab_size"] != expect or data["n_unused"] < 0:
+            raise bad(
+                "vocab_size",
+                f"{data['vocab_size']} != 256 bytes + {len(merged)} merges + {data['n_unused']} unused + "
+                f"{len(specials)} specials = {expect}",
+            )
+        known = {bytes([i]) for i in range(N_BYTES)}
+        for i, b in enumerate(merged):
+            if len(b) < 2 or not any(b[:k] in known and b[k:] in known for k in range(1, len(b))):
+                raise bad("merged_tokens_b64", f"entry {i} (id {N_BYTES + i}) is not the join of two earlier tokens")
+            known.add(b)
+        try:
+            regex.compile(data["pattern"])
+        except regex.error as e:
+            raise bad("pattern", f"does not compile ({e})") from None
+        if data["pattern"] != GPT4_PATTERN:
+            warnings.warn(
+                f"{source}: this tokenizer was trained with a pre-tokenizer pattern that differs from "
+                "stacklm's default; it keeps using its own pattern",
+                stacklevel=2,
+            )
+        pairs = data.get("merge_pairs")
+        return cls(
+            merged,
+            pattern=data["pattern"],
+            vocab_size=data["vocab_size"],
+            special_tokens=specials,
+            merge_pairs=pairs,
+            metadata=data.get("metadata") or {},
+        )
+
+    def __repr__(self) -> str:
+        return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers see the old file or the whole new one, never half."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+# ---------------------------------------------------------------------- training
+@dataclass
+class TrainResult:
+    tokenizer: StackTokenizer
+    n_merges: int
+    shortfall: int  # merges the corpus could not supply (filled with <|unused_N|>)
+    backend: str
+    seconds: float
+    bytes_seen: int
+    docs_seen: int
+    surrogates_replaced: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Counter:
+    def __init__(self, bar=None) -> None:
+        self.bytes = 0
+        self.docs = 0
+        self.bar = bar
+
+    def __call__(self, n: int) -> None:
+        self.bytes += n
+        self.docs += 1
+        if self.bar is not None:
+            self.bar.update(n)
+
+
+def train_from_iterable(
+    docs: Iterable[str],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    special_tokens: Sequence[str] = SPECIAL_TOKENS,
+    *,
+    backend: str = "fast",
+    pattern: str = GPT4_PATTERN,
+    progress: bool = False,
+    total_bytes: int | None = None,
+    metadata: dict[str, Any] | None = None,
+) -> TrainResult:
+    """Train a tokenizer of exactly ``vocab_size`` ids from a stream of documents.
+
+    Learns up to ``vocab_size - 256 - len(special_tokens)`` merges; if the corpus runs out of
+    repeated pairs first, the shortfall is filled with ``<|unused_N|>`` ids *below* the
+    specials (so the specials never move) and a loud warning says so.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown tokenizer training backend {backend!r}; choose one of {BACKENDS}")
+    special_tokens = tuple(special_tokens)
+    for s in special_tokens:
+        if not _SPECIAL_NAME.fullmatch(s):
+            raise ValueError(f"special token {s!r} must look like <|name|>")
+    special_token_ids(vocab_size, special_tokens)  # validates room
+    max_merges = vocab_size - N_BYTES - len(special_tokens)
+    regex.compile(pattern)
+
+    surrogates = 0
+
+    def clean(stream: Iterable[str]):
+        nonlocal surrogates
+        for doc in stream:
+            if not isinstance(doc, str):
+                raise TypeError(f"training documents must be str, got {type(doc).__name__}")
+            if _SURROGATES.search(doc):
+                doc, n = _SURROGATES.subn("\ufffd", doc)
+                surrogates += n
+            if doc:
+                yield doc
+
+    bar = bar2 = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizer[{backend}] reading")
+        bar2 = tqdm(total=max_merges, unit="merge", desc=f"tokenizer[{backend}] merging")
+    meter = _Counter(bar)
+    t0 = time.perf_counter()
+    try:
+        out = get_backend(backend)(clean(docs), max_merges, pattern, meter, bar2.update if bar2 else None)
+    finally:
+        if bar is not None:
+            bar.close()
+            bar2.close()
+    seconds = time.perf_counter() - t0
+    if meter.bytes == 0:
+        raise ValueError("empty training corpus: the input yielded no text; check the input paths/globs and byte budget")
+    shortfall = max_merges - len(out.token_bytes)
+    if shortfall:
+        msg = (
+            f"tokenizer corpus ran short: learned {len(out.token_bytes)} of {max_merges} merges; "
+            f"padded the vocab with {shortfall} <|unused_N|> fillers (ids {N_BYTES + len(out.token_bytes)}.."
+            f"{N_BYTES + max_merges - 1}). Train on more (or more varied) text for a full vocab."
+        )
+        logger.warning(msg)
+        warnings.warn(msg, stacklevel=2)
+    meta = {
+        "backend": backend,
+        "bytes_seen": meter.bytes,
+        "docs_seen": meter.docs,
+        "surrogates_replaced": surrogates,
+        "shortfall": shortfall,
+        "train_seconds": round(seconds, 3),
+        **(metadata or {}),
+    }
+    tok = StackTokenizer(
+        out.token_bytes,
+        pattern=pattern,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
+        merge_pairs=out.merges,
+        metadata=meta,
+    )
+    return TrainResult(tok, len(out.token_bytes), shortfall, backend, seconds, meter.bytes, meter.docs, surrogates)

@@ -1,0 +1,170 @@
+"""StackTokenizer: round trips, trusted specials, decode safety, batch path, artifacts."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from stacklm.corpus import iter_domain
+from stacklm.tokenizer.bpe import StackTokenizer, TokenizerArtifactError
+from stacklm.tokenizer.specials import SPECIAL_TOKENS
+
+PROBE = (
+    "Hello, world! It's 2026; we'll ship v0.1.0.\r\n\tdef f(x):\r\n        return x**2  # square\n"
+    "emoji 👩‍💻🚀 and CJK 统一码 日本語 한국어, digits 1234567890 3.14159, "
+    "the literal <|assistant|> and <|bos|> in user text,   many   spaces\n\n\n"
+)
+
+
+def _random_strings(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = [chr(c) for c in range(32, 127)] + list("\r\n\t  éßç中文😀👩‍💻\u200b\u0301\ufffd")
+    out = []
+    for _ in range(n):
+        s = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 200)))
+        # plus arbitrary code points (no surrogates: a Python str that is valid text)
+        s += "".join(chr(rng.choice([rng.randint(0x80, 0xD7FF), rng.randint(0xE000, 0x10FFFF)])) for _ in range(20))
+        out.append(s)
+    return out
+
+
+def test_round_trip_real_and_random_text(small_tokenizer):
+    tok = small_tokenizer
+    texts = [PROBE] + _random_strings(300)
+    for domain in ("prose", "code", "cjk", "math"):
+        texts += list(iter_domain(domain, 60_000))
+    for s in texts:
+        ids = tok.encode(s)
+        assert tok.decode(ids) == s
+        assert tok.decode_bytes(ids) == s.encode("utf-8")
+        assert all(0 <= i < tok.vocab_size - len(SPECIAL_TOKENS) for i in ids)
+
+
+def test_merges_compress_real_text(small_tokenizer):
+    text = "".join(iter_domain("prose", 100_000))
+    assert len(small_tokenizer.encode(text)) < len(text.encode()) / 2.5
+
+
+def test_special_strings_in_untrusted_text_are_bytes(small_tokenizer):
+    tok = small_tokenizer
+    ids = tok.encode("<|assistant|>hi")
+    assert tok.special_ids["<|assistant|>"] not in ids
+    assert tok.decode(ids) == "<|assistant|>hi"
+    assert tok.encode("<|assistant|>hi", allowed_special={"<|assistant|>"})[0] == tok.special_ids["<|assistant|>"]
+    # only the allowed one is special
+    ids = tok.encode("<|user|>a<|assistant|>", allowed_special={"<|assistant|>"})
+    assert tok.special_ids["<|user|>"] not in ids and ids[-1] == tok.special_ids["<|assistant|>"]
+    all_ids = tok.encode("<|user|>a<|end|>", allowed_special="all")
+    assert all_ids[0] == tok.special_ids["<|user|>"] and all_ids[-1] == tok.special_ids["<|end|>"]
+    wrapped = tok.encode("hi", add_special_tokens=True)
+    assert wrapped[0] == tok.bos_id and wrapped[-1] == tok.eos_id and tok.decode(wrapped[1:-1]) == "hi"
+
+
+def test_unknown_special_names_and_string_misuse(small_tokenizer):
+    with pytest.raises(ValueError, match="unknown special token"):
+        small_tokenizer.encode("x", allowed_special={"<|im_start|>"})
+    with pytest.raises(TypeError, match="allowed_special"):
+        small_tokenizer.encode("x", allowed_special="<|bos|>")
+    with pytest.raises(KeyError, match="unknown special token"):
+        small_tokenizer.token_id("<|nope|>")
+
+
+def test_decode_is_safe(small_tokenizer):
+    tok = small_tokenizer
+    assert tok.decode([0xE4, 0xB8]) == "\ufffd"  # truncated UTF-8 sequence
+    assert tok.decode_bytes([0xE4, 0xB8]) == b"\xe4\xb8"
+    assert tok.decode([0xFF, ord("a")]) == "\ufffda"
+    for bad in ([tok.vocab_size], [-1], [0, 10**9]):
+        with pytest.raises(ValueError, match="out of range"):
+            tok.decode(bad)
+
+
+def test_encode_batch_equals_reference_encoder(small_tokenizer):
+    tok = small_tokenizer
+    texts = [PROBE] + _random_strings(100, seed=1)
+    for domain in ("prose", "code", "cjk", "math"):
+        texts += list(iter_domain(domain, 150_000))
+    assert tok.encode_batch(texts, num_threads=2) == [tok.encode(t) for t in texts]
+    with_specials = tok.encode_batch([PROBE], allowed_special="all", add_special_tokens=True)[0]
+    assert with_specials == tok.encode(PROBE, allowed_special="all", add_special_tokens=True)
+
+
+def test_long_chunks_use_heap_merge_with_identical_result(small_tokenizer):
+    tok = small_tokenizer
+    rng = random.Random(3)
+    enc = tok.to_tiktoken()
+    medium = ["a" * 700, "ab" * 400, "".join(rng.choice("etaoinshr") for _ in range(900)), "=" * 300 + "-" * 99]
+    for s in medium:  # the heap path and the rescan path agree where both are affordable
+        assert tok._merge_long(s.encode()) == tok._merge_short(s.encode())
+    for s in medium + ["a" * 10_000, "".join(rng.choice("etaoinshr") for _ in range(20_000))]:
+        assert tok.encode(s) == enc.encode_ordinary(s)
+
+
+def test_chunk_cache_is_bounded(small_tokenizer, monkeypatch):
+    tok = StackTokenizer(small_tokenizer.merged_tokens, vocab_size=small_tokenizer.vocab_size)
+    tok._cache.max_entries = 1000
+    words = " ".join(f"w{i}x" for i in range(20_000))
+    tok.encode(words)
+    assert len(tok._cache) <= 1000
+    assert tok.decode(tok.encode(words)) == words
+
+
+def test_surrogates_never_crash(small_tokenizer):
+    ids = small_tokenizer.encode("a\ud800b")
+    assert small_tokenizer.decode(ids) == "a\ufffdb"
+    assert small_tokenizer.encode_batch(["a\ud800b"]) == [ids]
+
+
+def test_save_load_round_trip(small_tokenizer, tmp_path):
+    path = small_tokenizer.save(tmp_path / "tok.json")
+    loaded = StackTokenizer.load(path)
+    assert loaded.merged_tokens == small_tokenizer.merged_tokens
+    assert loaded.special_ids == small_tokenizer.special_ids
+    assert loaded.pattern == small_tokenizer.pattern
+    assert loaded.encode(PROBE) == small_tokenizer.encode(PROBE)
+    assert [p.name for p in tmp_path.iterdir()] == ["tok.json"]  # no temp files left behind
+
+
+def test_loaded_tokenizer_keeps_its_own_pattern(small_tokenizer, tmp_path):
+    data = small_tokenizer.to_dict()
+    data["pattern"] = r"\S+|\s+"
+    path = tmp_path / "tok.json"
+    path.write_text(json.dumps(data))
+    with pytest.warns(UserWarning, match="differs from"):
+        tok = StackTokenizer.load(path)
+    assert tok.pattern == r"\S+|\s+"
+    assert tok.decode(tok.encode("a b  c")) == "a b  c"
+
+
+@pytest.mark.parametrize(
+    "edit, field",
+    [
+        (lambda d: d.update(format="other"), "format"),
+        (lambda d: d.update(version=99), "version"),
+        (lambda d: d.update(vocab_size=d["vocab_size"] + 1), "vocab_size"),
+        (lambda d: d.update(n_merges=d["n_merges"] - 1), "n_merges"),
+        (lambda d: d["merged_tokens_b64"].__setitem__(5, "!!notbase64"), "merged_tokens_b64"),
+        (lambda d: d["merged_tokens_b64"].__setitem__(0, "enp6eno="), "merged_tokens_b64"),
+        (lambda d: d["special_tokens"].__setitem__(0, "bos"), "special_tokens"),
+        (lambda d: d.update(pattern="(unclosed"), "pattern"),
+        (lambda d: d.pop("pattern"), "pattern"),
+    ],
+)
+def test_hand_edited_artifact_is_rejected_naming_the_field(small_tokenizer, tmp_path, edit, field):
+    data = small_tokenizer.to_dict()
+    edit(data)
+    path = tmp_path / "tok.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TokenizerArtifactError, match=f"{path}.*'{field}'"):
+        StackTokenizer.load(path)
+
+
+def test_truncated_or_missing_artifact(small_tokenizer, tmp_path):
+    path = small_tokenizer.save(tmp_path / "tok.json")
+    path.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(TokenizerArtifactError, match="truncated"):
+        StackTokenizer.load(path)
+    with pytest.raises(TokenizerArtifactError, match="no tokenizer artifact"):
+        StackTokenizer.load(tmp_path / "missing.json")
