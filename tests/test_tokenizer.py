@@ -115,6 +115,9 @@ def test_surrogates_never_crash(small_tokenizer):
     ids = small_tokenizer.encode("a\ud800b")
     assert small_tokenizer.decode(ids) == "a\ufffdb"
     assert small_tokenizer.encode_batch(["a\ud800b"]) == [ids]
+    # a well-formed surrogate pair spells its character, as in tiktoken
+    assert small_tokenizer.encode("\ud83d\ude00") == small_tokenizer.encode("😀")
+    assert small_tokenizer.encode_batch(["x\ud83d\ude00"]) == [small_tokenizer.encode("x😀")]
 
 
 def test_save_load_round_trip(small_tokenizer, tmp_path):

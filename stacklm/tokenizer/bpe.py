@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 ARTIFACT_FORMAT = "stacklm-bpe"
 ARTIFACT_VERSION = 1
-_SURROGATES = regex.compile(r"[\ud800-\udfff]")
 _SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")
 
 AllowedSpecial = Literal["all"] | Iterable[str]
@@ -241,7 +240,7 @@ class StackTokenizer:
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode untrusted text: special-token strings in it are ordinary bytes."""
-        text = _SURROGATES.sub("\ufffd", text)
+        text = _valid_text(text)
         out: list[int] = []
         for chunk in self._compiled.findall(text):
             out.extend(self._encode_chunk(chunk))
@@ -301,13 +300,14 @@ class StackTokenizer:
         if self._tiktoken is None:
             self._tiktoken = self.to_tiktoken()
         allowed = self._resolve_allowed(allowed_special)
-        texts = [t if not _SURROGATES.search(t) else _SURROGATES.sub("\ufffd", t) for t in texts]
+        if not isinstance(texts, list):
+            texts = list(texts)
         if allowed:
             out = self._tiktoken.encode_batch(
-                list(texts), num_threads=num_threads, allowed_special=set(allowed), disallowed_special=()
+                texts, num_threads=num_threads, allowed_special=set(allowed), disallowed_special=()
             )
         else:
-            out = self._tiktoken.encode_ordinary_batch(list(texts), num_threads=num_threads)
+            out = self._tiktoken.encode_ordinary_batch(texts, num_threads=num_threads)
         if add_special_tokens:
             out = [[self.bos_id, *ids, self.eos_id] for ids in out]
         return out
@@ -441,6 +441,17 @@ class StackTokenizer:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
 
 
+def _valid_text(text: str) -> str:
+    """Replace lone surrogates (a Python str can hold them, UTF-8 cannot) with U+FFFD, the
+    way tiktoken does (a UTF-16 round trip, so a well-formed surrogate *pair* becomes the
+    character it spells); the reference encoder and the tiktoken path must agree."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so readers see the old file or the whole new one, never half."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -516,9 +527,10 @@ def train_from_iterable(
         for doc in stream:
             if not isinstance(doc, str):
                 raise TypeError(f"training documents must be str, got {type(doc).__name__}")
-            if _SURROGATES.search(doc):
-                doc, n = _SURROGATES.subn("\ufffd", doc)
-                surrogates += n
+            fixed = _valid_text(doc)
+            if fixed is not doc:
+                surrogates += fixed.count("\ufffd") - doc.count("\ufffd")
+                doc = fixed
             if doc:
                 yield doc
 

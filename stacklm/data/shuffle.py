@@ -1,0 +1,271 @@
+"""Seeded buffer shuffle of tokenized documents, and the document-level train/val holdout.
+
+Shuffle: a bounded buffer (the classic streaming "shuffle buffer"): keep ``buffer_size``
+documents, emit a uniformly chosen one and put the next incoming document in its slot. It
+breaks up the source order (files, shards, the mixer's runs) at O(buffer) memory. Its state
+is the RNG state plus the buffer stored *columnar*: every buffered ``ids`` concatenated into
+one array with offsets (uint16 when the ids fit, as they do at vocab <= 65536), ``source``/``domain`` dictionary-coded as small int arrays and
+the remaining fields as plain lists, so a checkpoint holds a few arrays instead of thousands of
+pickled dicts, and restoring it continues the stream bit for bit.
+
+Holdout: a document's split is a pure function of its normalised text (xxhash64 with a seed
+against ``fraction``), so it needs no state, is the same in every run, rank and worker, and a
+document (or a copy of it differing only in case/whitespace/Unicode form) can never land in
+both splits. Apply it before tokenization, where the text is still there.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import numpy as np
+import xxhash
+from torchdata.nodes import BaseNode
+
+from stacklm.data.stats import StageStats
+
+SPLITS = ("train", "val")
+
+# Fields that repeat across many documents: stored as codes into a small table.
+_CODED_FIELDS = ("source", "domain")
+
+
+# ---------------------------------------------------------------------------------------
+# Compact buffer codec
+# ---------------------------------------------------------------------------------------
+def encode_docs(docs: list[dict]) -> dict[str, Any]:
+    """Columnar, compact encoding of tokenized documents (inverse: ``decode_docs``)."""
+    n = len(docs)
+    for d in docs:
+        if not isinstance(d.get("ids"), np.ndarray):
+            raise TypeError(
+                f"shuffle buffer holds tokenized documents with an np.ndarray 'ids' field; got "
+                f"{type(d.get('ids')).__name__} in doc {d.get('doc_id')!r} of source {d.get('source')!r}; "
+                "put the shuffle after tokenize"
+            )
+    lengths = np.fromiter((len(d["ids"]) for d in docs), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dtype = docs[0]["ids"].dtype if n else np.dtype(np.int32)
+    ids = np.concatenate([d["ids"] for d in docs]).astype(dtype, copy=False) if n else np.zeros(0, dtype)
+    if ids.size and 0 <= ids.min() and ids.max() <= np.iinfo(np.uint16).max:
+        ids = ids.astype(np.uint16)  # vocab <= 65536: half the bytes; decode restores ``dtype``
+    keys: list[str] = []
+    for d in docs:
+        for k in d:
+            if k != "ids" and k not in keys:
+                keys.append(k)
+    fields: dict[str, Any] = {}
+    missing = object()
+    for k in keys:
+        values = [d.get(k, missing) for d in docs]
+        has = np.array([v is not missing for v in values], dtype=bool)
+        values = [v if v is not missing else None for v in values]
+        if k in _CODED_FIELDS and all(isinstance(v, str) for v in values):
+            table = sorted(set(values))
+            index = {v: i for i, v in enumerate(table)}
+            fields[k] = {"table": table, "codes": np.array([index[v] for v in values], dtype=np.int32)}
+        else:
+            fields[k] = {"values": values}
+        if not has.all():
+            fields[k]["present"] = has
+    return {"ids": ids, "dtype": dtype.str, "offsets": offsets, "fields": fields}
+
+
+def decode_docs(enc: dict[str, Any]) -> list[dict]:
+    offsets = np.asarray(enc["offsets"])
+    ids = np.asarray(enc["ids"]).astype(np.dtype(enc["dtype"]), copy=False)
+    n = len(offsets) - 1
+    docs = [{"ids": ids[offsets[i] : offsets[i + 1]].copy()} for i in range(n)]
+    for k, col in enc["fields"].items():
+        if "codes" in col:
+            table = col["table"]
+            values = [table[c] for c in np.asarray(col["codes"]).tolist()]
+        else:
+            values = col["values"]
+        present = col.get("present")
+        for i, (d, v) in enumerate(zip(docs, values)):
+            if present is None or present[i]:
+                d[k] = v
+    return docs
+
+
+# ---------------------------------------------------------------------------------------
+# Shuffle buffer
+# ---------------------------------------------------------------------------------------
+class ShuffleBuffer:
+    """Plain seeded buffer shuffle: ``push`` documents while ``wants_more``; ``pop`` one."""
+
+    def __init__(self, buffer_size: int, seed: int = 0) -> None:
+        if buffer_size < 1:
+            raise ValueError(f"buffer_size must be >= 1, got {buffer_size}")
+        self.buffer_size = int(buffer_size)
+        self.seed = int(seed)
+        self.reset()
+
+    def reset(self) -> None:
+        self.rng = np.random.Generator(np.random.PCG64(self.seed))
+        self.buffer: list[dict] = []
+
+    @property
+    def wants_more(self) -> bool:
+        return len(self.buffer) < self.buffer_size
+
+    def push(self, doc: dict) -> None:
+        self.buffer.append(doc)
+
+    def pop(self) -> dict:
+        """A uniformly chosen buffered document; the last one fills its slot (O(1))."""
+        j = int(self.rng.integers(len(self.buffer)))
+        doc = self.buffer[j]
+        last = self.buffer.pop()
+        if j < len(self.buffer):
+            self.buffer[j] = last
+        return doc
+
+    def __len__(self) -> int:
+        return len(self.buffer)
+
+    def state(self) -> dict[str, Any]:
+        return {"rng": self.rng.bit_generator.state, "buffer": encode_docs(self.buffer)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.reset()
+        self.rng.bit_generator.state = state["rng"]
+        self.buffer = decode_docs(state["buffer"])
+
+    def __call__(self, docs: Iterable[dict]) -> Iterator[dict]:
+        for doc in docs:
+            self.push(doc)
+            if not self.wants_more:
+                yield self.pop()
+        while self.buffer:
+            yield self.pop()
+
+
+def shuffle_docs(docs: Iterable[dict], buffer_size: int, seed: int = 0) -> Iterator[dict]:
+    """Convenience: buffer-shuffle an iterable of tokenized documents."""
+    return ShuffleBuffer(buffer_size, seed)(docs)
+
+
+class ShuffleNode(BaseNode[dict]):
+    """Stateful wrapper of ``ShuffleBuffer``; state = source state + RNG + compact buffer."""
+
+    SOURCE_KEY = "source"
+
+    def __init__(self, source: BaseNode[dict], buffer_size: int, seed: int = 0) -> None:
+        super().__init__()
+        self.source = source
+        self.shuffler = ShuffleBuffer(buffer_size, seed)
+        self._source_done = False
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is None:
+            self.source.reset()
+            self.shuffler.reset()
+            self._source_done = False
+        else:
+            self.source.reset(initial_state[self.SOURCE_KEY])
+            self.shuffler.load_state(initial_state["shuffle"])
+            self._source_done = bool(initial_state["source_done"])
+
+    def next(self) -> dict:
+        while not self._source_done and self.shuffler.wants_more:
+            try:
+                self.shuffler.push(next(self.source))
+            except StopIteration:
+                self._source_done = True
+        if not len(self.shuffler):
+            raise StopIteration
+        return self.shuffler.pop()
+
+    def get_state(self) -> dict[str, Any]:
+        return {
+            self.SOURCE_KEY: self.source.state_dict(),
+            "shuffle": self.shuffler.state(),
+            "source_done": self._source_done,
+        }
+
+
+# ---------------------------------------------------------------------------------------
+# Holdout
+# ---------------------------------------------------------------------------------------
+def normalize_text(text: str) -> str:
+    """NFKC, casefold, whitespace runs collapsed: copies that differ only in these share a split."""
+    return " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+
+
+def holdout_split(text: str, fraction: float, seed: int = 0) -> str:
+    """``"val"`` for a ``fraction`` of documents chosen by a hash of the normalised text, else ``"train"``."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"holdout fraction must be in [0, 1], got {fraction}")
+    h = xxhash.xxh64_intdigest(normalize_text(text).encode("utf-8", errors="surrogatepass"), seed=seed)
+    return "val" if h < int(fraction * 2.0**64) else "train"
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def _text_of(doc: dict, text_key: str) -> str:
+    try:
+        return doc[text_key]
+    except KeyError:
+        raise KeyError(
+            f"holdout needs the document text in field {text_key!r}, but doc {doc.get('doc_id')!r} of source "
+            f"{doc.get('source')!r} has fields {sorted(doc)}; apply the holdout before tokenization"
+        ) from None
+
+
+def filter_split(
+    docs: Iterable[dict], split: str, fraction: float, seed: int = 0, text_key: str = "text", stats: StageStats | None = None
+) -> Iterator[dict]:
+    """Keep the documents of one split; the others are counted as ``holdout_other_split``."""
+    _check_split(split)
+    for doc in docs:
+        if holdout_split(_text_of(doc, text_key), fraction, seed) == split:
+            if stats is not None:
+                stats.add(doc.get("source", "?"), "kept")
+            yield doc
+        elif stats is not None:
+            stats.add(doc.get("source", "?"), "holdout_other_split")
+
+
+class HoldoutNode(BaseNode[dict]):
+    """Keep one split of the holdout. Stateless apart from its source and its counters."""
+
+    SOURCE_KEY = "source"
+
+    def __init__(self, source: BaseNode[dict], split: str, fraction: float, seed: int = 0, text_key: str = "text") -> None:
+        super().__init__()
+        _check_split(split)
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"holdout fraction must be in [0, 1], got {fraction}")
+        self.source = source
+        self.split, self.fraction, self.seed, self.text_key = split, float(fraction), int(seed), text_key
+        self.stats = StageStats(f"holdout_{split}")
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.stats = StageStats(f"holdout_{self.split}")
+        if initial_state is None:
+            self.source.reset()
+        else:
+            self.source.reset(initial_state[self.SOURCE_KEY])
+            self.stats.load_dict(initial_state["stats"])
+
+    def next(self) -> dict:
+        while True:
+            doc = next(self.source)
+            source = doc.get("source", "?")
+            if holdout_split(_text_of(doc, self.text_key), self.fraction, self.seed) == self.split:
+                self.stats.add(source, "kept")
+                return doc
+            self.stats.add(source, "holdout_other_split")
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.SOURCE_KEY: self.source.state_dict(), "stats": self.stats.to_dict()}
