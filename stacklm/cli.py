@@ -78,9 +78,12 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
 
     tokenizers = {}
     main_tok = _load_for_eval(args.tokenizer)
-    tokenizers[Path(args.tokenizer).name or "ours"] = main_tok
+    tokenizers["stacklm"] = main_tok
     for spec in args.compare or []:
-        tokenizers[Path(spec).name] = _load_for_eval(spec)
+        name = Path(spec).name
+        while name in tokenizers:
+            name = f"{Path(spec).parent.name}/{name}"
+        tokenizers[name] = _load_for_eval(spec)
     if args.domain_file:
         files = {}
         for item in args.domain_file:

@@ -171,3 +171,13 @@ def test_truncated_or_missing_artifact(small_tokenizer, tmp_path):
         StackTokenizer.load(path)
     with pytest.raises(TokenizerArtifactError, match="no tokenizer artifact"):
         StackTokenizer.load(tmp_path / "missing.json")
+
+
+def test_encode_batch_numpy_equals_encode(small_tokenizer):
+    import numpy as np
+
+    texts = [PROBE, "a\ud800b", ""] + list(iter_domain("code", 100_000))
+    for threads in (1, 2):
+        arrays = small_tokenizer.encode_batch_numpy(texts, num_threads=threads)
+        assert all(a.dtype == np.int32 for a in arrays)
+        assert [a.tolist() for a in arrays] == [small_tokenizer.encode(t) for t in texts]

@@ -20,13 +20,17 @@ from torchdata.nodes import BaseNode
 from stacklm.data.stats import StageStats
 
 
-def tokenize_docs(tokenizer, docs: Sequence[dict[str, Any]], num_threads: int = 8) -> list[dict[str, Any]]:
+def tokenize_docs(tokenizer, docs: Sequence[dict[str, Any]], num_threads: int = 2) -> list[dict[str, Any]]:
     """Encode a batch of documents; each output keeps ``source``/``domain``/``doc_id``."""
-    ids = tokenizer.encode_batch([d["text"] for d in docs], num_threads=num_threads)
+    texts = [d["text"] for d in docs]
+    if hasattr(tokenizer, "encode_batch_numpy"):
+        arrays = tokenizer.encode_batch_numpy(texts, num_threads=num_threads)
+    else:  # any tokenizer with encode_batch (e.g. an imported foreign one)
+        arrays = [np.asarray(t, dtype=np.int32) for t in tokenizer.encode_batch(texts, num_threads=num_threads)]
     out = []
-    for d, toks in zip(docs, ids):
+    for d, ids in zip(docs, arrays):
         doc = {k: v for k, v in d.items() if k != "text"}
-        doc["ids"] = np.asarray(toks, dtype=np.int32)
+        doc["ids"] = ids
         out.append(doc)
     return out
 
@@ -39,7 +43,7 @@ class TokenizeNode(BaseNode):
     EMITTED_KEY = "emitted_in_batch"
     STATS_KEY = "stats"
 
-    def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 8) -> None:
+    def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 2) -> None:
         super().__init__()
         if batch_docs < 1:
             raise ValueError(f"batch_docs must be >= 1, got {batch_docs}")

@@ -1,0 +1,178 @@
+"""Streaming-pipeline benchmark, side by side in one run on the same real documents.
+
+    python3 bench/pipeline.py [--mb 10] [--dedup-docs 5000] [--vocab 32768]
+
+1. near dedup (signatures + LSH) vs datasketch           -> bench/dedup.py's run()
+2. tokenize stage (TokenizeNode) vs raw tiktoken          -> MB/s, ratio (target >= 90%)
+3. the whole graph end to end (local jsonl source, filter, exact + near dedup, tokenize,
+   mix, shuffle, best-fit pack, batch) vs raw tiktoken     -> tokens/s, ratio (target >= 50%)
+4. packing waste greedy vs best-fit at 2048               -> bench/packing.py's run()
+5. pipeline state size, and how it grows per million documents
+
+Documents are the embedded corpus (stdlib code, docstrings, pydoc topics, CJK, math).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from stacklm.corpus import iter_default_corpus  # noqa: E402
+
+
+def _tokenizer(vocab: int, mb: float):
+    from stacklm.tokenizer.bpe import train_from_iterable
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return train_from_iterable(iter_default_corpus(int(mb * 1e6)), vocab).tokenizer
+
+
+def _raw_tiktoken(tok, texts: list[str], threads: int) -> tuple[float, int]:
+    enc = tok.to_tiktoken()
+    enc.encode_ordinary_batch(texts[:200], num_threads=threads)
+    best, n = float("inf"), 0
+    for _ in range(2):
+        t = time.perf_counter()
+        out = enc.encode_ordinary_batch(texts, num_threads=threads)
+        best = min(best, time.perf_counter() - t)
+        n = sum(map(len, out))
+    return best, n
+
+
+def bench_tokenize(tok, texts: list[str], threads: int) -> dict:
+    from torchdata.nodes import IterableWrapper
+
+    from stacklm.data.tokenize import TokenizeNode
+
+    nbytes = sum(len(t.encode()) for t in texts)
+    raw_s, n_tokens = _raw_tiktoken(tok, texts, threads)
+    docs = [{"text": t, "source": "stdlib", "domain": "mixed", "doc_id": str(i)} for i, t in enumerate(texts)]
+    best = float("inf")
+    for _ in range(2):
+        node = TokenizeNode(IterableWrapper(docs), tok, batch_docs=256, num_threads=threads)
+        t = time.perf_counter()
+        got = sum(int(d["ids"].size) for d in node)
+        best = min(best, time.perf_counter() - t)
+    assert got == n_tokens, (got, n_tokens)
+    return {"raw_MBps": nbytes / raw_s / 1e6, "node_MBps": nbytes / best / 1e6, "ratio": raw_s / best, "tokens": n_tokens}
+
+
+def bench_end_to_end(tok, texts: list[str], threads: int, seq_len: int = 2048) -> dict:
+    from stacklm.data.nodes import PipelineConfig, build_pipeline
+    from stacklm.data.registry import DataMix, DataMixEntry
+
+    with tempfile.TemporaryDirectory() as d:
+        half = len(texts) // 2
+        for name, part in (("a", texts[:half]), ("b", texts[half:])):
+            with open(Path(d) / f"{name}.jsonl", "w") as f:
+                for t in part:
+                    f.write(json.dumps({"text": t}) + "\n")
+        raw_s, raw_tokens = _raw_tiktoken(tok, texts, threads)
+        mix = DataMix("bench", 10**12, (
+            DataMixEntry("a", "local", 0.5, "prose", data_files=(str(Path(d) / "a.jsonl"),)),
+            DataMixEntry("b", "local", 0.5, "code", data_files=(str(Path(d) / "b.jsonl"),)),
+        ))
+        cfg = PipelineConfig(mix, seq_len=seq_len, batch_size=8, holdout_fraction=0.0, num_threads=threads)
+        p = build_pipeline(cfg, tok)
+        t = time.perf_counter()
+        n_tokens = 0
+        n_batches = 0
+        for b in p.batches:
+            n_tokens += int((b["input_ids"] != tok.pad_id).sum())
+            n_batches += 1
+        secs = time.perf_counter() - t
+        state = pickle.dumps(p.batches.state_dict())
+        stats = p.stats()
+    kept_docs = sum(per.get("kept", 0) for per in stats.get("dedup", {}).values())
+    return {
+        "raw_tokens_per_s": raw_tokens / raw_s,
+        "pipeline_tokens_per_s": n_tokens / secs,
+        "ratio": raw_s * n_tokens / (secs * raw_tokens),
+        "batches": n_batches,
+        "seconds": secs,
+        "state_bytes": len(state),
+        "kept_docs": kept_docs,
+        "dedup": stats.get("dedup"),
+        "filter": stats.get("filter"),
+        "packing": p.packing(),
+    }
+
+
+def state_growth(tok, texts: list[str]) -> dict:
+    """State bytes after n and 2n documents: the slope is the per-document growth (dedup indexes)."""
+    from stacklm.data.dedup import ExactDeduper
+    from stacklm.data.minhash import NearDeduper
+
+    n = len(texts) // 2
+    sizes = []
+    for k in (n, 2 * n):
+        ex, near = ExactDeduper(), NearDeduper()
+        for t in texts[:k]:
+            if not ex.is_duplicate(t):
+                near.is_duplicate(t)
+        sizes.append(len(pickle.dumps((ex.state_dict(), near.state_dict()))))
+    per_doc = (sizes[1] - sizes[0]) / n
+    return {"per_doc_bytes": per_doc, "per_million_docs_MB": per_doc * 1e6 / 1e6}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mb", type=float, default=10.0, help="MB of real documents")
+    ap.add_argument("--vocab", type=int, default=32768)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dedup-docs", type=int, default=4000)
+    ap.add_argument("--skip-dedup", action="store_true")
+    args = ap.parse_args()
+
+    texts = list(iter_default_corpus(int(args.mb * 1e6)))
+    print(f"corpus: {len(texts)} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB")
+    tok = _tokenizer(args.vocab, 20)
+
+    if not args.skip_dedup:
+        import dedup as dedup_bench
+
+        print("\n== 1. near dedup vs datasketch")
+        res = dedup_bench.run(args.dedup_docs)
+        print(json.dumps(res, indent=1, default=str))
+
+    print(f"\n== 2. tokenize stage vs raw tiktoken ({args.threads} threads)")
+    r = bench_tokenize(tok, texts, args.threads)
+    print(f"raw tiktoken {r['raw_MBps']:.1f} MB/s | TokenizeNode {r['node_MBps']:.1f} MB/s | ratio {r['ratio']:.0%} (target >= 90%)")
+
+    print("\n== 3. whole graph end to end vs raw tiktoken")
+    e = bench_end_to_end(tok, texts, args.threads)
+    print(f"raw tiktoken {e['raw_tokens_per_s'] / 1e6:.2f} M tok/s | pipeline {e['pipeline_tokens_per_s'] / 1e6:.2f} M tok/s "
+          f"| ratio {e['ratio']:.0%} (target >= 50%) | {e['batches']} batches in {e['seconds']:.1f}s")
+    print(f"dedup: {e['dedup']}\nfilter: {e['filter']}\npacking: {e['packing']}")
+    print(f"state after the run: {e['state_bytes'] / 1e6:.2f} MB for {e['kept_docs']} kept docs")
+
+    print("\n== 4. packing waste at 2048 (best-fit vs greedy)")
+    import packing as packing_bench
+
+    ids = [a for a in tok.encode_batch_numpy(texts, num_threads=args.threads)]
+    pk = packing_bench.run(seq_len=2048, buffers=(100, 1000), token_docs=ids, vocab_size=tok.vocab_size)
+    for row in pk["rows"]:
+        print(f"{row['strategy']:<9} buffer={row.get('buffer_docs')!s:<5} pad={row['pad_fraction']:.3%} "
+              f"docs_cut={row['docs_cut']} fitting_docs_cut={row['fitting_docs_cut']} windows={row['windows']}")
+
+    print("\n== 5. state growth")
+    g = state_growth(tok, texts[:4000])
+    print(f"dedup indexes: {g['per_doc_bytes']:.0f} bytes/document -> {g['per_million_docs_MB']:.0f} MB per million documents "
+          "(everything else in the state is bounded by buffer sizes)")
+
+
+if __name__ == "__main__":
+    main()

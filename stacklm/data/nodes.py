@@ -1,0 +1,214 @@
+"""The node graph: one builder wires the stateful stages into a pipeline.
+
+Per source:   source -> holdout split -> quality filter -> exact dedup -> near dedup -> tokenize
+Then:         budgeted mix (over the sources) -> shuffle buffer -> pack -> batch
+
+Each source gets its own filter/dedup/tokenize chain, so the mixer can pull tokens from
+exactly the source whose budget it is filling; dedup indexes are therefore per source
+(cross-source duplicates are left to the offline prebuild, where one global pass is cheap).
+The loader's state is the root node's ``state_dict()``, which nests every stage's small
+state; a fresh graph ``reset`` with it continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from stacklm.data.dedup import ExactDeduper
+from stacklm.data.filters import FilterConfig, FilterNode
+from stacklm.data.mix import MixNode
+from stacklm.data.pack import PackNode, batch_node
+from stacklm.data.registry import DataMix
+from stacklm.data.shuffle import HoldoutNode, ShuffleNode
+from stacklm.data.sources import ShardSpec, open_source
+from stacklm.data.stats import StageStats
+from stacklm.data.tokenize import TokenizeNode
+
+SPLITS = ("train", "val")
+
+
+@dataclass(frozen=True)
+class DedupConfig:
+    exact: bool = True
+    near: bool = True
+    near_max_docs: int = 2_000_000  # per source; the index warns once and stops growing when full
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    """Everything that decides the stream's content. ``config_hash`` guards resumes/prebuilds."""
+
+    mix: DataMix
+    seq_len: int = 2048
+    batch_size: int = 8
+    strategy: str = "best_fit"
+    seed: int = 0
+    shuffle_buffer: int = 2000
+    pack_buffer_docs: int = 1000
+    holdout_fraction: float = 0.001
+    filters: FilterConfig = field(default_factory=FilterConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    tokenize_batch_docs: int = 256
+    num_threads: int = 2
+    fallback_offline: bool = False
+    drop_last: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2:
+            raise ValueError(f"pipeline config: field 'seq_len' must be >= 2, got {self.seq_len}")
+        if self.batch_size < 1:
+            raise ValueError(f"pipeline config: field 'batch_size' must be >= 1, got {self.batch_size}")
+        if self.strategy not in ("greedy", "best_fit"):
+            raise ValueError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["mix"] = self.mix.to_dict()
+        d["filters"] = self.filters.to_dict()
+        d["dedup"] = dataclasses.asdict(self.dedup)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "PipelineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"pipeline config: unknown field(s) {unknown}; known: {sorted(known)}")
+        if "mix" not in data:
+            raise ValueError("pipeline config: missing field 'mix' (the data mix: name, total_tokens, entries)")
+        kw = dict(data)
+        kw["mix"] = DataMix.from_dict(data["mix"])
+        if "filters" in kw:
+            kw["filters"] = FilterConfig.from_dict(kw["filters"] or {})
+        if "dedup" in kw:
+            kw["dedup"] = DedupConfig(**(kw["dedup"] or {}))
+        return cls(**kw)
+
+    def config_hash(self, exclude: tuple[str, ...] = ("num_threads",)) -> str:
+        """sha256 of the canonical config (minus knobs that do not change the stream)."""
+        d = {k: v for k, v in self.to_dict().items() if k not in exclude}
+        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+class DedupNode(BaseNode[dict]):
+    """Drops exact duplicates (normalised text) and then near duplicates (MinHash-LSH)."""
+
+    def __init__(self, source: BaseNode[dict], exact: ExactDeduper | None, near=None) -> None:
+        super().__init__()
+        self.source, self.exact, self.near = source, exact, near
+        self.stats = StageStats("dedup")
+        self._fresh = (exact.state_dict() if exact is not None else None, near.state_dict() if near is not None else None)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        st = initial_state or {}
+        self.source.reset(st.get("source"))
+        self.stats.load_dict(st.get("stats", {}))
+        if self.exact is not None:
+            self.exact.load_state_dict(st["exact"] if initial_state else self._fresh[0])
+        if self.near is not None:
+            self.near.load_state_dict(st["near"] if initial_state else self._fresh[1])
+
+    def next(self) -> dict:
+        while True:
+            doc = next(self.source)
+            src = doc.get("source", "?")
+            if self.exact is not None and self.exact.is_duplicate(doc["text"]):
+                self.stats.add(src, "exact_dup")
+                continue
+            if self.near is not None and self.near.is_duplicate(doc["text"]):
+                self.stats.add(src, "near_dup")
+                continue
+            self.stats.add(src, "kept")
+            return doc
+
+    def get_state(self) -> dict[str, Any]:
+        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict()}
+        if self.exact is not None:
+            st["exact"] = self.exact.state_dict()
+        if self.near is not None:
+            st["near"] = self.near.state_dict()
+        return st
+
+
+@dataclass
+class Pipeline:
+    """The built graph plus handles on its stages for stats/logging."""
+
+    config: PipelineConfig
+    split: str
+    shard: ShardSpec
+    sources: dict[str, BaseNode]
+    chains: dict[str, dict[str, BaseNode]]
+    mix: MixNode
+    shuffle: ShuffleNode
+    windows: PackNode
+    batches: BaseNode
+
+    def stats(self) -> dict[str, dict[str, dict[str, int]]]:
+        """Counts by stage -> source -> reason (kept, filtered reasons, dups, audit counts)."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for name, chain in self.chains.items():
+            for stage, node in chain.items():
+                st = getattr(node, "stats", None)
+                if isinstance(st, StageStats):
+                    for src, per in st.to_dict().items():
+                        out.setdefault(stage, {}).setdefault(src, {}).update(per)
+        return out
+
+    def realized(self) -> dict[str, dict[str, Any]]:
+        return self.mix.realized()
+
+    def packing(self) -> dict[str, Any]:
+        return self.windows.summary()
+
+
+def _near_deduper(config: PipelineConfig):
+    if not config.dedup.near:
+        return None
+    from stacklm.data.minhash import NearDeduper
+
+    return NearDeduper(max_docs=config.dedup.near_max_docs)
+
+
+def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shard: ShardSpec | None = None) -> Pipeline:
+    """Build the whole graph for one split and one (rank, worker) shard of the sources."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    shard = shard or ShardSpec()
+    total = config.mix.total_tokens
+    if split == "val":
+        total = max(1, round(total * config.holdout_fraction))
+    sources: dict[str, BaseNode] = {}
+    chains: dict[str, dict[str, BaseNode]] = {}
+    tokenized: dict[str, BaseNode] = {}
+    for entry in config.mix.entries:
+        src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline)
+        node: BaseNode = src
+        chain: dict[str, BaseNode] = {"source": src}
+        if config.holdout_fraction > 0 or split == "val":
+            node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
+        node = chain["filter"] = FilterNode(node, config.filters)
+        if config.dedup.exact or config.dedup.near:
+            exact = ExactDeduper() if config.dedup.exact else None
+            node = chain["dedup"] = DedupNode(node, exact, _near_deduper(config))
+        node = chain["tokenize"] = TokenizeNode(node, tokenizer, config.tokenize_batch_docs, config.num_threads)
+        sources[entry.name] = src
+        chains[entry.name] = chain
+        tokenized[entry.name] = node
+    mix = MixNode(tokenized, config.mix.weights, total, seed=config.seed)
+    shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=config.seed + 1)
+    windows = PackNode(
+        shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs
+    )
+    batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
+    return Pipeline(config, split, shard, sources, chains, mix, shuffle, windows, batches)

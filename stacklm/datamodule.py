@@ -1,0 +1,388 @@
+"""``StackDataModule``: what users hand to ``trainer.fit``.
+
+Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``):
+- ``shards``: a prebuilt directory (``stacklm prebuild``) read through memmaps, in one global
+  seeded permutation per epoch sliced by rank and worker; the loader state is
+  (seed, epoch, samples consumed globally), so resume is O(1) and elastic.
+- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
+  each (rank, worker) builds its own graph over its shard of the documents.
+- ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
+
+Loaders are ``torchdata``'s ``StatefulDataLoader`` (or a thin elastic wrapper in shards
+mode): Lightning stores their ``state_dict()`` in the checkpoint and restores it, so a resumed
+fit sees exactly the batches the uninterrupted run would have.
+
+DDP: every rank must yield the same number of batches or the last collective hangs. Shards
+mode slices the permutation into equal per-rank parts; stream/sft modes give each (rank,
+worker) an equal token budget and a fixed batch count (``batches_per_worker``), padding a
+stream that runs dry with fully masked batches (counted and warned, never silent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.sources import ShardSpec
+
+MODES = ("shards", "stream", "sft")
+
+
+class DataConfigError(ValueError):
+    """The data set-up does not fit the model or the checkpoint; raised before any step."""
+
+
+def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+    t = seq_len - 1
+    return {
+        "input_ids": torch.full((batch_size, t), pad_id, dtype=torch.long),
+        "position_ids": torch.arange(t, dtype=torch.long).expand(batch_size, t).clone(),
+        "seq_ids": torch.zeros((batch_size, t), dtype=torch.long),
+        "targets": torch.full((batch_size, t), -100, dtype=torch.long),
+    }
+
+
+class _StreamIterator:
+    """One worker's stream: builds its node graph lazily, yields exactly ``n_batches``.
+
+    Stateful (``state_dict``/``load_state_dict``) so ``StatefulDataLoader`` snapshots it in
+    the worker and restores it there before iteration resumes.
+    """
+
+    def __init__(self, dataset: "StreamDataset", shard: ShardSpec) -> None:
+        self.ds = dataset
+        self.shard = shard
+        self.graph = None
+        self.yielded = 0
+        self.padded = 0
+
+    def _graph(self):
+        if self.graph is None:
+            self.graph = self.ds.builder(self.shard)
+        return self.graph
+
+    def __iter__(self) -> "_StreamIterator":
+        return self
+
+    def __next__(self) -> dict[str, torch.Tensor]:
+        if self.yielded >= self.ds.n_batches:
+            raise StopIteration
+        graph = self._graph()
+        try:
+            batch = next(graph.batches)
+        except StopIteration:
+            if self.padded == 0:
+                warnings.warn(
+                    f"stacklm: the {self.ds.split} stream of rank {self.shard.rank} worker {self.shard.worker} ran dry after "
+                    f"{self.yielded} of {self.ds.n_batches} batches; padding the rest with fully masked batches so "
+                    "every rank takes the same number of steps. Give the mix more data or lower the token budget.",
+                    stacklevel=2,
+                )
+            self.padded += 1
+            batch = _padding_batch(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
+        self.yielded += 1
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._graph().batches.reset(state["graph"])
+        self.yielded = int(state["yielded"])
+        self.padded = int(state["padded"])
+
+
+_ND = "__ndarray__"
+
+
+def to_checkpoint_safe(obj: Any) -> Any:
+    """numpy arrays/scalars -> tensors/ints, so the loader state loads with ``torch.load``'s
+    default ``weights_only=True`` (a checkpoint must not need pickle trust to resume)."""
+    import numpy as np
+
+    if isinstance(obj, np.ndarray):
+        return {_ND: torch.from_numpy(np.ascontiguousarray(obj).copy())}
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, dict):
+        return {k: to_checkpoint_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_checkpoint_safe(v) for v in obj)
+    return obj
+
+
+def from_checkpoint_safe(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        if len(obj) == 1 and _ND in obj:
+            return obj[_ND].numpy()
+        return {k: from_checkpoint_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(from_checkpoint_safe(v) for v in obj)
+    return obj
+
+
+class StackDataLoader(StatefulDataLoader):
+    """``StatefulDataLoader`` whose state (1) is plain tensors/containers, loadable with
+    ``weights_only=True``, and (2) accounts for batches the consumer fetched ahead.
+
+    Lightning's fit loop fetches one batch ahead (to know whether the current one is the
+    last), so when a checkpoint is written after step k the loader has already yielded batch
+    k+1. Restoring the plain loader state would skip that batch. With ``lookahead=n`` the
+    state also carries the last ``n`` yielded batches, which a restored loader yields first;
+    once the loader is exhausted nothing is pending (the consumer has seen every batch).
+    """
+
+    def __init__(self, *args: Any, lookahead: int = 0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lookahead = lookahead
+        self._recent: list[dict[str, torch.Tensor]] = []
+        self._replay: list[dict[str, torch.Tensor]] = []
+
+    def __iter__(self):
+        replay, self._replay = self._replay, []
+        self._recent = []
+        it = super().__iter__()
+        for batch in replay:
+            self._remember(batch)
+            yield batch
+        for batch in it:
+            self._remember(batch)
+            yield batch
+        self._recent = []
+
+    def _remember(self, batch: dict[str, torch.Tensor]) -> None:
+        if self.lookahead:
+            self._recent = (self._recent + [batch])[-self.lookahead :]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loader": to_checkpoint_safe(super().state_dict()), "pending": list(self._recent)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(from_checkpoint_safe(state_dict["loader"]))
+        self._replay = list(state_dict.get("pending", []))
+
+
+class _PipelineBuilder:
+    """Picklable (spawned workers) factory of one reader's graph: the mix budget is split
+    evenly over all readers (ranks x workers), each reading its own shard of the sources."""
+
+    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
+        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+
+    def __call__(self, shard: ShardSpec, n_readers: int):
+        from dataclasses import replace
+
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        cfg = PipelineConfig.from_dict(self.config)
+        per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
+        return build_pipeline(replace(cfg, mix=per_reader), StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+
+
+class StreamDataset(IterableDataset):
+    """A rank's share of a node-graph stream, split across loader workers."""
+
+    def __init__(
+        self,
+        build: Callable[[ShardSpec, int], Any],
+        *,
+        split: str,
+        rank: int,
+        world_size: int,
+        n_batches_total: int,
+        batch_size: int,
+        seq_len: int,
+        pad_id: int,
+    ) -> None:
+        self.build, self.split = build, split
+        self.rank, self.world_size = rank, world_size
+        self.n_batches_total = n_batches_total
+        self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
+        self.n_batches = n_batches_total
+
+    def builder(self, shard: ShardSpec):
+        return self.build(shard, shard.count)
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        # each worker yields an equal share; the loader interleaves them round-robin
+        self.n_batches = self.n_batches_total // workers
+        return _StreamIterator(self, ShardSpec(self.rank, self.world_size, worker, workers))
+
+
+class StackDataModule(L.LightningDataModule):
+    """Lightning data module over stacklm's shards, streams or SFT conversations.
+
+    Args:
+        mode: ``"shards"``, ``"stream"`` or ``"sft"``.
+        tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
+        data_dir: prebuilt shard directory (``shards`` mode).
+        pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
+            or the SFT config (``sft`` mode).
+        seq_len, batch_size, num_workers, seed: as usual; ``seq_len`` counts the window before
+            the next-token shift (batches are ``seq_len - 1`` wide).
+        val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget.
+        snapshot_every_n_steps: how often loader workers snapshot their state (resume replays
+            at most this many batches from the last snapshot, deterministically).
+    """
+
+    def __init__(
+        self,
+        mode: str = "shards",
+        tokenizer: str | None = None,
+        data_dir: str | None = None,
+        pipeline: dict[str, Any] | None = None,
+        seq_len: int = 2048,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+        val_batches: int | None = None,
+        snapshot_every_n_steps: int = 1,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise DataConfigError(f"StackDataModule: mode must be one of {MODES}, got {mode!r}")
+        if tokenizer is None:
+            raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
+        if mode == "shards" and data_dir is None:
+            raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
+        if mode in ("stream", "sft") and pipeline is None:
+            raise DataConfigError(f"StackDataModule(mode={mode!r}): pass pipeline=<config dict>")
+        self.save_hyperparameters()
+        self.mode = mode
+        self.tokenizer_path = tokenizer
+        self.data_dir = data_dir
+        self.pipeline_dict = dict(pipeline or {})
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.val_batches = val_batches
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._tok = None
+        self._train_loader = None
+        self._val_loader = None
+        self._rank, self._world = 0, 1
+
+    # ------------------------------------------------------------------ shared facts
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from stacklm.tokenizer.bpe import StackTokenizer
+
+            self._tok = StackTokenizer.load(self.tokenizer_path)
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def tokenizer_hash(self) -> str:
+        path = Path(self.tokenizer_path)
+        if path.is_dir():
+            path = path / "tokenizer.stacklm.json"
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def pipeline_config(self) -> PipelineConfig:
+        d = dict(self.pipeline_dict)
+        d.setdefault("seq_len", self.seq_len)
+        d.setdefault("batch_size", self.batch_size)
+        d.setdefault("seed", self.seed)
+        cfg = PipelineConfig.from_dict(d)
+        if cfg.seq_len != self.seq_len or cfg.batch_size != self.batch_size:
+            raise DataConfigError(
+                f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
+                f"({self.seq_len}/{self.batch_size}); set them in one place"
+            )
+        return cfg
+
+    def data_config_hash(self) -> str:
+        if self.mode == "shards":
+            return hashlib.sha256(f"shards:{Path(self.data_dir).resolve()}:{self.seq_len}:{self.batch_size}:{self.seed}".encode()).hexdigest()
+        return self.pipeline_config().config_hash()
+
+    # ------------------------------------------------------------------ lightning hooks
+    def setup(self, stage: str | None = None) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            self._rank, self._world = trainer.global_rank, trainer.world_size
+
+    def _stream_dataset(self, split: str) -> StreamDataset:
+        cfg = self.pipeline_config()
+        tok = self.tokenizer
+        world = self._world
+        if split == "train":
+            budget = cfg.mix.total_tokens
+            n_total = budget // (world * cfg.batch_size * cfg.seq_len)
+        else:
+            budget = max(1, round(cfg.mix.total_tokens * cfg.holdout_fraction))
+            n_total = self.val_batches if self.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
+        if n_total < 1:
+            raise DataConfigError(
+                f"StackDataModule: the {split} token budget ({budget:,} tokens) gives zero batches of "
+                f"{cfg.batch_size} x {cfg.seq_len} tokens on {world} rank(s); raise mix.total_tokens"
+                + (" or holdout_fraction, or set val_batches" if split == "val" else "")
+            )
+        n_total = max(n_total, max(1, self.num_workers))
+        build = _PipelineBuilder(cfg.to_dict(), self.tokenizer_path, split)
+        return StreamDataset(
+            build, split=split, rank=self._rank, world_size=world, n_batches_total=n_total,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+        )
+
+    def _loader(self, dataset) -> StackDataLoader:
+        return StackDataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+            snapshot_every_n_steps=self.snapshot_every_n_steps,
+            lookahead=1 if getattr(self, "trainer", None) is not None else 0,
+            multiprocessing_context="spawn" if self.num_workers > 0 else None,
+        )
+
+    def train_dataloader(self):
+        if self.mode == "stream":
+            return self._loader(self._stream_dataset("train"))
+        if self.mode == "shards":
+            return self._shards_loader("train")
+        return self._sft_loader("train")
+
+    def val_dataloader(self):
+        if self.mode == "stream":
+            return self._loader(self._stream_dataset("val"))
+        if self.mode == "shards":
+            return self._shards_loader("val")
+        return self._sft_loader("val")
+
+    def _shards_loader(self, split: str):
+        raise NotImplementedError("shards mode is wired in once the shard dataset lands")
+
+    def _sft_loader(self, split: str):
+        raise NotImplementedError("sft mode is filled in by the chat/SFT issue")
+
+    # ------------------------------------------------------------------ checkpoint guard
+    def state_dict(self) -> dict[str, Any]:
+        """Stored in the checkpoint: what the data was, so a resume with other data refuses."""
+        return {"mode": self.mode, "data_config_hash": self.data_config_hash(), "tokenizer_hash": self.tokenizer_hash(),
+                "seq_len": self.seq_len, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        diffs = [f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in mine if state.get(k) != mine[k]]
+        if diffs:
+            raise DataConfigError(
+                "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + "). "
+                "Resume with the same data config, or start a new run."
+            )

@@ -1,0 +1,53 @@
+"""Small real Lightning pieces shared by the datamodule tests: a tiny model that trains on
+the batch contract and a callback that fingerprints every batch it sees."""
+
+from __future__ import annotations
+
+import hashlib
+
+import lightning as L
+import torch
+
+
+class TinyLM(L.LightningModule):
+    """Embedding + linear head; enough to make real optimizer steps on contract batches."""
+
+    def __init__(self, vocab_size: int, dim: int = 16) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab_size, dim)
+        self.head = torch.nn.Linear(dim, vocab_size)
+
+    def training_step(self, batch, batch_idx):
+        logits = self.head(self.emb(batch["input_ids"]))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+
+    def validation_step(self, batch, batch_idx):
+        logits = self.head(self.emb(batch["input_ids"]))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
+        self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def batch_hash(batch: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(batch):
+        h.update(key.encode())
+        h.update(batch[key].numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class BatchRecorder(L.Callback):
+    """Records (global_step, hash) of every training batch; can crash after a given step."""
+
+    def __init__(self, crash_after_step: int | None = None) -> None:
+        self.seen: list[tuple[int, str]] = []
+        self.crash_after_step = crash_after_step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append((trainer.global_step, batch_hash(batch)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.crash_after_step is not None and trainer.global_step >= self.crash_after_step:
+            raise KeyboardInterrupt("simulated crash")

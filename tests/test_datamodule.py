@@ -1,0 +1,108 @@
+"""StackDataModule with a real Lightning Trainer on CPU: contract, exact resume, bad input."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from stacklm.datamodule import DataConfigError, StackDataModule
+from tests.lightning_helpers import BatchRecorder, TinyLM
+
+SEQ_LEN, BATCH = 64, 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    from stacklm.corpus import iter_default_corpus
+    from stacklm.tokenizer.bpe import train_from_iterable
+
+    d = tmp_path_factory.mktemp("tok")
+    train_from_iterable(iter_default_corpus(400_000), 512).tokenizer.save(d / "tokenizer.stacklm.json")
+    return d
+
+
+def stream_pipeline(total_tokens: int = 12_000) -> dict:
+    return {
+        "mix": {
+            "name": "tiny",
+            "total_tokens": total_tokens,
+            "entries": [
+                {"name": "web", "kind": "synthetic", "weight": 0.7, "domain": "prose", "seed": 1, "num_docs": 2000},
+                {"name": "code", "kind": "synthetic", "weight": 0.3, "domain": "code", "seed": 2, "num_docs": 800},
+            ],
+        },
+        "shuffle_buffer": 16,
+        "pack_buffer_docs": 16,
+        "holdout_fraction": 0.1,
+        "tokenize_batch_docs": 8,
+    }
+
+
+def _dm(tokenizer_dir, **kw) -> StackDataModule:
+    args = dict(mode="stream", tokenizer=str(tokenizer_dir), pipeline=stream_pipeline(), seq_len=SEQ_LEN,
+                batch_size=BATCH, num_workers=0, val_batches=2)
+    args.update(kw)
+    return StackDataModule(**args)
+
+
+def _trainer(tmp_path, callbacks, max_steps):
+    return L.Trainer(
+        accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=1, callbacks=callbacks,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        default_root_dir=tmp_path, num_sanity_val_steps=0,
+    )
+
+
+def test_stream_batches_follow_the_contract(tokenizer_dir):
+    dm = _dm(tokenizer_dir)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert len(batches) == 12_000 // (BATCH * SEQ_LEN)
+    for b in batches:
+        assert set(b) == {"input_ids", "position_ids", "seq_ids", "targets"}
+        assert all(v.shape == (BATCH, SEQ_LEN - 1) and v.dtype == torch.long for v in b.values())
+    assert len(list(dm.val_dataloader())) == 2
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
+    steps, k = 10, 4
+    full = BatchRecorder()
+    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers))
+    assert len(full.seen) == steps
+
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
+    crashed = BatchRecorder(crash_after_step=k + 2)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        t = _trainer(tmp_path / "run1", [ckpt, crashed], steps)
+        t.fit(TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers))
+    path = tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt"
+    assert path.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+
+    resumed = BatchRecorder()
+    _trainer(tmp_path / "run2", [resumed], steps).fit(
+        TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers), ckpt_path=path
+    )
+    assert [h for _, h in crashed.seen[:k]] == [h for _, h in full.seen[:k]]
+    assert resumed.seen == full.seen[k:]
+
+
+def test_resume_refuses_other_data(tokenizer_dir, tmp_path):
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _trainer(tmp_path, [ckpt], 2).fit(TinyLM(512), datamodule=_dm(tokenizer_dir))
+    other = _dm(tokenizer_dir, pipeline={**stream_pipeline(), "seed": 7})
+    with pytest.raises(DataConfigError, match="different data"):
+        _trainer(tmp_path / "b", [], 4).fit(TinyLM(512), datamodule=other, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+
+
+def test_bad_set_ups_fail_before_training(tokenizer_dir):
+    with pytest.raises(DataConfigError, match="mode"):
+        StackDataModule(mode="magic", tokenizer=str(tokenizer_dir))
+    with pytest.raises(DataConfigError, match="data_dir"):
+        StackDataModule(mode="shards", tokenizer=str(tokenizer_dir))
+    dm = _dm(tokenizer_dir, pipeline=stream_pipeline(total_tokens=50))
+    dm.setup("fit")
+    with pytest.raises(DataConfigError, match="zero batches"):
+        dm.train_dataloader()
