@@ -36,6 +36,47 @@ from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 
 MODES = ("shards", "stream", "sft")
+STATS_KEY = "stacklm_stats"
+
+
+def _find_summaries(obj: Any, out: list) -> list:
+    """Every worker summary inside a (possibly nested) loader state."""
+    if isinstance(obj, dict):
+        if STATS_KEY in obj:
+            out.append(obj[STATS_KEY])
+        for v in obj.values():
+            _find_summaries(v, out)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            _find_summaries(v, out)
+    return out
+
+
+def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
+    """Sum the per-worker summaries into the ``data_stats`` protocol (``stacklm.logging``)."""
+    realized: dict[str, dict[str, Any]] = {}
+    dropped: dict[str, dict[str, dict[str, int]]] = {}
+    pad = doc_tokens = 0
+    for s in summaries:
+        for src, row in s["realized"].items():
+            out = realized.setdefault(src, {"tokens": 0, "docs": 0, "target_weight": row["target_weight"]})
+            out["tokens"] += int(row["tokens"])
+            out["docs"] += int(row["docs"])
+        for stage, per_src in s["stats"].items():
+            if stage == "tokenize":
+                continue  # counts read-ahead, not delivery; the mix counts what was delivered
+            for src, per_reason in per_src.items():
+                for reason, n in per_reason.items():
+                    if reason != "kept":
+                        slot = dropped.setdefault(stage, {}).setdefault(src, {})
+                        slot[reason] = slot.get(reason, 0) + int(n)
+        pad += int(s["packing"].get("pad_tokens", 0))
+        doc_tokens += int(s["packing"].get("doc_tokens", 0))
+    total = sum(r["tokens"] for r in realized.values())
+    for r in realized.values():
+        r["realized_weight"] = r["tokens"] / total if total else 0.0
+    return {"realized": realized, "dropped": dropped,
+            "padding_fraction": pad / (pad + doc_tokens) if pad + doc_tokens else 0.0}
 
 
 class DataConfigError(ValueError):
@@ -94,7 +135,13 @@ class _StreamIterator:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
+        graph = self._graph()
+        # the summary rides along with the state, so the main process can log what its
+        # workers did (``StackDataModule.data_stats``) without another channel
+        summary = {"realized": graph.realized(), "stats": graph.stats(), "packing": graph.packing(),
+                   "padding_batches": self.padded}
+        return {"graph": graph.batches.state_dict(), "yielded": self.yielded, "padded": self.padded,
+                STATS_KEY: summary}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._graph().batches.reset(state["graph"])
@@ -349,15 +396,16 @@ class StackDataModule(L.LightningDataModule):
             persistent_workers=False,
             snapshot_every_n_steps=self.snapshot_every_n_steps,
             lookahead=1 if getattr(self, "trainer", None) is not None else 0,
-            multiprocessing_context="spawn" if self.num_workers > 0 else None,
         )
 
     def train_dataloader(self):
         if self.mode == "stream":
-            return self._loader(self._stream_dataset("train"))
-        if self.mode == "shards":
-            return self._shards_loader("train")
-        return self._sft_loader("train")
+            self._train_loader = self._loader(self._stream_dataset("train"))
+        elif self.mode == "shards":
+            self._train_loader = self._shards_loader("train")
+        else:
+            self._train_loader = self._sft_loader("train")
+        return self._train_loader
 
     def val_dataloader(self):
         if self.mode == "stream":
@@ -371,6 +419,24 @@ class StackDataModule(L.LightningDataModule):
 
     def _sft_loader(self, split: str):
         raise NotImplementedError("sft mode is filled in by the chat/SFT issue")
+
+    # ------------------------------------------------------------------ logging protocol
+    def data_stats(self) -> dict[str, Any]:
+        """This rank's cumulative data numbers for ``stacklm.logging.DataStatsCallback``."""
+        out: dict[str, Any] = {"hashes": {"tokenizer": self.tokenizer_hash(), "manifest": self._manifest_hash(),
+                                          "data_config": self.data_config_hash()}}
+        loader = self._train_loader
+        if loader is not None and self.mode in ("stream", "sft"):
+            summaries = _find_summaries(from_checkpoint_safe(loader.state_dict()), [])
+            if summaries:
+                out.update(merge_worker_summaries(summaries))
+        return out
+
+    def _manifest_hash(self) -> str | None:
+        if self.data_dir is None:
+            return None
+        path = Path(self.data_dir) / "manifest.json"
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
     # ------------------------------------------------------------------ checkpoint guard
     def state_dict(self) -> dict[str, Any]:

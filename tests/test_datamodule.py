@@ -106,3 +106,20 @@ def test_bad_set_ups_fail_before_training(tokenizer_dir):
     dm.setup("fit")
     with pytest.raises(DataConfigError, match="zero batches"):
         dm.train_dataloader()
+
+
+def test_data_stats_report_what_the_workers_delivered(tokenizer_dir):
+    dm = _dm(tokenizer_dir, num_workers=2)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    n = 0
+    for _ in loader:
+        n += 1
+    stats = dm.data_stats()
+    real = stats["realized"]
+    # 12,000 tokens split over 2 workers, each meeting its 70/30 budget exactly
+    assert real["web"]["tokens"] == 2 * round(6000 * 0.7) and real["code"]["tokens"] == 2 * round(6000 * 0.3)
+    assert abs(real["web"]["realized_weight"] - 0.7) < 1e-9
+    assert stats["dropped"]["holdout"]["web"]["holdout_other_split"] > 0
+    assert 0 <= stats["padding_fraction"] < 0.2
+    assert set(stats["hashes"]) == {"tokenizer", "manifest", "data_config"}
