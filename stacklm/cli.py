@@ -152,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", help="also write the rows as JSON here")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=cmd_tok_eval)
+
+    from stacklm.inspect import add_inspect_subcommand
+
+    add_inspect_subcommand(sub)
     return p
 
 

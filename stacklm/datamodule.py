@@ -178,6 +178,40 @@ def from_checkpoint_safe(obj: Any) -> Any:
     return obj
 
 
+def _dist() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def gather_from_ranks(state: Any) -> list[Any]:
+    """Every rank's loader state, on every rank.
+
+    Lightning writes the checkpoint from rank 0 only, but each rank's stream position is its
+    own; ``dump_checkpoint`` runs on all ranks, so gathering here puts all of them in the file.
+    """
+    rank, world = _dist()
+    if world == 1:
+        return [state]
+    import pickle
+
+    # pre-pickled numpy/plain containers (tensor pickling across processes is fragile here)
+    out: list[Any] = [None] * world
+    torch.distributed.all_gather_object(out, pickle.dumps(state))
+    return [pickle.loads(b) for b in out]
+
+
+def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
+    rank, world = _dist()
+    if len(per_rank) != world:
+        raise DataConfigError(
+            f"refusing to resume: the checkpoint's {mode}-mode loader state is from {len(per_rank)} rank(s) but this run "
+            f"has {world}. A stream's position is per rank; resume with the same number of devices (shards mode "
+            "resumes on any world size)."
+        )
+    return per_rank[rank]
+
+
 class StackDataLoader(StatefulDataLoader):
     """``StatefulDataLoader`` whose state (1) is plain tensors/containers, loadable with
     ``weights_only=True``, and (2) accounts for batches the consumer fetched ahead.
@@ -211,12 +245,84 @@ class StackDataLoader(StatefulDataLoader):
         if self.lookahead:
             self._recent = (self._recent + [batch])[-self.lookahead :]
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's raw loader state (no collective): what logging reads."""
+        return super().state_dict()
+
     def state_dict(self) -> dict[str, Any]:
-        return {"loader": to_checkpoint_safe(super().state_dict()), "pending": list(self._recent)}
+        pending = [{k: v.numpy() for k, v in b.items()} for b in self._recent]
+        mine = {"loader": super().state_dict(), "pending": pending}
+        return {"per_rank": to_checkpoint_safe(gather_from_ranks(mine))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(from_checkpoint_safe(state_dict["loader"]))
-        self._replay = list(state_dict.get("pending", []))
+        mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
+        super().load_state_dict(mine["loader"])
+        self._replay = [{k: torch.from_numpy(v) for k, v in b.items()} for b in mine.get("pending", [])]
+
+
+class _IndexBatches(torch.utils.data.Sampler):
+    """Feeds a ``DataLoader`` whole index batches from an ``ElasticSampler`` (main process)."""
+
+    def __init__(self, sampler) -> None:
+        self.sampler = sampler
+
+    def __iter__(self):
+        return self.sampler.batches()
+
+    def __len__(self) -> int:
+        return math.ceil(len(self.sampler) / self.sampler.batch_size)
+
+
+class _BatchFetch:
+    """Picklable ``dataset[indices] -> batch`` for loader workers."""
+
+    def __init__(self, dataset) -> None:
+        self.dataset = dataset
+
+    def __getitem__(self, indices):
+        return self.dataset.get_batch(indices)
+
+
+class ShardsLoader:
+    """Shards-mode loader: this rank's slice of one global seeded permutation per epoch.
+
+    The state is ``ElasticSampler``'s ``(seed, epoch, consumed)`` as of the batches the
+    consumer has *taken* (yielded minus ``lookahead``, see ``StackDataLoader``), so resume is
+    O(1) and may change world size, batch size or worker count. Every rank yields the same
+    number of batches per epoch: the epoch's tail shorter than one global step (``< world x
+    batch`` rows) is not served that epoch and is counted in ``sampler.dropped_tail``; the next
+    epoch is a fresh permutation, so no row is starved across epochs.
+    """
+
+    def __init__(self, dataset, sampler, num_workers: int = 0, lookahead: int = 0) -> None:
+        self.dataset, self.sampler = dataset, sampler
+        self.num_workers, self.lookahead = num_workers, lookahead
+        self._taken = 0
+        self._exhausted = False
+        self.batches_yielded = 0
+        self.samples_yielded = 0
+
+    def __len__(self) -> int:
+        return len(_IndexBatches(self.sampler))
+
+    def __iter__(self):
+        loader = torch.utils.data.DataLoader(
+            _BatchFetch(self.dataset), batch_size=None, sampler=_IndexBatches(self.sampler), num_workers=self.num_workers,
+        )
+        self._taken, self._exhausted = 0, False
+        for batch in loader:
+            self._taken += 1
+            self.batches_yielded += 1
+            self.samples_yielded += int(batch["input_ids"].shape[0])
+            yield batch
+        self._exhausted = True
+
+    def state_dict(self) -> dict[str, Any]:
+        taken = self._taken if self._exhausted else max(0, self._taken - self.lookahead)
+        return {"sampler": self.sampler.state_after(taken) if not self._exhausted else self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
 
 
 class _PipelineBuilder:
@@ -234,6 +340,20 @@ class _PipelineBuilder:
         cfg = PipelineConfig.from_dict(self.config)
         per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
         return build_pipeline(replace(cfg, mix=per_reader), StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+
+
+class _SFTBuilder:
+    """Picklable factory of one reader's SFT graph (``stacklm.data.sft``)."""
+
+    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
+        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+
+    def __call__(self, shard: ShardSpec, n_readers: int):
+        from stacklm.data.sft import SFTConfig, build_sft_pipeline
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        return build_sft_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path),
+                                  split=self.split, shard=shard)
 
 
 class StreamDataset(IterableDataset):
@@ -279,7 +399,9 @@ class StackDataModule(L.LightningDataModule):
             or the SFT config (``sft`` mode).
         seq_len, batch_size, num_workers, seed: as usual; ``seq_len`` counts the window before
             the next-token shift (batches are ``seq_len - 1`` wide).
-        val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget.
+        val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
+            (stream) or a counting pass (sft); ``0`` disables validation.
+        train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
         snapshot_every_n_steps: how often loader workers snapshot their state (resume replays
             at most this many batches from the last snapshot, deterministically).
     """
@@ -295,6 +417,7 @@ class StackDataModule(L.LightningDataModule):
         num_workers: int = 0,
         seed: int = 0,
         val_batches: int | None = None,
+        train_batches: int | None = None,
         snapshot_every_n_steps: int = 1,
     ) -> None:
         super().__init__()
@@ -316,6 +439,7 @@ class StackDataModule(L.LightningDataModule):
         self.num_workers = num_workers
         self.seed = seed
         self.val_batches = val_batches
+        self.train_batches = train_batches
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._tok = None
         self._train_loader = None
@@ -355,6 +479,8 @@ class StackDataModule(L.LightningDataModule):
         return cfg
 
     def data_config_hash(self) -> str:
+        if self.mode == "sft":
+            return self.sft_config().config_hash()
         if self.mode == "shards":
             return hashlib.sha256(f"shards:{Path(self.data_dir).resolve()}:{self.seq_len}:{self.batch_size}:{self.seed}".encode()).hexdigest()
         return self.pipeline_config().config_hash()
@@ -408,17 +534,74 @@ class StackDataModule(L.LightningDataModule):
         return self._train_loader
 
     def val_dataloader(self):
+        if self.val_batches == 0:
+            return []
         if self.mode == "stream":
             return self._loader(self._stream_dataset("val"))
         if self.mode == "shards":
             return self._shards_loader("val")
         return self._sft_loader("val")
 
+    def shards_dataset(self, split: str):
+        from stacklm.data.dataset import PackedMemmapDataset
+
+        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
+        if ds.seq_len != self.seq_len:
+            raise DataConfigError(
+                f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "
+                "use the same seq_len or rebuild the shards"
+            )
+        return ds
+
     def _shards_loader(self, split: str):
-        raise NotImplementedError("shards mode is wired in once the shard dataset lands")
+        from stacklm.data.dataset import ElasticSampler
+
+        ds = self.shards_dataset(split)
+        sampler = ElasticSampler(
+            ds, self.batch_size, seed=self.seed, rank=self._rank, world_size=self._world,
+            shuffle=split == "train", loop=False, drop_last=True,
+        )
+        if len(sampler) == 0:
+            raise DataConfigError(
+                f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
+                f"{self._world} rank(s) x {self.batch_size}; lower batch_size or build more data"
+            )
+        lookahead = 1 if getattr(self, "trainer", None) is not None else 0
+        return ShardsLoader(ds, sampler, num_workers=self.num_workers, lookahead=lookahead)
+
+    def sft_config(self):
+        from stacklm.data.sft import SFTConfig
+
+        d = dict(self.pipeline_dict)
+        d.setdefault("seq_len", self.seq_len)
+        d.setdefault("batch_size", self.batch_size)
+        d.setdefault("seed", self.seed)
+        return SFTConfig.from_dict(d)
 
     def _sft_loader(self, split: str):
-        raise NotImplementedError("sft mode is filled in by the chat/SFT issue")
+        """Conversations have no token budget, so the per-worker batch count comes from a
+        counting pass over every (rank, worker) reader (identical on every rank); readers
+        that run dry earlier pad with fully masked batches so all ranks step together."""
+        cfg = self.sft_config()
+        build = _SFTBuilder(cfg.to_dict(), self.tokenizer_path, split)
+        workers = max(1, self.num_workers)
+        fixed = self.train_batches if split == "train" else self.val_batches
+        if fixed is not None:
+            per_worker = max(1, fixed // workers)
+        else:
+            counts = [
+                sum(1 for _ in build(ShardSpec(r, self._world, w, workers), self._world * workers).batches)
+                for r in range(self._world)
+                for w in range(workers)
+            ]
+            per_worker = max(counts)
+            if per_worker == 0:
+                raise DataConfigError(f"StackDataModule(mode='sft'): the {split} split yields no batches; check the sources")
+        ds = StreamDataset(
+            build, split=split, rank=self._rank, world_size=self._world, n_batches_total=per_worker * workers,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=self.tokenizer.pad_id,
+        )
+        return self._loader(ds)
 
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:
@@ -427,7 +610,7 @@ class StackDataModule(L.LightningDataModule):
                                           "data_config": self.data_config_hash()}}
         loader = self._train_loader
         if loader is not None and self.mode in ("stream", "sft"):
-            summaries = _find_summaries(from_checkpoint_safe(loader.state_dict()), [])
+            summaries = _find_summaries(loader.local_state_dict(), [])
             if summaries:
                 out.update(merge_worker_summaries(summaries))
         return out

@@ -123,3 +123,35 @@ def test_data_stats_report_what_the_workers_delivered(tokenizer_dir):
     assert stats["dropped"]["holdout"]["web"]["holdout_other_split"] > 0
     assert 0 <= stats["padding_fraction"] < 0.2
     assert set(stats["hashes"]) == {"tokenizer", "manifest", "data_config"}
+
+
+def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, tmp_path):
+    from tests.test_sft import make_conversations, write_jsonl
+
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(120)])
+    pipeline = {"sources": [{"name": "chats", "kind": "local", "files": [str(path)]}], "shuffle_buffer": 16,
+                "pack_buffer": 8, "holdout_fraction": 0.1}
+    kw = dict(mode="sft", pipeline=pipeline, seq_len=128, batch_size=2)
+    dm = _dm(tokenizer_dir, **kw)
+    dm.setup("fit")
+    batches = list(dm.train_dataloader())
+    assert len(batches) >= 8
+    tok = dm.tokenizer
+    assistant, user = tok.special_ids["<|assistant|>"], tok.special_ids["<|user|>"]
+    for b in batches:
+        trained = b["targets"] != -100
+        # the role markers themselves are never targets of a loss-bearing position
+        assert not (b["targets"][trained] == user).any()
+        assert trained.any()
+    steps, k = 8, 3
+    full = BatchRecorder()
+    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        _trainer(tmp_path / "r1", [ckpt, BatchRecorder(crash_after_step=k + 1)], steps).fit(
+            TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    resumed = BatchRecorder()
+    _trainer(tmp_path / "r2", [resumed], steps).fit(
+        TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
+    assert resumed.seen == full.seen[k:]
+    assert assistant  # the tokenizer has the role tokens the renderer used

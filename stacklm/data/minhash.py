@@ -1,0 +1,500 @@
+"""Near-duplicate detection: streaming MinHash + LSH banding over character shingles.
+
+What is compared: the set of character ``shingle_size``-grams of ``normalize_text(text)`` (the
+exact-dedup normalisation: NFKC, casefolded, whitespace collapsed). A document shorter than a
+shingle is padded with NULs to one shingle, so empty documents are near-duplicates of each other.
+
+Defaults and their S-curve. ``num_bands=12`` x ``rows_per_band=10`` = 120 min-hashes over
+7-character shingles. Two documents with Jaccard similarity J become candidates (and the later
+one is dropped) with probability 1 - (1 - J^10)^12:
+
+    J      0.30    0.40    0.50    0.60    0.70    0.75    0.80    0.85    0.90    0.95
+    P   0.00007  0.0013  0.0117   0.070    0.29    0.50    0.74    0.93   0.994  0.99998
+
+so pairs with J >= 0.9 are caught (>= 99.4%) and pairs with J < 0.5 are not (< 1.2%, 0.5% on
+average over 0.4 <= J < 0.5); the 50% point is J = 0.75. Measured on stdlib documents with
+injected edits (``bench/dedup.py``), the candidate rate per J bin follows this curve, for short
+documents too.
+
+Why these numbers: 12 bands of 64-bit keys is what fits the 200 bytes/document index budget
+(12 x 8 B at 50-75% table load = 128-192 B), and 10 rows is the shortest band that keeps
+J = 0.5 near 1%. 7-character shingles (about a word and a half) keep unrelated documents far
+apart: on random stdlib file pairs J is 0.01 at the median and < 0.07 at the 99th percentile
+(5-grams: 0.03 / 0.10), where a pair becomes a candidate with probability ~3e-11.
+
+Why not ``datasketch``: it hashes every shingle with SHA-1 in a Python loop and then evaluates
+all ``num_perm`` permutations per shingle (O(n * num_perm)). Here, per batch of documents:
+
+1. all texts are UTF-32 encoded into one ``uint32`` array and every k-window is hashed at once
+   with a polynomial rolling hash (prefix sums, so the cost does not grow with k) followed by
+   the murmur3 64-bit finaliser, in cache-sized chunks;
+2. one-permutation hashing (OPH): the high 32 bits of a shingle's hash pick one of the 120
+   bins and ``np.minimum.at`` keeps each bin's smallest hash, so the cost is O(n), not
+   O(n * num_perm);
+3. bins left empty (documents with fewer than ~600 shingles) are filled by re-hashing the
+   document's shingles in ``_ROUNDS`` further rounds (all computed at once), each round's
+   values ranked after the previous round's; then every shingle is hashed into every
+   still-empty bin.
+   Per bin this is a min-hash over the same expanded set for both documents, so
+   P[bin values equal] = J exactly, and unlike copy-from-a-neighbour densification the bins of
+   a short document stay nearly independent (so the S-curve above holds for short documents);
+4. each band's 10 values are folded into one 64-bit key; the index is one ``U64HashSet`` of
+   band keys (bands are salted, so one table serves all of them).
+
+The index stores no document ids and no signatures: a kept document adds its 12 band keys and
+a later document is a near-duplicate when any of its band keys is present. It is bounded by
+``max_docs``: when full it warns once (``warnings`` + ``logging``), keeps answering queries,
+stops inserting and counts every kept-but-not-indexed document as ``index_full``.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from stacklm.data.dedup import U64HashSet, _run_starts, count_by_source, normalize_text, per_doc_sources
+from stacklm.data.stats import StageStats
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SHINGLE_SIZE = 7
+DEFAULT_NUM_BANDS = 12
+DEFAULT_ROWS_PER_BAND = 10
+# Per worker: 2M kept documents cost at most 2M * 192 B = 384 MB of index.
+DEFAULT_MAX_DOCS = 2_000_000
+
+_EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # an unfilled bin (a real hash equals it with p = 2^-64)
+# Re-hash rounds for empty bins before the final every-shingle-to-every-bin round: enough that a
+# 40-character document has ~15 empty bins left, few enough that the (rounds x shingles) array of
+# a batch's short documents stays small.
+_ROUNDS = 10
+_CHUNK = 1 << 16  # shingles hashed per numpy step: keeps temporaries in L2 cache
+_PASS_CHARS = 1 << 16  # characters per pass: small temporaries stay in cache and bound memory on huge documents
+_KEEP_SHINGLES = 1 << 20  # a batch with fewer shingles keeps them for densification instead of rehashing
+
+
+def candidate_probability(jaccard: float | np.ndarray, num_bands: int = DEFAULT_NUM_BANDS, rows_per_band: int = DEFAULT_ROWS_PER_BAND):
+    """The LSH S-curve: P[two documents with this Jaccard similarity share a band]."""
+    return 1.0 - (1.0 - np.asarray(jaccard, dtype=np.float64) ** rows_per_band) ** num_bands
+
+
+def _fmix64(h: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
+    """murmur3's 64-bit finaliser, in place (full avalanche: every output bit depends on all)."""
+    tmp = np.empty_like(h) if tmp is None else tmp[: h.size]
+    for mult in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
+        np.right_shift(h, np.uint64(33), out=tmp)
+        np.bitwise_xor(h, tmp, out=h)
+        np.multiply(h, np.uint64(mult), out=h)
+    np.right_shift(h, np.uint64(33), out=tmp)
+    np.bitwise_xor(h, tmp, out=h)
+    return h
+
+
+class MinHasher:
+    """Shingle hashing, OPH signatures and band keys for one configuration (pure functions of
+    the text and ``seed``: the same text gives the same keys in every process)."""
+
+    def __init__(
+        self,
+        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        num_bands: int = DEFAULT_NUM_BANDS,
+        rows_per_band: int = DEFAULT_ROWS_PER_BAND,
+        seed: int = 0,
+    ) -> None:
+        for name, value in (("shingle_size", shingle_size), ("num_bands", num_bands), ("rows_per_band", rows_per_band)):
+            if int(value) < 1:
+                raise ValueError(f"MinHasher {name} must be >= 1, got {value}")
+        self.shingle_size = int(shingle_size)
+        self.num_bands = int(num_bands)
+        self.rows_per_band = int(rows_per_band)
+        self.num_perm = self.num_bands * self.rows_per_band
+        self.seed = int(seed)
+        rng = np.random.default_rng([0x5EED, self.seed])
+
+        def draw(n: int) -> np.ndarray:  # random odd 64-bit constants
+            return rng.integers(0, 2**63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+        base = int(draw(1)[0])  # odd, so it is invertible mod 2^64
+        inv = pow(base, -1, 1 << 64)
+        n = _CHUNK + self.shingle_size
+        self._pow = np.cumprod(np.r_[np.uint64(1), np.full(n - 1, base, dtype=np.uint64)], dtype=np.uint64)
+        self._inv_pow = np.cumprod(np.r_[np.uint64(1), np.full(n - 1, inv, dtype=np.uint64)], dtype=np.uint64)
+        self._round_salt = draw(_ROUNDS + 2)  # [0] tags rows when deduplicating elements
+        self._bin_salt = draw(self.num_perm)
+        self._band_salt = draw(self.num_bands)
+        self._row_mult = draw(self.num_perm).reshape(self.num_bands, self.rows_per_band)
+
+    def config(self) -> dict[str, int]:
+        return {"shingle_size": self.shingle_size, "num_bands": self.num_bands, "rows_per_band": self.rows_per_band, "seed": self.seed}
+
+    # -- shingles ------------------------------------------------------------------------
+    def prepare(self, text: str) -> str:
+        """Normalised text, NUL-padded to at least one shingle."""
+        norm = normalize_text(text)
+        return norm if len(norm) >= self.shingle_size else norm.ljust(self.shingle_size, "\0")
+
+    def _window_hashes(self, cps: np.ndarray) -> np.ndarray:
+        """64-bit hash of every ``shingle_size``-window of a ``uint32`` code point array."""
+        k = self.shingle_size
+        n = cps.size - k + 1
+        out = np.empty(max(n, 0), dtype=np.uint64)
+        size = min(max(n, 0), _CHUNK)
+        buf = np.empty(size + k, dtype=np.uint64)
+        prefix = np.empty(size + k, dtype=np.uint64)
+        tmp = np.empty(size, dtype=np.uint64)
+        for s in range(0, n, _CHUNK):
+            m = min(_CHUNK, n - s)
+            c = buf[: m + k - 1]
+            c[:] = cps[s : s + m + k - 1]
+            np.multiply(c, self._pow[: m + k - 1], out=c)  # c_i * B^i
+            prefix[0] = 0
+            np.cumsum(c, out=prefix[1 : m + k])  # P[i] = sum_{j<i} c_j B^j (mod 2^64)
+            w = out[s : s + m]
+            np.subtract(prefix[k : k + m], prefix[:m], out=w)  # sum_{j<k} c_{i+j} B^{i+j}
+            np.multiply(w, self._inv_pow[:m], out=w)  # ... * B^-i: the same for equal windows
+            _fmix64(w, tmp)
+        return out
+
+    def _passes(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(row, shingle hash) arrays for every shingle of every prepared text, a bounded number
+        of characters at a time (a huge text is cut into overlapping pieces)."""
+        k = self.shingle_size
+        pieces: list[str] = []
+        rows: list[int] = []
+        chars = 0
+        for row, text in enumerate(texts):
+            n_shingles = len(text) - k + 1
+            for s in range(0, n_shingles, _PASS_CHARS):
+                piece = text[s : min(n_shingles, s + _PASS_CHARS) + k - 1] if n_shingles > _PASS_CHARS else text
+                pieces.append(piece)
+                rows.append(row)
+                chars += len(piece)
+                if chars >= _PASS_CHARS:
+                    yield self._hash_pieces(pieces, rows)
+                    pieces, rows, chars = [], [], 0
+        if pieces:
+            yield self._hash_pieces(pieces, rows)
+
+    def _hash_pieces(self, pieces: list[str], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        k = self.shingle_size
+        cps = np.frombuffer("".join(pieces).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        hashes = self._window_hashes(cps)
+        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
+        ends = np.cumsum(lengths)
+        if len(pieces) > 1:  # drop the k-1 windows that straddle two pieces
+            straddle = (ends[:-1, None] - k + 1 + np.arange(k - 1)).ravel()
+            keep = np.ones(hashes.size, dtype=bool)
+            keep[straddle] = False
+            hashes = hashes[keep]
+        return np.repeat(np.asarray(rows, dtype=np.int64), lengths - k + 1), hashes
+
+    def shingle_set(self, text: str) -> np.ndarray:
+        """Sorted unique 64-bit shingle hashes of ``text``: the set the signatures estimate
+        (use with ``jaccard`` for ground truth)."""
+        hashes = np.sort(np.concatenate([h for _, h in self._passes([self.prepare(text)])]))
+        return hashes[_run_starts(hashes)]
+
+    # -- signatures ----------------------------------------------------------------------
+    def signatures(self, texts: Sequence[str]) -> np.ndarray:
+        """(len(texts), num_perm) ``uint64`` OPH signatures (see module docstring). A bin holds
+        the minimum 64-bit shingle hash among the shingles the high bits sent there."""
+        prepared = [self.prepare(t) for t in texts]
+        n_docs, n_bins = len(prepared), self.num_perm
+        sig = np.full(n_docs * n_bins, _EMPTY, dtype=np.uint64)
+        cached: list[tuple[np.ndarray, np.ndarray]] | None = []  # shingles, reused by _densify
+        n_cached = 0
+        for rows, hashes in self._passes(prepared):
+            np.minimum.at(sig, self._flat_bins(hashes, rows), hashes)
+            if cached is not None:
+                n_cached += hashes.size
+                if n_cached <= _KEEP_SHINGLES:
+                    cached.append((rows, hashes))
+                else:
+                    cached = None
+        sig = sig.reshape(n_docs, n_bins)
+        sparse = np.flatnonzero((sig == _EMPTY).any(axis=1))
+        if sparse.size:
+            if cached is None:  # too big a batch to cache: hash the short documents again
+                shingles = list(self._passes([prepared[i] for i in sparse]))
+            else:
+                renumber = np.full(n_docs, -1, dtype=np.int64)
+                renumber[sparse] = np.arange(sparse.size)
+                shingles = []
+                for rows, hashes in cached:
+                    mine = renumber[rows]
+                    shingles.append((mine[mine >= 0], hashes[mine >= 0]))
+            self._densify(sig, sparse, shingles)
+        return sig
+
+    def _flat_bins(self, hashes: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Index into a flat (rows, num_perm) array: bin = high 32 bits * num_perm >> 32."""
+        flat = hashes >> np.uint64(32)
+        np.multiply(flat, np.uint64(self.num_perm), out=flat)
+        np.right_shift(flat, np.uint64(32), out=flat)
+        flat = flat.view(np.int64)  # < 2^32, so the reinterpretation is exact
+        flat += rows * self.num_perm  # rows broadcasts over leading axes
+        return flat
+
+    def _densify(self, sig: np.ndarray, sparse_rows: np.ndarray, shingles: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """Fill empty bins of short documents (step 3 of the module docstring); ``shingles`` are
+        their (row in ``sparse_rows``, hash) arrays. Only bins that are still empty are written,
+        so earlier stages always take precedence."""
+        n_rows = sparse_rows.size
+        sub = sig[sparse_rows].reshape(-1)  # a copy; written back at the end
+        # unique (row, shingle) elements, sorted by row
+        rows_l, hashes_l = [], []
+        for rows, hashes in shingles:
+            # XOR-ing in row * odd constant makes (row, hash) pairs one sortable key (a false
+            # match needs a 64-bit hash coincidence); one argsort is ~10x faster than a lexsort.
+            keyed = hashes ^ (rows.astype(np.uint64) * self._round_salt[0])
+            order = np.argsort(keyed)
+            fresh = np.sort(order[_run_starts(keyed[order])])  # back in row order
+            rows_l.append(rows[fresh])
+            hashes_l.append(hashes[fresh])
+        rows, hashes = np.concatenate(rows_l), np.concatenate(hashes_l)
+        # All re-hash rounds at once: bin i takes the lexicographically smallest (round, hash),
+        # i.e. exactly what running the rounds one after the other until it fills would give.
+        empty = sub == _EMPTY
+        fill = np.full(sub.size, _EMPTY, dtype=np.uint64)
+        round_rank = np.arange(_ROUNDS, dtype=np.uint64)[:, None] << np.uint64(59)
+        step = _CHUNK // 2  # elements per step: keeps the (rounds x elements) temporaries small
+        for s in range(0, hashes.size, step):
+            h = hashes[None, s : s + step] ^ self._round_salt[1 : _ROUNDS + 1, None]  # (rounds, elements)
+            _fmix64(h)
+            flat = self._flat_bins(h, rows[s : s + step])
+            h >>= np.uint64(5)
+            h |= round_rank
+            np.minimum.at(fill, flat.ravel(), h.ravel())
+        sub[empty] = fill[empty]
+        empty = sub == _EMPTY
+        er, eb = np.divmod(np.flatnonzero(empty), self.num_perm)
+        if er.size:  # every element of the row into every still-empty bin
+            counts = np.bincount(rows, minlength=n_rows)
+            starts = np.cumsum(counts) - counts
+            per_pair = counts[er]
+            pair_of = np.repeat(np.arange(er.size), per_pair)
+            offset = np.arange(pair_of.size) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
+            elem = starts[er][pair_of] + offset
+            bins = eb[pair_of]
+            h = _fmix64(hashes[elem] ^ self._bin_salt[bins])
+            fill = np.full(sub.size, _EMPTY, dtype=np.uint64)
+            np.minimum.at(fill, er[pair_of] * self.num_perm + bins, h)
+            sub[empty] = fill[empty]
+        sig[sparse_rows] = sub.reshape(n_rows, -1)
+
+    def band_keys(self, sig: np.ndarray) -> np.ndarray:
+        """(n_docs, num_bands) nonzero ``uint64`` keys. A band's values are combined with random
+        odd multipliers (a universal hash of the tuple, mod 2^64), salted per band so one table
+        serves all bands, then avalanched."""
+        bands = sig.reshape(sig.shape[0], self.num_bands, self.rows_per_band)
+        keys = (bands * self._row_mult).sum(axis=2, dtype=np.uint64) + self._band_salt
+        _fmix64(keys)
+        keys[keys == 0] = 1
+        return keys
+
+    def keys(self, texts: Sequence[str]) -> np.ndarray:
+        return self.band_keys(self.signatures(texts))
+
+
+def jaccard(a: np.ndarray, b: np.ndarray) -> float:
+    """Exact Jaccard similarity of two sorted unique arrays (e.g. ``MinHasher.shingle_set``)."""
+    inter = np.intersect1d(a, b, assume_unique=True).size
+    union = a.size + b.size - inter
+    return inter / union if union else 1.0
+
+
+def share_a_band(keys_a: np.ndarray, keys_b: np.ndarray) -> np.ndarray:
+    """Row-wise: do two documents' band keys collide in any band (LSH candidates)?"""
+    return (np.asarray(keys_a) == np.asarray(keys_b)).any(axis=-1)
+
+
+class NearDeduper:
+    """Streaming near dedup: a document is a near-duplicate when it shares an LSH band with a
+    previously kept document; kept documents are added to a bounded index.
+
+    ``stats`` (``StageStats("near_dedup")``) counts per source ``kept``, ``near_dup`` and
+    ``index_full`` (kept documents that could not be indexed because the index held
+    ``max_docs``; they are part of ``kept``, not a drop).
+    """
+
+    def __init__(
+        self,
+        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        num_bands: int = DEFAULT_NUM_BANDS,
+        rows_per_band: int = DEFAULT_ROWS_PER_BAND,
+        max_docs: int = DEFAULT_MAX_DOCS,
+        seed: int = 0,
+    ) -> None:
+        if int(max_docs) < 1:
+            raise ValueError(f"NearDeduper max_docs must be >= 1, got {max_docs}")
+        self.hasher = MinHasher(shingle_size, num_bands, rows_per_band, seed)
+        self.max_docs = int(max_docs)
+        self._index = U64HashSet()
+        self.n_indexed = 0
+        self.n_unindexed = 0
+        self._warned_full = False
+        self.stats = StageStats("near_dedup")
+
+    def __len__(self) -> int:
+        """Documents in the index."""
+        return self.n_indexed
+
+    @property
+    def nbytes(self) -> int:
+        return self._index.nbytes
+
+    @property
+    def bytes_per_doc(self) -> float:
+        """Index bytes per indexed (kept) document."""
+        return self.nbytes / max(1, self.n_indexed)
+
+    @property
+    def is_full(self) -> bool:
+        return self.n_indexed >= self.max_docs
+
+    def is_duplicate(self, text: str, source: str = "default") -> bool:
+        """Query, then index the document if it is not a near-duplicate."""
+        return bool(self.is_duplicate_batch([text], source)[0])
+
+    def query_batch(self, texts: Sequence[str]) -> np.ndarray:
+        """Which texts would be near-duplicates of indexed documents (nothing inserted or counted)."""
+        keys = self.hasher.keys(texts)
+        return self._index.contains(keys.ravel()).reshape(keys.shape).any(axis=1)
+
+    def is_duplicate_batch(self, texts: Sequence[str], sources: Sequence[str] | str | None = None) -> np.ndarray:
+        """Vectorised ``is_duplicate``: the same decisions as calling it on each text in order
+        (a text is also checked against earlier texts of the batch that were indexed)."""
+        srcs = per_doc_sources(sources, len(texts))
+        if not len(texts):
+            return np.zeros(0, dtype=bool)
+        keys = self.hasher.keys(texts)
+        dup, indexed = self._decide(keys)
+        unindexed = ~dup & ~indexed
+        if indexed.any():
+            self._index.add(keys[indexed].ravel())
+            self.n_indexed += int(indexed.sum())
+        count_by_source(self.stats, srcs, ~dup, "kept")
+        count_by_source(self.stats, srcs, dup, "near_dup")
+        if unindexed.any():
+            self.n_unindexed += int(unindexed.sum())
+            count_by_source(self.stats, srcs, unindexed, "index_full")
+            self._warn_full()
+        return dup
+
+    def _decide(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(duplicate, to_index) masks with one-by-one semantics."""
+        n_docs = keys.shape[0]
+        dup = self._index.contains(keys.ravel()).reshape(keys.shape).any(axis=1)
+        room = self.max_docs - self.n_indexed
+        earlier = _earlier_sharing(keys, np.flatnonzero(~dup))
+        if not earlier:  # no two new documents of the batch share a band: no ordering effects
+            kept = np.flatnonzero(~dup)
+            indexed = np.zeros(n_docs, dtype=bool)
+            indexed[kept[: max(room, 0)]] = True
+            return dup, indexed
+        indexed = np.zeros(n_docs, dtype=bool)
+        for j in np.flatnonzero(~dup):
+            if any(indexed[i] for i in earlier.get(int(j), ())):
+                dup[j] = True
+            elif room > 0:
+                indexed[j] = True
+                room -= 1
+        return dup, indexed
+
+    def _warn_full(self) -> None:
+        if self._warned_full:
+            return
+        self._warned_full = True
+        msg = (
+            f"NearDeduper index is full ({self.max_docs:,} documents, {self.nbytes / 2**20:.0f} MiB): "
+            "later documents are still checked against it but no longer added, so near-duplicates "
+            "among them will pass (counted as 'index_full' in the stats). Raise max_docs or shard "
+            "the stream over more workers."
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        logger.warning(msg)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The index (one ``uint64`` array), a few ints, the hashing config and the counters."""
+        return {
+            **self._index.state_dict(),
+            "config": self.hasher.config(),
+            "n_indexed": self.n_indexed,
+            "n_unindexed": self.n_unindexed,
+            "warned_full": self._warned_full,
+            "stats": self.stats.to_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore; the hashing configuration must match (``max_docs`` is this object's own)."""
+        saved = {k: int(v) for k, v in state["config"].items()}
+        mine = self.hasher.config()
+        if saved != mine:
+            diff = ", ".join(f"{k}={saved.get(k)} (this deduper: {v})" for k, v in mine.items() if saved.get(k) != v)
+            args = ", ".join(f"{k}={v}" for k, v in saved.items())
+            raise ValueError(f"NearDeduper state was made with {diff}; construct NearDeduper({args}) to resume it")
+        self._index.load_state_dict(state)
+        self.n_indexed = int(state["n_indexed"])
+        self.n_unindexed = int(state["n_unindexed"])
+        self._warned_full = bool(state["warned_full"])
+        self.stats.load_dict(state.get("stats", {}))
+
+
+def _earlier_sharing(keys: np.ndarray, rows: np.ndarray) -> dict[int, set[int]]:
+    """For each of ``rows`` that shares a band key with an earlier one of ``rows``: those
+    earlier rows. Empty in the common case (no near-duplicates inside the batch)."""
+    if rows.size < 2:
+        return {}
+    flat = keys[rows].ravel()
+    owner = np.repeat(rows, keys.shape[1])
+    order = np.argsort(flat, kind="stable")  # stable: owners stay in batch order per key
+    flat, owner = flat[order], owner[order]
+    head = _run_starts(flat)
+    if head.all():
+        return {}
+    earlier: dict[int, set[int]] = {}
+    starts = np.flatnonzero(head)
+    ends = np.append(starts[1:], flat.size)
+    for s, e in zip(starts[ends - starts > 1], ends[ends - starts > 1]):
+        group = [int(o) for o in owner[s:e]]
+        for i, j in enumerate(group):
+            if i:
+                earlier.setdefault(j, set()).update(o for o in group[:i] if o != j)
+    return earlier
+
+
+def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
+    """``text`` with ``n_edits`` random edits: character substitutions, insertions and
+    deletions, and whole-line deletions and duplications. For measuring accuracy against exact
+    Jaccard (tests, ``bench/dedup.py``): the edits move a copy's similarity anywhere in [0, 1]."""
+    chars = list(text)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 _().,:=\n"
+    for _ in range(n_edits):
+        if not chars:
+            chars.append(alphabet[int(rng.integers(len(alphabet)))])
+            continue
+        op = int(rng.integers(10))
+        pos = int(rng.integers(len(chars)))
+        if op < 4:
+            chars[pos] = alphabet[int(rng.integers(len(alphabet)))]
+        elif op < 6:
+            chars.insert(pos, alphabet[int(rng.integers(len(alphabet)))])
+        elif op < 8:
+            del chars[pos]
+        else:  # line-level: delete or duplicate the line around pos
+            start = pos
+            while start > 0 and chars[start - 1] != "\n":
+                start -= 1
+            end = pos
+            while end < len(chars) and chars[end] != "\n":
+                end += 1
+            line = chars[start : end + 1]
+            if op == 8:
+                del chars[start : end + 1]
+            else:
+                chars[end + 1 : end + 1] = line
+    return "".join(chars)
