@@ -155,3 +155,16 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
         TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
     assert resumed.seen == full.seen[k:]
     assert assistant  # the tokenizer has the role tokens the renderer used
+
+
+def test_stack_100m_config_data_section_builds():
+    from pathlib import Path
+
+    import yaml
+
+    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "stack-100m.yaml").read_text())
+    dm = StackDataModule(**cfg["data"])
+    pc = dm.pipeline_config()
+    assert pc.mix.name == "stack-100m" and pc.mix.total_tokens == 20_000_000_000
+    assert pc.mix.weights == {"fineweb-edu": 0.70, "cosmopedia-v2": 0.15, "starcoderdata-python": 0.10, "finemath": 0.05}
+    assert pc.seq_len == cfg["model"]["config"]["seq_len"] == 2048

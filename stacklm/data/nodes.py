@@ -15,17 +15,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.data.dedup import ExactDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
-from stacklm.data.registry import DataMix
+from stacklm.data.registry import DataMix, get_mix
 from stacklm.data.shuffle import HoldoutNode, ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.stats import StageStats
@@ -84,9 +86,13 @@ class PipelineConfig:
         if unknown:
             raise ValueError(f"pipeline config: unknown field(s) {unknown}; known: {sorted(known)}")
         if "mix" not in data:
-            raise ValueError("pipeline config: missing field 'mix' (the data mix: name, total_tokens, entries)")
+            raise ValueError(
+                "pipeline config: missing field 'mix' (a registered mix name such as 'stack-100m', or a dict with "
+                "name, total_tokens, entries)"
+            )
         kw = dict(data)
-        kw["mix"] = DataMix.from_dict(data["mix"])
+        mix = data["mix"]
+        kw["mix"] = get_mix(mix) if isinstance(mix, str) else mix if isinstance(mix, DataMix) else DataMix.from_dict(mix)
         if "filters" in kw:
             kw["filters"] = FilterConfig.from_dict(kw["filters"] or {})
         if "dedup" in kw:
@@ -100,13 +106,21 @@ class PipelineConfig:
 
 
 class DedupNode(BaseNode[dict]):
-    """Drops exact duplicates (normalised text) and then near duplicates (MinHash-LSH)."""
+    """Drops exact duplicates (normalised text), then near duplicates (MinHash-LSH).
 
-    def __init__(self, source: BaseNode[dict], exact: ExactDeduper | None, near=None) -> None:
+    Works on groups of ``batch_docs`` documents: the vectorised batch paths of both indexes
+    are several times faster than one call per document and give the same decisions
+    (duplicates inside a group included). The state is the source's state after the group,
+    both indexes after it, and the group's kept documents not yet emitted, so a restored node
+    continues exactly.
+    """
+
+    def __init__(self, source: BaseNode[dict], exact: ExactDeduper | None, near=None, batch_docs: int = 64) -> None:
         super().__init__()
-        self.source, self.exact, self.near = source, exact, near
+        self.source, self.exact, self.near, self.batch_docs = source, exact, near, batch_docs
         self.stats = StageStats("dedup")
         self._fresh = (exact.state_dict() if exact is not None else None, near.state_dict() if near is not None else None)
+        self._pending: deque[dict] = deque()
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -117,22 +131,44 @@ class DedupNode(BaseNode[dict]):
             self.exact.load_state_dict(st["exact"] if initial_state else self._fresh[0])
         if self.near is not None:
             self.near.load_state_dict(st["near"] if initial_state else self._fresh[1])
+        self._pending = deque(st.get("pending", []))
+
+    def _fill(self) -> bool:
+        docs = []
+        for _ in range(self.batch_docs):
+            try:
+                docs.append(next(self.source))
+            except StopIteration:
+                break
+        if not docs:
+            return False
+        texts = [d["text"] for d in docs]
+        sources = [d.get("source", "?") for d in docs]
+        keep = np.ones(len(docs), dtype=bool)
+        if self.exact is not None:
+            dup = self.exact.is_duplicate_batch(texts, sources)
+            keep &= ~dup
+            for i in np.flatnonzero(dup):
+                self.stats.add(sources[i], "exact_dup")
+        if self.near is not None and keep.any():
+            idx = np.flatnonzero(keep)
+            near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx])
+            for i in idx[near]:
+                self.stats.add(sources[i], "near_dup")
+            keep[idx[near]] = False
+        for i in np.flatnonzero(keep):
+            self.stats.add(sources[i], "kept")
+            self._pending.append(docs[i])
+        return True
 
     def next(self) -> dict:
-        while True:
-            doc = next(self.source)
-            src = doc.get("source", "?")
-            if self.exact is not None and self.exact.is_duplicate(doc["text"]):
-                self.stats.add(src, "exact_dup")
-                continue
-            if self.near is not None and self.near.is_duplicate(doc["text"]):
-                self.stats.add(src, "near_dup")
-                continue
-            self.stats.add(src, "kept")
-            return doc
+        while not self._pending:
+            if not self._fill():
+                raise StopIteration
+        return self._pending.popleft()
 
     def get_state(self) -> dict[str, Any]:
-        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict()}
+        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict(), "pending": list(self._pending)}
         if self.exact is not None:
             st["exact"] = self.exact.state_dict()
         if self.near is not None:
