@@ -154,7 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(func=cmd_tok_eval)
 
     from stacklm.inspect import add_inspect_subcommand
+    from stacklm.prebuild import add_prebuild_subcommands
 
+    add_prebuild_subcommands(sub)
     add_inspect_subcommand(sub)
     return p
 

@@ -213,51 +213,23 @@ def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
 
 
 class StackDataLoader(StatefulDataLoader):
-    """``StatefulDataLoader`` whose state (1) is plain tensors/containers, loadable with
-    ``weights_only=True``, and (2) accounts for batches the consumer fetched ahead.
+    """``StatefulDataLoader`` whose checkpoint state is per rank and weights_only-safe.
 
-    Lightning's fit loop fetches one batch ahead (to know whether the current one is the
-    last), so when a checkpoint is written after step k the loader has already yielded batch
-    k+1. Restoring the plain loader state would skip that batch. With ``lookahead=n`` the
-    state also carries the last ``n`` yielded batches, which a restored loader yields first;
-    once the loader is exhausted nothing is pending (the consumer has seen every batch).
+    Its dataset has a length, so Lightning's fit loop does not fetch ahead: the state at a
+    checkpoint is exactly "after the batches trained on". Under DDP, Lightning writes the
+    checkpoint from rank 0 only, so every rank's state is gathered into it (each rank reads a
+    different part of the stream) and each rank restores its own.
     """
-
-    def __init__(self, *args: Any, lookahead: int = 0, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.lookahead = lookahead
-        self._recent: list[dict[str, torch.Tensor]] = []
-        self._replay: list[dict[str, torch.Tensor]] = []
-
-    def __iter__(self):
-        replay, self._replay = self._replay, []
-        self._recent = []
-        it = super().__iter__()
-        for batch in replay:
-            self._remember(batch)
-            yield batch
-        for batch in it:
-            self._remember(batch)
-            yield batch
-        self._recent = []
-
-    def _remember(self, batch: dict[str, torch.Tensor]) -> None:
-        if self.lookahead:
-            self._recent = (self._recent + [batch])[-self.lookahead :]
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's raw loader state (no collective): what logging reads."""
         return super().state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        pending = [{k: v.numpy() for k, v in b.items()} for b in self._recent]
-        mine = {"loader": super().state_dict(), "pending": pending}
-        return {"per_rank": to_checkpoint_safe(gather_from_ranks(mine))}
+        return {"per_rank": to_checkpoint_safe(gather_from_ranks(super().state_dict()))}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
-        super().load_state_dict(mine["loader"])
-        self._replay = [{k: torch.from_numpy(v) for k, v in b.items()} for b in mine.get("pending", [])]
+        super().load_state_dict(from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream")))
 
 
 class _IndexBatches(torch.utils.data.Sampler):
@@ -287,42 +259,45 @@ class ShardsLoader:
     """Shards-mode loader: this rank's slice of one global seeded permutation per epoch.
 
     The state is ``ElasticSampler``'s ``(seed, epoch, consumed)`` as of the batches the
-    consumer has *taken* (yielded minus ``lookahead``, see ``StackDataLoader``), so resume is
-    O(1) and may change world size, batch size or worker count. Every rank yields the same
+    consumer has taken, so resume is
+    O(1) and may change world size, batch size or worker count. It has a length, so Lightning
+    does not fetch ahead of the step it trains. Every rank yields the same
     number of batches per epoch: the epoch's tail shorter than one global step (``< world x
-    batch`` rows) is not served that epoch and is counted in ``sampler.dropped_tail``; the next
+    batch`` rows) is not served that epoch and is counted in ``elastic.dropped_tail``; the next
     epoch is a fresh permutation, so no row is starved across epochs.
     """
 
-    def __init__(self, dataset, sampler, num_workers: int = 0, lookahead: int = 0) -> None:
-        self.dataset, self.sampler = dataset, sampler
-        self.num_workers, self.lookahead = num_workers, lookahead
+    def __init__(self, dataset, sampler, num_workers: int = 0) -> None:
+        self.dataset, self.elastic = dataset, sampler  # not ".sampler": Lightning would probe it as a DataLoader's
+        self.num_workers = num_workers
         self._taken = 0
-        self._exhausted = False
         self.batches_yielded = 0
         self.samples_yielded = 0
 
     def __len__(self) -> int:
-        return len(_IndexBatches(self.sampler))
+        """Steps in a *whole* epoch at this shape: Lightning subtracts the steps it has already
+        done when it resumes mid-epoch (the iterator itself serves only what is left, and
+        ends early if a resume changed the shape)."""
+        return self.elastic.num_samples // self.elastic.step_size
 
     def __iter__(self):
         loader = torch.utils.data.DataLoader(
-            _BatchFetch(self.dataset), batch_size=None, sampler=_IndexBatches(self.sampler), num_workers=self.num_workers,
+            _BatchFetch(self.dataset), batch_size=None, sampler=_IndexBatches(self.elastic), num_workers=self.num_workers,
         )
-        self._taken, self._exhausted = 0, False
+        self._taken = 0
         for batch in loader:
             self._taken += 1
             self.batches_yielded += 1
             self.samples_yielded += int(batch["input_ids"].shape[0])
             yield batch
-        self._exhausted = True
 
     def state_dict(self) -> dict[str, Any]:
-        taken = self._taken if self._exhausted else max(0, self._taken - self.lookahead)
-        return {"sampler": self.sampler.state_after(taken) if not self._exhausted else self.sampler.state_dict()}
+        # counted here, not in the sampler: the DataLoader's own prefetching runs the sampler
+        # ahead of what the consumer has taken
+        return {"sampler": self.elastic.state_after(self._taken)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
+        self.elastic.load_state_dict(state["sampler"])
 
 
 class _PipelineBuilder:
@@ -376,6 +351,9 @@ class StreamDataset(IterableDataset):
         self.n_batches_total = n_batches_total
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.n_batches = n_batches_total
+
+    def __len__(self) -> int:
+        return self.n_batches_total
 
     def builder(self, shard: ShardSpec):
         return self.build(shard, shard.count)
@@ -460,10 +438,10 @@ class StackDataModule(L.LightningDataModule):
         return self.tokenizer.vocab_size
 
     def tokenizer_hash(self) -> str:
-        path = Path(self.tokenizer_path)
-        if path.is_dir():
-            path = path / "tokenizer.stacklm.json"
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        """Content hash of the tokenizer (ids, not training metadata): the one manifests carry."""
+        from stacklm.data.manifest import tokenizer_hash
+
+        return tokenizer_hash(self.tokenizer)
 
     def pipeline_config(self) -> PipelineConfig:
         d = dict(self.pipeline_dict)
@@ -507,7 +485,8 @@ class StackDataModule(L.LightningDataModule):
                 f"{cfg.batch_size} x {cfg.seq_len} tokens on {world} rank(s); raise mix.total_tokens"
                 + (" or holdout_fraction, or set val_batches" if split == "val" else "")
             )
-        n_total = max(n_total, max(1, self.num_workers))
+        workers = max(1, self.num_workers)
+        n_total = max(workers, n_total // workers * workers)  # equal share per worker
         build = _PipelineBuilder(cfg.to_dict(), self.tokenizer_path, split)
         return StreamDataset(
             build, split=split, rank=self._rank, world_size=world, n_batches_total=n_total,
@@ -521,7 +500,6 @@ class StackDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             persistent_workers=False,
             snapshot_every_n_steps=self.snapshot_every_n_steps,
-            lookahead=1 if getattr(self, "trainer", None) is not None else 0,
         )
 
     def train_dataloader(self):
@@ -566,8 +544,7 @@ class StackDataModule(L.LightningDataModule):
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
                 f"{self._world} rank(s) x {self.batch_size}; lower batch_size or build more data"
             )
-        lookahead = 1 if getattr(self, "trainer", None) is not None else 0
-        return ShardsLoader(ds, sampler, num_workers=self.num_workers, lookahead=lookahead)
+        return ShardsLoader(ds, sampler, num_workers=self.num_workers)
 
     def sft_config(self):
         from stacklm.data.sft import SFTConfig
@@ -613,7 +590,26 @@ class StackDataModule(L.LightningDataModule):
             summaries = _find_summaries(loader.local_state_dict(), [])
             if summaries:
                 out.update(merge_worker_summaries(summaries))
+        elif loader is not None and self.mode == "shards":
+            out.update(self._shards_stats(loader))
         return out
+
+    def _shards_stats(self, loader: "ShardsLoader") -> dict[str, Any]:
+        """Shards interleave every source inside each window, so per-source delivery is the
+        manifest's realized mix scaled by the fraction of the split this rank has served;
+        drops and padding are the prebuild's (what was removed before the shards existed)."""
+        import json
+
+        top = json.loads((Path(self.data_dir) / "manifest.json").read_text())
+        split = top["splits"]["train"]
+        frac = loader.samples_yielded / max(1, split["n_seq"])
+        realized = {
+            s["name"]: {"tokens": int(round(s["tokens"] * frac)), "docs": int(round(s["docs"] * frac)),
+                        "target_weight": s["target_weight"], "realized_weight": s["realized_weight"]}
+            for s in top["sources"]
+        }
+        dropped = {"prebuild": {src: {k: v for k, v in per.items() if v} for src, per in top["drops"]["train"].items()}}
+        return {"realized": realized, "dropped": dropped, "padding_fraction": split["packing"]["pad_fraction"]}
 
     def _manifest_hash(self) -> str | None:
         if self.data_dir is None:

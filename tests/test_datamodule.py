@@ -23,6 +23,17 @@ def tokenizer_dir(tmp_path_factory):
     return d
 
 
+@pytest.fixture(scope="module")
+def shards_dir(tokenizer_dir, tmp_path_factory):
+    from stacklm.data.nodes import PipelineConfig
+    from stacklm.prebuild import prebuild
+
+    out = tmp_path_factory.mktemp("shards")
+    cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=20_000), "seq_len": SEQ_LEN, "batch_size": BATCH})
+    prebuild(cfg, tokenizer_dir, out, tokens_per_shard=SEQ_LEN * 64, progress=False)
+    return out
+
+
 def stream_pipeline(total_tokens: int = 12_000) -> dict:
     return {
         "mix": {
@@ -168,3 +179,40 @@ def test_stack_100m_config_data_section_builds():
     assert pc.mix.name == "stack-100m" and pc.mix.total_tokens == 20_000_000_000
     assert pc.mix.weights == {"fineweb-edu": 0.70, "cosmopedia-v2": 0.15, "starcoderdata-python": 0.10, "finemath": 0.05}
     assert pc.seq_len == cfg["model"]["config"]["seq_len"] == 2048
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_shards_mode_exact_resume_with_a_real_trainer(tokenizer_dir, shards_dir, tmp_path, num_workers):
+    kw = dict(mode="shards", data_dir=str(shards_dir), pipeline=None, num_workers=num_workers)
+    steps, k = 12, 5
+    full = BatchRecorder()
+    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        _trainer(tmp_path / "r1", [ckpt, BatchRecorder(crash_after_step=k + 2)], steps).fit(
+            TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    resumed = BatchRecorder()
+    _trainer(tmp_path / "r2", [resumed], steps).fit(
+        TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
+    assert resumed.seen == full.seen[k:]
+
+
+def test_shards_mode_refuses_a_model_seq_len_mismatch(tokenizer_dir, shards_dir):
+    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None, seq_len=128)
+    dm.setup("fit")
+    with pytest.raises(DataConfigError, match="seq_len 64"):
+        dm.train_dataloader()
+
+
+def test_shards_mode_data_stats_scale_the_manifest(tokenizer_dir, shards_dir):
+    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    for _ in loader:
+        pass
+    stats = dm.data_stats()
+    total = sum(r["tokens"] for r in stats["realized"].values())
+    n_seq = len(dm.shards_dataset("train"))
+    assert n_seq - BATCH < loader.samples_yielded <= n_seq  # the epoch, less a tail under one global batch
+    assert abs(total - 20_000 * loader.samples_yielded / n_seq) <= len(stats["realized"])
+    assert stats["hashes"]["manifest"] is not None and stats["padding_fraction"] < 0.2

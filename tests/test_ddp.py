@@ -12,20 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_datamodule import stream_pipeline
+from tests.test_datamodule import shards_dir, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "ddp_fit.py"
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    d = tmp_path_factory.mktemp("tok")
-    train_from_iterable(iter_default_corpus(400_000), 512).tokenizer.save(d / "tokenizer.stacklm.json")
-    return d
 
 
 def run_ddp(*args: str, expect_crash: bool = False) -> None:
@@ -59,3 +49,56 @@ def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
     resumed = seen(tmp_path / "run2")
     for r in (0, 1):
         assert [s[1] for s in resumed[r]] == [s[1] for s in full[r][k:]]
+
+
+def _all_rows(shards_dir):
+    import hashlib
+
+    from stacklm.data.dataset import PackedMemmapDataset
+
+    ds = PackedMemmapDataset(shards_dir, "train")
+    batch = ds.get_batch(list(range(len(ds))))
+    return [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in batch["input_ids"]]
+
+
+def test_shards_mode_ddp_covers_the_epoch_once_and_resumes_elastically(tokenizer_dir, shards_dir, tmp_path):
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+
+    from stacklm.datamodule import StackDataModule
+    from tests.lightning_helpers import TinyLM
+
+    everything = _all_rows(shards_dir)
+    common = ["--mode", "shards", "--tokenizer", str(tokenizer_dir), "--data-dir", str(shards_dir)]
+    run_ddp(*common, "--out", str(tmp_path / "full"))
+    full = seen(tmp_path / "full")
+    assert len(full[0]) == len(full[1]) == len(everything) // (2 * 2)  # equal steps; tail < one global batch
+    rows = [[h for s in rank for h in s[2]] for rank in full]
+    assert not set(rows[0]) & set(rows[1])
+    served = rows[0] + rows[1]
+    assert len(served) == len(set(served)) and set(served) <= set(everything)
+    assert len(everything) - len(served) < 2 * 2
+
+    # stop a 2-rank run after k steps, resume the checkpoint on ONE process: elastic resume
+    k = 4
+    run_ddp(*common, "--out", str(tmp_path / "run1"), "--ckpt-every", str(k), "--crash-after", str(k + 2), expect_crash=True)
+    first = seen(tmp_path / "run1")
+    before = [h for rank in first for s in rank[:k] for h in s[2]]
+
+    class Rows(Callback):
+        rows: list = []
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            import hashlib
+
+            self.rows += [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in batch["input_ids"]]
+
+    rec = Rows()
+    dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(shards_dir), seq_len=64, batch_size=2, val_batches=0)
+    L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[rec], logger=False, enable_progress_bar=False,
+              enable_model_summary=False, default_root_dir=tmp_path / "single").fit(
+        TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=tmp_path / "run1" / "ckpt" / f"epoch=0-step={k}.ckpt")
+    after = rec.rows
+    assert not set(before) & set(after)  # nothing repeated across the reshape
+    assert len(before) + len(after) == len(set(before + after))
+    assert len(everything) - len(before + after) < 2  # nothing dropped but a tail under one (new) global batch

@@ -488,3 +488,12 @@ def test_shard_spec_validates_and_reads_the_environment(monkeypatch):
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert ShardSpec.current() == ShardSpec(3, 4, 0, 1)
+
+
+def test_near_edit_survives_deletions_before_substitutions():
+    # regression: a substitution drew its source word from the pre-deletion word count
+    from stacklm.data.sources import synthetic_text
+
+    assert synthetic_text(5564, "code", 2)
+    for i in range(52, 3000, 53):  # every near-duplicate slot of a seed
+        assert synthetic_text(i, "code", 2)

@@ -804,7 +804,7 @@ def near_edit(text: str, rng: np.random.Generator, rate: float = 0.03) -> str:
     positions = sorted(set(rng.integers(0, len(words), n_edits).tolist()), reverse=True)
     for pos, op, other in zip(positions, rng.integers(0, 3, len(positions)), rng.integers(0, len(words), len(positions))):
         if op == 0:
-            words[pos] = words[other]
+            words[pos] = words[other % len(words)]  # earlier deletions may have shortened the list
         elif op == 1 and len(words) > 1:
             del words[pos]
         else:

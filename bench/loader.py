@@ -1,0 +1,216 @@
+"""Shard loader speed vs raw memmap slicing, and prebuild throughput, in one run.
+
+    python3 bench/loader.py [--batch 8] [--seq-len 2048] [--seconds 3] [--prebuild-tokens 400000]
+
+Part 1 — loading. Real text (``stacklm.corpus``) tokenized by a small BPE trained here, packed
+best-fit into ``seq_len`` windows and written as shards (tiled to ``--rows`` rows, several
+shards, so reads hit the page cache rather than the CPU cache). Every variant reads the same
+random batches of rows (the same index arrays, in the same order):
+
+* ``raw``: ``np.memmap`` slicing of the rows (shard and row precomputed, i.e. free) into
+  ``torch.long`` ``input_ids``/``targets`` (the shift by one, nothing document-aware): what a
+  loader without the batch contract does;
+* ``PackedMemmapDataset.get_batch``: index lookup (searchsorted) + the full batch contract
+  (``input_ids``, ``position_ids``, ``seq_ids``, masked ``targets``);
+* ``pack.collate`` on the same rows: the streaming pipes' reference derivation;
+* both again through ``torch.utils.data.DataLoader`` (main process, ``batch_size=None`` over a
+  batch sampler), since that is how a trainer consumes them; and per-item ``ds[i]`` + the
+  default collate (what ``DistributedSampler`` with ``batch_size=B`` does).
+
+Part 2 — prebuild. The demo mix (offline synthetic sources) with ``--workers 1`` and ``2``:
+MB of raw text read per second per worker (text bytes of every document the sources read,
+recomputed exactly from the manifest's per-task counts) and the 1 -> 2 worker speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from stacklm.corpus import iter_default_corpus
+from stacklm.data import manifest as mf
+from stacklm.data.dataset import ElasticSampler, PackedMemmapDataset
+from stacklm.data.pack import collate, pack_best_fit
+from stacklm.data.shards import dtype_name, open_tokens, token_dtype, write_shard
+
+
+def build_shards(directory: Path, tok, seq_len: int, rows: int, rows_per_shard: int, text_bytes: int) -> None:
+    texts = list(iter_default_corpus(text_bytes))
+    ids = tok.encode_batch(texts, num_threads=2)
+    docs = [{"ids": np.asarray(x, dtype=np.int32), "source": "corpus"} for x in ids if x]
+    rng = np.random.default_rng(0)
+    docs = [docs[i] for i in rng.permutation(len(docs))]
+    windows = np.stack(list(pack_best_fit(docs, seq_len, tok.bos_id, tok.eos_id, tok.pad_id, buffer_docs=256)))
+    tiled = windows[np.arange(rows) % len(windows)]
+    dtype = token_dtype(tok.vocab_size)
+    directory.mkdir(parents=True)
+    infos = [write_shard(directory, k, tiled[lo : lo + rows_per_shard], dtype).to_dict() for k, lo in enumerate(range(0, rows, rows_per_shard))]
+    mf.write_manifest(directory, {
+        "format": mf.FORMAT, "version": mf.VERSION, "split": "train", "seq_len": seq_len, "dtype": dtype_name(dtype),
+        "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id,
+        "tokenizer_hash": mf.tokenizer_hash(tok), "shards": infos, "n_seq": rows,
+    })
+    starts = (windows == tok.bos_id).sum() / len(windows)
+    print(f"shards: {rows:,} rows x {seq_len} ({len(infos)} shards, {rows * seq_len * dtype.itemsize / 1e6:.0f} MB); "
+          f"{len(windows)} distinct windows of real text, {starts:.1f} documents starting per window")
+
+
+def timed(fn, batches: list[np.ndarray], seconds: float) -> float:
+    """Batches per second: cycle through the index batches for ``seconds``."""
+    fn(batches[0])  # warm up
+    n, t0 = 0, time.perf_counter()
+    while True:
+        for b in batches:
+            fn(b)
+        n += len(batches)
+        if time.perf_counter() - t0 >= seconds:
+            return n / (time.perf_counter() - t0)
+
+
+def bench_loading(args, tok) -> list[tuple[str, float]]:
+    tmp = Path(tempfile.mkdtemp(prefix="stacklm-bench-"))
+    build_shards(tmp / "train", tok, args.seq_len, args.rows, args.rows_per_shard, args.text_bytes)
+    ds = PackedMemmapDataset(tmp)
+    maps = [open_tokens(ds.path, n, ds.dtype, int(r), ds.seq_len).view(np.ndarray) for n, r in zip(ds.shard_names, ds.shard_rows)]
+    sampler = ElasticSampler(ds, args.batch, seed=0, rank=0, world_size=1)
+    batches = [b for b, _ in zip(sampler.batches(), range(2048))]
+    located = {id(b): ds.locate(b) for b in batches}  # raw gets its (shard, row) for free
+    specials = (ds.bos_id, ds.eos_id, ds.pad_id)
+
+    def raw(b):
+        shard, row = located[id(b)]
+        rows = np.stack([maps[s][r] for s, r in zip(shard.tolist(), row.tolist())])
+        return torch.from_numpy(rows[:, :-1].astype(np.int64)), torch.from_numpy(rows[:, 1:].astype(np.int64))
+
+    def ours(b):
+        return ds.get_batch(b)
+
+    def reference(b):
+        return collate(ds.rows(b), *specials)
+
+    class RawDataset(torch.utils.data.Dataset):
+        def __len__(self):
+            return len(ds)
+
+        def __getitem__(self, b):
+            return raw(b)
+
+    def through_loader(dataset, per_item=False):
+        def run(_):
+            if per_item:
+                loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch, sampler=[i for b in batches for i in b.tolist()])
+            else:
+                loader = torch.utils.data.DataLoader(dataset, batch_size=None, sampler=batches)
+            for _ in loader:
+                pass
+        return run
+
+    s = args.seconds
+    results = [
+        ("raw memmap slicing -> long input/targets", timed(raw, batches, s)),
+        ("PackedMemmapDataset.get_batch (contract)", timed(ours, batches, s)),
+        ("pack.collate on the same rows", timed(reference, batches, s)),
+    ]
+    for name, dataset, per_item in (("raw", RawDataset(), False), ("PackedMemmapDataset", ds, False), ("PackedMemmapDataset per-item", ds, True)):
+        t0 = time.perf_counter()
+        reps = 0
+        while time.perf_counter() - t0 < s:
+            through_loader(dataset, per_item)(None)
+            reps += 1
+        results.append((f"DataLoader: {name}", reps * len(batches) / (time.perf_counter() - t0)))
+    return results
+
+
+def text_bytes_read(out: Path, config) -> dict[str, int]:
+    """Exact UTF-8 bytes of every document the synthetic sources read, per split, from the
+    manifests' per-task counts (each worker reads documents worker, worker + N, ...)."""
+    from stacklm.data.sources import synthetic_text
+
+    entries = {e.name: e for e in config.mix.entries}
+    total = {}
+    for split in ("train", "val"):
+        m = mf.read_manifest(out / split)
+        n = len(m["tasks"])
+        total[split] = 0
+        for task in m["tasks"]:
+            for src, count in task["docs_read"].items():
+                e = entries[src]
+                total[split] += sum(len(synthetic_text(task["worker"] + n * j, e.domain, e.seed).encode()) for j in range(count))
+    return total
+
+
+def bench_prebuild(args, tok) -> list[tuple[int, float, float]]:
+    import dataclasses
+
+    from stacklm.prebuild import load_config, prebuild
+
+    config, _ = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    config = dataclasses.replace(config, mix=dataclasses.replace(config.mix, total_tokens=args.prebuild_tokens))
+    rows = []
+    for workers in (1, 2):
+        out = Path(tempfile.mkdtemp(prefix="stacklm-bench-pb-")) / "shards"
+        t0 = time.perf_counter()
+        prebuild(config, tok, out, workers=workers, tokens_per_shard=1 << 16, progress=False)
+        secs = time.perf_counter() - t0
+        rows.append((workers, secs, text_bytes_read(out, config)))
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--rows", type=int, default=16384, help="rows in the shard set (tiled from the real windows)")
+    p.add_argument("--rows-per-shard", type=int, default=4096)
+    p.add_argument("--text-bytes", type=int, default=6_000_000, help="real text to tokenize and pack")
+    p.add_argument("--seconds", type=float, default=3.0, help="per measurement")
+    p.add_argument("--prebuild-tokens", type=int, default=2_000_000, help="train budget of the prebuild runs")
+    p.add_argument("--skip-prebuild", action="store_true")
+    p.add_argument("--skip-loading", action="store_true")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+
+    from stacklm.tokenizer.bpe import train_from_iterable
+
+    tok = train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer
+    tokens_per_batch = args.batch * (args.seq_len - 1)
+    if not args.skip_loading:
+        report_loading(args, tok, tokens_per_batch)
+    if args.skip_prebuild:
+        return
+    rows = bench_prebuild(args, tok)
+    print(f"\nprebuild (configs/demo.yaml mix, train budget {args.prebuild_tokens:,} tokens + val holdout, seq_len 256)")
+    print("text MB = raw text the sources read (train jobs + val jobs; the val jobs skip ~1/holdout of what they read)")
+    print(f"{'workers':>7s} {'seconds':>8s} {'train MB':>9s} {'val MB':>7s} {'MB/s':>7s} {'MB/s/worker':>12s} {'speed-up':>9s}")
+    base = sum(rows[0][2].values()) / rows[0][1]
+    for workers, secs, nbytes in rows:
+        total = sum(nbytes.values())
+        mbs = total / 1e6 / secs
+        print(f"{workers:7d} {secs:8.1f} {nbytes['train'] / 1e6:9.1f} {nbytes['val'] / 1e6:7.1f} {mbs:7.2f} {mbs / workers:12.2f} "
+              f"{total / secs / base:9.2f}x")
+
+
+def report_loading(args, tok, tokens_per_batch: int) -> None:
+    results = bench_loading(args, tok)
+    raw = results[0][1]
+    raw_loader = results[3][1]
+    print(f"\nloading: B={args.batch}, T={args.seq_len - 1} ({tokens_per_batch:,} tokens/batch), one process, torch threads=1")
+    print(f"{'variant':46s} {'batches/s':>10s} {'M tok/s':>9s} {'vs raw':>7s}")
+    for k, (name, bps) in enumerate(results):
+        base = raw_loader if name.startswith("DataLoader") else raw
+        print(f"{name:46s} {bps:10,.0f} {bps * tokens_per_batch / 1e6:9.1f} {bps / base:7.0%}")
+    ours = results[1][1]
+    print(f"target: >= 50% of raw and >= 20 M tok/s per process -> get_batch {ours / raw:.0%} of raw, "
+          f"{ours * tokens_per_batch / 1e6:.0f} M tok/s; through DataLoader {results[4][1] / raw_loader:.0%} of raw")
+
+
+if __name__ == "__main__":
+    main()

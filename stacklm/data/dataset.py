@@ -1,0 +1,518 @@
+"""Reading prebuilt shards: ``PackedMemmapDataset`` and the elastic sampler of ``shards`` mode.
+
+``PackedMemmapDataset`` is map-style over memmapped ``.tokens.bin`` files (so it works with
+``DistributedSampler``, ``ElasticSampler`` or any index sampler): index ``i`` is found with one
+``np.searchsorted`` over the shards' cumulative row counts, and the batch contract
+(``input_ids``, ``position_ids``, ``seq_ids``, ``targets``) is derived from the tokens, exactly as
+``stacklm.data.pack.collate`` derives it for the streaming pipes. It validates the shard set
+when opened (manifest, file sizes, dtype, special ids, a sample of token ids, optionally the
+tokenizer hash); ``verify_shard_set`` reads every id.
+
+``ElasticSampler`` orders the epoch by one global seeded permutation, consumed in global steps
+of ``world_size x batch_size`` samples; its whole state is ``(seed, epoch, consumed)``. Resuming
+is O(1) and the world size, worker count and batch size may change between runs without a
+sample being dropped or repeated.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Sequence, Sized
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torchdata.nodes import BaseNode
+
+from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
+from stacklm.data.pack import IGNORE_INDEX
+from stacklm.data.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
+
+DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
+_MIN_ROWS_FOR_BOS_CHECK = 32
+
+
+# ---------------------------------------------------------------------------------------
+# Batch contract from stored windows
+# ---------------------------------------------------------------------------------------
+@lru_cache(maxsize=8)
+def _arange(n: int) -> np.ndarray:
+    a = np.arange(n, dtype=np.int64)
+    a.flags.writeable = False
+    return a
+
+
+def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Windows ``(B, seq_len)`` -> the batch contract, ``torch.long`` ``(B, seq_len - 1)``.
+
+    Same result as ``pack.collate`` (tested equal on packed real text and on adversarial rows),
+    computed differently because this is the shard loader's hot path: segment starts are
+    sparse (a few per window), so instead of ``collate``'s dense per-row ``cumsum`` and
+    ``maximum.accumulate`` we find the starts once (``flatnonzero``), expand positions and
+    segment ids with ``np.repeat``, mask targets at the few start positions only, and look at
+    padding only in the rows that have some. About 3x faster than ``collate`` at B=8, T=2048
+    (``bench/loader.py``).
+    """
+    rows = np.ascontiguousarray(rows)
+    if rows.ndim != 2 or rows.shape[1] < 2:
+        raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {rows.shape}")
+    B, L = rows.shape
+    T = L - 1
+    start = rows == bos_id
+    flat = start.reshape(-1)
+    flat[1:] |= rows.reshape(-1)[:-1] == eos_id  # entries crossing into the next row hit column 0: set below
+    is_pad = rows == pad_id
+    pad_rows = np.flatnonzero(is_pad.any(axis=1)).tolist() if is_pad.any() else []
+    for r in pad_rows:  # a segment starts where padding starts or stops
+        start[r, 1:] |= is_pad[r, 1:] != is_pad[r, :-1]
+    start[:, 0] = True
+    where = np.flatnonzero(flat)  # every segment start, flat in (B, L)
+    row, col = np.divmod(where, L)
+    starts = (where - row)[col < T]  # the same starts, flat in (B, T): b*T + c == b*L + c - b
+    n = len(starts)
+    lengths = np.empty(n, dtype=np.int64)
+    np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
+    lengths[-1] = B * T - starts[-1]
+    position_ids = np.repeat(starts, lengths)
+    np.subtract(_arange(B * T), position_ids, out=position_ids)
+    first_of_row = np.searchsorted(starts, _arange(B) * T)  # index of each row's first segment
+    seq_ids = np.repeat(_arange(n) - first_of_row[starts // T], lengths)
+    input_ids = rows[:, :T].astype(np.int64)
+    targets = rows[:, 1:].astype(np.int64)
+    targets.reshape(-1)[(where - row - 1)[col > 0]] = IGNORE_INDEX  # the target would start a segment
+    for r in pad_rows:
+        np.copyto(targets[r], IGNORE_INDEX, where=is_pad[r, 1:])
+    return {
+        "input_ids": torch.from_numpy(input_ids),
+        "targets": torch.from_numpy(targets),
+        "position_ids": torch.from_numpy(position_ids.reshape(B, T)),
+        "seq_ids": torch.from_numpy(seq_ids.reshape(B, T)),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Dataset
+# ---------------------------------------------------------------------------------------
+def resolve_split_dir(path: str | os.PathLike, split: str | None = None) -> Path:
+    """``path`` itself when it holds a split's shards, else ``path/split`` (default ``train``)."""
+    path = Path(path)
+    if split is not None:
+        if (path / split).is_dir():
+            return path / split
+        if path.name == split:
+            return path
+        raise ManifestError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
+    if path.is_dir() and not any(p.name.endswith(".tokens.bin") for p in path.iterdir()) and (path / "train").is_dir():
+        return path / "train"
+    return path
+
+
+class PackedMemmapDataset(torch.utils.data.Dataset):
+    """Map-style dataset over one split of a prebuilt shard set.
+
+    ``ds[i]`` is one row of the batch contract (tensors of shape ``(seq_len - 1,)``), so the
+    default collate and any sampler work; ``ds[list_of_indices]`` / ``ds.get_batch(indices)``
+    derive a whole batch in one vectorised pass (use it with ``batch_size=None`` and a batch
+    sampler, or with ``ElasticBatchNode``). Memmaps are opened lazily per process and never
+    pickled, so ``DataLoader`` workers (fork or spawn) share the page cache, not copies.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        split: str | None = None,
+        *,
+        tokenizer=None,
+        sample_rows: int = DEFAULT_SAMPLE_ROWS,
+        seed: int = 0,
+    ) -> None:
+        self.path = resolve_split_dir(path, split)
+        self.manifest = read_manifest(self.path, required=SPLIT_REQUIRED)
+        m = self.manifest
+        where = str(self.path / "manifest.json")
+        self.seq_len = int(m["seq_len"])
+        self.vocab_size = int(m["vocab_size"])
+        self.dtype = parse_dtype(m["dtype"], where=where)
+        if np.iinfo(self.dtype).max + 1 < self.vocab_size:
+            raise ManifestError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
+        self.bos_id, self.eos_id, self.pad_id = int(m["bos_id"]), int(m["eos_id"]), int(m["pad_id"])
+        for key in ("bos_id", "eos_id", "pad_id"):
+            if not 0 <= int(m[key]) < self.vocab_size:
+                raise ManifestError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
+        if tokenizer is not None:
+            check_tokenizer(m, tokenizer, where)
+        self.shard_names = [s["name"] for s in m["shards"]]
+        counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
+        self.shard_rows = np.asarray(counts, dtype=np.int64)
+        self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
+        self.num_rows = int(self.shard_rows.sum())
+        if self.num_rows != int(m["n_seq"]):
+            raise ManifestError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
+        if self.num_rows == 0:
+            raise ManifestError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
+        stray = sorted(set(list_shard_files(self.path)) - set(self.shard_names))
+        if stray:
+            raise ShardError(
+                f"{self.path} holds shard files the manifest does not list ({', '.join(stray[:3])}{'...' if len(stray) > 3 else ''}): "
+                "shards from another build were copied in; remove them or rebuild into a fresh directory",
+                path=self.path,
+            )
+        self._maps: list[np.ndarray] | None = None
+        self.check_sample(sample_rows, seed)
+
+    # -- files ---------------------------------------------------------------------------
+    def _open(self) -> list[np.ndarray]:
+        if self._maps is None:
+            self._maps = [
+                open_tokens(self.path, name, self.dtype, int(n), self.seq_len).view(np.ndarray)
+                for name, n in zip(self.shard_names, self.shard_rows)
+            ]
+        return self._maps
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_maps"] = None  # a pickled memmap would copy the whole shard
+        return state
+
+    # -- indexing ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self.num_rows
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_rows * self.seq_len
+
+    def locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard number, row within shard) of global row indices: O(log n_shards) each."""
+        shard = np.searchsorted(self.shard_starts, indices, side="right") - 1
+        return shard, indices - self.shard_starts[shard]
+
+    def rows(self, indices: Sequence[int] | np.ndarray) -> np.ndarray:
+        """The stored windows of ``indices``, shape ``(len(indices), seq_len)``."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < -self.num_rows or hi >= self.num_rows:
+                raise IndexError(f"row index out of range for a split of {self.num_rows} rows: {lo}..{hi}")
+            if lo < 0:
+                idx = np.where(idx < 0, idx + self.num_rows, idx)
+        maps = self._maps if self._maps is not None else self._open()
+        shard, local = self.locate(idx)
+        out = np.empty((len(idx), self.seq_len), dtype=self.dtype)
+        for j, (s, r) in enumerate(zip(shard.tolist(), local.tolist())):
+            out[j] = maps[s][r]
+        return out
+
+    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch contract for ``indices`` (tensors ``(len(indices), seq_len - 1)``)."""
+        return derive_batch(self.rows(indices), self.bos_id, self.eos_id, self.pad_id)
+
+    def __getitem__(self, index):
+        if isinstance(index, (int, np.integer)):
+            return {k: v[0] for k, v in self.get_batch([int(index)]).items()}
+        if isinstance(index, slice):
+            index = range(*index.indices(self.num_rows))
+        return self.get_batch(np.asarray(index))
+
+    # -- checks --------------------------------------------------------------------------
+    def check_sample(self, sample_rows: int = DEFAULT_SAMPLE_ROWS, seed: int = 0) -> None:
+        """Cheap check on open: ids of up to ``sample_rows`` rows (always including each
+        shard's first and last row when there are few shards) below the vocab size, and the
+        manifest's bos id present in a large enough sample."""
+        if sample_rows <= 0:
+            return
+        rng = np.random.default_rng(seed)
+        picks = rng.choice(self.num_rows, size=min(sample_rows, self.num_rows), replace=False)
+        if len(self.shard_rows) * 2 <= sample_rows:
+            picks = np.union1d(picks, np.concatenate([self.shard_starts, self.shard_starts + self.shard_rows - 1]))
+        picks = np.sort(picks)
+        rows = self.rows(picks)
+        over = rows >= self.vocab_size
+        if over.any():
+            r = int(np.argmax(over.any(axis=1)))
+            shard, local = self.locate(picks[r : r + 1])
+            raise ShardError(
+                f"{tokens_path(self.path, self.shard_names[int(shard[0])])}: row {int(local[0])} holds token id "
+                f"{int(rows[r].max())} >= vocab_size {self.vocab_size} from the manifest: the shard is corrupt or was built "
+                "with a larger vocabulary; run `stacklm verify` on the directory and rebuild with `stacklm prebuild`",
+                path=tokens_path(self.path, self.shard_names[int(shard[0])]),
+            )
+        if len(rows) >= _MIN_ROWS_FOR_BOS_CHECK and not (rows == self.bos_id).any():
+            raise ManifestError(
+                f"{self.path / 'manifest.json'}: bos_id {self.bos_id} occurs in none of {len(rows)} sampled rows: the "
+                "manifest's special ids do not match the shards (or the shards were written by another tokenizer); rebuild",
+                path=self.path / "manifest.json",
+            )
+
+
+def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
+    """Refuse a tokenizer other than the one the shards were built with (the ids would mean other tokens)."""
+    given = tokenizer_hash(tokenizer)
+    if not isinstance(tokenizer, (str, os.PathLike)):
+        vocab = tokenizer.vocab_size
+    else:
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        vocab = StackTokenizer.load(tokenizer).vocab_size
+    if given != manifest["tokenizer_hash"]:
+        raise ManifestError(
+            f"{where} was built with tokenizer sha256 {manifest['tokenizer_hash'][:16]}... (vocab {manifest['vocab_size']}) "
+            f"but the given tokenizer is {given[:16]}... (vocab {vocab}): its ids would mean other tokens. Use the "
+            "tokenizer the shards were built with, or rebuild the shards with `stacklm prebuild --tokenizer ...`",
+            path=where,
+        )
+
+
+def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool = True) -> dict[str, Any]:
+    """Full check of a prebuilt directory (top or split): every shard's size, content hash and
+    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals."""
+    path = Path(path)
+    top = read_manifest(path, required=REQUIRED)
+    splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
+    if not splits:
+        raise ManifestError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
+    report: dict[str, Any] = {}
+    for split, directory in splits.items():
+        ds = PackedMemmapDataset(directory, tokenizer=tokenizer, sample_rows=0)
+        shards = ds.manifest["shards"]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=ds.num_tokens, unit="tok", unit_scale=True, desc=f"verify {split}")
+        max_id = -1
+        for k, entry in enumerate(shards):
+            tpath = tokens_path(directory, entry["name"])
+            digest = file_xxh64(tpath)
+            if entry.get("xxh64") and digest != entry["xxh64"]:
+                raise ShardError(f"{tpath}: content hash {digest} differs from the manifest's {entry['xxh64']}: the file was changed after the build; rebuild with `stacklm prebuild`", path=tpath)
+            data = ds._open()[k]
+            step = max(1, (1 << 22) // ds.seq_len)
+            for lo in range(0, len(data), step):
+                chunk_max = int(data[lo : lo + step].max())
+                if chunk_max >= ds.vocab_size:
+                    row = lo + int(np.argmax((data[lo : lo + step] >= ds.vocab_size).any(axis=1)))
+                    raise ShardError(
+                        f"{tpath}: row {row} holds token id {chunk_max} >= vocab_size {ds.vocab_size}: the shard is corrupt or "
+                        "was built with a larger vocabulary; rebuild with `stacklm prebuild`",
+                        path=tpath,
+                    )
+                max_id = max(max_id, chunk_max)
+                if bar is not None:
+                    bar.update(min(step, len(data) - lo) * ds.seq_len)
+        if bar is not None:
+            bar.close()
+        report[split] = {"shards": len(shards), "rows": ds.num_rows, "tokens": ds.num_tokens, "max_id": max_id, "vocab_size": ds.vocab_size}
+    return report
+
+
+# ---------------------------------------------------------------------------------------
+# Elastic sampler (``shards`` mode)
+# ---------------------------------------------------------------------------------------
+def _dist_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class ElasticSampler(torch.utils.data.Sampler[int]):
+    """One seeded permutation per epoch, consumed in global steps; state ``(seed, epoch, consumed)``.
+
+    The global order is the concatenation of the epochs' permutations (position ``p`` holds
+    ``perm(p // N)[p % N]``). Global step ``t`` after the saved position ``c`` covers
+    ``[c + t*W*B, c + (t+1)*W*B)``; rank ``r`` takes its ``B`` positions at offset ``r*B``, and with
+    ``num_workers`` iterators per rank (``batches(worker, num_workers)``) worker ``k`` takes the
+    steps ``t % num_workers == k`` — the round-robin order in which ``DataLoader`` collects them.
+    Every rank derives the same positions from the same three numbers, so the state needs nothing
+    else, resuming is O(1), and W, B and the worker count may change at a resume: the next run
+    starts at position ``c`` whatever the new shape, so nothing is dropped or repeated.
+
+    ``loop=True`` (training): the stream runs on into the next epoch's permutation, never
+    dropping the tail of an epoch; the sampler has no length (use ``max_steps``). ``loop=False``
+    (a single pass, e.g. evaluation): stops at the end of the current epoch; the last global
+    step is split rank-major, so late ranks may get a short or empty batch unless
+    ``drop_last=True`` (which drops that tail, ``< W*B`` samples, and says how many in
+    ``dropped_tail``).
+
+    As a torch ``Sampler`` it yields the rank's indices (use ``DataLoader(batch_size=B)``; its
+    workers are fed by the main process, so no worker slicing is needed there). For
+    ``torchdata.nodes`` use ``ElasticBatchNode``. Checkpoint at batch boundaries with
+    ``state_dict()`` (position after the batches this sampler has yielded) or, when the loader
+    prefetches, ``state_after(steps_consumed)``.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        loop: bool = True,
+        drop_last: bool = False,
+    ) -> None:
+        self.num_samples = int(data_source if isinstance(data_source, int) else len(data_source))
+        if self.num_samples <= 0:
+            raise ValueError("ElasticSampler needs at least one sample")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if rank is None or world_size is None:
+            r, w = _dist_rank_world()
+            rank = r if rank is None else rank
+            world_size = w if world_size is None else world_size
+        if not 0 <= rank < world_size:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
+        self.seed, self.shuffle, self.loop, self.drop_last = int(seed), bool(shuffle), bool(loop), bool(drop_last)
+        self.epoch = 0
+        self.consumed = 0
+        self._base = 0  # global position where the current iteration started
+        self._steps = 0  # rank steps taken since ``_base``
+        self._perm_cache: tuple[int, np.ndarray] | None = None
+
+    # -- global order --------------------------------------------------------------------
+    def permutation(self, epoch: int) -> np.ndarray:
+        """Epoch ``epoch``'s order of the sample indices (identical on every rank and worker)."""
+        if self._perm_cache is not None and self._perm_cache[0] == epoch:
+            return self._perm_cache[1]
+        if self.shuffle:
+            perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
+        else:
+            perm = np.arange(self.num_samples, dtype=np.int64)
+        self._perm_cache = (epoch, perm)
+        return perm
+
+    def positions_to_indices(self, start: int, stop: int) -> np.ndarray:
+        """Sample indices at global stream positions ``[start, stop)`` (may span epochs)."""
+        N = self.num_samples
+        parts = []
+        while start < stop:
+            epoch, offset = divmod(start, N)
+            take = min(stop - start, N - offset)
+            parts.append(self.permutation(epoch)[offset : offset + take])
+            start += take
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    @property
+    def step_size(self) -> int:
+        """Samples consumed by one global step (all ranks)."""
+        return self.world_size * self.batch_size
+
+    def _position(self) -> int:
+        return self.epoch * self.num_samples + self.consumed
+
+    def _epoch_end(self, base: int) -> int:
+        return (base // self.num_samples + 1) * self.num_samples
+
+    def _steps_left(self, base: int) -> int | None:
+        if self.loop:
+            return None
+        left = self._epoch_end(base) - base
+        return left // self.step_size if self.drop_last else math.ceil(left / self.step_size)
+
+    def batch_at(self, base: int, step: int) -> np.ndarray:
+        """This rank's indices for global step ``step`` counted from position ``base``."""
+        lo = base + step * self.step_size + self.rank * self.batch_size
+        hi = lo + self.batch_size
+        if not self.loop:
+            end = self._epoch_end(base)
+            lo, hi = min(lo, end), min(hi, end)
+        return self.positions_to_indices(lo, hi)
+
+    # -- iteration -----------------------------------------------------------------------
+    def batches(self, worker: int = 0, num_workers: int = 1) -> Iterator[np.ndarray]:
+        """This rank's batches from the current state; worker ``k`` of ``num_workers`` yields the
+        global steps ``t % num_workers == k``. State follows the last yielded step."""
+        if not 0 <= worker < num_workers:
+            raise ValueError(f"need 0 <= worker < num_workers, got {worker}, {num_workers}")
+        base = self._base = self._position()
+        self._steps = 0
+        limit = self._steps_left(base)
+        step = worker
+        while limit is None or step < limit:
+            batch = self.batch_at(base, step)
+            self._steps = step + 1
+            yield batch
+            step += num_workers
+        self._finish(base, limit)
+
+    def _finish(self, base: int, limit: int | None) -> None:
+        self.dropped_tail = 0
+        if limit is not None:  # single pass done: the next iteration starts the next epoch
+            end = self._epoch_end(base)
+            self.dropped_tail = max(0, end - (base + limit * self.step_size))
+            self.epoch, self.consumed = divmod(end, self.num_samples)
+            self._base, self._steps = end, 0
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.batches():
+            yield from batch.tolist()
+
+    def __len__(self) -> int:
+        if self.loop:
+            raise TypeError("ElasticSampler(loop=True) is endless (it runs on into the next epoch); bound training with max_steps")
+        base = self._position()
+        limit = self._steps_left(base)
+        return self.batch_size * (limit - 1) + len(self.batch_at(base, limit - 1)) if limit else 0
+
+    # -- state ---------------------------------------------------------------------------
+    def state_after(self, steps: int) -> dict[str, int]:
+        """The state once ``steps`` rank steps of the current iteration have been consumed."""
+        pos = self._base + steps * self.step_size
+        if not self.loop:
+            pos = min(pos, self._epoch_end(self._base))
+        epoch, consumed = divmod(pos, self.num_samples)
+        return {"seed": self.seed, "epoch": epoch, "consumed": consumed, "num_samples": self.num_samples}
+
+    def state_dict(self) -> dict[str, int]:
+        return self.state_after(self._steps)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["num_samples"]) != self.num_samples:
+            raise ValueError(
+                f"ElasticSampler state is for {state['num_samples']} samples but this dataset has {self.num_samples}: the "
+                "shard set changed since the checkpoint; resume on the same shards"
+            )
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"ElasticSampler state has seed {state['seed']} but this sampler uses seed {self.seed}; resume with the same seed")
+        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
+        self._base, self._steps = self._position(), 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """DistributedSampler-compatible. Moving to another epoch starts it from the top;
+        the same epoch (a resume) keeps the position. No-op with ``loop=True``, where the
+        epoch is part of the stream position."""
+        if self.loop or epoch == self.epoch:
+            return
+        self.epoch, self.consumed = int(epoch), 0
+        self._base, self._steps = self._position(), 0
+
+
+class ElasticBatchNode(BaseNode[np.ndarray]):
+    """``torchdata.nodes`` source of this rank's index batches (``np.ndarray`` of B indices).
+
+    State: the sampler's ``(seed, epoch, consumed)`` after the last yielded batch. Chain it
+    with ``Mapper(node, dataset.get_batch)`` for batch-contract dicts.
+    """
+
+    def __init__(self, sampler: ElasticSampler, worker: int = 0, num_workers: int = 1) -> None:
+        super().__init__()
+        self.sampler, self.worker, self.num_workers = sampler, worker, num_workers
+        self._it: Iterator[np.ndarray] | None = None
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.sampler.load_state_dict(initial_state)
+        self._it = self.sampler.batches(self.worker, self.num_workers)
+
+    def next(self) -> np.ndarray:
+        return next(self._it)
+
+    def get_state(self) -> dict[str, int]:
+        return self.sampler.state_dict()

@@ -1,0 +1,237 @@
+"""``manifest.json``: what a shard set is, where it came from, and what was dropped on the way.
+
+Prebuild writes one manifest per split directory (``train/``, ``val/``) and one at the top,
+always last, so a directory with a readable manifest is a finished build. Everything in it is
+deterministic (no timestamps, no paths of the machine that built it): two builds from the same
+config, tokenizer and worker count produce byte-identical manifests, which is what lets a
+resumed build be compared with an uninterrupted one file by file.
+
+Per-task results (one per prebuild worker or datatrove task) are merged here: counts add up,
+weights and fractions are recomputed from the summed counts, never averaged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from stacklm.data.shards import ShardError, atomic_write_bytes
+
+MANIFEST_NAME = "manifest.json"
+FORMAT = "stacklm-shards"
+VERSION = 1
+REQUIRED = ("format", "version", "seq_len", "dtype", "vocab_size", "bos_id", "eos_id", "pad_id", "tokenizer_hash")
+SPLIT_REQUIRED = REQUIRED + ("split", "shards", "n_seq")
+
+
+class ManifestError(ShardError):
+    """A manifest is missing, unreadable or does not match what it is checked against."""
+
+
+# ---------------------------------------------------------------------------------------
+# Hashes
+# ---------------------------------------------------------------------------------------
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 of the tokenizer artifact's content: vocab size, pattern, merges, specials.
+
+    ``tokenizer`` is a ``StackTokenizer`` or a path (artifact file or its directory). The
+    artifact's ``metadata`` (training time, sample audit) is left out, so re-saving or
+    re-training the same tokenizer gives the same hash, and any change to the ids does not.
+    """
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        tokenizer = StackTokenizer.load(tokenizer)
+    content = {k: v for k, v in tokenizer.to_dict().items() if k != "metadata"}
+    return hashlib.sha256(_canonical(content)).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------
+# Reading / writing
+# ---------------------------------------------------------------------------------------
+def manifest_path(directory: str | os.PathLike) -> Path:
+    return Path(directory) / MANIFEST_NAME
+
+
+def dumps(manifest: Mapping[str, Any]) -> bytes:
+    """The manifest's bytes: sorted keys and fixed spacing, so equal content is equal bytes."""
+    return (json.dumps(manifest, sort_keys=True, indent=1, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
+    """Atomically write ``directory/manifest.json`` (temp name, fsync, rename, fsync dir)."""
+    path = manifest_path(directory)
+    atomic_write_bytes(path, dumps(manifest))
+    return path
+
+
+def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQUIRED) -> dict[str, Any]:
+    """Read and sanity-check ``directory/manifest.json``; every failure names the file and the fix."""
+    directory = Path(directory)
+    path = manifest_path(directory)
+    if not directory.is_dir():
+        raise ManifestError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
+    if not path.exists():
+        if not any(directory.iterdir()):
+            why = f"{directory} is empty: it is not a prebuilt shard directory"
+        elif (directory / ".prebuild").exists() or (directory.parent / ".prebuild").exists():
+            why = f"{path} is missing: the prebuild into {directory} has not finished (the manifest is written last); re-run the same `stacklm prebuild` command to resume it"
+        else:
+            why = f"{path} is missing: {directory} is not a finished shard set"
+        raise ManifestError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ManifestError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild with `stacklm prebuild`", path=path)
+    if data.get("format") != FORMAT:
+        raise ManifestError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}: not a stacklm shard manifest", path=path)
+    if data.get("version") != VERSION:
+        raise ManifestError(f"{path}: field 'version' is {data.get('version')!r}; this stacklm reads version {VERSION} — rebuild the shards with this version", path=path)
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ManifestError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
+    return data
+
+
+# ---------------------------------------------------------------------------------------
+# Merging per-task results
+# ---------------------------------------------------------------------------------------
+def sum_counts(items: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Nested sum of int leaves; other leaves are kept when every task agrees, else listed."""
+    out: dict[str, Any] = {}
+    for item in items:
+        for key, value in item.items():
+            if isinstance(value, Mapping):
+                out[key] = sum_counts([out.get(key, {}), value])
+            elif isinstance(value, int) and not isinstance(value, bool):
+                out[key] = out.get(key, 0) + value
+            elif key not in out:
+                out[key] = value
+            elif out[key] != value:
+                prev = out[key] if isinstance(out[key], list) else [out[key]]
+                out[key] = prev if value in prev else prev + [value]
+    return out
+
+
+def merge_realized(per_task: Iterable[Mapping[str, Mapping[str, Any]]], target: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """Sum the mixer's per-source counts over tasks; target/realized weights from the sums."""
+    merged = sum_counts(per_task)
+    total = sum(int(r.get("tokens", 0)) for r in merged.values()) or 1
+    for name, r in merged.items():
+        r["target_weight"] = float(target[name])
+        r["realized_weight"] = int(r.get("tokens", 0)) / total
+    return merged
+
+
+def merge_packing(per_task: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """Sum the packer's counters over tasks; the pad fraction from the sums."""
+    per_task = list(per_task)
+    seq_len = int(per_task[0]["seq_len"]) if per_task else 0
+    merged = sum_counts({k: v for k, v in p.items() if k not in ("seq_len", "pad_fraction")} for p in per_task)
+    merged["seq_len"] = seq_len
+    total = int(merged.get("windows", 0)) * seq_len
+    merged["pad_fraction"] = int(merged.get("pad_tokens", 0)) / total if total else 0.0
+    return merged
+
+
+# Stage/reason names of ``Pipeline.stats()`` folded into the manifest's drop summary.
+_BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
+
+
+def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per source: documents dropped by the filters, exact and near duplicates, empty/binary
+    records, bytes replaced by the audit, and what the mix budget cut."""
+    sources = set(realized)
+    for per in stats.values():
+        sources |= set(per)
+    out: dict[str, dict[str, int]] = {}
+    for src in sorted(sources):
+        audit = stats.get("source", {}).get(src, {})
+        filt = stats.get("filter", {}).get(src, {})
+        dedup = stats.get("dedup", {}).get(src, {})
+        mix = realized.get(src, {})
+        out[src] = {
+            "filtered": sum(n for r, n in filt.items() if r != "kept"),
+            "exact_dup": int(dedup.get("exact_dup", 0)),
+            "near_dup": int(dedup.get("near_dup", 0)),
+            "bytes_replaced": sum(int(audit.get(r, 0)) for r in _BYTE_REPAIRS),
+            "nul_removed": int(audit.get("nul_removed", 0)),
+            "dropped_empty": int(audit.get("dropped_empty", 0)),
+            "dropped_binary": int(audit.get("dropped_binary", 0)),
+            "empty_after_tokenize": int(mix.get("empty_docs", 0)),
+            "truncated_to_budget": int(mix.get("truncated_docs", 0)),
+            "tokens_cut_by_budget": int(mix.get("truncated_tokens", 0)),
+        }
+    return out
+
+
+def source_list(
+    mix_dict: Mapping[str, Any],
+    realized: Mapping[str, Mapping[str, Any]],
+    stats: Mapping[str, Any],
+    resolved: Mapping[str, str | None] | None = None,
+) -> list[dict[str, Any]]:
+    """Every source with its full hub/file coordinates (and the commit it resolved to), target
+    and realized weight and counts."""
+    resolved = resolved or {}
+    out = []
+    fallback = stats.get("source", {})
+    for entry in mix_dict["entries"]:
+        r = realized.get(entry["name"], {})
+        out.append(
+            {
+                **entry,
+                **({"resolved_revision": resolved[entry["name"]]} if entry["name"] in resolved else {}),
+                "target_weight": r.get("target_weight", entry["weight"]),
+                "realized_weight": r.get("realized_weight", 0.0),
+                "tokens": int(r.get("tokens", 0)),
+                "docs": int(r.get("docs", 0)),
+                "offline_fallback": bool(fallback.get(entry["name"], {}).get("fallback_offline", 0)),
+            }
+        )
+    return out
+
+
+def resolve_revisions(mix_dict: Mapping[str, Any], timeout: float = 10.0) -> dict[str, str | None]:
+    """Commit sha of every hub (``kind: hf``) source at build time, so a later run can pin
+    exactly this data (``DataMix.pinned``). ``None`` where the hub cannot be asked (offline,
+    a packaged builder such as ``json``); the manifest then records only the configured revision."""
+    out: dict[str, str | None] = {}
+    for entry in mix_dict["entries"]:
+        if entry.get("kind") != "hf" or not entry.get("path") or "/" not in str(entry["path"]):
+            continue
+        try:
+            from huggingface_hub import HfApi
+
+            out[entry["name"]] = HfApi().dataset_info(entry["path"], revision=entry.get("revision"), timeout=timeout).sha
+        except Exception:  # offline or unknown: recorded as unresolved, never fatal
+            out[entry["name"]] = None
+    return out
+
+
+def config_differences(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths where two config dicts differ, with both values (for refusal messages)."""
+    if isinstance(old, Mapping) and isinstance(new, Mapping):
+        diffs = []
+        for key in sorted(set(old) | set(new), key=str):
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if key not in old:
+                diffs.append(f"{path} (absent -> {new[key]!r})")
+            elif key not in new:
+                diffs.append(f"{path} ({old[key]!r} -> absent)")
+            else:
+                diffs += config_differences(old[key], new[key], path)
+        return diffs
+    if isinstance(old, list) and isinstance(new, list) and len(old) == len(new):
+        return [d for i, (a, b) in enumerate(zip(old, new)) for d in config_differences(a, b, f"{prefix}[{i}]")]
+    return [] if old == new else [f"{prefix} ({old!r} -> {new!r})"]

@@ -1,0 +1,269 @@
+"""Token shards on disk: the format, the crash-safe writer and the per-shard checks.
+
+One shard is two files (DESIGN.md, "Shards on disk"):
+
+* ``shard_XXXXX.tokens.bin`` — flat little-endian ``uint16`` (vocab <= 65536) or ``uint32``
+  token ids, ``n_seq x seq_len``, row-major: row ``i`` is one packed window;
+* ``shard_XXXXX.meta.bin`` — two little-endian int64, ``[n_seq, seq_len]``.
+
+Why raw ``.bin`` files and not ``.npy``: a reader memmaps them with no header parsing, any
+language can read them, and the size check (``tokens.bin`` bytes == n_seq x seq_len x itemsize)
+catches truncation without reading the data.
+
+A shard becomes visible only once complete: both files are written under temporary names,
+fsynced, renamed (tokens first, meta last, so a ``meta.bin`` means "this shard is whole"),
+then the directory is fsynced so the renames survive a power cut. A write that fails (disk
+full) removes its temporary files and raises ``ShardWriteError``; nothing half-written ever
+carries a shard name. Readers additionally only trust shards listed in a ``manifest.json``,
+which prebuild writes last.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+SHARD_PREFIX = "shard_"
+TOKENS_SUFFIX = ".tokens.bin"
+META_SUFFIX = ".meta.bin"
+TMP_MARK = ".tmp-"  # temporary files start with this; never matched as shards
+META_DTYPE = np.dtype("<i8")
+META_BYTES = 2 * META_DTYPE.itemsize
+_SHARD_RE = re.compile(rf"^{SHARD_PREFIX}(\d{{5,}}){re.escape(TOKENS_SUFFIX)}$")
+_HASH_CHUNK = 1 << 24
+
+
+class ShardError(RuntimeError):
+    """A shard (or shard directory) is unusable; the message names the file and the fix."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:
+        super().__init__(message)
+        self.path = str(path) if path is not None else None
+
+    def __reduce__(self):  # keep ``path`` across processes (prebuild workers)
+        return (self.__class__, (str(self),), {"path": self.path})
+
+
+class ShardWriteError(ShardError, OSError):
+    """Writing a shard failed (typically: the disk is full); nothing partial is left visible."""
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Little-endian ``uint16`` when every id fits (vocab <= 65536), else ``uint32``."""
+    if vocab_size <= 0:
+        raise ValueError(f"vocab_size must be > 0, got {vocab_size}")
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<u4")
+
+
+def dtype_name(dtype: np.dtype) -> str:
+    """``"uint16"`` / ``"uint32"``: the spelling used in manifests."""
+    return np.dtype(dtype).name
+
+
+def parse_dtype(name: str, *, where: str) -> np.dtype:
+    if name not in ("uint16", "uint32"):
+        raise ShardError(f"{where}: field 'dtype' must be 'uint16' or 'uint32', got {name!r}; the manifest is corrupt — rebuild with `stacklm prebuild`", path=where)
+    return np.dtype(name).newbyteorder("<")
+
+
+def shard_name(index: int) -> str:
+    return f"{SHARD_PREFIX}{index:05d}"
+
+
+def tokens_path(directory: str | os.PathLike, name: str) -> Path:
+    return Path(directory) / f"{name}{TOKENS_SUFFIX}"
+
+
+def meta_path(directory: str | os.PathLike, name: str) -> Path:
+    return Path(directory) / f"{name}{META_SUFFIX}"
+
+
+def list_shard_files(directory: str | os.PathLike) -> list[str]:
+    """Names (``shard_XXXXX``) of the ``.tokens.bin`` files in ``directory``, sorted by index."""
+    found = []
+    for entry in os.scandir(directory):
+        m = _SHARD_RE.match(entry.name)
+        if m:
+            found.append((int(m.group(1)), entry.name[: -len(TOKENS_SUFFIX)]))
+    return [name for _, name in sorted(found)]
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make renames/creations inside ``directory`` durable (no-op where dirs cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(f, data: memoryview) -> None:
+    """``f.write`` until done. Its own function so tests can simulate a full disk here."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def _disk_error(exc: OSError, path: Path, nbytes: int) -> ShardWriteError:
+    directory = path.parent
+    try:
+        free = shutil.disk_usage(directory).free
+        room = f"; {free:,} bytes free on that filesystem"
+    except OSError:  # pragma: no cover
+        room = ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        what = f"the disk is full while writing {path} ({nbytes:,} bytes needed{room})"
+    else:
+        what = f"could not write {path}: {exc.strerror or exc}"
+    return ShardWriteError(
+        f"{what}. Nothing partial was left under a shard name. Free space (or pass another --out) and re-run "
+        "the same command: it resumes after the last complete shard.",
+        path=path,
+    )
+
+
+def atomic_write_bytes(path: Path, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never half."""
+    tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}"
+    payload = memoryview(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data)
+    try:
+        with open(tmp, "wb") as f:
+            _write_all(f, payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise _disk_error(e, path, payload.nbytes) from e
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync_parent:
+        fsync_dir(path.parent)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What the manifest records per shard."""
+
+    name: str
+    n_seq: int
+    xxh64: str  # of the tokens.bin bytes: `stacklm verify` recomputes it
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "n_seq": self.n_seq, "xxh64": self.xxh64}
+
+
+def write_shard(directory: str | os.PathLike, index: int, windows: np.ndarray, dtype: np.dtype) -> ShardInfo:
+    """Write ``windows`` (``n_seq x seq_len`` ints) as shard ``index``, atomically.
+
+    Ids must fit ``dtype`` (checked: a silent wrap-around would corrupt the data for good).
+    Rewriting an existing index replaces it whole (what a resumed prebuild does).
+    """
+    directory = Path(directory)
+    w = np.asarray(windows)
+    if w.ndim != 2 or w.shape[0] < 1 or w.shape[1] < 2:
+        raise ValueError(f"a shard holds a (n_seq >= 1, seq_len >= 2) array of windows, got shape {w.shape}")
+    dtype = np.dtype(dtype)
+    info = np.iinfo(dtype)
+    if w.size and (int(w.min()) < 0 or int(w.max()) > info.max):
+        raise ValueError(
+            f"shard {shard_name(index)}: token ids span [{int(w.min())}, {int(w.max())}] but the shard dtype is "
+            f"{dtype.name}; the tokenizer's vocab is larger than the manifest dtype allows"
+        )
+    tokens = np.ascontiguousarray(w, dtype=dtype.newbyteorder("<"))
+    name = shard_name(index)
+    meta = np.array([w.shape[0], w.shape[1]], dtype=META_DTYPE)
+    atomic_write_bytes(tokens_path(directory, name), tokens, fsync_parent=False)
+    try:
+        atomic_write_bytes(meta_path(directory, name), meta, fsync_parent=True)
+    except BaseException:  # a tokens file without its meta is not a shard: do not leave one
+        tokens_path(directory, name).unlink(missing_ok=True)
+        raise
+    return ShardInfo(name, int(w.shape[0]), xxhash.xxh64_hexdigest(memoryview(tokens).cast("B")))
+
+
+def remove_temp_files(directory: str | os.PathLike) -> int:
+    """Delete leftovers of writes that were killed midway; returns how many."""
+    n = 0
+    if not os.path.isdir(directory):
+        return 0
+    for entry in os.scandir(directory):
+        if entry.name.startswith(TMP_MARK) and entry.is_file():
+            os.unlink(entry.path)
+            n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------
+# Reading and checking one shard.
+# ---------------------------------------------------------------------------------------
+_REBUILD = "re-run `stacklm prebuild` into a fresh directory (or restore the file from a copy)"
+
+
+def read_meta(path: str | os.PathLike) -> tuple[int, int]:
+    """``(n_seq, seq_len)`` from a ``.meta.bin``; every problem names the file."""
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        tokens = path.with_name(path.name[: -len(META_SUFFIX)] + TOKENS_SUFFIX)
+        raise ShardError(
+            f"{path} is missing (its tokens file {tokens.name} has no meta): the shard was never completed or the "
+            f"file was deleted; {_REBUILD}",
+            path=path,
+        ) from None
+    if len(raw) != META_BYTES:
+        raise ShardError(f"{path} is {len(raw)} bytes, a meta file is {META_BYTES} (int64 n_seq, seq_len); {_REBUILD}", path=path)
+    n_seq, seq_len = (int(x) for x in np.frombuffer(raw, dtype=META_DTYPE))
+    if n_seq < 0 or seq_len < 2:
+        raise ShardError(f"{path} says n_seq={n_seq}, seq_len={seq_len}, which is impossible; {_REBUILD}", path=path)
+    return n_seq, seq_len
+
+
+def check_shard_files(directory: str | os.PathLike, name: str, dtype: np.dtype, seq_len: int, n_seq: int | None = None) -> int:
+    """Check a shard's meta against the expected layout and its tokens file size; return n_seq."""
+    mpath, tpath = meta_path(directory, name), tokens_path(directory, name)
+    if not tpath.exists():
+        raise ShardError(f"{tpath} is missing (listed in the manifest); {_REBUILD}", path=tpath)
+    meta_n, meta_len = read_meta(mpath)
+    if meta_len != seq_len:
+        raise ShardError(f"{mpath} says seq_len={meta_len} but the manifest says {seq_len}: the shard belongs to another build; {_REBUILD}", path=mpath)
+    if n_seq is not None and meta_n != n_seq:
+        raise ShardError(f"{mpath} says n_seq={meta_n} but the manifest lists {n_seq}: the shard was replaced after the build; {_REBUILD}", path=mpath)
+    want = meta_n * meta_len * np.dtype(dtype).itemsize
+    have = tpath.stat().st_size
+    if have != want:
+        kind = "truncated" if have < want else "longer than its meta says"
+        raise ShardError(
+            f"{tpath} is {have:,} bytes but its meta says {meta_n} x {meta_len} {np.dtype(dtype).name} = {want:,} bytes: "
+            f"the file is {kind}; {_REBUILD}",
+            path=tpath,
+        )
+    return meta_n
+
+
+def open_tokens(directory: str | os.PathLike, name: str, dtype: np.dtype, n_seq: int, seq_len: int) -> np.ndarray:
+    """Read-only memmap ``(n_seq, seq_len)`` of a checked shard (an empty array when n_seq == 0)."""
+    if n_seq == 0:
+        return np.zeros((0, seq_len), dtype=dtype)
+    return np.memmap(tokens_path(directory, name), dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(n_seq, seq_len))
+
+
+def file_xxh64(path: str | os.PathLike) -> str:
+    h = xxhash.xxh64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()

@@ -1,0 +1,308 @@
+"""The prebuild as datatrove pipeline steps, for a cluster (Slurm, Ray) or one machine.
+
+    python -m stacklm.scale.datatrove_steps --config C.yaml --out DIR --tasks 64 \\
+        --executor slurm --partition cpu --time 04:00:00 --cpus-per-task 4
+
+Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``r`` builds split
+``splits[r // T]`` as reader ``r % T`` of ``T`` (its ``ShardSpec``) with a ``1/T`` share of the
+budget, exactly like ``stacklm prebuild --workers T``. Three steps run in each task:
+
+1. ``StackMixedDocuments`` (reader): source -> holdout -> filter -> dedup -> tokenize -> mix
+   -> shuffle, yielding tokenized documents;
+2. ``StackPacker``: document-aware packing into ``seq_len`` windows;
+3. ``StackShardWriter``: crash-safe shard files at the global indices of that task, plus the
+   task's counts (``.prebuild/<split>-w<k>.done.json``).
+
+A one-task job (``StackManifestMerger``) then merges the tasks' counts into the manifests.
+The merged output is byte-identical to ``stacklm prebuild --workers T`` (tested), so a shard
+set can be built on a cluster and checked against a local run of a small config. Resume is
+datatrove's: finished tasks are skipped (``logging_dir/completions``), a failed task reruns
+from its start and rewrites its own shards.
+
+Why the stages are grouped into three steps and not one per node: the mixer draws from all
+sources at once (one budget), and the shuffle and packer keep buffers across documents, so
+the reader owns the per-source chains up to the shuffle; each step still counts what it
+kept (datatrove ``stat_update``), and the drop counts go into the manifest.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.pipeline.base import PipelineStep
+
+SUMMARY_KEY = "stacklm_task_summary"
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskPlan:
+    """Plain, picklable description of the build every step rebuilds its objects from."""
+
+    config: dict[str, Any]  # PipelineConfig.to_dict()
+    tokenizer: dict[str, Any]  # StackTokenizer.to_dict()
+    out: str
+    tasks_per_split: int
+    tokens_per_shard: int
+    splits: tuple[str, ...] = ("train", "val")
+
+    def prebuild_plan(self):
+        from stacklm.data.nodes import PipelineConfig
+        from stacklm.prebuild import PrebuildPlan
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        return PrebuildPlan(
+            PipelineConfig.from_dict(self.config), StackTokenizer.from_dict(self.tokenizer), Path(self.out),
+            self.tasks_per_split, self.tokens_per_shard, self.splits,
+        )
+
+    def job_of(self, rank: int, world_size: int) -> tuple[str, int]:
+        """(split, worker) of datatrove task ``rank``."""
+        if world_size != self.tasks_per_split * len(self.splits):
+            raise ValueError(
+                f"the executor runs {world_size} tasks but the plan has {self.tasks_per_split} per split x "
+                f"{len(self.splits)} splits; build the executors with `prebuild_executors`"
+            )
+        return self.splits[rank // self.tasks_per_split], rank % self.tasks_per_split
+
+
+class _StackStep(PipelineStep):
+    def __init__(self, plan: TaskPlan) -> None:
+        super().__init__()
+        self.plan = plan
+
+    def built(self):
+        """The live objects, rebuilt inside each task and never kept on the step: datatrove
+        pickles and deep-copies steps, and a tokenizer's tiktoken core does not copy."""
+        return self.plan.prebuild_plan()
+
+
+class StackMixedDocuments(_StackStep):
+    """Reader: this task's slice of every source through holdout, filter, dedup, tokenize,
+    the budgeted mix and the shuffle buffer. Ends with one summary document (the counts)."""
+
+    name = "stacklm mixed documents"
+    type = "📖 - READER"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.nodes import build_pipeline
+        from stacklm.data.sources import ShardSpec
+        from stacklm.prebuild import worker_config
+
+        split, worker = self.plan.job_of(rank, world_size)
+        plan = self.built()
+        pipe = build_pipeline(worker_config(plan.config, worker, plan.workers), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers))
+        for doc in pipe.shuffle:
+            self.stat_update("docs")
+            self.stat_update("tokens", value=int(doc["ids"].size))
+            meta = {k: v for k, v in doc.items() if k != "doc_id"}
+            yield Document(text="", id=str(doc.get("doc_id", "")), metadata=meta)
+        summary = {
+            "split": split, "worker": worker, "workers": plan.workers, "budget": int(pipe.mix.mixer.total_tokens),
+            "stats": pipe.stats(), "realized": pipe.realized(),
+        }
+        yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
+
+
+class StackPacker(_StackStep):
+    """Packs the documents into ``seq_len`` windows (``PackNode``, same strategy and buffer)."""
+
+    name = "stacklm packer"
+    type = "🔢 - TOKENIZER"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from torchdata.nodes import IterableWrapper
+
+        from stacklm.data.pack import PackNode
+
+        plan = self.built()
+        cfg, tok = plan.config, plan.tokenizer
+        summary: dict[str, Any] = {}
+
+        def docs():
+            for d in data:
+                if SUMMARY_KEY in d.metadata:
+                    summary.update(d.metadata[SUMMARY_KEY])
+                    continue
+                yield {**d.metadata, "doc_id": d.id}
+
+        node = PackNode(IterableWrapper(docs()), cfg.seq_len, cfg.strategy, tok.bos_id, tok.eos_id, tok.pad_id, cfg.pack_buffer_docs)
+        for i, window in enumerate(node):
+            self.stat_update("windows")
+            yield Document(text="", id=str(i), metadata={"window": window})
+        packing = node.summary()
+        self.stat_update("docs_cut", value=int(packing["docs_cut"]))
+        self.stat_update("pad_tokens", value=int(packing["pad_tokens"]))
+        yield Document(text="", id="summary", metadata={SUMMARY_KEY: {**summary, "packing": packing}})
+
+
+class StackShardWriter(_StackStep):
+    """Writes the task's windows as shards ``j * T + worker`` and its summary for the merge."""
+
+    name = "stacklm shard writer"
+    type = "💽 - WRITER"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.shards import atomic_write_bytes, write_shard
+        from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from
+
+        split, worker = self.plan.job_of(rank, world_size)
+        plan = self.built()
+        split_dir = plan.out / split
+        split_dir.mkdir(parents=True, exist_ok=True)
+        _remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
+        buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
+        shards: list[dict] = []
+        summary: dict[str, Any] = {}
+        n = 0
+
+        def commit(n: int) -> None:
+            info = write_shard(split_dir, len(shards) * plan.workers + worker, buf[:n], plan.dtype)
+            shards.append(info.to_dict())
+            self.stat_update("shards")
+
+        for doc in data:
+            if SUMMARY_KEY in doc.metadata:
+                summary = doc.metadata[SUMMARY_KEY]
+                continue
+            buf[n] = doc.metadata["window"]
+            n += 1
+            if n == plan.seqs_per_shard:
+                commit(n)
+                n = 0
+        if n:
+            commit(n)
+        if not summary:
+            raise RuntimeError(f"task {rank}: the packer sent no summary; run StackMixedDocuments -> StackPacker -> StackShardWriter in that order")
+        summary["shards"] = shards
+        state_dir = plan.out / STATE_DIR
+        state_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(state_dir / f"{_job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
+        return
+        yield  # a generator step that yields nothing: the writer ends the pipeline
+
+
+class StackManifestMerger(_StackStep):
+    """One task, after all the others: merge their counts into the split and top manifests."""
+
+    name = "stacklm manifest merge"
+    type = "💽 - WRITER"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.prebuild import STATE_DIR, PrebuildError, _job_name, finalize
+
+        plan = self.built()
+        summaries = []
+        for split in plan.splits:
+            for worker in range(plan.workers):
+                path = plan.out / STATE_DIR / f"{_job_name(split, worker)}.done.json"
+                if not path.exists():
+                    raise PrebuildError(f"{path} is missing: task for split {split!r}, worker {worker} has not finished; rerun the main job first", path=path)
+                summaries.append(json.loads(path.read_text()))
+        top = finalize(plan, plan.identity(), summaries)
+        self.stat_update("sequences", value=sum(s["n_seq"] for s in top["splits"].values()))
+        return
+        yield
+
+
+def prebuild_executors(
+    config,
+    tokenizer,
+    out: str | Path,
+    *,
+    tasks: int,
+    tokens_per_shard: int | None = None,
+    splits: tuple[str, ...] = ("train", "val"),
+    executor: str = "local",
+    logging_dir: str | None = None,
+    **executor_kwargs: Any,
+):
+    """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
+
+    ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
+    ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
+    directory is checked/claimed here, like ``stacklm prebuild`` does.
+    """
+    from stacklm.prebuild import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan, _load_tokenizer, prepare
+
+    tok = _load_tokenizer(tokenizer)
+    plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
+    fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
+    prepare(plan)
+    task_plan = TaskPlan(config.to_dict(), tok.to_dict(), str(plan.out), plan.workers, plan.tokens_per_shard, plan.splits)
+    # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor
+    # still writes logs, and OUT must end up exactly as `stacklm prebuild` leaves it.
+    logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
+    if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
+        shutil.rmtree(logs)
+    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
+    n_tasks = plan.workers * len(plan.splits)
+    if executor == "local":
+        from datatrove.executor import LocalPipelineExecutor
+
+        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", **executor_kwargs)
+        merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
+    elif executor == "slurm":
+        from datatrove.executor import SlurmPipelineExecutor
+
+        merge_kwargs = {k: v for k, v in executor_kwargs.items() if k in ("partition", "time", "qos", "env_command", "condaenv", "venv_path", "sbatch_args")}
+        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", **executor_kwargs)
+        merge = SlurmPipelineExecutor(
+            [StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", job_name="stacklm-merge", depends=main, **merge_kwargs
+        )
+    elif executor == "ray":
+        from datatrove.executor.ray import RayPipelineExecutor
+
+        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", **executor_kwargs)
+        merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
+    else:
+        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+    return main, merge
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stacklm.prebuild import load_config
+
+    p = argparse.ArgumentParser(prog="python -m stacklm.scale.datatrove_steps", description="stacklm prebuild on a datatrove executor")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
+    p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: 'tokenizer:' in the config)")
+    p.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
+    p.add_argument("--tokens-per-shard", type=int)
+    p.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")
+    p.add_argument("--workers", type=int, default=-1, help="local: tasks run at once (-1: all)")
+    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
+    p.add_argument("--partition", help="slurm partition")
+    p.add_argument("--time", default="04:00:00", help="slurm time limit per task")
+    p.add_argument("--cpus-per-task", type=int, default=2)
+    p.add_argument("--mem-per-cpu-gb", type=int, default=4)
+    args = p.parse_args(argv)
+    config, settings = load_config(args.config)
+    kwargs: dict[str, Any] = {}
+    if args.executor == "local":
+        kwargs["workers"] = args.workers
+    elif args.executor == "slurm":
+        kwargs.update(partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
+    else:
+        kwargs.update(cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
+    out = args.out or settings["out"]
+    if not out:
+        p.error("pass --out DIR (or set data.data_dir in the config)")
+    _, merge = prebuild_executors(
+        config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
+        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
+        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
+    )
+    merge.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
