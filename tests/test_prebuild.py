@@ -266,7 +266,7 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     assert args.func(args) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
     demo, settings = load_config(REPO / "configs" / "demo.yaml")  # StackDataModule layout: data.pipeline
-    assert demo.seq_len == 256 and demo.batch_size == 8 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
+    assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
     assert settings["tokenizer"] == "artifacts/demo/tokenizer" and settings["out"] == "artifacts/demo/shards"
     plain, settings = load_config(_plain_config(tmp_path, "tok"))  # plain layout: data is the pipeline config
     assert plain.seq_len == SEQ_LEN and settings["tokenizer"] == "tok" and settings["out"] is None
