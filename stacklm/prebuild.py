@@ -29,7 +29,7 @@ import pickle
 import shutil
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,8 +166,6 @@ def run_job(
     ckpt_path = state_dir / f"{name}.ckpt"
     split_dir = plan.out / split
     split_dir.mkdir(parents=True, exist_ok=True)
-    remove_temp_files(split_dir)
-    remove_temp_files(state_dir)
 
     pipe = build(worker_config(plan.config, worker, plan.workers), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers))
     windows = pipe.windows
@@ -179,27 +177,14 @@ def run_job(
     def realized_tokens() -> dict[str, int]:
         return {src: int(r["tokens"]) for src, r in pipe.realized().items()}
 
-    buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
-
-    def commit(n: int) -> None:
-        index = len(shards) * plan.workers + worker
-        info = write_shard(split_dir, index, buf[:n], plan.dtype)
-        shards.append(info.to_dict())
+    def checkpoint() -> None:
         atomic_write_bytes(ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict()}, protocol=5))
         if on_progress is not None:
             on_progress(name, len(shards), realized_tokens())
 
     if on_progress is not None:
         on_progress(name, len(shards), realized_tokens())
-    n = 0
-    for window in windows:
-        buf[n] = window
-        n += 1
-        if n == plan.seqs_per_shard:
-            commit(n)
-            n = 0
-    if n:
-        commit(n)
+    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint)
     summary = {
         "split": split,
         "worker": worker,
@@ -213,6 +198,32 @@ def run_job(
     atomic_write_bytes(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
+
+
+def write_job_shards(
+    plan: PrebuildPlan, split_dir: Path, worker: int, windows: Iterable[np.ndarray], shards: list[dict], on_shard: Callable[[], None]
+) -> None:
+    """Write ``windows`` as job ``worker``'s next shards, ``plan.seqs_per_shard`` windows each
+    (the last may be shorter). Its ``j``-th shard is global index ``j * workers + worker``, so
+    jobs never collide; each one's info is appended to ``shards`` (which may already hold the
+    shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
+    ``run_job`` and the datatrove writer, so both write the same set."""
+    buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
+
+    def commit(n: int) -> None:
+        info = write_shard(split_dir, len(shards) * plan.workers + worker, buf[:n], plan.dtype)
+        shards.append(info.to_dict())
+        on_shard()
+
+    n = 0
+    for window in windows:
+        buf[n] = window
+        n += 1
+        if n == plan.seqs_per_shard:
+            commit(n)
+            n = 0
+    if n:
+        commit(n)
 
 
 def _remove_own_shards_from(split_dir: Path, workers: int, worker: int, keep: int) -> None:
@@ -495,6 +506,10 @@ def prebuild(
     bar = _Progress(plan, progress)
     t0 = time.perf_counter()
     jobs = [(s, w) for s in plan.splits for w in range(plan.workers)]
+    # Leftovers of writes killed midway go now, before any job runs: a job clearing the shared
+    # folders itself would delete the temporary files other jobs are writing at that moment.
+    for folder in [plan.out / s for s in plan.splits] + [_state_dir(plan.out)]:
+        remove_temp_files(folder)
     try:
         if plan.workers == 1:
             summaries = [run_job(plan, s, w, bar) for s, w in jobs]
