@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stacklm import atomic
 from stacklm.data import manifest as mf
 from stacklm.data import shards as sh
 from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
@@ -158,7 +159,7 @@ def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):
 def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
     out = tmp_path / "shards"
     calls = {"n": 0}
-    real = sh._write_all
+    real = atomic._write_all
 
     def fills_up(f, data):
         calls["n"] += 1
@@ -166,7 +167,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(f, data)
 
-    monkeypatch.setattr(sh, "_write_all", fills_up)
+    monkeypatch.setattr(atomic, "_write_all", fills_up)
     with pytest.raises(sh.ShardWriteError, match="disk is full.*re-run the same command"):
         prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     # nothing half-written is visible: no manifest, no temp file, every shard is whole and right
@@ -179,7 +180,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
         assert (out / "train" / f"{name}.meta.bin").exists()
     with pytest.raises(mf.ManifestError, match="has not finished"):
         PackedMemmapDataset(out)
-    monkeypatch.setattr(sh, "_write_all", real)
+    monkeypatch.setattr(atomic, "_write_all", real)
     prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     assert tree(out) == tree(ref)
 

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from stacklm import atomic
 from stacklm.data import manifest as mf
 from stacklm.data import shards as sh
 from stacklm.data.shards import ShardError, ShardWriteError
@@ -52,7 +53,7 @@ def test_ids_that_do_not_fit_the_dtype_are_refused(tmp_path):
 @pytest.mark.parametrize("fail_on_call", [1, 2])  # 1: the tokens file, 2: the meta file
 def test_disk_full_leaves_nothing_visible(tmp_path, monkeypatch, fail_on_call):
     calls = {"n": 0}
-    real = sh._write_all
+    real = atomic._write_all
 
     def full_disk(f, data):
         calls["n"] += 1
@@ -61,7 +62,7 @@ def test_disk_full_leaves_nothing_visible(tmp_path, monkeypatch, fail_on_call):
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(f, data)
 
-    monkeypatch.setattr(sh, "_write_all", full_disk)
+    monkeypatch.setattr(atomic, "_write_all", full_disk)
     with pytest.raises(ShardWriteError) as exc:
         sh.write_shard(tmp_path, 0, np.ones((4, 8), dtype=np.int64), np.dtype("<u2"))
     msg = str(exc.value)

@@ -25,7 +25,7 @@ per-source counters (a few small int arrays), so a resumed stream continues bit 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -173,19 +173,29 @@ class TokenBudgetMixer:
             self.budgets[alive] += split_budget(deficit, self.weights[alive])
             self.status[alive[self.budgets[alive] > self.tokens[alive]]] = ACTIVE
 
-    def __call__(self, sources: Mapping[str, Iterator[dict]]) -> Iterator[dict]:
-        """Mix plain iterators (keys must match ``names``)."""
-        its = [iter(sources[n]) for n in self.names]
+    def draw(self, streams: Sequence[Iterator[dict]]) -> dict:
+        """The next admitted document, pulled from ``streams[i]`` (in ``names`` order) for
+        each picked source ``i``; ``StopIteration`` once every budget is met or every source dry."""
         while not self.finished:
             i = self.pick()
             try:
-                doc = next(its[i])
+                doc = next(streams[i])
             except StopIteration:
                 self.mark_dry(i)
                 continue
             out = self.admit(i, doc)
             if out is not None:
-                yield out
+                return out
+        raise StopIteration
+
+    def __call__(self, sources: Mapping[str, Iterator[dict]]) -> Iterator[dict]:
+        """Mix plain iterators (keys must match ``names``)."""
+        its = [iter(sources[n]) for n in self.names]
+        while True:
+            try:
+                yield self.draw(its)
+            except StopIteration:
+                return
 
     # -- reporting -----------------------------------------------------------------------
     def realized(self) -> dict[str, dict[str, Any]]:
@@ -243,6 +253,7 @@ class MixNode(BaseNode[dict]):
         super().__init__()
         self.sources = dict(sources)
         self.mixer = TokenBudgetMixer(list(self.sources), weights, total_tokens, seed)
+        self._streams = [self.sources[n] for n in self.mixer.names]
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -259,18 +270,7 @@ class MixNode(BaseNode[dict]):
             node.reset(initial_state[self.SOURCES_KEY][name])
 
     def next(self) -> dict:
-        mixer = self.mixer
-        while not mixer.finished:
-            i = mixer.pick()
-            try:
-                doc = next(self.sources[mixer.names[i]])
-            except StopIteration:
-                mixer.mark_dry(i)
-                continue
-            out = mixer.admit(i, doc)
-            if out is not None:
-                return out
-        raise StopIteration
+        return self.mixer.draw(self._streams)
 
     def get_state(self) -> dict[str, Any]:
         return {

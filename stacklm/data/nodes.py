@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections import deque
 from collections.abc import Mapping
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +31,7 @@ from stacklm.data.pack import PackNode, batch_node
 from stacklm.data.registry import DataMix, get_mix
 from stacklm.data.shuffle import HoldoutNode, ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
-from stacklm.data.stats import StageStats
+from stacklm.data.stats import StageStats, chain_stats
 from stacklm.data.tokenize import TokenizeNode
 
 SPLITS = ("train", "val")
@@ -134,12 +135,7 @@ class DedupNode(BaseNode[dict]):
         self._pending = deque(st.get("pending", []))
 
     def _fill(self) -> bool:
-        docs = []
-        for _ in range(self.batch_docs):
-            try:
-                docs.append(next(self.source))
-            except StopIteration:
-                break
+        docs = list(islice(self.source, self.batch_docs))
         if not docs:
             return False
         texts = [d["text"] for d in docs]
@@ -192,14 +188,7 @@ class Pipeline:
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Counts by stage -> source -> reason (kept, filtered reasons, dups, audit counts)."""
-        out: dict[str, dict[str, dict[str, int]]] = {}
-        for name, chain in self.chains.items():
-            for stage, node in chain.items():
-                st = getattr(node, "stats", None)
-                if isinstance(st, StageStats):
-                    for src, per in st.to_dict().items():
-                        out.setdefault(stage, {}).setdefault(src, {}).update(per)
-        return out
+        return chain_stats(self.chains)
 
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mix.realized()

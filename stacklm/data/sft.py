@@ -24,7 +24,6 @@ location of each reason is kept (``SFTPipeline.examples()``) so a drop is never 
 from __future__ import annotations
 
 import dataclasses
-import glob as globlib
 import hashlib
 import json
 import logging
@@ -55,7 +54,6 @@ from stacklm.data.audit import clean_text
 from stacklm.data.pack import BestFitPacker, PackNode, segment_layout
 from stacklm.data.shuffle import HoldoutNode, ShuffleNode
 from stacklm.data.sources import (
-    BLANK_LINES,
     EmptySourceError,
     ShardSpec,
     SourceError,
@@ -63,11 +61,12 @@ from stacklm.data.sources import (
     _datasets,
     _DatasetsReader,
     _JsonlReader,
-    assign_parts,
+    _PartNode,
     file_format,
-    owns_row,
+    glob_files,
+    hub_load_kwargs,
 )
-from stacklm.data.stats import StageStats
+from stacklm.data.stats import StageStats, chain_stats
 
 logger = logging.getLogger(__name__)
 
@@ -377,15 +376,17 @@ def conversation_text(turns: Sequence[Turn]) -> str:
     return "\n".join(f"{t.role}: {t.content}" for t in turns)
 
 
-class ConversationSource(BaseNode[dict]):
+class ConversationSource(_PartNode):
     """Conversations of one ``SFTSourceConfig`` as ``{"turns", "text", "source", "domain",
     "doc_id"}``, validated (``chat.validate_conversation``) and with every rejection counted.
 
     Reading is by parts (files, or a hub dataset's shards) split across (rank, worker) with
-    ``sources.assign_parts``; the state is the part, the row in it, the reader's exact
-    position (a byte offset or the ``datasets`` stream's ``state_dict()``), the counters and
-    the first location of each rejection reason.
+    ``sources.assign_parts``, through the same machinery as the pre-training sources
+    (``sources._PartNode``); the state is theirs plus the first location of each rejection
+    reason.
     """
+
+    KIND = "sft source"
 
     def __init__(
         self,
@@ -395,16 +396,12 @@ class ConversationSource(BaseNode[dict]):
         role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
         on_invalid: str = "drop",
     ) -> None:
-        super().__init__()
         if on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
-        self.spec, self.name = spec, spec.name
-        self.shard = shard or ShardSpec()
+        super().__init__(spec.name, spec.domain, shard=shard, stage="sft_source")
+        self.spec = spec
         self.role_aliases, self.on_invalid = dict(role_aliases), on_invalid
-        self.stats = StageStats("sft_source")
         self.first_where: dict[str, str] = {}
-        self._parts: list[str] | None = None
-        self._reader = None
 
     # parts ---------------------------------------------------------------------------
     def _describe(self) -> str:
@@ -414,10 +411,10 @@ class ConversationSource(BaseNode[dict]):
         extra = " ".join(f"{k}={v}" for k, v in (("name", s.config_name), ("data_files", s.data_files), ("revision", s.revision)) if v)
         return f"datasets {s.path} {extra} split={s.split}".replace("  ", " ")
 
-    def _list_parts(self) -> None:
+    def _list_parts(self) -> list[str]:
         s = self.spec
         if s.kind == "local":
-            paths = sorted({p for pat in s.files for p in globlib.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)})
+            paths = glob_files(s.files)
             if not paths:
                 raise SourceNotFoundError(
                     f"sft source {self.name!r}: {list(s.files)} matched no files (cwd {os.getcwd()}); check the paths",
@@ -435,30 +432,22 @@ class ConversationSource(BaseNode[dict]):
                         source=self.name,
                         file=p,
                     )
-            self._parts = paths
-        else:
-            kwargs: dict[str, Any] = {"split": s.split, "streaming": True}
-            for key, value in (("name", s.config_name), ("data_dir", s.data_dir), ("revision", s.revision),
-                               ("data_files", list(s.data_files) if s.data_files else None)):
-                if value is not None:
-                    kwargs[key] = value
-            try:
-                ds = _datasets().load_dataset(s.path, **kwargs)
-            except Exception as e:
-                raise SourceError(
-                    f"sft source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}",
-                    source=self.name,
-                    file=s.path,
-                ) from e
-            self._dataset = ds
-            self._parts = [f"shard{j:05d}" for j in range(ds.n_shards)]
-        self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
+            return paths
+        kwargs = hub_load_kwargs(s.split, name=s.config_name, data_dir=s.data_dir, revision=s.revision,
+                                 data_files=list(s.data_files) if s.data_files else None)
+        try:
+            self._dataset = _datasets().load_dataset(s.path, **kwargs)
+        except Exception as e:
+            raise SourceError(
+                f"sft source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}",
+                source=self.name,
+                file=s.path,
+            ) from e
+        return [f"shard{j:05d}" for j in range(self._dataset.n_shards)]
 
     def _open_part(self, part: int, position: dict | None):
         if self.spec.kind == "hf":
-            n = len(self._parts)
-            ds = self._dataset.shard(num_shards=n, index=part, contiguous=True) if n > 1 else self._dataset
-            return _DatasetsReader(ds, "", self.name, f"{self._describe()} {self._parts[part]}", position)
+            return _DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
         path = self._parts[part]
         if file_format(path) == "jsonl":
             return _JsonlReader(path, "", self.name, position)
@@ -474,35 +463,10 @@ class ConversationSource(BaseNode[dict]):
     # node ----------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
-        if self._parts is None:
-            self._list_parts()
-        self._close()
-        st = initial_state or {}
-        self._k = int(st.get("part", 0))
-        self._row = int(st.get("row", 0))
-        self._global_row = int(st.get("global_row", 0))
-        self._owned_rows = int(st.get("owned_rows", 0))
-        self._emitted = int(st.get("emitted", 0))
-        self._pos = st.get("pos")
-        self.stats.load_dict(st.get("stats", {}))
-        self.first_where = dict(st.get("first_where", {}))
+        self.first_where = dict((initial_state or {}).get("first_where", {}))
 
     def get_state(self) -> dict[str, Any]:
-        return {
-            "part": self._k,
-            "row": self._row,
-            "global_row": self._global_row,
-            "owned_rows": self._owned_rows,
-            "emitted": self._emitted,
-            "pos": self._reader.position() if self._reader is not None else self._pos,
-            "stats": self.stats.to_dict(),
-            "first_where": dict(self.first_where),
-        }
-
-    def _close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
-        self._reader = None
+        return {**super().get_state(), "first_where": dict(self.first_where)}
 
     def _reject(self, err: ChatFormatError) -> None:
         self.stats.add(self.name, err.reason)
@@ -531,59 +495,20 @@ class ConversationSource(BaseNode[dict]):
         validate_conversation(turns, where=where)
         return turns
 
-    def next(self) -> dict:
-        while True:
-            if self._reader is None:
-                if self._k >= len(self._assigned):
-                    self._check_exhausted()
-                    raise StopIteration
-                part = self._assigned[self._k]
-                try:
-                    self._reader = self._open_part(part, self._pos)
-                except Exception as e:
-                    raise SourceError(
-                        f"sft source {self.name!r}: cannot open {self._parts[part]}: {type(e).__name__}: {e}",
-                        source=self.name,
-                        file=self._parts[part],
-                    ) from e
-                self._reader.row = self._row
-                self._rows = iter(self._reader)
-            try:
-                raw = next(self._rows)
-            except StopIteration:
-                self._close()
-                self._k, self._row, self._pos = self._k + 1, 0, None
-                continue
-            except Exception as e:  # corrupt gzip/zstd/parquet, I/O errors: name the file
-                raise SourceError(
-                    f"sft source {self.name!r}: failed reading {self._where()}: {type(e).__name__}: {e}",
-                    source=self.name,
-                    file=getattr(self._reader, "path", None),
-                ) from e
-            if raw is None:
-                self.stats.add(self.name, BLANK_LINES)
-                continue
-            row, global_row = self._row, self._global_row
-            self._row += 1
-            self._global_row += 1
-            if self._strided and not owns_row(global_row, self.shard):
-                continue
-            self._owned_rows += 1
-            where = self._where()
-            try:
-                turns = self._turns(raw, where)
-            except ChatFormatError as e:
-                self._reject(e)
-                continue
-            self.stats.add(self.name, KEPT)
-            self._emitted += 1
-            return {
-                "turns": turns,
-                "text": conversation_text(turns),
-                "source": self.name,
-                "domain": self.spec.domain,
-                "doc_id": f"{self.name}/{os.path.basename(self._parts[self._assigned[self._k]])}/{row}",
-            }
+    def _document(self, raw: Any, row: int) -> dict | None:
+        try:
+            turns = self._turns(raw, self._where())
+        except ChatFormatError as e:
+            self._reject(e)
+            return None
+        self.stats.add(self.name, KEPT)
+        return {
+            "turns": turns,
+            "text": conversation_text(turns),
+            "source": self.name,
+            "domain": self.domain,
+            "doc_id": f"{self.name}/{os.path.basename(self._parts[self._assigned[self._k]])}/{row}",
+        }
 
     def _check_exhausted(self) -> None:
         if self._emitted:
@@ -674,13 +599,7 @@ class SFTPipeline:
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Counts by stage -> source -> reason (kept, each rejection reason, truncated, ...)."""
-        out: dict[str, dict[str, dict[str, int]]] = {}
-        for chain in self.chains.values():
-            for stage, node in chain.items():
-                st = getattr(node, "stats", None)
-                if isinstance(st, StageStats):
-                    for src, per in st.to_dict().items():
-                        out.setdefault(stage, {}).setdefault(src, {}).update(per)
+        out = chain_stats(self.chains)
         pack = self.windows.packer.stats.to_dict()
         if pack:
             out["pack"] = pack

@@ -30,10 +30,12 @@ from pathlib import Path
 import numpy as np
 import xxhash
 
+from stacklm import atomic
+from stacklm.atomic import TMP_MARK  # temporary files start with this; never matched as shards
+
 SHARD_PREFIX = "shard_"
 TOKENS_SUFFIX = ".tokens.bin"
 META_SUFFIX = ".meta.bin"
-TMP_MARK = ".tmp-"  # temporary files start with this; never matched as shards
 META_DTYPE = np.dtype("<i8")
 META_BYTES = 2 * META_DTYPE.itemsize
 _SHARD_RE = re.compile(rf"^{SHARD_PREFIX}(\d{{5,}}){re.escape(TOKENS_SUFFIX)}$")
@@ -95,26 +97,6 @@ def list_shard_files(directory: str | os.PathLike) -> list[str]:
     return [name for _, name in sorted(found)]
 
 
-def fsync_dir(directory: str | os.PathLike) -> None:
-    """Make renames/creations inside ``directory`` durable (no-op where dirs cannot be opened)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # pragma: no cover - e.g. Windows
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(f, data: memoryview) -> None:
-    """``f.write`` until done. Its own function so tests can simulate a full disk here."""
-    view = memoryview(data).cast("B")
-    while view:
-        n = f.write(view)
-        view = view[n:]
-
-
 def _disk_error(exc: OSError, path: Path, nbytes: int) -> ShardWriteError:
     directory = path.parent
     try:
@@ -134,23 +116,12 @@ def _disk_error(exc: OSError, path: Path, nbytes: int) -> ShardWriteError:
 
 
 def atomic_write_bytes(path: Path, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one, never half."""
-    tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}"
-    payload = memoryview(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data)
+    """``stacklm.atomic.atomic_write_bytes``, with a failed write (typically a full disk)
+    raised as ``ShardWriteError``: it names the file, the room left and how to resume."""
     try:
-        with open(tmp, "wb") as f:
-            _write_all(f, payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        atomic.atomic_write_bytes(path, data, fsync_parent=fsync_parent)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise _disk_error(e, path, payload.nbytes) from e
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync_parent:
-        fsync_dir(path.parent)
+        raise _disk_error(e, path, memoryview(data).nbytes) from e
 
 
 @dataclass(frozen=True)

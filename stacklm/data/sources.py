@@ -339,18 +339,41 @@ def _datasets():
 
 
 # ---------------------------------------------------------------------------------------
-# The part-based node shared by local files and hub streams.
+# The part-based nodes: the reading machinery (shared with ``sft.ConversationSource``), and
+# the text source shared by local files and hub streams.
 
 
-class _PartSource(BaseNode[dict]):
-    def __init__(self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int) -> None:
+def glob_files(patterns: Sequence[str]) -> list[str]:
+    """The files (not folders) matching any of ``patterns`` (``~`` and ``**`` expanded), sorted."""
+    return sorted({p for pat in patterns for p in globlib.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)})
+
+
+def hub_load_kwargs(split: str, **optional: Any) -> dict[str, Any]:
+    """``load_dataset`` keyword arguments for a stream: ``split``, ``streaming`` and every
+    optional one (``name``, ``data_dir``, ``data_files``, ``revision``) that is set."""
+    return {"split": split, "streaming": True, **{k: v for k, v in optional.items() if v is not None}}
+
+
+class _PartNode(BaseNode[dict]):
+    """Rows of parts (files, or a dataset's shards) split across (rank, worker) readers.
+
+    One place for what every part-reading node needs: listing and assigning parts, opening
+    each at its exact position, skipping rows another reader owns, errors that name the part,
+    and the small exact state (part, row, global row, owned rows, emitted, reader position,
+    counts). A subclass lists and opens parts and turns one owned row into a document
+    (``_document``, ``None`` to skip it); ``_check_exhausted`` says why an empty stream is wrong.
+    """
+
+    KIND = "source"  # how messages name this node: "source 'x': ..."
+
+    def __init__(self, name: str, domain: str, *, shard: ShardSpec | None, stage: str = "source") -> None:
         super().__init__()
-        self.name, self.domain, self.text_column = name, domain, text_column
+        self.name, self.domain = name, domain
         self.shard = shard or ShardSpec()
-        self.first_rows_check = first_rows_check
-        self.stats = StageStats("source")
+        self.stats = StageStats(stage)
         self._parts: list[str] | None = None
         self._reader = None
+        self._dataset = None  # the opened hub stream, for nodes reading one
 
     # hooks -------------------------------------------------------------------------
     def _list_parts(self) -> list[str]:
@@ -362,8 +385,22 @@ class _PartSource(BaseNode[dict]):
     def _describe(self) -> str:
         raise NotImplementedError
 
+    def _document(self, raw: Any, row: int) -> dict | None:
+        raise NotImplementedError
+
+    def _check_exhausted(self) -> None:
+        raise NotImplementedError
+
     def _part_path(self, part: int) -> str:
         return self._parts[part]
+
+    def _where(self) -> str:
+        return self._reader.where() if self._reader is not None else self._describe()
+
+    def _hub_shard(self, part: int):
+        """Part ``part`` of the opened hub stream (one contiguous slice of its shards)."""
+        n = len(self._parts)
+        return self._dataset.shard(num_shards=n, index=part, contiguous=True) if n > 1 else self._dataset
 
     # node ----------------------------------------------------------------------------
     def reset(self, initial_state: dict | None = None) -> None:
@@ -397,14 +434,6 @@ class _PartSource(BaseNode[dict]):
             self._reader.close()
         self._reader = None
 
-    def _read_error(self, exc: BaseException) -> SourceError:
-        where = self._reader.where() if self._reader is not None else self._describe()
-        return SourceError(
-            f"source {self.name!r}: failed reading {where}: {type(exc).__name__}: {exc}",
-            source=self.name,
-            file=getattr(self._reader, "path", None),
-        )
-
     def next(self) -> dict:
         while True:
             if self._reader is None:
@@ -418,7 +447,7 @@ class _PartSource(BaseNode[dict]):
                     raise
                 except Exception as e:
                     raise SourceError(
-                        f"source {self.name!r}: cannot open {self._part_path(part)}: {type(e).__name__}: {e}",
+                        f"{self.KIND} {self.name!r}: cannot open {self._part_path(part)}: {type(e).__name__}: {e}",
                         source=self.name,
                         file=self._part_path(part),
                     ) from e
@@ -433,7 +462,11 @@ class _PartSource(BaseNode[dict]):
             except SourceError:
                 raise
             except Exception as e:  # corrupt gzip/zstd/parquet, I/O errors: name the file
-                raise self._read_error(e) from e
+                raise SourceError(
+                    f"{self.KIND} {self.name!r}: failed reading {self._where()}: {type(e).__name__}: {e}",
+                    source=self.name,
+                    file=getattr(self._reader, "path", None),
+                ) from e
             if raw is None:
                 self.stats.add(self.name, BLANK_LINES)
                 continue
@@ -443,24 +476,39 @@ class _PartSource(BaseNode[dict]):
             if self._strided and not owns_row(global_row, self.shard):
                 continue
             self._owned_rows += 1
-            value = self._reader.text_of(raw)
-            text, audit = clean_text(self._as_text(value))
-            if not record_audit(self.stats, self.name, audit):
-                if self._emitted == 0 and self._owned_rows >= self.first_rows_check:
-                    raise EmptySourceError(
-                        f"source {self.name!r}: the first {self._owned_rows} rows of {self._describe()} have no text in "
-                        f"column {self.text_column!r} (last: {self._reader.where()}); check text_column and the files",
-                        source=self.name,
-                        file=self._reader.where(),
-                    )
+            doc = self._document(raw, row)
+            if doc is None:
                 continue
             self._emitted += 1
-            return {
-                "text": text,
-                "source": self.name,
-                "domain": self.domain,
-                "doc_id": f"{self.name}/{self._parts[self._assigned[self._k]]}/{row}",
-            }
+            return doc
+
+
+class _PartSource(_PartNode):
+    """Text documents from the ``text_column`` of each row, after the byte-loss audit."""
+
+    def __init__(self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int) -> None:
+        super().__init__(name, domain, shard=shard)
+        self.text_column = text_column
+        self.first_rows_check = first_rows_check
+
+    def _document(self, raw: Any, row: int) -> dict | None:
+        value = self._reader.text_of(raw)
+        text, audit = clean_text(self._as_text(value))
+        if not record_audit(self.stats, self.name, audit):
+            if self._emitted == 0 and self._owned_rows >= self.first_rows_check:
+                raise EmptySourceError(
+                    f"source {self.name!r}: the first {self._owned_rows} rows of {self._describe()} have no text in "
+                    f"column {self.text_column!r} (last: {self._reader.where()}); check text_column and the files",
+                    source=self.name,
+                    file=self._reader.where(),
+                )
+            return None
+        return {
+            "text": text,
+            "source": self.name,
+            "domain": self.domain,
+            "doc_id": f"{self.name}/{self._parts[self._assigned[self._k]]}/{row}",
+        }
 
     def _as_text(self, value: Any) -> str | bytes:
         if value is None:
@@ -536,7 +584,7 @@ class LocalFileSource(_PartSource):
         return f"files {self.patterns}"
 
     def _list_parts(self) -> list[str]:
-        paths = sorted({p for pat in self.patterns for p in globlib.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)})
+        paths = glob_files(self.patterns)
         if not paths:
             raise SourceNotFoundError(
                 f"source {self.name!r}: glob {self.patterns if len(self.patterns) > 1 else self.patterns[0]!r} matched no "
@@ -607,7 +655,6 @@ class HFStreamSource(_PartSource):
         self.data_dir, self.revision = data_dir, revision
         self.data_files = [data_files] if isinstance(data_files, str) else (list(data_files) if data_files else None)
         self.fallback_offline, self.fallback_seed, self.fallback_docs = fallback_offline, fallback_seed, fallback_docs
-        self._dataset = None
         self._fallback: SyntheticSource | None = None
 
     @classmethod
@@ -627,11 +674,8 @@ class HFStreamSource(_PartSource):
         return f"datasets stream {' '.join(bits)} split={self.split}"
 
     def _load(self):
-        kwargs: dict[str, Any] = {"split": self.split, "streaming": True}
-        for key, value in (("name", self.config_name), ("data_dir", self.data_dir),
-                           ("data_files", self.data_files), ("revision", self.revision)):
-            if value is not None:
-                kwargs[key] = value
+        kwargs = hub_load_kwargs(self.split, name=self.config_name, data_dir=self.data_dir, data_files=self.data_files,
+                                 revision=self.revision)
         return _datasets().load_dataset(self.path, **kwargs)
 
     def _list_parts(self) -> list[str]:  # opening is done by reset(), which may fall back
@@ -654,9 +698,7 @@ class HFStreamSource(_PartSource):
         self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
 
     def _open_part(self, part: int, position: dict | None):
-        n = len(self._parts)
-        ds = self._dataset.shard(num_shards=n, index=part, contiguous=True) if n > 1 else self._dataset
-        return _DatasetsReader(ds, self.text_column, self.name, f"{self._describe()} {self._parts[part]}", position)
+        return _DatasetsReader(self._hub_shard(part), self.text_column, self.name, f"{self._describe()} {self._parts[part]}", position)
 
     def reset(self, initial_state: dict | None = None) -> None:
         st = initial_state or {}

@@ -6,6 +6,7 @@ W&B callback, so "nothing silently lost" is checkable end to end.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -46,3 +47,16 @@ class StageStats:
 
     def __repr__(self) -> str:  # pragma: no cover - debugging aid
         return f"StageStats({self.stage!r}, {self.to_dict()})"
+
+
+def chain_stats(chains: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, dict[str, int]]]:
+    """Stage -> source -> reason counts of every node in ``chains`` (source -> stage -> node)
+    that keeps a ``StageStats`` in ``.stats``: what a built pipeline reports."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for chain in chains.values():
+        for stage, node in chain.items():
+            st = getattr(node, "stats", None)
+            if isinstance(st, StageStats):
+                for src, per in st.to_dict().items():
+                    out.setdefault(stage, {}).setdefault(src, {}).update(per)
+    return out

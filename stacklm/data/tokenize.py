@@ -12,6 +12,7 @@ re-reads and re-encodes that one batch, deterministically.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 from typing import Any
 
 import numpy as np
@@ -75,12 +76,7 @@ class TokenizeNode(BaseNode):
             self._pos = skip
 
     def _fill(self) -> None:
-        docs = []
-        for _ in range(self.batch_docs):
-            try:
-                docs.append(next(self.source))
-            except StopIteration:
-                break
+        docs = list(islice(self.source, self.batch_docs))
         self._batch = tokenize_docs(self.tokenizer, docs, self.num_threads) if docs else []
         self._pos = 0
 

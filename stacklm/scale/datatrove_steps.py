@@ -32,10 +32,10 @@ import dataclasses
 import json
 import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
 
@@ -84,6 +84,16 @@ class _StackStep(PipelineStep):
         return self.plan.prebuild_plan()
 
 
+def _without_summary(data: DocumentsPipeline, summary: dict[str, Any]) -> Iterator[Document]:
+    """The documents of ``data`` less the previous step's summary, which goes into ``summary``
+    (a step passes its counts down the pipeline as one last document)."""
+    for doc in data:
+        if SUMMARY_KEY in doc.metadata:
+            summary.update(doc.metadata[SUMMARY_KEY])
+        else:
+            yield doc
+
+
 class StackMixedDocuments(_StackStep):
     """Reader: this task's slice of every source through holdout, filter, dedup, tokenize,
     the budgeted mix and the shuffle buffer. Ends with one summary document (the counts)."""
@@ -125,15 +135,8 @@ class StackPacker(_StackStep):
         plan = self.built()
         cfg, tok = plan.config, plan.tokenizer
         summary: dict[str, Any] = {}
-
-        def docs():
-            for d in data:
-                if SUMMARY_KEY in d.metadata:
-                    summary.update(d.metadata[SUMMARY_KEY])
-                    continue
-                yield {**d.metadata, "doc_id": d.id}
-
-        node = PackNode(IterableWrapper(docs()), cfg.seq_len, cfg.strategy, tok.bos_id, tok.eos_id, tok.pad_id, cfg.pack_buffer_docs)
+        docs = ({**d.metadata, "doc_id": d.id} for d in _without_summary(data, summary))
+        node = PackNode(IterableWrapper(docs), cfg.seq_len, cfg.strategy, tok.bos_id, tok.eos_id, tok.pad_id, cfg.pack_buffer_docs)
         for i, window in enumerate(node):
             self.stat_update("windows")
             yield Document(text="", id=str(i), metadata={"window": window})
@@ -150,35 +153,18 @@ class StackShardWriter(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.shards import atomic_write_bytes, write_shard
-        from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from
+        from stacklm.data.shards import atomic_write_bytes
+        from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from, write_job_shards
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
         split_dir = plan.out / split
         split_dir.mkdir(parents=True, exist_ok=True)
         _remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
-        buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
-        shards: list[dict] = []
         summary: dict[str, Any] = {}
-        n = 0
-
-        def commit(n: int) -> None:
-            info = write_shard(split_dir, len(shards) * plan.workers + worker, buf[:n], plan.dtype)
-            shards.append(info.to_dict())
-            self.stat_update("shards")
-
-        for doc in data:
-            if SUMMARY_KEY in doc.metadata:
-                summary = doc.metadata[SUMMARY_KEY]
-                continue
-            buf[n] = doc.metadata["window"]
-            n += 1
-            if n == plan.seqs_per_shard:
-                commit(n)
-                n = 0
-        if n:
-            commit(n)
+        windows = (d.metadata["window"] for d in _without_summary(data, summary))
+        shards: list[dict] = []
+        write_job_shards(plan, split_dir, worker, windows, shards, on_shard=lambda: self.stat_update("shards"))
         if not summary:
             raise RuntimeError(f"task {rank}: the packer sent no summary; run StackMixedDocuments -> StackPacker -> StackShardWriter in that order")
         summary["shards"] = shards

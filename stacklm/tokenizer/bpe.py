@@ -14,7 +14,6 @@ import heapq
 import json
 import logging
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -24,6 +23,7 @@ from typing import Any, Literal
 
 import regex
 
+from stacklm.atomic import atomic_write_text
 from stacklm.tokenizer.backends import BACKENDS, get_backend
 from stacklm.tokenizer.specials import (
     DEFAULT_VOCAB_SIZE,
@@ -477,20 +477,6 @@ def _valid_text(text: str) -> str:
         return text
     except UnicodeEncodeError:
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so readers see the old file or the whole new one, never half."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------- training

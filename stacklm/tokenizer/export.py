@@ -41,13 +41,13 @@ import base64
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from stacklm.tokenizer.bpe import StackTokenizer, atomic_write_text
+from stacklm.atomic import atomic_write_bytes, atomic_write_text
+from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.chat_template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN
 
 TIKTOKEN_SIDECAR_FORMAT = "stacklm-tiktoken"
@@ -87,21 +87,6 @@ def hf_to_token(text: str) -> bytes:
     """Inverse of ``token_to_hf``; ``KeyError`` for a char outside the byte-level alphabet."""
     table = unicode_to_bytes()
     return bytes(table[c] for c in text)
-
-
-# ---------------------------------------------------------------------- atomic binary write
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Binary twin of ``bpe.atomic_write_text``: temp file in the same folder, fsync, rename."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---------------------------------------------------------------------- tiktoken

@@ -1,0 +1,63 @@
+"""Crash-safe file writes: readers see the old file or the whole new one, never half.
+
+The one implementation behind shards, manifests, prebuild checkpoints and tokenizer files:
+write a temporary file in the same folder (its name starts with ``TMP_MARK``, so leftovers of
+a killed write are recognisable and never match a real file name), fsync it, rename it over
+the target, then fsync the folder so the rename survives a power cut.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+
+TMP_MARK = ".tmp-"  # temporary files start with this
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make renames/creations inside ``directory`` durable (no-op where dirs cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # pragma: no cover - e.g. Windows
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(f, data: memoryview) -> None:
+    """``f.write`` until done. Its own function so tests can simulate a full disk here."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = f.write(view)
+        view = view[n:]
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
+    """Write ``data`` to ``path`` atomically; on any error the temporary file is removed and
+    the error propagates. ``fsync_parent=False`` skips the folder fsync (a caller renaming
+    several files in one folder fsyncs it once, after the last)."""
+    path = Path(path)
+    # pid and thread both in the name: concurrent writers of one path never share a temp file
+    tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}.{threading.get_ident()}"
+    payload = memoryview(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data)
+    try:
+        with open(tmp, "wb") as f:
+            _write_all(f, payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if fsync_parent:
+        fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str, *, fsync_parent: bool = True) -> None:
+    """``atomic_write_bytes`` of ``text`` encoded as UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"), fsync_parent=fsync_parent)
