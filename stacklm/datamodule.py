@@ -380,8 +380,9 @@ class StackDataModule(L.LightningDataModule):
         val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
             (stream) or a counting pass (sft); ``0`` disables validation.
         train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
-        snapshot_every_n_steps: how often loader workers snapshot their state (resume replays
-            at most this many batches from the last snapshot, deterministically).
+        snapshot_every_n_steps: how often loader workers snapshot their state. A snapshot copies
+            the dedup indexes, so not every batch; a resume replays at most this many batches
+            from the last snapshot, deterministically (the result is still exact).
     """
 
     def __init__(
@@ -396,7 +397,7 @@ class StackDataModule(L.LightningDataModule):
         seed: int = 0,
         val_batches: int | None = None,
         train_batches: int | None = None,
-        snapshot_every_n_steps: int = 1,
+        snapshot_every_n_steps: int = 64,
     ) -> None:
         super().__init__()
         if mode not in MODES:

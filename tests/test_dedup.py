@@ -316,3 +316,15 @@ def test_empty_odd_and_huge_documents():
     assert not ex.is_duplicate(edited)
     assert nd.is_duplicate(edited)
     assert ex.is_duplicate(huge.upper()) and nd.is_duplicate(huge.upper())
+
+
+def test_prenormalised_texts_give_the_same_decisions(real_docs):
+    from stacklm.data.dedup import ExactDeduper, normalize_text
+    from stacklm.data.minhash import NearDeduper
+
+    texts = real_docs[:300] + real_docs[:20] + [t.upper() for t in real_docs[20:40]]
+    norm = [normalize_text(t) for t in texts]
+    a, b = ExactDeduper(), ExactDeduper()
+    assert (a.is_duplicate_batch(texts) == b.is_duplicate_batch(norm, normalized=True)).all()
+    c, d = NearDeduper(), NearDeduper()
+    assert (c.is_duplicate_batch(texts) == d.is_duplicate_batch(norm, normalized=True)).all()

@@ -55,14 +55,16 @@ def normalize_text(text: str) -> str:
     return " ".join(pieces)
 
 
-def text_digest(text: str) -> int:
-    """Nonzero 64-bit xxh3 digest of ``normalize_text(text)`` (0 is the table's empty marker)."""
-    return xxhash.xxh3_64_intdigest(normalize_text(text).encode("utf-8", "surrogatepass")) or 1
+def text_digest(text: str, normalized: bool = False) -> int:
+    """Nonzero 64-bit xxh3 digest of ``normalize_text(text)`` (0 is the table's empty marker);
+    ``normalized=True`` when ``text`` already is."""
+    norm = text if normalized else normalize_text(text)
+    return xxhash.xxh3_64_intdigest(norm.encode("utf-8", "surrogatepass")) or 1
 
 
-def text_digests(texts: Iterable[str]) -> np.ndarray:
+def text_digests(texts: Iterable[str], normalized: bool = False) -> np.ndarray:
     """``text_digest`` of each text, as a ``uint64`` array."""
-    return np.fromiter((text_digest(t) for t in texts), dtype=np.uint64)
+    return np.fromiter((text_digest(t, normalized) for t in texts), dtype=np.uint64)
 
 
 # ---------------------------------------------------------------------------------------
@@ -283,11 +285,14 @@ class ExactDeduper:
         """True if an equal (after normalisation) text was seen; otherwise remember it."""
         return bool(self.is_duplicate_batch([text], source)[0])
 
-    def is_duplicate_batch(self, texts: Sequence[str], sources: Sequence[str] | str | None = None) -> np.ndarray:
+    def is_duplicate_batch(
+        self, texts: Sequence[str], sources: Sequence[str] | str | None = None, *, normalized: bool = False
+    ) -> np.ndarray:
         """Vectorised ``is_duplicate`` over a batch, in order (a later copy of an earlier text in
-        the same batch is a duplicate). Returns a bool array."""
+        the same batch is a duplicate). Returns a bool array. ``normalized=True``: the texts are
+        already ``normalize_text``-ed."""
         srcs = per_doc_sources(sources, len(texts))
-        dup = ~self._seen.add(text_digests(texts))
+        dup = ~self._seen.add(text_digests(texts, normalized))
         count_by_source(self.stats, srcs, ~dup, "kept")
         count_by_source(self.stats, srcs, dup, "exact_dup")
         return dup

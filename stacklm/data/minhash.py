@@ -132,9 +132,10 @@ class MinHasher:
         return {"shingle_size": self.shingle_size, "num_bands": self.num_bands, "rows_per_band": self.rows_per_band, "seed": self.seed}
 
     # -- shingles ------------------------------------------------------------------------
-    def prepare(self, text: str) -> str:
-        """Normalised text, NUL-padded to at least one shingle."""
-        norm = normalize_text(text)
+    def prepare(self, text: str, normalized: bool = False) -> str:
+        """Normalised text (``normalized=True``: already ``normalize_text``-ed), NUL-padded to
+        at least one shingle."""
+        norm = text if normalized else normalize_text(text)
         return norm if len(norm) >= self.shingle_size else norm.ljust(self.shingle_size, "\0")
 
     def _window_hashes(self, cps: np.ndarray) -> np.ndarray:
@@ -199,10 +200,10 @@ class MinHasher:
         return hashes[_run_starts(hashes)]
 
     # -- signatures ----------------------------------------------------------------------
-    def signatures(self, texts: Sequence[str]) -> np.ndarray:
+    def signatures(self, texts: Sequence[str], normalized: bool = False) -> np.ndarray:
         """(len(texts), num_perm) ``uint64`` OPH signatures (see module docstring). A bin holds
         the minimum 64-bit shingle hash among the shingles the high bits sent there."""
-        prepared = [self.prepare(t) for t in texts]
+        prepared = [self.prepare(t, normalized) for t in texts]
         n_docs, n_bins = len(prepared), self.num_perm
         sig = np.full(n_docs * n_bins, _EMPTY, dtype=np.uint64)
         cached: list[tuple[np.ndarray, np.ndarray]] | None = []  # shingles, reused by _densify
@@ -296,8 +297,8 @@ class MinHasher:
         keys[keys == 0] = 1
         return keys
 
-    def keys(self, texts: Sequence[str]) -> np.ndarray:
-        return self.band_keys(self.signatures(texts))
+    def keys(self, texts: Sequence[str], normalized: bool = False) -> np.ndarray:
+        return self.band_keys(self.signatures(texts, normalized))
 
 
 def jaccard(a: np.ndarray, b: np.ndarray) -> float:
@@ -365,13 +366,17 @@ class NearDeduper:
         keys = self.hasher.keys(texts)
         return self._index.contains(keys.ravel()).reshape(keys.shape).any(axis=1)
 
-    def is_duplicate_batch(self, texts: Sequence[str], sources: Sequence[str] | str | None = None) -> np.ndarray:
+    def is_duplicate_batch(
+        self, texts: Sequence[str], sources: Sequence[str] | str | None = None, *, normalized: bool = False
+    ) -> np.ndarray:
         """Vectorised ``is_duplicate``: the same decisions as calling it on each text in order
-        (a text is also checked against earlier texts of the batch that were indexed)."""
+        (a text is also checked against earlier texts of the batch that were indexed).
+        ``normalized=True``: the texts are already ``normalize_text``-ed (saves a second pass
+        when exact dedup normalised them first)."""
         srcs = per_doc_sources(sources, len(texts))
         if not len(texts):
             return np.zeros(0, dtype=bool)
-        keys = self.hasher.keys(texts)
+        keys = self.hasher.keys(texts, normalized)
         dup, indexed = self._decide(keys)
         unindexed = ~dup & ~indexed
         if indexed.any():

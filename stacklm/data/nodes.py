@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.data.dedup import ExactDeduper
+from stacklm.data.dedup import ExactDeduper, normalize_text
 from stacklm.data.filters import FilterConfig, FilterNode
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
@@ -138,17 +138,17 @@ class DedupNode(BaseNode[dict]):
         docs = list(islice(self.source, self.batch_docs))
         if not docs:
             return False
-        texts = [d["text"] for d in docs]
+        texts = [normalize_text(d["text"]) for d in docs]  # once, for both indexes
         sources = [d.get("source", "?") for d in docs]
         keep = np.ones(len(docs), dtype=bool)
         if self.exact is not None:
-            dup = self.exact.is_duplicate_batch(texts, sources)
+            dup = self.exact.is_duplicate_batch(texts, sources, normalized=True)
             keep &= ~dup
             for i in np.flatnonzero(dup):
                 self.stats.add(sources[i], "exact_dup")
         if self.near is not None and keep.any():
             idx = np.flatnonzero(keep)
-            near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx])
+            near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)
             for i in idx[near]:
                 self.stats.add(sources[i], "near_dup")
             keep[idx[near]] = False

@@ -4,20 +4,21 @@ tokenizer's fast path (tiktoken's Rust core, which releases the GIL and encodes 
 
 Why batch-then-yield instead of ``ParallelMapper`` over single documents: the per-item thread
 hand-off costs more than encoding a typical document, while one ``encode_batch`` call keeps
-Python out of the hot loop. Exact resume stays cheap: the state is the source's state at
-the start of the current batch plus how many of that batch were already emitted; restoring
-re-reads and re-encodes that one batch, deterministically.
+Python out of the hot loop. Exact resume stays cheap: the state is the source's state plus the
+documents read but not yet emitted, as one compact token array (see ``TokenizeNode``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import islice
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from stacklm.data.shuffle import decode_docs, encode_docs
 from stacklm.data.stats import StageStats
 
 
@@ -37,11 +38,20 @@ def tokenize_docs(tokenizer, docs: Sequence[dict[str, Any]], num_threads: int = 
 
 
 class TokenizeNode(BaseNode):
-    """Stateful tokenization of a document stream, ``batch_docs`` documents per encode call."""
+    """Stateful tokenization of a document stream, ``batch_docs`` documents per encode call.
+
+    Overlapped: while batch k is encoded on a background thread (tiktoken releases the GIL),
+    the main thread reads batch k+1 from upstream (filter, dedup: Python work) and hands the
+    documents of batch k-1 downstream.
+
+    Nothing is snapshotted per batch (upstream states hold dedup indexes: copying them every
+    few hundred documents would dominate). ``get_state`` is taken only when asked: the
+    source's state now, plus the documents already read but not yet emitted (the rest of
+    the current batch and the encoded read-ahead batch) as one compact token array.
+    """
 
     SOURCE_KEY = "source"
-    BATCH_START_KEY = "batch_start_state"
-    EMITTED_KEY = "emitted_in_batch"
+    PENDING_KEY = "pending"
     STATS_KEY = "stats"
 
     def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 2) -> None:
@@ -55,60 +65,51 @@ class TokenizeNode(BaseNode):
         self.stats = StageStats("tokenize")
         self._batch: list[dict[str, Any]] = []
         self._pos = 0
-        self._batch_start_state: dict | None = None
+        self._ahead: Future | None = None
+        self._executor: ThreadPoolExecutor | None = None
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
+        if self._ahead is not None:
+            self._ahead.result()  # let it finish before the source moves under it
+        self._ahead = None
         self._batch, self._pos = [], 0
         if initial_state is None:
             self.source.reset(None)
             self.stats = StageStats("tokenize")
-            self._batch_start_state = self.source.state_dict()
             return
+        self.source.reset(initial_state[self.SOURCE_KEY])
         self.stats.load_dict(initial_state[self.STATS_KEY])
-        start = initial_state[self.BATCH_START_KEY]
-        self.source.reset(start)
-        self._batch_start_state = start
-        skip = initial_state[self.EMITTED_KEY]
-        if skip:
-            self._fill()
-            self._count_batch()
-            self._pos = skip
+        self._batch = decode_docs(initial_state[self.PENDING_KEY])
 
-    def _fill(self) -> None:
+    def _read(self) -> Future | None:
         docs = list(islice(self.source, self.batch_docs))
-        self._batch = tokenize_docs(self.tokenizer, docs, self.num_threads) if docs else []
-        self._pos = 0
+        if not docs:
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="stacklm-tokenize")
+        return self._executor.submit(tokenize_docs, self.tokenizer, docs, self.num_threads)
 
     def next(self) -> dict[str, Any]:
         if self._pos >= len(self._batch):
-            self._batch_start_state = self.source.state_dict()
-            self._fill()
-            if not self._batch:
+            current = self._ahead if self._ahead is not None else self._read()
+            if current is None:
                 raise StopIteration
-            self._count_batch()
+            self._ahead = self._read()  # upstream work for the next batch overlaps this encode
+            self._batch, self._pos = current.result(), 0
         doc = self._batch[self._pos]
         self._pos += 1
+        src = doc.get("source", "?")
+        self.stats.add(src, "docs")
+        self.stats.add(src, "tokens", int(doc["ids"].size))
         return doc
 
-    def _count_batch(self) -> None:
-        for d in self._batch:
-            self.stats.add(d.get("source", "?"), "docs")
-            self.stats.add(d.get("source", "?"), "tokens", int(d["ids"].size))
-
     def get_state(self) -> dict[str, Any]:
+        pending = self._batch[self._pos :]
+        if self._ahead is not None:
+            pending = pending + self._ahead.result()
         return {
-            self.BATCH_START_KEY: self._batch_start_state,
-            self.EMITTED_KEY: self._pos if self._batch else 0,
-            self.STATS_KEY: self._stats_at_batch_start(),
+            self.SOURCE_KEY: self.source.state_dict(),
+            self.PENDING_KEY: encode_docs(pending),
+            self.STATS_KEY: self.stats.to_dict(),
         }
-
-    def _stats_at_batch_start(self) -> dict:
-        """Counters as of the batch start: the restored node re-counts the batch when it re-reads it."""
-        data = self.stats.to_dict()
-        for d in self._batch:
-            per = data.get(d.get("source", "?"))
-            if per is not None:
-                per["docs"] -= 1
-                per["tokens"] -= int(d["ids"].size)
-        return data
