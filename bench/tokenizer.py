@@ -45,6 +45,7 @@ def _child(kind: str, mb: float, vocab: int, merges: int) -> dict:
             warnings.simplefilter("ignore")
             res = train_from_iterable(iter(docs), vocab, backend=kind)
         info["merges"] = res.n_merges
+        info["merges_sha256"] = __import__("hashlib").sha256(b"\0".join(res.tokenizer.merged_tokens)).hexdigest()
     elif kind == "hf":
         from stacklm.tokenizer.hf_baseline import train_hf_bpe
 
@@ -124,7 +125,8 @@ def main() -> None:
     print(f"fast vs HF: {hf['seconds'] / fast['seconds']:.1f}x faster (target >= 7x); "
           f"peak RSS {fast['peak_rss_mb'] / hf['peak_rss_mb']:.2f} of HF's, "
           f"above the text itself {(fast['peak_rss_mb'] - fast['text_rss_mb']) / max(1e-9, hf['peak_rss_mb'] - hf['text_rss_mb']):.2f} (target <= 0.20)")
-    print(f"from-scratch full vocab vs fast: {res['python']['seconds'] / fast['seconds']:.1f}x slower")
+    print(f"from-scratch full vocab vs fast: {res['python']['seconds'] / fast['seconds']:.1f}x slower; identical merges: "
+          f"{res['python']['merges_sha256'] == fast['merges_sha256']}")
 
     print(f"\n== first {args.naive_merges} merges on the same {args.mb} MB: from-scratch (heap) vs straightforward rescan")
     pre = {k: _run_child(k, args.mb, args.vocab, args.naive_merges) for k in ("python-prefix", "naive-prefix")}
