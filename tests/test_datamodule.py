@@ -58,6 +58,23 @@ def _dm(tokenizer_dir, **kw) -> StackDataModule:
     return StackDataModule(**args)
 
 
+def _crash_and_resume(tokenizer_dir, tmp_path, steps: int, k: int, **kw):
+    """The uninterrupted run's batches, and those of a run that checkpointed at step ``k``,
+    crashed two steps later and was resumed from that checkpoint by a fresh Trainer."""
+    full = BatchRecorder()
+    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
+    crashed = BatchRecorder(crash_after_step=k + 2)
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
+        _trainer(tmp_path / "run1", [ckpt, crashed], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
+    path = tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt"
+    assert path.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert crashed.seen[:k] == full.seen[:k]
+    resumed = BatchRecorder()
+    _trainer(tmp_path / "run2", [resumed], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=path)
+    return full.seen, resumed.seen
+
+
 def _trainer(tmp_path, callbacks, max_steps):
     return L.Trainer(
         accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=1, callbacks=callbacks,
@@ -80,24 +97,9 @@ def test_stream_batches_follow_the_contract(tokenizer_dir):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
     steps, k = 10, 4
-    full = BatchRecorder()
-    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers))
-    assert len(full.seen) == steps
-
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    crashed = BatchRecorder(crash_after_step=k + 2)
-    with pytest.raises((KeyboardInterrupt, SystemExit)):
-        t = _trainer(tmp_path / "run1", [ckpt, crashed], steps)
-        t.fit(TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers))
-    path = tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt"
-    assert path.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-
-    resumed = BatchRecorder()
-    _trainer(tmp_path / "run2", [resumed], steps).fit(
-        TinyLM(512), datamodule=_dm(tokenizer_dir, num_workers=num_workers), ckpt_path=path
-    )
-    assert [h for _, h in crashed.seen[:k]] == [h for _, h in full.seen[:k]]
-    assert resumed.seen == full.seen[k:]
+    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, steps, k, num_workers=num_workers)
+    assert len(full) == steps
+    assert resumed == full[k:]
 
 
 def test_resume_refuses_other_data(tokenizer_dir, tmp_path):
@@ -148,24 +150,21 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
     batches = list(dm.train_dataloader())
     assert len(batches) >= 8
     tok = dm.tokenizer
-    assistant, user = tok.special_ids["<|assistant|>"], tok.special_ids["<|user|>"]
+    roles = torch.tensor([tok.special_ids[r] for r in ("<|system|>", "<|user|>", "<|assistant|>", "<|tool_call|>", "<|tool_result|>")])
+    assistant = tok.special_ids["<|assistant|>"]
     for b in batches:
         trained = b["targets"] != -100
-        # the role markers themselves are never targets of a loss-bearing position
-        assert not (b["targets"][trained] == user).any()
         assert trained.any()
-    steps, k = 8, 3
-    full = BatchRecorder()
-    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    with pytest.raises((KeyboardInterrupt, SystemExit)):
-        _trainer(tmp_path / "r1", [ckpt, BatchRecorder(crash_after_step=k + 1)], steps).fit(
-            TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    resumed = BatchRecorder()
-    _trainer(tmp_path / "r2", [resumed], steps).fit(
-        TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
-    assert resumed.seen == full.seen[k:]
-    assert assistant  # the tokenizer has the role tokens the renderer used
+        # the token each trained position predicts lies in an assistant turn: the last role
+        # marker at or before it (within its conversation) is <|assistant|>
+        for row in range(b["input_ids"].shape[0]):
+            ids, seg = b["input_ids"][row], b["seq_ids"][row]
+            for i in torch.nonzero(trained[row]).flatten().tolist():
+                window = ids[: i + 1][seg[: i + 1] == seg[i]]
+                marks = window[torch.isin(window, roles)]
+                assert len(marks) and int(marks[-1]) == assistant
+    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, 8, 3, **kw)
+    assert resumed == full[3:]
 
 
 def test_stack_100m_config_data_section_builds():
@@ -184,17 +183,8 @@ def test_stack_100m_config_data_section_builds():
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_shards_mode_exact_resume_with_a_real_trainer(tokenizer_dir, shards_dir, tmp_path, num_workers):
     kw = dict(mode="shards", data_dir=str(shards_dir), pipeline=None, num_workers=num_workers)
-    steps, k = 12, 5
-    full = BatchRecorder()
-    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    with pytest.raises((KeyboardInterrupt, SystemExit)):
-        _trainer(tmp_path / "r1", [ckpt, BatchRecorder(crash_after_step=k + 2)], steps).fit(
-            TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    resumed = BatchRecorder()
-    _trainer(tmp_path / "r2", [resumed], steps).fit(
-        TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
-    assert resumed.seen == full.seen[k:]
+    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, 12, 5, **kw)
+    assert resumed == full[5:]
 
 
 def test_shards_mode_refuses_a_model_seq_len_mismatch(tokenizer_dir, shards_dir):

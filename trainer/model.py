@@ -28,6 +28,19 @@ IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "position_ids", "seq_ids", "targets")
 
 
+def coerce_dataclass(cls, value):
+    """``cls`` from an instance, a plain dict (checkpoint hparams, YAML) or ``None`` (defaults);
+    an unknown key is an error that lists the known fields."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    unknown = set(value) - {f.name for f in fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+    return cls(**value)
+
+
 @dataclass
 class GPTConfig:
     """Model shape. Defaults are the Stack-100M model (``stack_100m()``)."""
@@ -72,14 +85,7 @@ class GPTConfig:
     @classmethod
     def coerce(cls, value: GPTConfig | Mapping | None) -> GPTConfig:
         """A config from itself, a plain dict (checkpoint hparams, YAML) or ``None`` (defaults)."""
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown GPTConfig field(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        return cls(**value)
+        return coerce_dataclass(cls, value)
 
     def to_dict(self) -> dict:
         return asdict(self)

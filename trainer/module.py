@@ -18,12 +18,12 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import lightning.pytorch as L
 import torch
 
-from trainer.model import GPT, GPTConfig, check_batch, lm_loss
+from trainer.model import GPT, GPTConfig, check_batch, coerce_dataclass, lm_loss
 
 
 @dataclass
@@ -45,14 +45,7 @@ class OptimConfig:
 
     @classmethod
     def coerce(cls, value: OptimConfig | Mapping | None) -> OptimConfig:
-        if value is None:
-            return cls()
-        if isinstance(value, cls):
-            return value
-        unknown = set(value) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown OptimConfig field(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-        return cls(**value)
+        return coerce_dataclass(cls, value)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
