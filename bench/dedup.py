@@ -45,6 +45,7 @@ from stacklm.data.minhash import (
     MinHasher,
     NearDeduper,
     candidate_probability,
+    edits_for_jaccard,
     inject_edits,
     jaccard,
     share_a_band,
@@ -197,7 +198,7 @@ def bench_accuracy(docs: list[str], n_eval: int = 600, copies: int = 3, seed: in
         base_set = hasher.shingle_set(base)
         for _ in range(copies):
             target = rng.uniform(0.3, 1.0)  # spread the copies over the J range
-            n_edits = max(1, round(base_set.size * (1 - target) / (K * (1 + target)) * rng.uniform(0.5, 1.5)))
+            n_edits = edits_for_jaccard(base_set.size, target, K, rng)
             variant = inject_edits(base, n_edits, rng)
             bases.append(base)
             variants.append(variant)

@@ -20,6 +20,7 @@ stream that runs dry with fully masked batches (counted and warned, never silent
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import warnings
@@ -584,8 +585,7 @@ class StackDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:
         """This rank's cumulative data numbers for ``stacklm.logging.DataStatsCallback``."""
-        out: dict[str, Any] = {"hashes": {"tokenizer": self.tokenizer_hash(), "manifest": self._manifest_hash(),
-                                          "data_config": self.data_config_hash()}}
+        out: dict[str, Any] = {"hashes": dict(self.hashes)}
         loader = self._train_loader
         if loader is not None and self.mode in ("stream", "sft"):
             summaries = _find_summaries(loader.local_state_dict(), [])
@@ -599,9 +599,7 @@ class StackDataModule(L.LightningDataModule):
         """Shards interleave every source inside each window, so per-source delivery is the
         manifest's realized mix scaled by the fraction of the split this rank has served;
         drops and padding are the prebuild's (what was removed before the shards existed)."""
-        import json
-
-        top = json.loads((Path(self.data_dir) / "manifest.json").read_text())
+        top = self._manifest
         split = top["splits"]["train"]
         frac = loader.samples_yielded / max(1, split["n_seq"])
         realized = {
@@ -612,16 +610,25 @@ class StackDataModule(L.LightningDataModule):
         dropped = {"prebuild": {src: {k: v for k, v in per.items() if v} for src, per in top["drops"]["train"].items()}}
         return {"realized": realized, "dropped": dropped, "padding_fraction": split["packing"]["pad_fraction"]}
 
-    def _manifest_hash(self) -> str | None:
-        if self.data_dir is None:
-            return None
-        path = Path(self.data_dir) / "manifest.json"
-        return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    @functools.cached_property
+    def _manifest(self) -> dict[str, Any]:
+        import json
+
+        return json.loads((Path(self.data_dir) / "manifest.json").read_text())
+
+    @functools.cached_property
+    def hashes(self) -> dict[str, str | None]:
+        """Tokenizer, manifest and data-config hashes: fixed for the module's life, so computed
+        once (logging asks for them every few steps, checkpoints at every save)."""
+        manifest = None
+        if self.data_dir is not None and (Path(self.data_dir) / "manifest.json").exists():
+            manifest = hashlib.sha256((Path(self.data_dir) / "manifest.json").read_bytes()).hexdigest()
+        return {"tokenizer": self.tokenizer_hash(), "manifest": manifest, "data_config": self.data_config_hash()}
 
     # ------------------------------------------------------------------ checkpoint guard
     def state_dict(self) -> dict[str, Any]:
         """Stored in the checkpoint: what the data was, so a resume with other data refuses."""
-        return {"mode": self.mode, "data_config_hash": self.data_config_hash(), "tokenizer_hash": self.tokenizer_hash(),
+        return {"mode": self.mode, "data_config_hash": self.hashes["data_config"], "tokenizer_hash": self.hashes["tokenizer"],
                 "seq_len": self.seq_len, "batch_size": self.batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from stacklm.data.minhash import (
     MinHasher,
     NearDeduper,
     candidate_probability,
+    edits_for_jaccard,
     inject_edits,
     jaccard,
     share_a_band,
@@ -188,7 +189,7 @@ def test_near_accuracy_against_exact_jaccard(docs):
         base_set = hasher.shingle_set(base)
         for lo, hi in ((0.85, 1.0), (0.2, 0.5), (0.2, 0.5), (0.6, 0.85)):  # both thresholds and between
             target = rng.uniform(lo, hi)
-            n_edits = max(1, round(base_set.size * (1 - target) / (k * (1 + target)) * rng.uniform(0.5, 1.5)))
+            n_edits = edits_for_jaccard(base_set.size, target, k, rng)
             copy = inject_edits(base, n_edits, rng)
             bases.append(base)
             copies.append(copy)

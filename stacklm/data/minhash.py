@@ -472,6 +472,12 @@ def _earlier_sharing(keys: np.ndarray, rows: np.ndarray) -> dict[int, set[int]]:
     return earlier
 
 
+def edits_for_jaccard(n_shingles: int, target: float, shingle_size: int, rng: np.random.Generator) -> int:
+    """About how many ``inject_edits`` edits move a copy to Jaccard ``target`` (each edit
+    touches ~``shingle_size`` shingles; jittered x0.5-1.5 so copies spread around it)."""
+    return max(1, round(n_shingles * (1 - target) / (shingle_size * (1 + target)) * rng.uniform(0.5, 1.5)))
+
+
 def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
     """``text`` with ``n_edits`` random edits: character substitutions, insertions and
     deletions, and whole-line deletions and duplications. For measuring accuracy against exact
