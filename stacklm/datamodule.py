@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -241,9 +240,6 @@ class _IndexBatches(torch.utils.data.Sampler):
 
     def __iter__(self):
         return self.sampler.batches()
-
-    def __len__(self) -> int:
-        return math.ceil(len(self.sampler) / self.sampler.batch_size)
 
 
 class _BatchFetch:

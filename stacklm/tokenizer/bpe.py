@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import numpy as np
 import regex
 
 from stacklm.atomic import atomic_write_text
@@ -313,11 +314,9 @@ class StackTokenizer:
             out = [[self.bos_id, *ids, self.eos_id] for ids in out]
         return out
 
-    def encode_batch_numpy(self, texts: Sequence[str], num_threads: int = 2) -> list["np.ndarray"]:
+    def encode_batch_numpy(self, texts: Sequence[str], num_threads: int = 2) -> list[np.ndarray]:
         """Untrusted texts -> int32 arrays, straight from tiktoken's token buffer (no Python
         lists: the data pipes want arrays, and building lists costs as much as encoding)."""
-        import numpy as np
-
         if self._tiktoken is None:
             self._tiktoken = self.to_tiktoken()
         core = self._tiktoken._core_bpe
