@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from stacklm.corpus import iter_default_corpus  # noqa: E402
+from stacklm.corpus import iter_default_corpus, iter_default_documents  # noqa: E402
 
 
 def _tokenizer(vocab: int, mb: float):
@@ -66,26 +66,31 @@ def bench_tokenize(tok, texts: list[str], threads: int) -> dict:
     return {"raw_MBps": nbytes / raw_s / 1e6, "node_MBps": nbytes / best / 1e6, "ratio": raw_s / best, "tokens": n_tokens}
 
 
-def _write_sources(texts: list[str], d: Path, files_per_source: int = 4) -> list[dict]:
-    """Two local jsonl sources (a shuffled half each, several files apiece so loader workers
-    split them by whole files) as DataMixEntry dicts."""
-    rng = np.random.default_rng(0)
-    order = rng.permutation(len(texts))
+def _write_sources(docs: list[tuple[str, str]], d: Path, files_per_source: int = 4) -> list[dict]:
+    """One local jsonl source per domain, as a real mix routes them (web prose and the CJK
+    texts through the prose rules, code through the code rules, math through the math rules),
+    weighted by their share of the bytes so they run dry together; several files apiece so
+    loader workers split them by whole files. Returns DataMixEntry dicts."""
+    route = {"prose": "prose", "cjk": "prose", "code": "code", "math": "math"}
+    by_domain: dict[str, list[str]] = {}
+    for domain, text in docs:
+        by_domain.setdefault(route[domain], []).append(text)
+    total = sum(len(t) for texts in by_domain.values() for t in texts)
     entries = []
-    for s, (name, domain) in enumerate((("a", "prose"), ("b", "code"))):
-        mine = order[s::2]
+    for domain, texts in sorted(by_domain.items()):
         files = []
         for k in range(files_per_source):
-            path = d / f"{name}{k}.jsonl"
+            path = d / f"{domain}{k}.jsonl"
             with open(path, "w") as f:
-                for i in mine[k::files_per_source]:
-                    f.write(json.dumps({"text": texts[i]}) + "\n")
+                for text in texts[k::files_per_source]:
+                    f.write(json.dumps({"text": text}) + "\n")
             files.append(str(path))
-        entries.append({"name": name, "kind": "local", "weight": 0.5, "domain": domain, "data_files": files})
+        weight = sum(map(len, texts)) / total
+        entries.append({"name": domain, "kind": "local", "weight": weight, "domain": domain, "data_files": files})
     return entries
 
 
-def bench_end_to_end(tok, texts: list[str], threads: int, seq_len: int = 2048, workers: int = 2, rounds: int = 3) -> dict:
+def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: int = 2048, workers: int = 2, rounds: int = 3) -> dict:
     """Tokens/s out of the whole graph, from start to the last batch (buffer fills included):
     in-process (one reader), and through ``StackDataLoader`` with ``workers`` processes, each
     reading its own files: how a trainer runs it. Raw tiktoken, in-process and workers runs
@@ -94,12 +99,13 @@ def bench_end_to_end(tok, texts: list[str], threads: int, seq_len: int = 2048, w
     from stacklm.data.nodes import PipelineConfig, build_pipeline
     from stacklm.datamodule import StackDataLoader, StreamDataset, _PipelineBuilder
 
+    texts = [text for _, text in docs]
     out: dict = {"workers": workers}
     with tempfile.TemporaryDirectory() as d:
         tok_dir = Path(d) / "tok"
         tok.save(tok_dir / "tokenizer.stacklm.json")
         cfg = PipelineConfig.from_dict({
-            "mix": {"name": "bench", "total_tokens": 10**12, "entries": _write_sources(texts, Path(d))},
+            "mix": {"name": "bench", "total_tokens": 10**12, "entries": _write_sources(docs, Path(d))},
             "seq_len": seq_len, "batch_size": 8, "holdout_fraction": 0.0, "num_threads": threads,
         })
         one_thread = PipelineConfig.from_dict({**cfg.to_dict(), "num_threads": 1})  # the processes are the parallelism
@@ -170,7 +176,8 @@ def main() -> None:
     ap.add_argument("--skip-dedup", action="store_true")
     args = ap.parse_args()
 
-    texts = list(iter_default_corpus(int(args.mb * 1e6)))
+    docs = list(iter_default_documents(int(args.mb * 1e6)))
+    texts = [text for _, text in docs]
     print(f"corpus: {len(texts)} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB")
     tok = _tokenizer(args.vocab, 20)
 
@@ -186,7 +193,7 @@ def main() -> None:
     print(f"raw tiktoken {r['raw_MBps']:.1f} MB/s | TokenizeNode {r['node_MBps']:.1f} MB/s | ratio {r['ratio']:.0%} (target >= 90%)")
 
     print("\n== 3. whole graph end to end vs raw tiktoken")
-    e = bench_end_to_end(tok, texts, args.threads)
+    e = bench_end_to_end(tok, docs, args.threads)
     print(f"raw tiktoken ({args.threads} threads) {e['raw_tokens_per_s'] / 1e6:.2f} M tok/s")
     print(f"pipeline, one process:       {e['pipeline_tokens_per_s'] / 1e6:.2f} M tok/s | ratio {e['ratio']:.0%} "
           f"| {e['seconds']:.1f}s")

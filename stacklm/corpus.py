@@ -117,43 +117,56 @@ def iter_default_corpus(max_bytes: int | None = None) -> Iterator[str]:
     Interleaving (rather than all code, then all prose) keeps a byte-budgeted prefix
     representative of the whole corpus.
     """
+    for _, doc in iter_default_documents(max_bytes):
+        yield doc
 
-    def gen() -> Iterator[str]:
+
+def iter_default_documents(max_bytes: int | None = None) -> Iterator[tuple[str, str]]:
+    """``iter_default_corpus`` with each document's domain: ``(domain, text)`` pairs, so a
+    benchmark can route code to the code rules and prose to the prose rules, as a real mix does."""
+
+    def gen() -> Iterator[tuple[str, str]]:
         code, prose = iter_code(), iter_prose()
-        yield from iter_cjk()
-        yield from iter_math()
+        yield from (("cjk", doc) for doc in iter_cjk())
+        yield from (("math", doc) for doc in iter_math())
         while True:
             got = False
-            for it in (code, prose, prose, prose):
+            for domain, it in (("code", code), ("prose", prose), ("prose", prose), ("prose", prose)):
                 doc = next(it, None)
                 if doc is not None:
                     got = True
-                    yield doc
+                    yield domain, doc
             if not got:
                 return
 
-    yield from _budget(gen(), max_bytes)
+    yield from _budget_labeled(gen(), max_bytes)
 
 
 def _budget(docs, max_bytes: int | None) -> Iterator[str]:
     """Yield whole documents until ``max_bytes`` (UTF-8) would be exceeded; the last may be cut
     at a character boundary so the budget is met exactly."""
+    for _, doc in _budget_labeled(((None, doc) for doc in docs), max_bytes):
+        yield doc
+
+
+def _budget_labeled(docs, max_bytes: int | None) -> Iterator[tuple]:
+    """``_budget`` over ``(label, text)`` pairs; labels pass through unchanged."""
     used = 0
-    for doc in docs:
+    for label, doc in docs:
         if not doc:
             continue
         if max_bytes is None:
-            yield doc
+            yield label, doc
             continue
         b = len(doc.encode("utf-8"))
         if used + b <= max_bytes:
             used += b
-            yield doc
+            yield label, doc
             if used == max_bytes:
                 return
         else:
             room = max_bytes - used
             cut = doc.encode("utf-8")[:room].decode("utf-8", errors="ignore")
             if cut:
-                yield cut
+                yield label, cut
             return

@@ -58,6 +58,12 @@ def _same(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
+def _one_buffer(batch: dict) -> None:
+    """Like collate's: one buffer per batch, so a loader worker ships one shared-memory block."""
+    assert len({t.untyped_storage().data_ptr() for t in batch.values()}) == 1
+    assert all(t.is_contiguous() for t in batch.values())
+
+
 # ---------------------------------------------------------------------------------------
 # Batch contract: shards derive exactly what the stream's collate derives
 # ---------------------------------------------------------------------------------------
@@ -67,7 +73,9 @@ def test_derive_batch_equals_collate_on_packed_text(tok, windows, strategy):
     stored = w.astype(token_dtype(tok.vocab_size))  # what a shard holds
     specials = (tok.bos_id, tok.eos_id, tok.pad_id)
     for lo in range(0, len(w), 7):
-        _same(derive_batch(stored[lo : lo + 7], *specials), collate(w[lo : lo + 7], *specials))
+        got = derive_batch(stored[lo : lo + 7], *specials)
+        _same(got, collate(w[lo : lo + 7], *specials))
+        _one_buffer(got)
 
 
 def test_derive_batch_equals_collate_on_adversarial_rows():

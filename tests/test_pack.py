@@ -215,6 +215,16 @@ def test_collate_matches_a_per_token_reference(strategy):
     assert bool(((steps == 0) | (steps == 1)).all()) and bool((b["seq_ids"][:, 0] == 0).all())
 
 
+def test_collate_fields_are_contiguous_views_of_one_buffer():
+    """A loader worker sends one shared-memory block per batch, not four (one fd round trip)."""
+    b = collate(list(pack_greedy(_random_docs(40, seed=1), 24, BOS, EOS, PAD))[:5], BOS, EOS, PAD)
+    storages = {t.untyped_storage().data_ptr() for t in b.values()}
+    assert len(storages) == 1
+    assert all(t.is_contiguous() and t.dtype == torch.long and t.shape == (5, 23) for t in b.values())
+    b["targets"][:] = 7  # the views do not overlap
+    assert not bool((b["input_ids"] == 7).all()) and not bool((b["seq_ids"] == 7).all())
+
+
 def test_targets_follow_true_document_membership():
     """Label every token with the document it came from (greedy: known from the stream) and
     check -100 is set exactly where the next token is padding or another document's."""

@@ -176,8 +176,15 @@ def test_truncated_or_missing_artifact(small_tokenizer, tmp_path):
 def test_encode_batch_numpy_equals_encode(small_tokenizer):
     import numpy as np
 
-    texts = [PROBE, "a\ud800b", ""] + list(iter_domain("code", 100_000))
-    for threads in (1, 2):
+    # Texts go to the core joined by the pad token: texts holding that string, other
+    # specials, surrogates, empty and whitespace-only texts must still encode on their own
+    # (untrusted: never a special id), and chunk edges must not move a token.
+    odd = ["<|pad|>", "x<|pad|>y", "<|bos|> hi <|eos|>", " ", "  \n", "\n", "a\ud800b", ""]
+    code = list(iter_domain("code", 100_000))
+    texts = [PROBE, *odd] + code[:7] + odd + code[7:]
+    for threads in (1, 2, 3):
         arrays = small_tokenizer.encode_batch_numpy(texts, num_threads=threads)
         assert all(a.dtype == np.int32 for a in arrays)
         assert [a.tolist() for a in arrays] == [small_tokenizer.encode(t) for t in texts]
+    assert small_tokenizer.encode_batch_numpy([]) == []
+    assert [a.tolist() for a in small_tokenizer.encode_batch_numpy(["<|pad|>"] * 3)] == [small_tokenizer.encode("<|pad|>")] * 3

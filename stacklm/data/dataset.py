@@ -76,21 +76,18 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
     lengths = np.empty(n, dtype=np.int64)
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
     lengths[-1] = B * T - starts[-1]
-    position_ids = np.repeat(starts, lengths)
-    np.subtract(_arange(B * T), position_ids, out=position_ids)
+    out = np.empty((4, B, T), dtype=np.int64)  # one buffer: see ``pack.collate``
+    input_ids, targets, position_ids, seq_ids = out
+    np.subtract(_arange(B * T), np.repeat(starts, lengths), out=position_ids.reshape(-1))
     first_of_row = np.searchsorted(starts, _arange(B) * T)  # index of each row's first segment
-    seq_ids = np.repeat(_arange(n) - first_of_row[starts // T], lengths)
-    input_ids = rows[:, :T].astype(np.int64)
-    targets = rows[:, 1:].astype(np.int64)
+    seq_ids.reshape(-1)[:] = np.repeat(_arange(n) - first_of_row[starts // T], lengths)
+    input_ids[:] = rows[:, :T]
+    targets[:] = rows[:, 1:]
     targets.reshape(-1)[(where - row - 1)[col > 0]] = IGNORE_INDEX  # the target would start a segment
     for r in pad_rows:
         np.copyto(targets[r], IGNORE_INDEX, where=is_pad[r, 1:])
-    return {
-        "input_ids": torch.from_numpy(input_ids),
-        "targets": torch.from_numpy(targets),
-        "position_ids": torch.from_numpy(position_ids.reshape(B, T)),
-        "seq_ids": torch.from_numpy(seq_ids.reshape(B, T)),
-    }
+    t = torch.from_numpy(out)
+    return {"input_ids": t[0], "targets": t[1], "position_ids": t[2], "seq_ids": t[3]}
 
 
 # ---------------------------------------------------------------------------------------

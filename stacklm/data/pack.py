@@ -320,20 +320,26 @@ def segment_layout(windows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -
 
 
 def collate(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """Windows (each ``seq_len`` tokens) → the batch contract, ``torch.long`` of shape (B, seq_len-1)."""
+    """Windows (each ``seq_len`` tokens) → the batch contract, ``torch.long`` of shape (B, seq_len-1).
+
+    The four tensors are contiguous views of one (4, B, seq_len-1) buffer: a loader worker
+    then hands the main process one shared-memory block per batch instead of four (each
+    block costs a file-descriptor round trip, about 0.4 ms).
+    """
     w = np.asarray(windows) if isinstance(windows, np.ndarray) else np.stack(windows)
     w = w.astype(np.int64, copy=False)
     if w.ndim != 2 or w.shape[1] < 2:
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {w.shape}")
     seg, pos = segment_layout(w, bos_id, eos_id, pad_id)
-    targets = w[:, 1:].copy()
+    out = np.empty((4, w.shape[0], w.shape[1] - 1), dtype=np.int64)
+    inputs, targets, positions, segments = out
+    inputs[:] = w[:, :-1]
+    targets[:] = w[:, 1:]
     targets[(seg[:, 1:] != seg[:, :-1]) | (w[:, 1:] == pad_id)] = IGNORE_INDEX
-    return {
-        "input_ids": torch.from_numpy(np.ascontiguousarray(w[:, :-1])),
-        "targets": torch.from_numpy(targets),
-        "position_ids": torch.from_numpy(np.ascontiguousarray(pos[:, :-1])),
-        "seq_ids": torch.from_numpy(np.ascontiguousarray(seg[:, :-1])),
-    }
+    positions[:] = pos[:, :-1]
+    segments[:] = seg[:, :-1]
+    t = torch.from_numpy(out)
+    return {"input_ids": t[0], "targets": t[1], "position_ids": t[2], "seq_ids": t[3]}
 
 
 def window_to_example(window: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
