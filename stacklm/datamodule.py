@@ -36,20 +36,9 @@ from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 
 MODES = ("shards", "stream", "sft")
-STATS_KEY = "stacklm_stats"
-
-
-def _find_summaries(obj: Any, out: list) -> list:
-    """Every worker summary inside a (possibly nested) loader state."""
-    if isinstance(obj, dict):
-        if STATS_KEY in obj:
-            out.append(obj[STATS_KEY])
-        for v in obj.values():
-            _find_summaries(v, out)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            _find_summaries(v, out)
-    return out
+DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
+SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
+SUMMARY_EVERY_N_BATCHES = 8
 
 
 def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,7 +86,10 @@ class _StreamIterator:
     """One worker's stream: builds its node graph lazily, yields exactly ``n_batches``.
 
     Stateful (``state_dict``/``load_state_dict``) so ``StatefulDataLoader`` snapshots it in
-    the worker and restores it there before iteration resumes.
+    the worker and restores it there before iteration resumes. Every
+    ``SUMMARY_EVERY_N_BATCHES`` batches (and with the last) a small summary of what the
+    worker delivered rides on the batch under ``SUMMARY_KEY``; ``StackDataLoader`` takes it
+    off, so logging stays fresh while the heavy state snapshots stay rare.
     """
 
     def __init__(self, dataset: "StreamDataset", shard: ShardSpec) -> None:
@@ -132,16 +124,18 @@ class _StreamIterator:
             self.padded += 1
             batch = _padding_batch(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
         self.yielded += 1
+        if self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.ds.n_batches or self.padded == 1:
+            batch = {**batch, SUMMARY_KEY: self.summary()}
         return batch
 
-    def state_dict(self) -> dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
+        """What this worker delivered so far (cumulative; restored with the state on resume)."""
         graph = self._graph()
-        # the summary rides along with the state, so the main process can log what its
-        # workers did (``StackDataModule.data_stats``) without another channel
-        summary = {"realized": graph.realized(), "stats": graph.stats(), "packing": graph.packing(),
-                   "padding_batches": self.padded}
-        return {"graph": graph.batches.state_dict(), "yielded": self.yielded, "padded": self.padded,
-                STATS_KEY: summary}
+        return {"worker": self.shard.worker, "realized": graph.realized(), "stats": graph.stats(),
+                "packing": graph.packing(), "padding_batches": self.padded}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._graph().batches.reset(state["graph"])
@@ -221,9 +215,17 @@ class StackDataLoader(StatefulDataLoader):
     different part of the stream) and each rank restores its own.
     """
 
-    def local_state_dict(self) -> dict[str, Any]:
-        """This rank's raw loader state (no collective): what logging reads."""
-        return super().state_dict()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.worker_summaries: dict[int, dict[str, Any]] = {}  # worker id -> its latest summary
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            if isinstance(batch, dict) and SUMMARY_KEY in batch:
+                batch = dict(batch)
+                summary = batch.pop(SUMMARY_KEY)
+                self.worker_summaries[summary["worker"]] = summary
+            yield batch
 
     def state_dict(self) -> dict[str, Any]:
         return {"per_rank": to_checkpoint_safe(gather_from_ranks(super().state_dict()))}
@@ -377,9 +379,14 @@ class StackDataModule(L.LightningDataModule):
         val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
             (stream) or a counting pass (sft); ``0`` disables validation.
         train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
-        snapshot_every_n_steps: how often loader workers snapshot their state. A snapshot copies
-            the dedup indexes, so not every batch; a resume replays at most this many batches
-            from the last snapshot, deterministically (the result is still exact).
+        snapshot_every_n_steps: how often loader workers send their state to the main process.
+            A snapshot copies the shuffle buffer and the dedup indexes (~190 MB per million
+            documents), and ``StatefulDataLoader`` takes ``3 x num_workers + 1`` of them (prefetch 2)
+            around each multiple of this interval, so it must be rare. A resume replays at most
+            this many batches from the last snapshot, deterministically (still exact).
+            ``None`` (default): the trainer's step checkpoint interval
+            (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
+            ``DEFAULT_SNAPSHOT_STEPS``.
     """
 
     def __init__(
@@ -394,7 +401,7 @@ class StackDataModule(L.LightningDataModule):
         seed: int = 0,
         val_batches: int | None = None,
         train_batches: int | None = None,
-        snapshot_every_n_steps: int = 64,
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -405,6 +412,11 @@ class StackDataModule(L.LightningDataModule):
             raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
         if mode in ("stream", "sft") and pipeline is None:
             raise DataConfigError(f"StackDataModule(mode={mode!r}): pass pipeline=<config dict>")
+        if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
+            raise DataConfigError(
+                f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
+                f"got {snapshot_every_n_steps}"
+            )
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
@@ -497,8 +509,17 @@ class StackDataModule(L.LightningDataModule):
             batch_size=None,
             num_workers=self.num_workers,
             persistent_workers=False,
-            snapshot_every_n_steps=self.snapshot_every_n_steps,
+            snapshot_every_n_steps=self.snapshot_interval(),
         )
+
+    def snapshot_interval(self) -> int:
+        """Steps between worker state snapshots (see ``snapshot_every_n_steps``)."""
+        if self.snapshot_every_n_steps is not None:
+            return int(self.snapshot_every_n_steps)
+        trainer = getattr(self, "trainer", None)
+        steps = [getattr(cb, "_every_n_train_steps", 0) or 0 for cb in (trainer.checkpoint_callbacks if trainer else [])]
+        steps = [n for n in steps if n > 0]
+        return min(steps) if steps else DEFAULT_SNAPSHOT_STEPS
 
     def train_dataloader(self):
         if self.mode == "stream":
@@ -584,9 +605,8 @@ class StackDataModule(L.LightningDataModule):
         out: dict[str, Any] = {"hashes": dict(self.hashes)}
         loader = self._train_loader
         if loader is not None and self.mode in ("stream", "sft"):
-            summaries = _find_summaries(loader.local_state_dict(), [])
-            if summaries:
-                out.update(merge_worker_summaries(summaries))
+            if loader.worker_summaries:
+                out.update(merge_worker_summaries(list(loader.worker_summaries.values())))
         elif loader is not None and self.mode == "shards":
             out.update(self._shards_stats(loader))
         return out

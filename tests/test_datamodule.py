@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.datamodule import DataConfigError, StackDataModule
+from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, SUMMARY_EVERY_N_BATCHES, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
 
 SEQ_LEN, BATCH = 64, 2
@@ -102,6 +102,23 @@ def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
     assert resumed == full[k:]
 
 
+def test_worker_snapshots_follow_the_checkpoint_interval(tokenizer_dir, tmp_path):
+    """Snapshots copy the shuffle buffer and dedup indexes, so they are rare by default: at the
+    trainer's step checkpoint interval, where a resume then replays no batch at all."""
+    assert _dm(tokenizer_dir).snapshot_interval() == DEFAULT_SNAPSHOT_STEPS  # no trainer to follow
+    assert _dm(tokenizer_dir, snapshot_every_n_steps=5).snapshot_interval() == 5
+    with pytest.raises(DataConfigError, match="snapshot_every_n_steps"):
+        _dm(tokenizer_dir, snapshot_every_n_steps=0)
+    dm = _dm(tokenizer_dir, num_workers=2)
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    _trainer(tmp_path, [ckpt], 6).fit(TinyLM(512), datamodule=dm)
+    assert dm.snapshot_interval() == 3
+    for step in (3, 6):
+        state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)
+        (loader,) = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+        assert loader["per_rank"][0]["_steps_since_snapshot"] == 0
+
+
 def test_resume_refuses_other_data(tokenizer_dir, tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     _trainer(tmp_path, [ckpt], 2).fit(TinyLM(512), datamodule=_dm(tokenizer_dir))
@@ -125,9 +142,13 @@ def test_data_stats_report_what_the_workers_delivered(tokenizer_dir):
     dm = _dm(tokenizer_dir, num_workers=2)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    n = 0
-    for _ in loader:
-        n += 1
+    seen = []
+    for n, batch in enumerate(loader, 1):
+        assert set(batch) == {"input_ids", "position_ids", "seq_ids", "targets"}  # the summary was taken off
+        if n == 2 * SUMMARY_EVERY_N_BATCHES:  # fresh mid-epoch, long before any state snapshot
+            seen.append(sum(r["tokens"] for r in dm.data_stats()["realized"].values()))
+    assert loader.snapshot_every_n_steps == DEFAULT_SNAPSHOT_STEPS > n
+    assert seen[0] > 0  # a snapshot-only channel would still show the start-up state: nothing
     stats = dm.data_stats()
     real = stats["realized"]
     # 12,000 tokens split over 2 workers, each meeting its 70/30 budget exactly
