@@ -42,7 +42,8 @@ class TokenizeNode(BaseNode):
 
     Overlapped: while batch k is encoded on a background thread (tiktoken releases the GIL),
     the main thread reads batch k+1 from upstream (filter, dedup: Python work) and hands the
-    documents of batch k-1 downstream.
+    documents of batch k-1 downstream. Batch k+1 starts encoding as soon as it is read, on a
+    second background thread, so the shared encode threads never idle at batch k's tail.
 
     Nothing is snapshotted per batch (upstream states hold dedup indexes: copying them every
     few hundred documents would dominate). ``get_state`` is taken only when asked: the
@@ -87,7 +88,7 @@ class TokenizeNode(BaseNode):
         if not docs:
             return None
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="stacklm-tokenize")
+            self._executor = ThreadPoolExecutor(2, thread_name_prefix="stacklm-tokenize")
         return self._executor.submit(tokenize_docs, self.tokenizer, docs, self.num_threads)
 
     def next(self) -> dict[str, Any]:

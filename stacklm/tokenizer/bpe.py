@@ -14,6 +14,7 @@ import heapq
 import json
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Iterable, Sequence
@@ -327,18 +328,19 @@ class StackTokenizer:
         The separator is the pad token, allowed only in that call; a text that contains its
         string (or lone surrogates) is encoded on its own, as untrusted text.
         """
-        if self._tiktoken is None:
-            self._tiktoken = self.to_tiktoken()
+        with _LAZY_INIT:  # the data pipes call this from several threads at once
+            if self._tiktoken is None:
+                self._tiktoken = self.to_tiktoken()
+            pool = self._pool
+            if num_threads > 1 and (pool is None or pool._max_workers != num_threads):
+                from concurrent.futures import ThreadPoolExecutor
+
+                pool = self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="stacklm-encode")
         if not isinstance(texts, list):
             texts = list(texts)
         chunks = _balanced_chunks(texts, 1 if num_threads <= 1 else 4 * num_threads)
         if num_threads <= 1 or len(chunks) < 2:
             return [ids for lo, hi in chunks for ids in self._encode_joined(texts[lo:hi])]
-        pool = self._pool
-        if pool is None or pool._max_workers != num_threads:
-            from concurrent.futures import ThreadPoolExecutor
-
-            pool = self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="stacklm-encode")
         return [ids for part in pool.map(lambda span: self._encode_joined(texts[span[0] : span[1]]), chunks) for ids in part]
 
     def _encode_joined(self, texts: list[str]) -> list[np.ndarray]:
@@ -496,6 +498,9 @@ class StackTokenizer:
 
     def __repr__(self) -> str:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
+
+
+_LAZY_INIT = threading.Lock()
 
 
 def _balanced_chunks(texts: Sequence[str], n: int) -> list[tuple[int, int]]:
