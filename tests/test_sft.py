@@ -194,6 +194,9 @@ def test_collate_rejects_nothing_and_pads_as_its_own_segment(tok):
     batch = collate_sft(windows, tok.bos_id, tok.eos_id, tok.pad_id)
     assert batch["seq_ids"][0].tolist()[: 2 * len(a)] == [0] * len(a) + [1] * len(a)
     assert batch["seq_ids"][0, 2 * len(a)] == 2  # padding
+    # one buffer per batch, as in pre-training batches: one shared-memory block per worker batch
+    assert len({t.untyped_storage().data_ptr() for t in batch.values()}) == 1
+    assert all(t.is_contiguous() and t.dtype == torch.long for t in batch.values())
     with pytest.raises(ValueError, match="seq_len"):
         ConversationPacker(4, tok.bos_id, tok.eos_id, tok.pad_id).push({"ids": a, "doc_id": "x"})
 

@@ -28,7 +28,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.pack import IGNORE_INDEX
+from stacklm.data.pack import IGNORE_INDEX, contract_batch, contract_buffer
 from stacklm.data.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
@@ -76,7 +76,7 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
     lengths = np.empty(n, dtype=np.int64)
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
     lengths[-1] = B * T - starts[-1]
-    out = np.empty((4, B, T), dtype=np.int64)  # one buffer: see ``pack.collate``
+    out = contract_buffer(B, T)
     input_ids, targets, position_ids, seq_ids = out
     np.subtract(_arange(B * T), np.repeat(starts, lengths), out=position_ids.reshape(-1))
     first_of_row = np.searchsorted(starts, _arange(B) * T)  # index of each row's first segment
@@ -86,8 +86,7 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
     targets.reshape(-1)[(where - row - 1)[col > 0]] = IGNORE_INDEX  # the target would start a segment
     for r in pad_rows:
         np.copyto(targets[r], IGNORE_INDEX, where=is_pad[r, 1:])
-    t = torch.from_numpy(out)
-    return {"input_ids": t[0], "targets": t[1], "position_ids": t[2], "seq_ids": t[3]}
+    return contract_batch(out)
 
 
 # ---------------------------------------------------------------------------------------

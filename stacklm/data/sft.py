@@ -51,7 +51,7 @@ from stacklm.chat import (
     validate_conversation,
 )
 from stacklm.data.audit import clean_text
-from stacklm.data.pack import BestFitPacker, PackNode, segment_layout
+from stacklm.data.pack import BestFitPacker, PackNode, contract_batch, contract_buffer, segment_layout
 from stacklm.data.shuffle import HoldoutNode, ShuffleNode
 from stacklm.data.sources import (
     EmptySourceError,
@@ -263,12 +263,13 @@ def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id:
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {w.shape}")
     ids, loss = untag_loss(w.astype(np.int64, copy=False))
     seg, pos = segment_layout(ids, bos_id, eos_id, pad_id)
-    return {
-        "input_ids": torch.from_numpy(np.ascontiguousarray(ids[:, :-1])),
-        "targets": torch.from_numpy(np.where(loss[:, 1:], ids[:, 1:], IGNORE_INDEX)),
-        "position_ids": torch.from_numpy(np.ascontiguousarray(pos[:, :-1])),
-        "seq_ids": torch.from_numpy(np.ascontiguousarray(seg[:, :-1])),
-    }
+    out = contract_buffer(ids.shape[0], ids.shape[1] - 1)
+    inputs, targets, positions, segments = out
+    inputs[:] = ids[:, :-1]
+    np.copyto(targets, np.where(loss[:, 1:], ids[:, 1:], IGNORE_INDEX))
+    positions[:] = pos[:, :-1]
+    segments[:] = seg[:, :-1]
+    return contract_batch(out)
 
 
 class CollateSFT:
