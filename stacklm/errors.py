@@ -1,0 +1,21 @@
+"""The one base class of errors a user can fix.
+
+Everything that goes wrong because of what the user gave us (a path, a config key or value,
+a broken source, a full disk, a missing optional dependency) raises a ``StackLMError``
+subclass whose message names the file, field or package and says what to do. The command
+line prints such an error as one line and exits with status 2 (``--debug`` shows the
+traceback); any other exception is a bug in stacklm and keeps its traceback.
+
+Subclasses keep a second, built-in base where callers already catch one (``ValueError`` for
+bad values, ``FileNotFoundError`` for missing files, ...), so ``except ValueError`` still works.
+"""
+
+from __future__ import annotations
+
+
+class StackLMError(Exception):
+    """An error the user can fix; the message names what is wrong and the fix."""
+
+
+class ConfigError(StackLMError, ValueError):
+    """A config file, section, key or value is wrong; the message names where."""
