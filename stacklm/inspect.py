@@ -596,7 +596,7 @@ def _count_text(report: Report, domain: str, text: str, tok: InspectTokenizer) -
 
 def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
     """``(where, raw)`` for up to ``limit`` rows: bytes per JSON line, dicts for parquet."""
-    from stacklm.data.sources import _open_binary, file_format
+    from stacklm.data.sources import file_format, open_binary as _open_binary
 
     try:
         fmt = file_format(str(path))

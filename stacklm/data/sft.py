@@ -54,17 +54,17 @@ from stacklm.data.audit import clean_text
 from stacklm.data.pack import BestFitPacker, PackNode, contract_batch, contract_buffer, segment_layout
 from stacklm.data.shuffle import HoldoutNode, ShuffleNode
 from stacklm.data.sources import (
+    DatasetsReader,
     EmptySourceError,
+    JsonlReader,
+    PartNode,
     ShardSpec,
     SourceError,
     SourceNotFoundError,
-    _datasets,
-    _DatasetsReader,
-    _JsonlReader,
-    _PartNode,
     file_format,
     glob_files,
     hub_load_kwargs,
+    import_datasets,
 )
 from stacklm.data.stats import StageStats, chain_stats
 
@@ -377,13 +377,13 @@ def conversation_text(turns: Sequence[Turn]) -> str:
     return "\n".join(f"{t.role}: {t.content}" for t in turns)
 
 
-class ConversationSource(_PartNode):
+class ConversationSource(PartNode):
     """Conversations of one ``SFTSourceConfig`` as ``{"turns", "text", "source", "domain",
     "doc_id"}``, validated (``chat.validate_conversation``) and with every rejection counted.
 
     Reading is by parts (files, or a hub dataset's shards) split across (rank, worker) with
     ``sources.assign_parts``, through the same machinery as the pre-training sources
-    (``sources._PartNode``); the state is theirs plus the first location of each rejection
+    (``sources.PartNode``); the state is theirs plus the first location of each rejection
     reason.
     """
 
@@ -437,7 +437,7 @@ class ConversationSource(_PartNode):
         kwargs = hub_load_kwargs(s.split, name=s.config_name, data_dir=s.data_dir, revision=s.revision,
                                  data_files=list(s.data_files) if s.data_files else None)
         try:
-            self._dataset = _datasets().load_dataset(s.path, **kwargs)
+            self._dataset = import_datasets().load_dataset(s.path, **kwargs)
         except Exception as e:
             raise SourceError(
                 f"sft source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}",
@@ -448,16 +448,16 @@ class ConversationSource(_PartNode):
 
     def _open_part(self, part: int, position: dict | None):
         if self.spec.kind == "hf":
-            return _DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
+            return DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
         path = self._parts[part]
         if file_format(path) == "jsonl":
-            return _JsonlReader(path, "", self.name, position)
-        ds = _datasets().load_dataset("parquet", data_files=[path], split="train", streaming=True)
-        return _DatasetsReader(ds, "", self.name, path, position)
+            return JsonlReader(path, "", self.name, position)
+        ds = import_datasets().load_dataset("parquet", data_files=[path], split="train", streaming=True)
+        return DatasetsReader(ds, "", self.name, path, position)
 
     def _where(self) -> str:
         r = self._reader
-        if isinstance(r, _JsonlReader):
+        if isinstance(r, JsonlReader):
             return f"{r.path}:{r.line}"
         return f"{r.label} row {r.row - 1}"
 

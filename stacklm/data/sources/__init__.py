@@ -1,0 +1,72 @@
+"""Document sources: Hugging Face streams, local files, and an offline synthetic corpus.
+
+Every source is a ``torchdata.nodes.BaseNode`` yielding documents
+``{"text", "source", "domain", "doc_id"}`` after the byte-loss audit (``audit.clean_text``),
+with its counts in ``node.stats`` (a ``StageStats``).
+
+One module per stage of reading:
+
+- ``sharding``: which rows a (rank, worker) reader takes (``ShardSpec``, ``assign_parts``);
+- ``readers``: raw rows of one file or hub shard with an exact position (jsonl, txt, zstd,
+  ``datasets`` streams);
+- ``parts``: the part-reading node every source shares (also ``sft``'s conversation source)
+  and the text source of files and hub streams;
+- ``files``: local files (``LocalFileSource``, ``file_format``, ``glob_files``);
+- ``hub``: Hugging Face streams with the offline fallback (``HFStreamSource``);
+- ``synthetic``: the offline synthetic corpus as a node (``SyntheticSource``; the text itself
+  is ``stacklm.corpus.synthetic``);
+- ``entry``: ``open_source``, the node for one data-mix registry entry;
+- ``errors``: the errors, each naming the source and the file or hub path.
+"""
+
+from stacklm.corpus.synthetic import (
+    EXACT_DUP_EVERY,
+    NEAR_DUP_EVERY,
+    near_edit,
+    synthetic_duplicate_of,
+    synthetic_duplicate_of_slot,
+    synthetic_text,
+)
+from stacklm.data.sources.entry import open_source
+from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError, column_error
+from stacklm.data.sources.files import LocalFileSource, file_format, glob_files
+from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, hub_load_kwargs
+from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, TextPartSource
+from stacklm.data.sources.readers import DatasetsReader, JsonlReader, TextFileReader, import_datasets, open_binary
+from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
+from stacklm.data.sources.synthetic import DEFAULT_SYNTHETIC_DOCS, SyntheticSource
+
+__all__ = [
+    "BLANK_LINES",
+    "DEFAULT_SYNTHETIC_DOCS",
+    "EXACT_DUP_EVERY",
+    "FALLBACK_OFFLINE",
+    "FIRST_ROWS_CHECK",
+    "NEAR_DUP_EVERY",
+    "DatasetsReader",
+    "EmptySourceError",
+    "HFStreamSource",
+    "JsonlReader",
+    "LocalFileSource",
+    "PartNode",
+    "ShardSpec",
+    "SourceError",
+    "SourceNotFoundError",
+    "SyntheticSource",
+    "TextColumnError",
+    "TextFileReader",
+    "TextPartSource",
+    "assign_parts",
+    "column_error",
+    "file_format",
+    "glob_files",
+    "hub_load_kwargs",
+    "import_datasets",
+    "near_edit",
+    "open_binary",
+    "open_source",
+    "owns_row",
+    "synthetic_duplicate_of",
+    "synthetic_duplicate_of_slot",
+    "synthetic_text",
+]

@@ -1,0 +1,40 @@
+"""Errors of the document sources: every one names the source, and the file or hub path where it applies."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Sequence
+
+
+class SourceError(RuntimeError):
+    """A source cannot be read; the message names the source and the file/part."""
+
+    def __init__(self, message: str, *, source: str, file: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
+        self.file = file
+
+
+class TextColumnError(SourceError, ValueError):
+    """The configured text column is not among the dataset's columns."""
+
+
+class EmptySourceError(SourceError):
+    """The source has no rows, or its first rows are all empty."""
+
+
+class SourceNotFoundError(SourceError, FileNotFoundError):
+    """A glob matched no files."""
+
+
+def column_error(source: str, column: str, available: Sequence[str], where: str) -> TextColumnError:
+    """The error for a missing text column: lists the columns there are and the closest name."""
+    available = sorted(map(str, available))
+    close = difflib.get_close_matches(column, available, n=1)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return TextColumnError(
+        f"source {source!r}: text column {column!r} not found in {where}; available columns: {available}.{hint} "
+        f"Set text_column to one of them.",
+        source=source,
+        file=where,
+    )

@@ -1,0 +1,94 @@
+"""Local files (jsonl / txt, optionally .gz / .zst, and parquet) as a document source."""
+
+from __future__ import annotations
+
+import glob as globlib
+import os
+from collections.abc import Sequence
+
+from stacklm.data.sources.errors import SourceError, SourceNotFoundError, column_error
+from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.readers import DatasetsReader, JsonlReader, TextFileReader, import_datasets
+from stacklm.data.sources.sharding import ShardSpec
+
+_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
+_COMPRESSIONS = (".gz", ".zst", ".zstd")
+
+
+def glob_files(patterns: Sequence[str]) -> list[str]:
+    """The files (not folders) matching any of ``patterns`` (``~`` and ``**`` expanded), sorted."""
+    return sorted({p for pat in patterns for p in globlib.glob(os.path.expanduser(pat), recursive=True) if os.path.isfile(p)})
+
+
+def file_format(path: str) -> str:
+    """``jsonl`` / ``parquet`` / ``txt`` from the file name (compression suffix ignored)."""
+    base = path
+    for ext in _COMPRESSIONS:
+        if base.endswith(ext):
+            base = base[: -len(ext)]
+            break
+    fmt = _FORMATS.get(os.path.splitext(base)[1].lower())
+    if fmt is None or (fmt == "parquet" and base != path):
+        raise ValueError(
+            f"unsupported file type {path!r}; supported: .jsonl/.ndjson/.json (JSON lines), .txt, each optionally "
+            f".gz/.zst, and .parquet"
+        )
+    return fmt
+
+
+class LocalFileSource(TextPartSource):
+    """Files matching glob pattern(s); one part per file, in sorted path order."""
+
+    def __init__(
+        self,
+        name: str,
+        files: str | Sequence[str],
+        domain: str,
+        *,
+        text_column: str = "text",
+        shard: ShardSpec | None = None,
+        first_rows_check: int = FIRST_ROWS_CHECK,
+    ) -> None:
+        super().__init__(name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check)
+        self.patterns = [files] if isinstance(files, str) else list(files)
+
+    def _describe(self) -> str:
+        return f"files {self.patterns}"
+
+    def _list_parts(self) -> list[str]:
+        paths = glob_files(self.patterns)
+        if not paths:
+            raise SourceNotFoundError(
+                f"source {self.name!r}: glob {self.patterns if len(self.patterns) > 1 else self.patterns[0]!r} matched no "
+                f"files (cwd {os.getcwd()}); check the path",
+                source=self.name,
+                file=str(self.patterns),
+            )
+        formats = {}
+        for p in paths:
+            try:
+                formats[p] = file_format(p)
+            except ValueError as e:
+                raise SourceError(f"source {self.name!r}: {e}", source=self.name, file=p) from None
+        self._paths, self._formats = paths, formats
+        # Labels relative to the files' common folder: stable doc_ids across machines.
+        root = os.path.commonpath([os.path.dirname(os.path.abspath(p)) for p in paths])
+        return [os.path.relpath(os.path.abspath(p), root) for p in paths]
+
+    def _part_path(self, part: int) -> str:
+        return self._paths[part]
+
+    def _open_part(self, part: int, position: dict | None):
+        path = self._paths[part]
+        fmt = self._formats[path]
+        if fmt == "jsonl":
+            return JsonlReader(path, self.text_column, self.name, position)
+        if fmt == "txt":
+            return TextFileReader(path, self.text_column, self.name, position)
+        import pyarrow.parquet as pq
+
+        columns = pq.read_schema(path).names
+        if self.text_column not in columns:
+            raise column_error(self.name, self.text_column, columns, path)
+        ds = import_datasets().load_dataset("parquet", data_files=[path], split="train", streaming=True, columns=[self.text_column])
+        return DatasetsReader(ds, self.text_column, self.name, path, position)

@@ -1,0 +1,187 @@
+"""Hugging Face streams as a document source, with the offline fallback for opening only."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from torchdata.nodes import BaseNode
+
+from stacklm.data.registry import DataMixEntry
+from stacklm.data.sources.errors import EmptySourceError, SourceError, column_error
+from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.readers import DatasetsReader, import_datasets
+from stacklm.data.sources.sharding import ShardSpec, assign_parts
+from stacklm.data.sources.synthetic import SyntheticSource
+
+FALLBACK_OFFLINE = "fallback_offline"
+
+
+def hub_load_kwargs(split: str, **optional: Any) -> dict[str, Any]:
+    """``load_dataset`` keyword arguments for a stream: ``split``, ``streaming`` and every
+    optional one (``name``, ``data_dir``, ``data_files``, ``revision``) that is set."""
+    return {"split": split, "streaming": True, **{k: v for k, v in optional.items() if v is not None}}
+
+
+class HFStreamSource(TextPartSource):
+    """``datasets.load_dataset(path, name, split=..., streaming=True, ...)``; one part per
+    dataset shard. Only *opening* may fall back to the synthetic corpus
+    (``fallback_offline=True``); errors after that propagate.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        path: str,
+        domain: str,
+        *,
+        config_name: str | None = None,
+        split: str = "train",
+        data_dir: str | None = None,
+        data_files: str | Sequence[str] | None = None,
+        revision: str | None = None,
+        text_column: str = "text",
+        shard: ShardSpec | None = None,
+        fallback_offline: bool = False,
+        fallback_seed: int = 0,
+        fallback_docs: int | None = None,
+        first_rows_check: int = FIRST_ROWS_CHECK,
+    ) -> None:
+        super().__init__(name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check)
+        self.path, self.config_name, self.split = path, config_name, split
+        self.data_dir, self.revision = data_dir, revision
+        self.data_files = [data_files] if isinstance(data_files, str) else (list(data_files) if data_files else None)
+        self.fallback_offline, self.fallback_seed, self.fallback_docs = fallback_offline, fallback_seed, fallback_docs
+        self._fallback: SyntheticSource | None = None
+
+    @classmethod
+    def from_entry(cls, entry: DataMixEntry, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> HFStreamSource:
+        return cls(
+            entry.name, entry.path, entry.domain, config_name=entry.config_name, split=entry.split,
+            data_dir=entry.data_dir, data_files=entry.data_files, revision=entry.revision,
+            text_column=entry.text_column, shard=shard, fallback_offline=fallback_offline,
+            fallback_seed=entry.seed, fallback_docs=entry.num_docs,
+        )
+
+    def _describe(self) -> str:
+        bits = [self.path] + [f"{k}={v}" for k, v in (("name", self.config_name), ("data_dir", self.data_dir),
+                                                       ("revision", self.revision)) if v]
+        if self.data_files:
+            bits.append(f"data_files={self.data_files}")
+        return f"datasets stream {' '.join(bits)} split={self.split}"
+
+    def _load(self):
+        kwargs = hub_load_kwargs(self.split, name=self.config_name, data_dir=self.data_dir, data_files=self.data_files,
+                                 revision=self.revision)
+        return import_datasets().load_dataset(self.path, **kwargs)
+
+    def _list_parts(self) -> list[str]:  # opening is done by reset(), which may fall back
+        raise AssertionError("HFStreamSource opens its stream in reset()")
+
+    def _use_dataset(self, ds) -> None:
+        """Validate the opened stream (errors here never fall back) and split it into parts."""
+        columns = list(ds.features) if ds.features is not None else None
+        if columns is None:  # features unknown until read: look at the first row
+            first = next(iter(ds), None)
+            if first is None:
+                raise EmptySourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
+            columns = list(first)
+        if self.text_column not in columns:
+            raise column_error(self.name, self.text_column, columns, self._describe())
+        if len(columns) > 1:
+            ds = ds.select_columns([self.text_column])  # convert only the column we use
+        self._dataset = ds
+        self._parts = [f"shard{j:05d}" for j in range(ds.n_shards)]
+        self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
+
+    def _open_part(self, part: int, position: dict | None):
+        return DatasetsReader(self._hub_shard(part), self.text_column, self.name, f"{self._describe()} {self._parts[part]}", position)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        st = initial_state or {}
+        if self._parts is None and self._fallback is None:
+            if st.get("fallback"):  # a resumed fallback stream stays the same stream
+                self._start_fallback(None)
+            else:
+                try:
+                    ds = self._load()
+                except Exception as e:  # only *opening*, and only for want of a network, may fall back
+                    if not (self.fallback_offline and _is_unreachable(e)):
+                        raise SourceError(
+                            f"source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}. Check the "
+                            f"hub id, config and files"
+                            + ("" if self.fallback_offline else ", or pass fallback_offline=True to use the offline synthetic corpus"),
+                            source=self.name,
+                            file=self.path,
+                        ) from e
+                    self._start_fallback(f"{type(e).__name__}: {e}")
+                else:
+                    self._use_dataset(ds)
+        if self._fallback is not None:
+            if initial_state is not None and not st.get("fallback"):
+                raise SourceError(
+                    f"source {self.name!r}: the checkpoint is from the real stream of {self._describe()}, but it could "
+                    f"not be opened now; resume where the hub is reachable",
+                    source=self.name,
+                    file=self.path,
+                )
+            BaseNode.reset(self, initial_state)
+            self._fallback.reset(st.get("synthetic"))
+            if initial_state is None:
+                self.stats.add(self.name, FALLBACK_OFFLINE)
+            return
+        if st.get("fallback"):
+            raise SourceError(
+                f"source {self.name!r}: the checkpoint is from the offline fallback, but this node opened the real "
+                f"stream; build it the same way as the checkpointed run",
+                source=self.name,
+                file=self.path,
+            )
+        super().reset(initial_state)
+
+    def _start_fallback(self, reason: str | None) -> None:
+        self._fallback = SyntheticSource(
+            self.name, self.domain, seed=self.fallback_seed, num_docs=self.fallback_docs, shard=self.shard,
+            stats=self.stats, label="synthetic-fallback",
+        )
+        if reason is not None:
+            warnings.warn(
+                f"source {self.name!r}: could not open {self._describe()} ({reason}); falling back to the offline "
+                f"synthetic {self.domain} corpus (fallback_offline=True). The run is NOT reading the real data.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    @property
+    def is_fallback(self) -> bool:
+        return self._fallback is not None
+
+    def next(self) -> dict:
+        if self._fallback is not None:
+            return self._fallback.next()
+        return super().next()
+
+    def get_state(self) -> dict:
+        if self._fallback is not None:
+            return {"fallback": 1, "synthetic": self._fallback.get_state()}
+        return super().get_state()
+
+
+# Exception class names (anywhere in the cause chain) that mean "the hub is unreachable", as
+# raised by datasets, huggingface_hub, requests, httpx and urllib3. Anything else (a wrong
+# hub id, a corrupt file) is a real error and must not be papered over by the fallback.
+_UNREACHABLE = {
+    "ConnectionError", "ConnectError", "ConnectTimeout", "ReadTimeout", "Timeout", "TimeoutError",
+    "OfflineModeIsEnabled", "LocalEntryNotFoundError", "NameResolutionError", "MaxRetryError", "NewConnectionError",
+}
+
+
+def _is_unreachable(exc: BaseException) -> bool:
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if any(cls.__name__ in _UNREACHABLE for cls in type(exc).__mro__):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -1,0 +1,214 @@
+"""Part readers: iterate the raw rows of one file or hub shard and report an exact position.
+
+Why jsonl and txt are read here rather than by the ``datasets`` json/text builders: those
+builders either raise on one invalid UTF-8 byte or replace it silently, so the audit could
+not count what was lost; decoding lines ourselves lets ``clean_text`` see the raw bytes.
+Parquet and hub datasets go through ``datasets.load_dataset(..., streaming=True)``.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from stacklm.data.sources.errors import SourceError, column_error
+
+
+def open_binary(path: str) -> io.BufferedIOBase:
+    """A binary stream of the decompressed bytes (plain, .gz, .zst/.zstd)."""
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith((".zst", ".zstd")):
+        return io.BufferedReader(_ZstdRaw(path), buffer_size=1 << 20)
+    return open(path, "rb")
+
+
+class _ZstdRaw(io.RawIOBase):
+    """Multi-frame zstd decompression that raises on a truncated or corrupt file.
+
+    Why not ``zstandard``'s ``stream_reader``: on a file cut inside a frame it returns EOF
+    without an error, so a damaged file would silently yield fewer (or no) documents.
+    """
+
+    def __init__(self, path: str) -> None:
+        import zstandard
+
+        self._zstd = zstandard
+        self._file = open(path, "rb")
+        self._dctx = zstandard.ZstdDecompressor()
+        self._dobj = self._dctx.decompressobj()
+        self._in_frame = False
+        self._buf, self._pos = memoryview(b""), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:
+        while self._pos >= len(self._buf):
+            chunk = self._file.read(1 << 20)
+            if not chunk:
+                if self._in_frame:
+                    raise self._zstd.ZstdError("truncated zstd file: the last frame ends early")
+                return 0
+            self._buf, self._pos = memoryview(self._decompress(chunk)), 0
+        n = min(len(out), len(self._buf) - self._pos)
+        out[:n] = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def _decompress(self, chunk: bytes) -> bytes:
+        pieces = []
+        while chunk:
+            if self._dobj.eof:  # previous frame complete: the rest starts a new frame
+                self._dobj = self._dctx.decompressobj()
+            pieces.append(self._dobj.decompress(chunk))
+            self._in_frame = not self._dobj.eof
+            chunk = self._dobj.unused_data if self._dobj.eof else b""
+        return b"".join(pieces)
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
+def _skip_bytes(stream: io.BufferedIOBase, n: int) -> None:
+    """Advance a forward-only (zstd) stream by ``n`` decompressed bytes."""
+    while n > 0:
+        chunk = stream.read(min(n, 1 << 20))
+        if not chunk:
+            return
+        n -= len(chunk)
+
+
+class JsonlReader:
+    """JSON lines; yields raw line bytes (``None`` for blank lines) so unowned rows in strided
+    mode are never parsed. Position = decompressed byte offset and line number."""
+
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+        self.path, self.text_column, self.source = path, text_column, source
+        self.offset = int(position["offset"]) if position else 0
+        self.line = int(position["line"]) if position else 0
+        self._stream = open_binary(path)
+        if path.endswith((".zst", ".zstd")):
+            _skip_bytes(self._stream, self.offset)
+        elif self.offset:
+            self._stream.seek(self.offset)  # O(1) for plain files; gzip decompresses forward in C
+
+    def __iter__(self) -> Iterator[bytes | None]:
+        for raw in self._stream:
+            self.offset += len(raw)
+            self.line += 1
+            yield raw if raw.strip() else None
+
+    def position(self) -> dict:
+        return {"offset": self.offset, "line": self.line}
+
+    def where(self) -> str:
+        return f"{self.path}, line {self.line}"
+
+    def text_of(self, raw: bytes) -> Any:
+        lenient = False
+        try:
+            try:
+                obj = json.loads(raw)
+            except UnicodeDecodeError:
+                # Invalid UTF-8: parse with the bad bytes escaped; the text field goes back to
+                # its original bytes below so the audit counts them exactly.
+                obj, lenient = json.loads(raw.decode("utf-8", errors="surrogateescape")), True
+        except (json.JSONDecodeError, RecursionError) as e:
+            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise SourceError(
+                f"source {self.source!r}: {self.where()}: not valid JSON ({detail}); is this a JSON-lines file?",
+                source=self.source,
+                file=self.path,
+            ) from e
+        if not isinstance(obj, dict):
+            raise SourceError(
+                f"source {self.source!r}: {self.where()}: expected a JSON object per line, got {type(obj).__name__}",
+                source=self.source,
+                file=self.path,
+            )
+        if self.text_column not in obj:
+            raise column_error(self.source, self.text_column, list(obj), self.where())
+        value = obj[self.text_column]
+        if lenient and isinstance(value, str):
+            try:
+                value = value.encode("utf-8", errors="surrogateescape")
+            except UnicodeEncodeError:
+                pass  # also holds JSON-escaped surrogates: counted as surrogates instead
+        return value
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+class TextFileReader:
+    """A .txt file (optionally compressed) is one document: books and articles are whole."""
+
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+        self.path = path
+        self.done = bool(position and position.get("done"))
+
+    def __iter__(self) -> Iterator[bytes]:
+        if self.done:
+            return
+        with open_binary(self.path) as f:
+            data = f.read()
+        self.done = True
+        yield data
+
+    def position(self) -> dict:
+        return {"done": int(self.done)}
+
+    def where(self) -> str:
+        return self.path
+
+    def text_of(self, raw: bytes) -> bytes:
+        return raw
+
+    def close(self) -> None:
+        pass
+
+
+class DatasetsReader:
+    """One ``datasets`` IterableDataset (a hub shard or a parquet file); its own
+    ``state_dict()`` is the exact position."""
+
+    def __init__(self, dataset, text_column: str, source: str, label: str, position: dict | None) -> None:
+        self.dataset, self.text_column, self.source, self.label = dataset, text_column, source, label
+        self.path = label
+        self.row = 0
+        if position:
+            self.dataset.load_state_dict(position)
+
+    def __iter__(self) -> Iterator[dict]:
+        for row in self.dataset:
+            self.row += 1
+            yield row
+
+    def position(self) -> dict:
+        return self.dataset.state_dict()
+
+    def where(self) -> str:
+        return f"{self.label}, row {self.row}"
+
+    def text_of(self, row: dict) -> Any:
+        try:
+            return row[self.text_column]
+        except KeyError:
+            raise column_error(self.source, self.text_column, list(row), self.label) from None
+
+    def close(self) -> None:
+        pass
+
+
+def import_datasets():
+    """The ``datasets`` module, imported on first use (importing it takes seconds) with its
+    progress bars off."""
+    import datasets
+
+    datasets.disable_progress_bars()  # one bar per file would bury the useful output
+    return datasets

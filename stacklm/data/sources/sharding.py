@@ -1,0 +1,66 @@
+"""Which rows of every source a (rank, worker) reader takes.
+
+A (rank, worker) pair reads whole parts (files, hub shards) when there are at least as many
+parts as readers, else every part with a row stride; either way the readers together see
+every row exactly once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which slice of every source this reader takes: reader ``index`` of ``count``."""
+
+    rank: int = 0
+    world_size: int = 1
+    worker: int = 0
+    num_workers: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or self.num_workers < 1:
+            raise ValueError(f"ShardSpec: world_size and num_workers must be >= 1, got {self}")
+        if not (0 <= self.rank < self.world_size and 0 <= self.worker < self.num_workers):
+            raise ValueError(f"ShardSpec: need 0 <= rank < world_size and 0 <= worker < num_workers, got {self}")
+
+    @property
+    def index(self) -> int:
+        return self.rank * self.num_workers + self.worker
+
+    @property
+    def count(self) -> int:
+        return self.world_size * self.num_workers
+
+    @classmethod
+    def current(cls) -> ShardSpec:
+        """This process's shard: rank from torch.distributed (or RANK/WORLD_SIZE), worker from
+        the DataLoader worker info (a single reader when neither is set)."""
+        import torch
+
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        info = torch.utils.data.get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        return cls(rank, world, worker, num_workers)
+
+
+def assign_parts(num_parts: int, shard: ShardSpec) -> tuple[list[int], bool]:
+    """``(parts this reader opens, strided)``.
+
+    With at least as many parts as readers, reader ``i`` owns parts ``i, i+count, ...`` whole
+    (no wasted reads). Otherwise every reader opens every part and keeps global rows
+    ``r % count == i`` (``strided``): always correct, at the cost of each reader scanning the
+    rows it skips. Either way every row belongs to exactly one reader.
+    """
+    if num_parts >= shard.count:
+        return list(range(shard.index, num_parts, shard.count)), False
+    return list(range(num_parts)), shard.count > 1
+
+
+def owns_row(global_row: int, shard: ShardSpec) -> bool:
+    """In strided mode: does this reader keep the stream's ``global_row``?"""
+    return global_row % shard.count == shard.index
