@@ -38,18 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.dedup import ExactDeduper, text_digest
-from stacklm.data.minhash import (
+from stacklm.data.dedup.minhash import (
     DEFAULT_NUM_BANDS,
     DEFAULT_ROWS_PER_BAND,
     DEFAULT_SHINGLE_SIZE,
     MinHasher,
     NearDeduper,
     candidate_probability,
-    edits_for_jaccard,
-    inject_edits,
     jaccard,
     share_a_band,
 )
+from stacklm.data.dedup.synthetic_edits import edits_for_jaccard, inject_edits
 
 BANDS, ROWS, K = DEFAULT_NUM_BANDS, DEFAULT_ROWS_PER_BAND, DEFAULT_SHINGLE_SIZE
 NUM_PERM = BANDS * ROWS

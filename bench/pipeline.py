@@ -154,8 +154,7 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
 
 def state_growth(tok, texts: list[str]) -> dict:
     """State bytes after n and 2n documents: the slope is the per-document growth (dedup indexes)."""
-    from stacklm.data.dedup import ExactDeduper
-    from stacklm.data.minhash import NearDeduper
+    from stacklm.data.dedup import ExactDeduper, NearDeduper
 
     n = len(texts) // 2
     sizes = []

@@ -9,18 +9,17 @@ import numpy as np
 import pytest
 
 from stacklm.corpus import iter_prose
-from stacklm.data import dedup as dedup_mod
-from stacklm.data import minhash as minhash_mod
+from stacklm.data import normalize as normalize_mod
 from stacklm.data.dedup import ExactDeduper, U64HashSet, normalize_text
-from stacklm.data.minhash import (
+from stacklm.data.dedup import minhash as minhash_mod
+from stacklm.data.dedup.minhash import (
     MinHasher,
     NearDeduper,
     candidate_probability,
-    edits_for_jaccard,
-    inject_edits,
     jaccard,
     share_a_band,
 )
+from stacklm.data.dedup.synthetic_edits import edits_for_jaccard, inject_edits
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,7 @@ def test_normalize_text_huge_documents_in_slices(monkeypatch):
     words = ["Alpha", "béta", "GAMMA\n", "δ", "x" * 50, "\t", "  ", "end."]
     text = "".join(words[i] + (" " if i % 3 else "") for i in rng.integers(0, len(words), 5000))
     expected = normalize_text(text)
-    monkeypatch.setattr(dedup_mod, "_NORMALIZE_SLICE", 37)  # cut inside words and whitespace runs
+    monkeypatch.setattr(normalize_mod, "_NORMALIZE_SLICE", 37)  # cut inside words and whitespace runs
     assert normalize_text(text) == expected
     assert normalize_text("y" * 500) == "y" * 500  # no whitespace to cut at
 
@@ -320,8 +319,7 @@ def test_empty_odd_and_huge_documents():
 
 
 def test_prenormalised_texts_give_the_same_decisions(real_docs):
-    from stacklm.data.dedup import ExactDeduper, normalize_text
-    from stacklm.data.minhash import NearDeduper
+    from stacklm.data.dedup import ExactDeduper, NearDeduper, normalize_text
 
     texts = real_docs[:300] + real_docs[:20] + [t.upper() for t in real_docs[20:40]]
     norm = [normalize_text(t) for t in texts]

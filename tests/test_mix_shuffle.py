@@ -10,15 +10,8 @@ from torchdata.nodes import IterableWrapper
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.mix import MixNode, TokenBudgetMixer, mix_budgeted, split_budget
-from stacklm.data.shuffle import (
-    HoldoutNode,
-    ShuffleNode,
-    decode_docs,
-    encode_docs,
-    filter_split,
-    holdout_split,
-    shuffle_docs,
-)
+from stacklm.data.holdout import HoldoutNode, filter_split, holdout_split
+from stacklm.data.shuffle import ShuffleNode, decode_docs, encode_docs, shuffle_docs
 from stacklm.data.stats import StageStats
 
 
@@ -272,6 +265,29 @@ def test_holdout_is_deterministic_and_disjoint(texts):
     small = {i for i, t in enumerate(texts) if holdout_split(t, 0.05, 0) == "val"}
     large = {i for i, t in enumerate(texts) if holdout_split(t, 0.2, 0) == "val"}
     assert small <= large
+
+
+def test_holdout_splits_match_the_former_normalisation(texts, monkeypatch):
+    """The holdout now normalises with dedup's guarded ``normalize_text``; it must split every
+    document exactly as its former inline normalisation did, or old val sets would leak into train."""
+    import unicodedata
+
+    import xxhash
+
+    from stacklm.data import normalize as normalize_mod
+
+    def former_split(text: str, fraction: float, seed: int) -> str:
+        norm = " ".join(unicodedata.normalize("NFKC", text).casefold().split())
+        h = xxhash.xxh64_intdigest(norm.encode("utf-8", errors="surrogatepass"), seed=seed)
+        return "val" if h < int(fraction * 2.0**64) else "train"
+
+    odd = ["\x1c a\u2003b \u3000", "Cafe\u0301 ﬁne\u00a0Straße", "ok \ud800 lone", "", " \n\t ", "ＡＢＣ　ｄｅｆ"]
+    for text in texts + odd:
+        for fraction, seed in ((0.1, 0), (0.5, 3)):
+            assert holdout_split(text, fraction, seed) == former_split(text, fraction, seed)
+    monkeypatch.setattr(normalize_mod, "_NORMALIZE_SLICE", 41)  # the sliced path of huge documents too
+    for text in texts[:300] + odd:
+        assert holdout_split(text, 0.5, 7) == former_split(text, 0.5, 7)
 
 
 def test_holdout_node_resumes_and_names_the_problem(texts):

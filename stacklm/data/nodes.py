@@ -15,23 +15,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections import deque
 from collections.abc import Mapping
-from itertools import islice
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.data.dedup import ExactDeduper, normalize_text
+from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
+from stacklm.data.holdout import HoldoutNode
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
 from stacklm.data.registry import DataMix, get_mix
-from stacklm.data.shuffle import HoldoutNode, ShuffleNode
+from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
-from stacklm.data.stats import StageStats, chain_stats
+from stacklm.data.stats import chain_stats
 from stacklm.data.tokenize import TokenizeNode
 
 SPLITS = ("train", "val")
@@ -106,72 +104,6 @@ class PipelineConfig:
         return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-class DedupNode(BaseNode[dict]):
-    """Drops exact duplicates (normalised text), then near duplicates (MinHash-LSH).
-
-    Works on groups of ``batch_docs`` documents: the vectorised batch paths of both indexes
-    are several times faster than one call per document and give the same decisions
-    (duplicates inside a group included). The state is the source's state after the group,
-    both indexes after it, and the group's kept documents not yet emitted, so a restored node
-    continues exactly.
-    """
-
-    def __init__(self, source: BaseNode[dict], exact: ExactDeduper | None, near=None, batch_docs: int = 64) -> None:
-        super().__init__()
-        self.source, self.exact, self.near, self.batch_docs = source, exact, near, batch_docs
-        self.stats = StageStats("dedup")
-        self._fresh = (exact.state_dict() if exact is not None else None, near.state_dict() if near is not None else None)
-        self._pending: deque[dict] = deque()
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        st = initial_state or {}
-        self.source.reset(st.get("source"))
-        self.stats.load_dict(st.get("stats", {}))
-        if self.exact is not None:
-            self.exact.load_state_dict(st["exact"] if initial_state else self._fresh[0])
-        if self.near is not None:
-            self.near.load_state_dict(st["near"] if initial_state else self._fresh[1])
-        self._pending = deque(st.get("pending", []))
-
-    def _fill(self) -> bool:
-        docs = list(islice(self.source, self.batch_docs))
-        if not docs:
-            return False
-        texts = [normalize_text(d["text"]) for d in docs]  # once, for both indexes
-        sources = [d.get("source", "?") for d in docs]
-        keep = np.ones(len(docs), dtype=bool)
-        if self.exact is not None:
-            dup = self.exact.is_duplicate_batch(texts, sources, normalized=True)
-            keep &= ~dup
-            for i in np.flatnonzero(dup):
-                self.stats.add(sources[i], "exact_dup")
-        if self.near is not None and keep.any():
-            idx = np.flatnonzero(keep)
-            near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)
-            for i in idx[near]:
-                self.stats.add(sources[i], "near_dup")
-            keep[idx[near]] = False
-        for i in np.flatnonzero(keep):
-            self.stats.add(sources[i], "kept")
-            self._pending.append(docs[i])
-        return True
-
-    def next(self) -> dict:
-        while not self._pending:
-            if not self._fill():
-                raise StopIteration
-        return self._pending.popleft()
-
-    def get_state(self) -> dict[str, Any]:
-        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict(), "pending": list(self._pending)}
-        if self.exact is not None:
-            st["exact"] = self.exact.state_dict()
-        if self.near is not None:
-            st["near"] = self.near.state_dict()
-        return st
-
-
 @dataclass
 class Pipeline:
     """The built graph plus handles on its stages for stats/logging."""
@@ -200,8 +132,6 @@ class Pipeline:
 def _near_deduper(config: PipelineConfig):
     if not config.dedup.near:
         return None
-    from stacklm.data.minhash import NearDeduper
-
     return NearDeduper(max_docs=config.dedup.near_max_docs)
 
 

@@ -51,8 +51,9 @@ from stacklm.chat import (
     validate_conversation,
 )
 from stacklm.data.audit import clean_text
+from stacklm.data.holdout import HoldoutNode
 from stacklm.data.pack import BestFitPacker, PackNode, contract_batch, contract_buffer, segment_layout
-from stacklm.data.shuffle import HoldoutNode, ShuffleNode
+from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import (
     DatasetsReader,
     EmptySourceError,
@@ -631,7 +632,7 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
 
     ``tokenizer``: a ``StackTokenizer`` (or an HF tokenizer with the stacklm specials).
     The validation split is the ``holdout_fraction`` of conversations chosen by a hash of
-    their text (``shuffle.holdout_split``), the same in every run, rank and worker.
+    their text (``holdout.holdout_split``), the same in every run, rank and worker.
     """
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")

@@ -13,7 +13,7 @@ one is dropped) with probability 1 - (1 - J^10)^12:
 
 so pairs with J >= 0.9 are caught (>= 99.4%) and pairs with J < 0.5 are not (< 1.2%, 0.5% on
 average over 0.4 <= J < 0.5); the 50% point is J = 0.75. Measured on stdlib documents with
-injected edits (``bench/dedup.py``), the candidate rate per J bin follows this curve, for short
+injected edits (``bench/dedup.py``, edits from ``synthetic_edits``), the candidate rate per J bin follows this curve, for short
 documents too.
 
 Why these numbers: 12 bands of 64-bit keys is what fits the 200 bytes/document index budget
@@ -56,7 +56,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.dedup import U64HashSet, _run_starts, count_by_source, normalize_text, per_doc_sources
+from stacklm.data.dedup.exact import U64HashSet, count_by_source, per_doc_sources, run_starts
+from stacklm.data.normalize import normalize_text
 from stacklm.data.stats import StageStats
 
 logger = logging.getLogger(__name__)
@@ -197,7 +198,7 @@ class MinHasher:
         """Sorted unique 64-bit shingle hashes of ``text``: the set the signatures estimate
         (use with ``jaccard`` for ground truth)."""
         hashes = np.sort(np.concatenate([h for _, h in self._passes([self.prepare(text)])]))
-        return hashes[_run_starts(hashes)]
+        return hashes[run_starts(hashes)]
 
     # -- signatures ----------------------------------------------------------------------
     def signatures(self, texts: Sequence[str], normalized: bool = False) -> np.ndarray:
@@ -253,7 +254,7 @@ class MinHasher:
             # match needs a 64-bit hash coincidence); one argsort is ~10x faster than a lexsort.
             keyed = hashes ^ (rows.astype(np.uint64) * self._round_salt[0])
             order = np.argsort(keyed)
-            fresh = np.sort(order[_run_starts(keyed[order])])  # back in row order
+            fresh = np.sort(order[run_starts(keyed[order])])  # back in row order
             rows_l.append(rows[fresh])
             hashes_l.append(hashes[fresh])
         rows, hashes = np.concatenate(rows_l), np.concatenate(hashes_l)
@@ -458,7 +459,7 @@ def _earlier_sharing(keys: np.ndarray, rows: np.ndarray) -> dict[int, set[int]]:
     owner = np.repeat(rows, keys.shape[1])
     order = np.argsort(flat, kind="stable")  # stable: owners stay in batch order per key
     flat, owner = flat[order], owner[order]
-    head = _run_starts(flat)
+    head = run_starts(flat)
     if head.all():
         return {}
     earlier: dict[int, set[int]] = {}
@@ -470,42 +471,3 @@ def _earlier_sharing(keys: np.ndarray, rows: np.ndarray) -> dict[int, set[int]]:
             if i:
                 earlier.setdefault(j, set()).update(o for o in group[:i] if o != j)
     return earlier
-
-
-def edits_for_jaccard(n_shingles: int, target: float, shingle_size: int, rng: np.random.Generator) -> int:
-    """About how many ``inject_edits`` edits move a copy to Jaccard ``target`` (each edit
-    touches ~``shingle_size`` shingles; jittered x0.5-1.5 so copies spread around it)."""
-    return max(1, round(n_shingles * (1 - target) / (shingle_size * (1 + target)) * rng.uniform(0.5, 1.5)))
-
-
-def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
-    """``text`` with ``n_edits`` random edits: character substitutions, insertions and
-    deletions, and whole-line deletions and duplications. For measuring accuracy against exact
-    Jaccard (tests, ``bench/dedup.py``): the edits move a copy's similarity anywhere in [0, 1]."""
-    chars = list(text)
-    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 _().,:=\n"
-    for _ in range(n_edits):
-        if not chars:
-            chars.append(alphabet[int(rng.integers(len(alphabet)))])
-            continue
-        op = int(rng.integers(10))
-        pos = int(rng.integers(len(chars)))
-        if op < 4:
-            chars[pos] = alphabet[int(rng.integers(len(alphabet)))]
-        elif op < 6:
-            chars.insert(pos, alphabet[int(rng.integers(len(alphabet)))])
-        elif op < 8:
-            del chars[pos]
-        else:  # line-level: delete or duplicate the line around pos
-            start = pos
-            while start > 0 and chars[start - 1] != "\n":
-                start -= 1
-            end = pos
-            while end < len(chars) and chars[end] != "\n":
-                end += 1
-            line = chars[start : end + 1]
-            if op == 8:
-                del chars[start : end + 1]
-            else:
-                chars[end + 1 : end + 1] = line
-    return "".join(chars)

@@ -1,10 +1,9 @@
 """Exact deduplication on normalised text, with a store of <= 16 bytes per unique document.
 
-Normalisation (``normalize_text``): Unicode NFKC, ``str.casefold`` (full lowercasing), every
-run of Unicode whitespace (what ``str.split()`` splits on) collapsed to one space, leading and
-trailing whitespace stripped. So ``"Foo  Bar\\n"`` and ``"foo bar"`` are the same document; the
-shuffle holdout uses the same definition, so a copy can never land in both splits. Empty and
-whitespace-only documents all normalise to ``""`` (the first is kept, the rest are duplicates).
+Two documents are the same when their ``stacklm.data.normalize.normalize_text`` forms are
+equal (NFKC, casefolded, whitespace runs collapsed, stripped): ``"Foo  Bar\\n"`` and
+``"foo bar"`` are one document. Empty and whitespace-only documents all normalise to ``""``
+(the first is kept, the rest are duplicates).
 
 The store is ``U64HashSet``: one numpy ``uint64`` array used as an open-addressing (linear
 probing) table of 64-bit xxh3 digests, grown x1.5 by rehashing when it passes 75% load. Its load
@@ -18,41 +17,14 @@ for 20M documents.
 
 from __future__ import annotations
 
-import re
-import unicodedata
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from stacklm.data.normalize import normalize_text
 from stacklm.data.stats import StageStats
-
-# Normalise huge documents in slices cut at whitespace, so ``str.split`` never builds a list of
-# tens of millions of words at once (a 100 MB document would need ~1 GB for that list).
-_NORMALIZE_SLICE = 1 << 22
-_SPACE = re.compile(r"\s")  # same characters as str.isspace / str.split
-
-
-def normalize_text(text: str) -> str:
-    """NFKC, casefolded, whitespace runs collapsed to one space, stripped (see module doc)."""
-    if not unicodedata.is_normalized("NFKC", text):
-        text = unicodedata.normalize("NFKC", text)
-    text = text.casefold()
-    if len(text) <= _NORMALIZE_SLICE:
-        return " ".join(text.split())
-    pieces: list[str] = []
-    start, n = 0, len(text)
-    while start < n:
-        end = min(n, start + _NORMALIZE_SLICE)
-        if end < n and not text[end].isspace():  # move the cut to the next whitespace
-            m = _SPACE.search(text, end)
-            end = m.start() if m else n
-        piece = " ".join(text[start:end].split())
-        if piece:
-            pieces.append(piece)
-        start = end
-    return " ".join(pieces)
 
 
 def text_digest(text: str, normalized: bool = False) -> int:
@@ -76,7 +48,7 @@ _MASK64 = (1 << 64) - 1
 _SCALAR_BATCH = 48  # up to this many keys, probe in plain Python
 
 
-def _run_starts(sorted_values: np.ndarray) -> np.ndarray:
+def run_starts(sorted_values: np.ndarray) -> np.ndarray:
     """Mask of the first element of each run of equal values in a sorted array."""
     head = np.empty(sorted_values.size, dtype=bool)
     head[:1] = True
@@ -170,7 +142,7 @@ class U64HashSet:
         # first occurrence of each distinct key (np.unique(return_index=True) is ~4x slower)
         order = np.argsort(keys, kind="stable")
         sorted_keys = keys[order]
-        head = _run_starts(sorted_keys)
+        head = run_starts(sorted_keys)
         uniq, first = sorted_keys[head], order[head]
         absent = ~self.contains(uniq)
         new_keys = uniq[absent]
@@ -191,7 +163,7 @@ class U64HashSet:
             cand = np.flatnonzero(empty)
             if cand.size:
                 order = np.argsort(pos[cand])
-                won = cand[order[_run_starts(pos[cand][order])]]  # one key per slot
+                won = cand[order[run_starts(pos[cand][order])]]  # one key per slot
                 self.table[pos[won]] = keys[pending[won]]
                 keep = np.ones(pending.size, dtype=bool)
                 keep[won] = False

@@ -1,0 +1,31 @@
+"""Deduplication: exact (normalised text digests) and near (MinHash-LSH), and the pipeline stage.
+
+- ``exact``: ``U64HashSet`` (the compact numpy hash set both indexes use) and ``ExactDeduper``;
+- ``minhash``: ``MinHasher`` and ``NearDeduper``;
+- ``node``: ``DedupNode``, the stage of the pipes;
+- ``synthetic_edits``: test/benchmark data generation (edited copies at a chosen Jaccard), not
+  used by the pipeline.
+
+What counts as the same text is ``stacklm.data.normalize.normalize_text``.
+"""
+
+from stacklm.data.dedup.exact import ExactDeduper, U64HashSet, count_by_source, per_doc_sources, text_digest, text_digests
+from stacklm.data.dedup.minhash import MinHasher, NearDeduper, candidate_probability, jaccard, share_a_band
+from stacklm.data.dedup.node import DedupNode
+from stacklm.data.normalize import normalize_text
+
+__all__ = [
+    "DedupNode",
+    "ExactDeduper",
+    "MinHasher",
+    "NearDeduper",
+    "U64HashSet",
+    "candidate_probability",
+    "count_by_source",
+    "jaccard",
+    "normalize_text",
+    "per_doc_sources",
+    "share_a_band",
+    "text_digest",
+    "text_digests",
+]
