@@ -28,12 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.data.contract import IGNORE_INDEX
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
 ASSISTANT = "assistant"
 BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
-IGNORE_INDEX = -100
 
 # Role names of other conversation formats and what they mean here. ShareGPT writes
 # human/gpt, Gemma "model", OpenAI-style tool results use "tool". Anything not here and not in

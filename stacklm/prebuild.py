@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.data import manifest as mf
+from stacklm.data.holdout import SPLITS
 from stacklm.data.shards import (
     ShardError,
     atomic_write_bytes,
@@ -53,7 +54,6 @@ STATE_DIR = ".prebuild"
 BUILD_FILE = "build.json"
 REVISIONS_FILE = "revisions.json"
 DEFAULT_TOKENS_PER_SHARD = 100_000_000  # ~200 MB of uint16 per shard, as nanochat's shards
-SPLITS = ("train", "val")
 # Fields of the config that do not change the written tokens (left out of the identity).
 _NON_CONTENT_FIELDS = ("num_threads", "batch_size", "drop_last")
 

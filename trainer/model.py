@@ -22,10 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stacklm.data.contract import BATCH_KEYS, IGNORE_INDEX
 from trainer.attention import BACKENDS, AttentionMask, attend, build_attention_mask
-
-IGNORE_INDEX = -100
-BATCH_KEYS = ("input_ids", "position_ids", "seq_ids", "targets")
 
 
 def coerce_dataclass(cls, value):

@@ -28,7 +28,7 @@ import torch
 from torchdata.nodes import BaseNode
 
 from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.pack import IGNORE_INDEX, contract_batch, contract_buffer
+from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
@@ -77,7 +77,7 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
     lengths[-1] = B * T - starts[-1]
     out = contract_buffer(B, T)
-    input_ids, targets, position_ids, seq_ids = out
+    input_ids, position_ids, seq_ids, targets = contract_planes(out)
     np.subtract(_arange(B * T), np.repeat(starts, lengths), out=position_ids.reshape(-1))
     first_of_row = np.searchsorted(starts, _arange(B) * T)  # index of each row's first segment
     seq_ids.reshape(-1)[:] = np.repeat(_arange(n) - first_of_row[starts // T], lengths)

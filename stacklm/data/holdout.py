@@ -29,7 +29,8 @@ def holdout_split(text: str, fraction: float, seed: int = 0) -> str:
     return "val" if h < int(fraction * 2.0**64) else "train"
 
 
-def _check_split(split: str) -> None:
+def check_split(split: str) -> None:
+    """Raise ``ValueError`` naming ``SPLITS`` unless ``split`` is one of them."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
@@ -48,7 +49,7 @@ def filter_split(
     docs: Iterable[dict], split: str, fraction: float, seed: int = 0, text_key: str = "text", stats: StageStats | None = None
 ) -> Iterator[dict]:
     """Keep the documents of one split; the others are counted as ``holdout_other_split``."""
-    _check_split(split)
+    check_split(split)
     for doc in docs:
         if holdout_split(_text_of(doc, text_key), fraction, seed) == split:
             if stats is not None:
@@ -65,7 +66,7 @@ class HoldoutNode(BaseNode[dict]):
 
     def __init__(self, source: BaseNode[dict], split: str, fraction: float, seed: int = 0, text_key: str = "text") -> None:
         super().__init__()
-        _check_split(split)
+        check_split(split)
         if not 0.0 <= fraction <= 1.0:
             raise ValueError(f"holdout fraction must be in [0, 1], got {fraction}")
         self.source = source

@@ -23,7 +23,7 @@ from torchdata.nodes import BaseNode
 
 from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
-from stacklm.data.holdout import HoldoutNode
+from stacklm.data.holdout import HoldoutNode, check_split
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
 from stacklm.data.registry import DataMix, get_mix
@@ -31,8 +31,6 @@ from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.stats import chain_stats
 from stacklm.data.tokenize import TokenizeNode
-
-SPLITS = ("train", "val")
 
 
 @dataclass(frozen=True)
@@ -137,8 +135,7 @@ def _near_deduper(config: PipelineConfig):
 
 def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shard: ShardSpec | None = None) -> Pipeline:
     """Build the whole graph for one split and one (rank, worker) shard of the sources."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split(split)
     shard = shard or ShardSpec()
     total = config.mix.total_tokens
     if split == "val":

@@ -39,7 +39,6 @@ from torchdata.nodes import BaseNode, Batcher, Mapper, MultiNodeWeightedSampler,
 from stacklm.chat import (
     ASSISTANT,
     DEFAULT_ROLE_ALIASES,
-    IGNORE_INDEX,
     MALFORMED_JSON,
     ChatFormatError,
     Turn,
@@ -51,8 +50,9 @@ from stacklm.chat import (
     validate_conversation,
 )
 from stacklm.data.audit import clean_text
-from stacklm.data.holdout import HoldoutNode
-from stacklm.data.pack import BestFitPacker, PackNode, contract_batch, contract_buffer, segment_layout
+from stacklm.data.holdout import HoldoutNode, check_split
+from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.pack import BestFitPacker, PackNode, segment_layout
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import (
     DatasetsReader,
@@ -79,7 +79,6 @@ TURNS_CUT = "turns_cut"
 DROPPED_TOO_LONG = "dropped_too_long"
 CONTENT_REPAIRED = "content_repaired"
 INVALID_UTF8_LINES = "invalid_utf8_lines"
-SPLITS = ("train", "val")
 
 
 # ---------------------------------------------------------------------------------------
@@ -265,11 +264,11 @@ def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id:
     ids, loss = untag_loss(w.astype(np.int64, copy=False))
     seg, pos = segment_layout(ids, bos_id, eos_id, pad_id)
     out = contract_buffer(ids.shape[0], ids.shape[1] - 1)
-    inputs, targets, positions, segments = out
-    inputs[:] = ids[:, :-1]
-    np.copyto(targets, np.where(loss[:, 1:], ids[:, 1:], IGNORE_INDEX))
-    positions[:] = pos[:, :-1]
-    segments[:] = seg[:, :-1]
+    planes = contract_planes(out)
+    planes.input_ids[:] = ids[:, :-1]
+    np.copyto(planes.targets, np.where(loss[:, 1:], ids[:, 1:], IGNORE_INDEX))
+    planes.position_ids[:] = pos[:, :-1]
+    planes.seq_ids[:] = seg[:, :-1]
     return contract_batch(out)
 
 
@@ -634,8 +633,7 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
     The validation split is the ``holdout_fraction`` of conversations chosen by a hash of
     their text (``holdout.holdout_split``), the same in every run, rank and worker.
     """
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    check_split(split)
     if split == "val" and config.holdout_fraction == 0:
         raise ValueError("sft config: holdout_fraction is 0, so there is no validation split; set it > 0 (e.g. 0.01)")
     shard = shard or ShardSpec()
