@@ -625,7 +625,7 @@ def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
 
 
 def inspect_conversations(path: Path, tok: InspectTokenizer, limit: int = 200) -> Report:
-    from stacklm.data.sft import _parse_json_line
+    from stacklm.data.sft import parse_json_line as _parse_json_line
 
     if not tok.chat_template:
         raise InspectError(

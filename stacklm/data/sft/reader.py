@@ -1,0 +1,205 @@
+"""``ConversationSource``: conversations of one SFT dataset, validated, every rejection counted."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from stacklm.chat import DEFAULT_ROLE_ALIASES, MALFORMED_JSON, ChatFormatError, Turn, conversation_from_record, validate_conversation
+from stacklm.data.audit import KEPT, clean_text
+from stacklm.data.sft.config import ON_INVALID, SFTSourceConfig
+from stacklm.data.sources import (
+    DatasetsReader,
+    EmptySourceError,
+    JsonlReader,
+    PartNode,
+    ShardSpec,
+    SourceError,
+    SourceNotFoundError,
+    file_format,
+    glob_files,
+    hub_load_kwargs,
+    import_datasets,
+)
+
+logger = logging.getLogger(__name__)
+
+CONTENT_REPAIRED = "content_repaired"
+INVALID_UTF8_LINES = "invalid_utf8_lines"
+
+
+def parse_json_line(raw: bytes, where: str) -> tuple[dict, bool]:
+    """``(record, had_invalid_utf8)``; malformed lines raise ``ChatFormatError`` at ``where``."""
+    lenient = False
+    try:
+        try:
+            obj = json.loads(raw)
+        except UnicodeDecodeError:
+            obj, lenient = json.loads(raw.decode("utf-8", errors="replace")), True
+    except json.JSONDecodeError as e:
+        raise ChatFormatError(
+            f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object", reason=MALFORMED_JSON, where=where
+        ) from None
+    except RecursionError:
+        raise ChatFormatError("JSON nested too deeply", reason=MALFORMED_JSON, where=where) from None
+    if not isinstance(obj, dict):
+        raise ChatFormatError(f"expected a JSON object per line, got {type(obj).__name__}", reason=MALFORMED_JSON, where=where)
+    return obj, lenient
+
+
+def conversation_text(turns: Sequence[Turn]) -> str:
+    """A canonical text of the conversation (the holdout hashes it)."""
+    return "\n".join(f"{t.role}: {t.content}" for t in turns)
+
+
+class ConversationSource(PartNode):
+    """Conversations of one ``SFTSourceConfig`` as ``{"turns", "text", "source", "domain",
+    "doc_id"}``, validated (``chat.validate_conversation``) and with every rejection counted.
+
+    Reading is by parts (files, or a hub dataset's shards) split across (rank, worker) with
+    ``sources.assign_parts``, through the same machinery as the pre-training sources
+    (``sources.PartNode``); the state is theirs plus the first location of each rejection
+    reason.
+    """
+
+    KIND = "sft source"
+
+    def __init__(
+        self,
+        spec: SFTSourceConfig,
+        *,
+        shard: ShardSpec | None = None,
+        role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
+        on_invalid: str = "drop",
+    ) -> None:
+        if on_invalid not in ON_INVALID:
+            raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
+        super().__init__(spec.name, spec.domain, shard=shard, stage="sft_source")
+        self.spec = spec
+        self.role_aliases, self.on_invalid = dict(role_aliases), on_invalid
+        self.first_where: dict[str, str] = {}
+
+    # parts ---------------------------------------------------------------------------
+    def _describe(self) -> str:
+        s = self.spec
+        if s.kind == "local":
+            return f"files {list(s.files)}"
+        extra = " ".join(f"{k}={v}" for k, v in (("name", s.config_name), ("data_files", s.data_files), ("revision", s.revision)) if v)
+        return f"datasets {s.path} {extra} split={s.split}".replace("  ", " ")
+
+    def _list_parts(self) -> list[str]:
+        s = self.spec
+        if s.kind == "local":
+            paths = glob_files(s.files)
+            if not paths:
+                raise SourceNotFoundError(
+                    f"sft source {self.name!r}: {list(s.files)} matched no files (cwd {os.getcwd()}); check the paths",
+                    source=self.name,
+                    file=str(list(s.files)),
+                )
+            for p in paths:
+                try:
+                    fmt = file_format(p)
+                except ValueError as e:
+                    raise SourceError(f"sft source {self.name!r}: {e}", source=self.name, file=p) from None
+                if fmt == "txt":
+                    raise SourceError(
+                        f"sft source {self.name!r}: {p} is plain text; conversations come as JSON lines or parquet",
+                        source=self.name,
+                        file=p,
+                    )
+            return paths
+        kwargs = hub_load_kwargs(s.split, name=s.config_name, data_dir=s.data_dir, revision=s.revision,
+                                 data_files=list(s.data_files) if s.data_files else None)
+        try:
+            self._dataset = import_datasets().load_dataset(s.path, **kwargs)
+        except Exception as e:
+            raise SourceError(
+                f"sft source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}",
+                source=self.name,
+                file=s.path,
+            ) from e
+        return [f"shard{j:05d}" for j in range(self._dataset.n_shards)]
+
+    def _open_part(self, part: int, position: dict | None):
+        if self.spec.kind == "hf":
+            return DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
+        path = self._parts[part]
+        if file_format(path) == "jsonl":
+            return JsonlReader(path, "", self.name, position)
+        ds = import_datasets().load_dataset("parquet", data_files=[path], split="train", streaming=True)
+        return DatasetsReader(ds, "", self.name, path, position)
+
+    def _where(self) -> str:
+        r = self._reader
+        if isinstance(r, JsonlReader):
+            return f"{r.path}:{r.line}"
+        return f"{r.label} row {r.row - 1}"
+
+    # node ----------------------------------------------------------------------------
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.first_where = dict((initial_state or {}).get("first_where", {}))
+
+    def get_state(self) -> dict[str, Any]:
+        return {**super().get_state(), "first_where": dict(self.first_where)}
+
+    def _reject(self, err: ChatFormatError) -> None:
+        self.stats.add(self.name, err.reason)
+        if err.reason not in self.first_where:
+            self.first_where[err.reason] = str(err)
+            if self.on_invalid == "drop":
+                logger.warning("sft source %r: dropping conversations (%s); first: %s", self.name, err.reason, err)
+        if self.on_invalid == "raise":
+            raise err
+
+    def _turns(self, raw: Any, where: str) -> list[Turn]:
+        if isinstance(raw, (bytes, bytearray)):
+            record, lenient = parse_json_line(bytes(raw), where)
+            if lenient:
+                self.stats.add(self.name, INVALID_UTF8_LINES)
+        else:
+            record = raw
+        turns = conversation_from_record(record, column=self.spec.column, role_aliases=self.role_aliases, where=where)
+        repaired = False
+        for i, t in enumerate(turns):  # NULs and lone surrogates: repaired the audit's way, counted
+            text, audit = clean_text(t.content)
+            if audit.repaired:
+                turns[i], repaired = Turn(t.role, text), True
+        if repaired:
+            self.stats.add(self.name, CONTENT_REPAIRED)
+        validate_conversation(turns, where=where)
+        return turns
+
+    def _document(self, raw: Any, row: int) -> dict | None:
+        try:
+            turns = self._turns(raw, self._where())
+        except ChatFormatError as e:
+            self._reject(e)
+            return None
+        self.stats.add(self.name, KEPT)
+        return {
+            "turns": turns,
+            "text": conversation_text(turns),
+            "source": self.name,
+            "domain": self.domain,
+            "doc_id": f"{self.name}/{os.path.basename(self._parts[self._assigned[self._k]])}/{row}",
+        }
+
+    def _check_exhausted(self) -> None:
+        if self._emitted:
+            return
+        if self._owned_rows:
+            reasons = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT}
+            first = "; ".join(f"{k}: {v}" for k, v in self.first_where.items())
+            raise EmptySourceError(
+                f"sft source {self.name!r}: all {self._owned_rows} conversations of {self._describe()} were rejected "
+                f"({reasons}); first of each: {first}",
+                source=self.name,
+                file=self._describe(),
+            )
+        if self._global_row == 0:
+            raise EmptySourceError(f"sft source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self._describe())
