@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-ARTIFACT_NAME = "tokenizer.stacklm.json"
+from stacklm.tokenizer import ARTIFACT_NAME
 
 
 class CliError(Exception):

@@ -43,9 +43,9 @@ from stacklm.chat import (
     render_conversation,
     validate_conversation,
 )
+from stacklm.tokenizer import ARTIFACT_NAME
 
 ERROR, WARNING, INFO = "error", "warning", "info"
-ARTIFACT_NAME = "tokenizer.stacklm.json"
 
 # The named checks, in report order.
 CHECKS: dict[str, str] = {

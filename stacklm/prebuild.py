@@ -49,7 +49,6 @@ from stacklm.data.shards import (
     write_shard,
 )
 
-ARTIFACT_NAME = "tokenizer.stacklm.json"
 STATE_DIR = ".prebuild"
 BUILD_FILE = "build.json"
 REVISIONS_FILE = "revisions.json"
@@ -671,7 +670,7 @@ def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
     """Print a user-fixable error as one message (exit status 2) instead of a traceback."""
 
     def run(args: argparse.Namespace) -> int:
-        from stacklm.tokenizer.bpe import TokenizerArtifactError
+        from stacklm.tokenizer.artifact import TokenizerArtifactError
 
         try:
             return func(args)

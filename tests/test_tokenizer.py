@@ -8,7 +8,9 @@ import random
 import pytest
 
 from stacklm.corpus import iter_domain
-from stacklm.tokenizer.bpe import StackTokenizer, TokenizerArtifactError
+from stacklm.tokenizer.artifact import TokenizerArtifactError
+from stacklm.tokenizer.bpe import StackTokenizer
+from stacklm.tokenizer.rules import merge_long, merge_short
 from stacklm.tokenizer.specials import SPECIAL_TOKENS
 
 PROBE = (
@@ -96,8 +98,14 @@ def test_long_chunks_use_heap_merge_with_identical_result(small_tokenizer):
     rng = random.Random(3)
     enc = tok.to_tiktoken()
     medium = ["a" * 700, "ab" * 400, "".join(rng.choice("etaoinshr") for _ in range(900)), "=" * 300 + "-" * 99]
+    ranks = tok.mergeable_ranks
+
+    def rank_of_pair(left: bytes, right: bytes):
+        return ranks.get(left + right)
+
     for s in medium:  # the heap path and the rescan path agree where both are affordable
-        assert tok._merge_long(s.encode()) == tok._merge_short(s.encode())
+        parts = [bytes([b]) for b in s.encode()]
+        assert merge_long(list(parts), rank_of_pair) == merge_short(list(parts), rank_of_pair)
     for s in medium + ["a" * 10_000, "".join(rng.choice("etaoinshr") for _ in range(20_000))]:
         assert tok.encode(s) == enc.encode_ordinary(s)
 

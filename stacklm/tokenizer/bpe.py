@@ -9,9 +9,6 @@ runs the same ranks through tiktoken's Rust core for speed and must agree with i
 
 from __future__ import annotations
 
-import base64
-import heapq
-import json
 import logging
 import os
 import threading
@@ -25,8 +22,15 @@ from typing import Any, Literal
 import numpy as np
 import regex
 
-from stacklm.atomic import atomic_write_text
+from stacklm.tokenizer.artifact import (
+    SPECIAL_NAME,
+    artifact_dict,
+    artifact_fields,
+    read_artifact,
+    write_artifact,
+)
 from stacklm.tokenizer.backends import BACKENDS, get_backend
+from stacklm.tokenizer.rules import merge, replace_lone_surrogates
 from stacklm.tokenizer.specials import (
     DEFAULT_VOCAB_SIZE,
     GPT4_PATTERN,
@@ -38,15 +42,7 @@ from stacklm.tokenizer.specials import (
 
 logger = logging.getLogger(__name__)
 
-ARTIFACT_FORMAT = "stacklm-bpe"
-ARTIFACT_VERSION = 1
-_SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")
-
 AllowedSpecial = Literal["all"] | Iterable[str]
-
-
-class TokenizerArtifactError(ValueError):
-    """A tokenizer file that cannot be loaded; the message names the file and the field."""
 
 
 class _BoundedCache(dict):
@@ -72,7 +68,6 @@ class StackTokenizer:
 
     MAX_CACHE_ENTRIES = 1 << 17
     MAX_CACHED_CHUNK_CHARS = 256
-    _SHORT_CHUNK = 128  # above this many bytes, merge with a heap (O(n log n)) not a rescan
 
     def __init__(
         self,
@@ -170,60 +165,9 @@ class StackTokenizer:
             )
         return allowed
 
-    def _merge_short(self, piece: bytes) -> list[int]:
-        ranks = self._ranks
-        parts = [piece[i : i + 1] for i in range(len(piece))]
-        while len(parts) > 1:
-            best_rank = None
-            best_i = -1
-            for i in range(len(parts) - 1):
-                r = ranks.get(parts[i] + parts[i + 1])
-                if r is not None and (best_rank is None or r < best_rank):
-                    best_rank, best_i = r, i
-            if best_rank is None:
-                break
-            parts[best_i : best_i + 2] = [parts[best_i] + parts[best_i + 1]]
-        return [ranks[p] for p in parts]
-
-    def _merge_long(self, piece: bytes) -> list[int]:
-        """Same result as ``_merge_short`` in O(n log n): a linked list of parts and a heap of
-        (rank, start) candidates with lazy invalidation; start order == leftmost-first ties."""
-        ranks = self._ranks
-        n = len(piece)
-        end = list(range(1, n + 1))  # end[start] = end offset of the part starting at start
-        prev = list(range(-1, n - 1))
-        alive = [True] * n
-        heap: list[tuple[int, int, int]] = []  # (rank, start, end of right part)
-        for s in range(n - 1):
-            r = ranks.get(piece[s : s + 2])
-            if r is not None:
-                heap.append((r, s, s + 2))
-        heapq.heapify(heap)
-        while heap:
-            r, s, stop = heapq.heappop(heap)
-            if not alive[s]:
-                continue
-            mid = end[s]
-            if mid >= n or not alive[mid] or end[mid] != stop:
-                continue  # stale: a neighbour has been merged since
-            alive[mid] = False
-            end[s] = stop
-            if stop < n:
-                prev[stop] = s
-                r2 = ranks.get(piece[s : end[stop]])
-                if r2 is not None:
-                    heapq.heappush(heap, (r2, s, end[stop]))
-            p = prev[s]
-            if p >= 0:
-                r3 = ranks.get(piece[p:stop])
-                if r3 is not None:
-                    heapq.heappush(heap, (r3, p, stop))
-        out = []
-        s = 0
-        while s < n:
-            out.append(ranks[piece[s : end[s]]])
-            s = end[s]
-        return out
+    def _pair_rank(self, left: bytes, right: bytes) -> int | None:
+        """tiktoken's merge priority of a pair: the rank of its concatenation."""
+        return self._ranks.get(left + right)
 
     def _encode_chunk(self, chunk: str) -> tuple[int, ...]:
         ids = self._cache.get(chunk)
@@ -233,17 +177,16 @@ class StackTokenizer:
         direct = self._ranks.get(piece)
         if direct is not None:
             ids = (direct,)
-        elif len(piece) <= self._SHORT_CHUNK:
-            ids = tuple(self._merge_short(piece))
         else:
-            ids = tuple(self._merge_long(piece))
+            ranks = self._ranks
+            ids = tuple(ranks[p] for p in merge([piece[i : i + 1] for i in range(len(piece))], self._pair_rank))
         if len(chunk) <= self.MAX_CACHED_CHUNK_CHARS:
             self._cache.put(chunk, ids)
         return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
         """Encode untrusted text: special-token strings in it are ordinary bytes."""
-        text = _valid_text(text)
+        text = replace_lone_surrogates(text)
         out: list[int] = []
         for chunk in self._compiled.findall(text):
             out.extend(self._encode_chunk(chunk))
@@ -368,7 +311,7 @@ class StackTokenizer:
         try:
             buf = core.encode_to_tiktoken_buffer(text, set())
         except UnicodeEncodeError:
-            buf = core.encode_to_tiktoken_buffer(_valid_text(text), set())
+            buf = core.encode_to_tiktoken_buffer(replace_lone_surrogates(text), set())
         return np.frombuffer(buf, dtype=np.uint32).view(np.int32)
 
     # ------------------------------------------------------------------ decode
@@ -399,102 +342,24 @@ class StackTokenizer:
 
     # ------------------------------------------------------------------ artifact
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": ARTIFACT_FORMAT,
-            "version": ARTIFACT_VERSION,
-            "vocab_size": self.vocab_size,
-            "pattern": self.pattern,
-            "n_merges": self.n_merges,
-            "n_unused": self.n_unused,
-            "special_tokens": list(self.special_tokens),
-            "merged_tokens_b64": [base64.b64encode(b).decode("ascii") for b in self.merged_tokens],
-            "merge_pairs": [list(p) for p in self.merge_pairs] if self.merge_pairs is not None else None,
-            "metadata": self.metadata,
-        }
+        """The artifact object (``stacklm.tokenizer.artifact``)."""
+        return artifact_dict(self)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the versioned JSON artifact atomically (temp file, fsync, rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(self.to_dict(), ensure_ascii=False))
-        return path
+        return write_artifact(path, self.to_dict())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "StackTokenizer":
-        path = Path(path)
-        if path.is_dir():
-            path = path / "tokenizer.stacklm.json"
-        try:
-            raw = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise TokenizerArtifactError(f"{path}: no tokenizer artifact here; train one with `stacklm train-tokenizer`") from None
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise TokenizerArtifactError(
-                f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the file is truncated or was edited by hand — "
-                "re-save it from the training run"
-            ) from None
-        return cls.from_dict(data, source=str(path))
+        """The tokenizer of an artifact file, or of the ``tokenizer.stacklm.json`` in a directory."""
+        data, source = read_artifact(path)
+        return cls.from_dict(data, source=source)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "StackTokenizer":
-        def bad(fld: str, why: str) -> TokenizerArtifactError:
-            return TokenizerArtifactError(f"{source}: field {fld!r}: {why}")
-
-        if not isinstance(data, dict):
-            raise bad("<root>", "expected a JSON object")
-        if data.get("format") != ARTIFACT_FORMAT:
-            raise bad("format", f"expected {ARTIFACT_FORMAT!r}, got {data.get('format')!r}")
-        if data.get("version") != ARTIFACT_VERSION:
-            raise bad("version", f"this stacklm reads version {ARTIFACT_VERSION}, got {data.get('version')!r}")
-        for fld, typ in (("vocab_size", int), ("pattern", str), ("n_merges", int), ("n_unused", int),
-                         ("special_tokens", list), ("merged_tokens_b64", list)):
-            if not isinstance(data.get(fld), typ):
-                raise bad(fld, f"missing or not a {typ.__name__}")
-        specials = data["special_tokens"]
-        for s in specials:
-            if not isinstance(s, str) or not _SPECIAL_NAME.fullmatch(s):
-                raise bad("special_tokens", f"{s!r} is not a special token name of the form <|name|>")
-        if len(set(specials)) != len(specials):
-            raise bad("special_tokens", "duplicate names")
-        try:
-            merged = [base64.b64decode(t, validate=True) for t in data["merged_tokens_b64"]]
-        except (ValueError, TypeError) as e:
-            raise bad("merged_tokens_b64", f"invalid base64 ({e})") from None
-        if len(merged) != data["n_merges"]:
-            raise bad("n_merges", f"says {data['n_merges']} but merged_tokens_b64 has {len(merged)} entries")
-        expect = N_BYTES + len(merged) + data["n_unused"] + len(specials)
-        if data["vocab_size"] != expect or data["n_unused"] < 0:
-            raise bad(
-                "vocab_size",
-                f"{data['vocab_size']} != 256 bytes + {len(merged)} merges + {data['n_unused']} unused + "
-                f"{len(specials)} specials = {expect}",
-            )
-        known = {bytes([i]) for i in range(N_BYTES)}
-        for i, b in enumerate(merged):
-            if len(b) < 2 or not any(b[:k] in known and b[k:] in known for k in range(1, len(b))):
-                raise bad("merged_tokens_b64", f"entry {i} (id {N_BYTES + i}) is not the join of two earlier tokens")
-            known.add(b)
-        try:
-            regex.compile(data["pattern"])
-        except regex.error as e:
-            raise bad("pattern", f"does not compile ({e})") from None
-        if data["pattern"] != GPT4_PATTERN:
-            warnings.warn(
-                f"{source}: this tokenizer was trained with a pre-tokenizer pattern that differs from "
-                "stacklm's default; it keeps using its own pattern",
-                stacklevel=2,
-            )
-        pairs = data.get("merge_pairs")
-        return cls(
-            merged,
-            pattern=data["pattern"],
-            vocab_size=data["vocab_size"],
-            special_tokens=specials,
-            merge_pairs=pairs,
-            metadata=data.get("metadata") or {},
-        )
+        """The tokenizer of an artifact object, validated field by field."""
+        merged, kwargs = artifact_fields(data, source)
+        return cls(merged, **kwargs)
 
     def __repr__(self) -> str:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
@@ -512,17 +377,6 @@ def _balanced_chunks(texts: Sequence[str], n: int) -> list[tuple[int, int]]:
     cut = np.searchsorted(bounds, bounds[-1] * np.arange(1, n) / n, side="right")
     edges = sorted({0, len(texts), *cut.tolist()})
     return list(zip(edges[:-1], edges[1:]))
-
-
-def _valid_text(text: str) -> str:
-    """Replace lone surrogates (a Python str can hold them, UTF-8 cannot) with U+FFFD, the
-    way tiktoken does (a UTF-16 round trip, so a well-formed surrogate *pair* becomes the
-    character it spells); the reference encoder and the tiktoken path must agree."""
-    try:
-        text.encode("utf-8")
-        return text
-    except UnicodeEncodeError:
-        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
 
 
 # ---------------------------------------------------------------------- training
@@ -573,7 +427,7 @@ def train_from_iterable(
         raise ValueError(f"unknown tokenizer training backend {backend!r}; choose one of {BACKENDS}")
     special_tokens = tuple(special_tokens)
     for s in special_tokens:
-        if not _SPECIAL_NAME.fullmatch(s):
+        if not SPECIAL_NAME.fullmatch(s):
             raise ValueError(f"special token {s!r} must look like <|name|>")
     special_token_ids(vocab_size, special_tokens)  # validates room
     max_merges = vocab_size - N_BYTES - len(special_tokens)
@@ -586,7 +440,7 @@ def train_from_iterable(
         for doc in stream:
             if not isinstance(doc, str):
                 raise TypeError(f"training documents must be str, got {type(doc).__name__}")
-            fixed = _valid_text(doc)
+            fixed = replace_lone_surrogates(doc)
             if fixed is not doc:
                 surrogates += fixed.count("\ufffd") - doc.count("\ufffd")
                 doc = fixed

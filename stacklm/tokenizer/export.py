@@ -53,7 +53,7 @@ from stacklm.tokenizer.chat_template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN,
 TIKTOKEN_SIDECAR_FORMAT = "stacklm-tiktoken"
 TIKTOKEN_SIDECAR_VERSION = 1
 HF_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
-_DUPLICATE_PREFIX = "\u2400stacklm-duplicate-of-"  # U+2400 is outside the byte-level alphabet
+DUPLICATE_PREFIX = "\u2400stacklm-duplicate-of-"  # U+2400 is outside the byte-level alphabet
 
 
 # ---------------------------------------------------------------------- byte-level alphabet
@@ -219,7 +219,7 @@ def build_hf_tokenizer(tok: StackTokenizer):
     # Two merges spelling the same bytes (possible, rare) cannot share a vocab string: keep the
     # id with a placeholder no byte-level chunk can equal, so every later id stays in place.
     for dup in tok.duplicate_ids:
-        vocab[f"{_DUPLICATE_PREFIX}{ranks[tok.id_to_bytes(dup)]}-{dup}"] = dup
+        vocab[f"{DUPLICATE_PREFIX}{ranks[tok.id_to_bytes(dup)]}-{dup}"] = dup
     if sorted(vocab.values()) != list(range(n_base)):
         raise AssertionError(f"internal: byte-level vocab does not cover ids 0..{n_base - 1}")
     merges = [(token_to_hf(a), token_to_hf(b)) for a, b in derive_merges(ranks)]

@@ -1,0 +1,153 @@
+"""The tokenizer artifact (``tokenizer.stacklm.json``): its name, format, validation and errors.
+
+The artifact is one versioned JSON object: ``format``/``version``, ``vocab_size``, the
+pre-tokenizer ``pattern``, ``n_merges`` merged tokens (base64, in id order from 256),
+``n_unused`` fillers, the ``special_tokens`` on the top ids, the training ``merge_pairs`` and
+free-form ``metadata``. Reading validates every field against the id layout
+(``specials``) and names the file and the field that is wrong. ``StackTokenizer.save`` /
+``load`` / ``to_dict`` / ``from_dict`` are the entry points; this module knows the format only,
+so it never imports the encoder.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import regex
+
+from stacklm.atomic import atomic_write_text
+from stacklm.tokenizer.specials import GPT4_PATTERN, N_BYTES
+
+ARTIFACT_NAME = "tokenizer.stacklm.json"  # the artifact's file name in a tokenizer directory
+ARTIFACT_FORMAT = "stacklm-bpe"
+ARTIFACT_VERSION = 1
+SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")  # what a special token's name looks like
+
+
+class TokenizerArtifactError(ValueError):
+    """A tokenizer file that cannot be loaded; the message names the file and the field."""
+
+
+class TokenizerImportError(TokenizerArtifactError):
+    """A foreign tokenizer file we cannot import faithfully; the message names file and field."""
+
+
+def unjoinable_token(merged: Sequence[bytes]) -> int | None:
+    """Index of the first merged token that is not the join of two tokens before it (the 256
+    bytes or earlier merged tokens), else ``None``: in the id layout id order is merge order."""
+    known = {bytes([i]) for i in range(N_BYTES)}
+    for i, b in enumerate(merged):
+        if len(b) < 2 or not any(b[:k] in known and b[k:] in known for k in range(1, len(b))):
+            return i
+        known.add(b)
+    return None
+
+
+def artifact_dict(tokenizer: Any) -> dict[str, Any]:
+    """The artifact object of a ``StackTokenizer``."""
+    return {
+        "format": ARTIFACT_FORMAT,
+        "version": ARTIFACT_VERSION,
+        "vocab_size": tokenizer.vocab_size,
+        "pattern": tokenizer.pattern,
+        "n_merges": tokenizer.n_merges,
+        "n_unused": tokenizer.n_unused,
+        "special_tokens": list(tokenizer.special_tokens),
+        "merged_tokens_b64": [base64.b64encode(b).decode("ascii") for b in tokenizer.merged_tokens],
+        "merge_pairs": [list(p) for p in tokenizer.merge_pairs] if tokenizer.merge_pairs is not None else None,
+        "metadata": tokenizer.metadata,
+    }
+
+
+def write_artifact(path: str | os.PathLike, artifact: dict[str, Any]) -> Path:
+    """Write the artifact atomically (temp file, fsync, rename); the parent folder is created."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(path, json.dumps(artifact, ensure_ascii=False))
+    return path
+
+
+def read_artifact(path: str | os.PathLike) -> tuple[dict[str, Any], str]:
+    """``(artifact object, the file it came from)``; ``path`` is the file or its directory."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / ARTIFACT_NAME
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise TokenizerArtifactError(f"{path}: no tokenizer artifact here; train one with `stacklm train-tokenizer`") from None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise TokenizerArtifactError(
+            f"{path}: not valid JSON ({e.msg} at line {e.lineno}); the file is truncated or was edited by hand — "
+            "re-save it from the training run"
+        ) from None
+    return data, str(path)
+
+
+def artifact_fields(data: dict[str, Any], source: str = "<dict>") -> tuple[list[bytes], dict[str, Any]]:
+    """Validate an artifact object: ``(merged tokens, the other StackTokenizer arguments)``.
+
+    Every failure is a ``TokenizerArtifactError`` naming ``source`` and the field. A pattern
+    other than stacklm's default is allowed (the tokenizer keeps its own) but warned about.
+    """
+
+    def bad(fld: str, why: str) -> TokenizerArtifactError:
+        return TokenizerArtifactError(f"{source}: field {fld!r}: {why}")
+
+    if not isinstance(data, dict):
+        raise bad("<root>", "expected a JSON object")
+    if data.get("format") != ARTIFACT_FORMAT:
+        raise bad("format", f"expected {ARTIFACT_FORMAT!r}, got {data.get('format')!r}")
+    if data.get("version") != ARTIFACT_VERSION:
+        raise bad("version", f"this stacklm reads version {ARTIFACT_VERSION}, got {data.get('version')!r}")
+    for fld, typ in (("vocab_size", int), ("pattern", str), ("n_merges", int), ("n_unused", int),
+                     ("special_tokens", list), ("merged_tokens_b64", list)):
+        if not isinstance(data.get(fld), typ):
+            raise bad(fld, f"missing or not a {typ.__name__}")
+    specials = data["special_tokens"]
+    for s in specials:
+        if not isinstance(s, str) or not SPECIAL_NAME.fullmatch(s):
+            raise bad("special_tokens", f"{s!r} is not a special token name of the form <|name|>")
+    if len(set(specials)) != len(specials):
+        raise bad("special_tokens", "duplicate names")
+    try:
+        merged = [base64.b64decode(t, validate=True) for t in data["merged_tokens_b64"]]
+    except (ValueError, TypeError) as e:
+        raise bad("merged_tokens_b64", f"invalid base64 ({e})") from None
+    if len(merged) != data["n_merges"]:
+        raise bad("n_merges", f"says {data['n_merges']} but merged_tokens_b64 has {len(merged)} entries")
+    expect = N_BYTES + len(merged) + data["n_unused"] + len(specials)
+    if data["vocab_size"] != expect or data["n_unused"] < 0:
+        raise bad(
+            "vocab_size",
+            f"{data['vocab_size']} != 256 bytes + {len(merged)} merges + {data['n_unused']} unused + "
+            f"{len(specials)} specials = {expect}",
+        )
+    i = unjoinable_token(merged)
+    if i is not None:
+        raise bad("merged_tokens_b64", f"entry {i} (id {N_BYTES + i}) is not the join of two earlier tokens")
+    try:
+        regex.compile(data["pattern"])
+    except regex.error as e:
+        raise bad("pattern", f"does not compile ({e})") from None
+    if data["pattern"] != GPT4_PATTERN:
+        warnings.warn(
+            f"{source}: this tokenizer was trained with a pre-tokenizer pattern that differs from "
+            "stacklm's default; it keeps using its own pattern",
+            stacklevel=3,  # the caller of StackTokenizer.from_dict
+        )
+    return merged, {
+        "pattern": data["pattern"],
+        "vocab_size": data["vocab_size"],
+        "special_tokens": specials,
+        "merge_pairs": data.get("merge_pairs"),
+        "metadata": data.get("metadata") or {},
+    }
