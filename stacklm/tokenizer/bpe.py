@@ -113,6 +113,7 @@ class StackTokenizer:
         self._cache = _BoundedCache(self.MAX_CACHE_ENTRIES)
         self._tiktoken = None
         self._pool = None
+        self._pool_threads = 0  # the pool's size (executors do not expose theirs publicly)
         self._special_regex_cache: dict[frozenset[str], Any] = {}
 
     # ------------------------------------------------------------------ ids
@@ -269,16 +270,19 @@ class StackTokenizer:
         The join is exact: the core splits its input at allowed special tokens and encodes the
         pieces between them independently, so ``a <sep> b`` encodes as ``enc(a), sep, enc(b)``.
         The separator is the pad token, allowed only in that call; a text that contains its
-        string (or lone surrogates) is encoded on its own, as untrusted text.
+        string (or lone surrogates) is encoded on its own, as untrusted text. Both go through
+        tiktoken's public ``Encoding.encode_to_numpy`` (tiktoken >= 0.11: before, it ignored
+        ``allowed_special`` and allowed every special).
         """
         with _LAZY_INIT:  # the data pipes call this from several threads at once
             if self._tiktoken is None:
                 self._tiktoken = self.to_tiktoken()
             pool = self._pool
-            if num_threads > 1 and (pool is None or pool._max_workers != num_threads):
+            if num_threads > 1 and (pool is None or self._pool_threads != num_threads):
                 from concurrent.futures import ThreadPoolExecutor
 
                 pool = self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="stacklm-encode")
+                self._pool_threads = num_threads
         if not isinstance(texts, list):
             texts = list(texts)
         chunks = _balanced_chunks(texts, 1 if num_threads <= 1 else 4 * num_threads)
@@ -288,7 +292,6 @@ class StackTokenizer:
 
     def _encode_joined(self, texts: list[str]) -> list[np.ndarray]:
         """``texts`` encoded in one core call (see ``encode_batch_numpy``)."""
-        core = self._tiktoken._core_bpe
         sep = "<|pad|>"
         joinable = [t for t in texts if sep not in t]
         if len(joinable) < len(texts):  # rare: a text holds the separator's string
@@ -297,22 +300,22 @@ class StackTokenizer:
         if len(texts) < 2:
             return [self._encode_one(t) for t in texts]
         try:
-            buf = core.encode_to_tiktoken_buffer(sep.join(texts), {sep})
+            ids = self._tiktoken.encode_to_numpy(sep.join(texts), allowed_special={sep}, disallowed_special=()).view(np.int32)
         except UnicodeEncodeError:  # a lone surrogate somewhere: each text on its own
             return [self._encode_one(t) for t in texts]
-        ids = np.frombuffer(buf, dtype=np.uint32).view(np.int32)
         cuts = np.flatnonzero(ids == self.pad_id)
         starts = np.concatenate(([0], cuts + 1)).tolist()
         ends = np.concatenate((cuts, [ids.size])).tolist()
         return [ids[a:b] for a, b in zip(starts, ends)]
 
     def _encode_one(self, text: str) -> np.ndarray:
-        core = self._tiktoken._core_bpe
+        """One untrusted text (special strings are ordinary bytes), lone surrogates repaired."""
+        encode = self._tiktoken.encode_to_numpy
         try:
-            buf = core.encode_to_tiktoken_buffer(text, set())
-        except UnicodeEncodeError:
-            buf = core.encode_to_tiktoken_buffer(replace_lone_surrogates(text), set())
-        return np.frombuffer(buf, dtype=np.uint32).view(np.int32)
+            ids = encode(text, disallowed_special=())
+        except UnicodeEncodeError:  # tiktoken's numpy path does not repair surrogates itself
+            ids = encode(replace_lone_surrogates(text), disallowed_special=())
+        return ids.view(np.int32)
 
     # ------------------------------------------------------------------ decode
     def _check_ids(self, ids: Sequence[int]) -> None:
