@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -37,25 +38,38 @@ def _write_all(f, data: memoryview) -> None:
         view = view[n:]
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
+def atomic_write_bytes(
+    path: str | os.PathLike,
+    data: bytes | memoryview | np.ndarray,
+    *,
+    fsync_parent: bool = True,
+    on_error: Callable[[OSError, Path, int], BaseException] | None = None,
+) -> None:
     """Write ``data`` to ``path`` atomically; on any error the temporary file is removed and
     the error propagates. ``fsync_parent=False`` skips the folder fsync (a caller renaming
-    several files in one folder fsyncs it once, after the last)."""
+    several files in one folder fsyncs it once, after the last). ``on_error(error, path,
+    nbytes)`` turns a failed write's ``OSError`` into the exception raised instead (chained to
+    it), so a caller can say what the file is for and how to recover (see ``shards``)."""
     path = Path(path)
     # pid and thread both in the name: concurrent writers of one path never share a temp file
     tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}.{threading.get_ident()}"
     payload = memoryview(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data)
     try:
-        with open(tmp, "wb") as f:
-            _write_all(f, payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if fsync_parent:
-        fsync_dir(path.parent)
+        try:
+            with open(tmp, "wb") as f:
+                _write_all(f, payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if fsync_parent:
+            fsync_dir(path.parent)
+    except OSError as e:
+        if on_error is None:
+            raise
+        raise on_error(e, path, payload.nbytes) from e
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, fsync_parent: bool = True) -> None:

@@ -39,7 +39,7 @@ from stacklm.data import manifest as mf
 from stacklm.data.holdout import SPLITS
 from stacklm.data.shards import (
     ShardError,
-    atomic_write_bytes,
+    atomic_write_shard_file as atomic_write_bytes,
     dtype_name,
     list_shard_files,
     meta_path,

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from stacklm.data.shards import ShardError, atomic_write_bytes
+from stacklm.data.shards import ShardError, atomic_write_shard_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "stacklm-shards"
@@ -69,7 +69,7 @@ def dumps(manifest: Mapping[str, Any]) -> bytes:
 def write_manifest(directory: str | os.PathLike, manifest: Mapping[str, Any]) -> Path:
     """Atomically write ``directory/manifest.json`` (temp name, fsync, rename, fsync dir)."""
     path = manifest_path(directory)
-    atomic_write_bytes(path, dumps(manifest))
+    atomic_write_shard_file(path, dumps(manifest))
     return path
 
 

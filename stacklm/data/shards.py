@@ -115,13 +115,11 @@ def _disk_error(exc: OSError, path: Path, nbytes: int) -> ShardWriteError:
     )
 
 
-def atomic_write_bytes(path: Path, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
-    """``stacklm.atomic.atomic_write_bytes``, with a failed write (typically a full disk)
-    raised as ``ShardWriteError``: it names the file, the room left and how to resume."""
-    try:
-        atomic.atomic_write_bytes(path, data, fsync_parent=fsync_parent)
-    except OSError as e:
-        raise _disk_error(e, path, memoryview(data).nbytes) from e
+def atomic_write_shard_file(path: Path, data: bytes | memoryview | np.ndarray, *, fsync_parent: bool = True) -> None:
+    """``stacklm.atomic.atomic_write_bytes`` for the files of a shard set (tokens, meta,
+    manifest, prebuild state): a failed write (typically a full disk) is a ``ShardWriteError``
+    that names the file, the room left and how to resume."""
+    atomic.atomic_write_bytes(path, data, fsync_parent=fsync_parent, on_error=_disk_error)
 
 
 @dataclass(frozen=True)
@@ -156,9 +154,9 @@ def write_shard(directory: str | os.PathLike, index: int, windows: np.ndarray, d
     tokens = np.ascontiguousarray(w, dtype=dtype.newbyteorder("<"))
     name = shard_name(index)
     meta = np.array([w.shape[0], w.shape[1]], dtype=META_DTYPE)
-    atomic_write_bytes(tokens_path(directory, name), tokens, fsync_parent=False)
+    atomic_write_shard_file(tokens_path(directory, name), tokens, fsync_parent=False)
     try:
-        atomic_write_bytes(meta_path(directory, name), meta, fsync_parent=True)
+        atomic_write_shard_file(meta_path(directory, name), meta, fsync_parent=True)
     except BaseException:  # a tokens file without its meta is not a shard: do not leave one
         tokens_path(directory, name).unlink(missing_ok=True)
         raise

@@ -153,7 +153,7 @@ class StackShardWriter(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.shards import atomic_write_bytes
+        from stacklm.data.shards import atomic_write_shard_file as atomic_write_bytes
         from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from, write_job_shards
 
         split, worker = self.plan.job_of(rank, world_size)

@@ -39,6 +39,8 @@ from collections.abc import Iterable, Iterator
 
 import regex
 
+from stacklm.data.audit import clean_text
+
 DEFAULT_CHUNK_BYTES = 1 << 20  # 1 MiB: big enough to amortise per-chunk work, small in RAM
 _MIN_READ_BYTES = 4096
 
@@ -58,7 +60,6 @@ _REPLACEMENT_UTF8 = _REPLACEMENT.encode("utf-8")
 # A surrogate code point encoded as UTF-8 (ED A0..BF 80..BF). Strict UTF-8 rejects it, and
 # Python's decoder would report it as three separate errors; we count it as one loss.
 _ENCODED_SURROGATE = regex.compile(rb"\xed[\xa0-\xbf][\x80-\xbf]")
-_SURROGATE_CHAR = regex.compile(r"[\ud800-\udfff]")
 # Last position where a whitespace run starts after a non-space (the preferred cut).
 _RUN_START_REVERSE = regex.compile(r"(?<=\S)\s", flags=regex.REVERSE)
 _LEADING_SPACE = regex.compile(r"\s+")
@@ -164,7 +165,11 @@ class TextSample:
 
 
 def clean_bytes(raw: bytes, counts: dict[str, int]) -> str:
-    """Decode a piece of UTF-8 (cut at a safe boundary) and count what was replaced/removed."""
+    """Decode a piece of UTF-8 (cut at a safe boundary) and count what was replaced/removed.
+
+    Not ``stacklm.data.audit.clean_text``: a file sample counts a UTF-8-encoded surrogate
+    (``ED A0..BF xx``) as one lost character where Python's decoder, and so the document
+    audit, sees three invalid bytes; and a sample never drops text, it only counts."""
     genuine = raw.count(_REPLACEMENT_UTF8)  # U+FFFD already in the input is not a loss
     raw, n_surrogates = _ENCODED_SURROGATE.subn(_REPLACEMENT_UTF8, raw)
     text = raw.decode("utf-8", errors="replace")
@@ -173,17 +178,6 @@ def clean_bytes(raw: bytes, counts: dict[str, int]) -> str:
     if n_nul:
         text = text.replace("\x00", "")
     counts["invalid_utf8_replaced"] += n_invalid
-    counts["lone_surrogates_replaced"] += n_surrogates
-    counts["nul_bytes_removed"] += n_nul
-    return text
-
-
-def clean_text(text: str, counts: dict[str, int]) -> str:
-    """In-memory strings: replace lone surrogate code points (unencodable) and drop NULs."""
-    text, n_surrogates = _SURROGATE_CHAR.subn(_REPLACEMENT, text)
-    n_nul = text.count("\x00")
-    if n_nul:
-        text = text.replace("\x00", "")
     counts["lone_surrogates_replaced"] += n_surrogates
     counts["nul_bytes_removed"] += n_nul
     return text
@@ -428,7 +422,10 @@ def sample_texts(
                 raise TypeError(f"{source}: item {i} is {type(text).__name__}, expected str")
             counts["documents"] += 1
             counts["bytes_read"] += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-            yield from _chunk_pieces((clean_text(text, counts),), budget, chunk_bytes, counts, audit)
+            text, repairs = clean_text(text)  # the document audit's repair: NULs out, lone surrogates -> U+FFFD
+            counts["lone_surrogates_replaced"] += repairs.lone_surrogates
+            counts["nul_bytes_removed"] += repairs.nul_bytes
+            yield from _chunk_pieces((text,), budget, chunk_bytes, counts, audit)
 
     return TextSample(gen(), audit)
 
@@ -439,7 +436,6 @@ __all__ = [
     "SampleAudit",
     "TextSample",
     "clean_bytes",
-    "clean_text",
     "resolve_inputs",
     "sample_texts",
     "stream_sample",
