@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from stacklm.data.contract import IGNORE_INDEX
+from stacklm.errors import StackLMError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
@@ -59,7 +60,7 @@ NO_ASSISTANT = "no_assistant"
 INVALID_REASONS = (MALFORMED_JSON, NO_MESSAGES, BAD_MESSAGE, UNKNOWN_ROLE, EMPTY_CONTENT, EMPTY_CONVERSATION, NO_ASSISTANT)
 
 
-class ChatFormatError(ValueError):
+class ChatFormatError(StackLMError, ValueError):
     """A conversation that cannot be trained on. ``reason`` is one of ``INVALID_REASONS`` (the
     counter it lands in when the pipes drop instead of raise); ``where`` locates it."""
 

@@ -17,13 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stacklm.errors import ConfigError
+
 KINDS = ("hf", "local", "synthetic")
 DOMAINS = ("prose", "code", "math")
 # Weights are floats typed by humans in YAML; allow rounding slack, nothing more.
 WEIGHT_SUM_TOLERANCE = 1e-6
 
 
-class DataMixError(ValueError):
+class DataMixError(ConfigError):
     """A data-mix config problem; the message names the entry and the field."""
 
 

@@ -32,6 +32,7 @@ import xxhash
 
 from stacklm import atomic
 from stacklm.atomic import TMP_MARK  # temporary files start with this; never matched as shards
+from stacklm.errors import StackLMError
 
 SHARD_PREFIX = "shard_"
 TOKENS_SUFFIX = ".tokens.bin"
@@ -42,7 +43,7 @@ _SHARD_RE = re.compile(rf"^{SHARD_PREFIX}(\d{{5,}}){re.escape(TOKENS_SUFFIX)}$")
 _HASH_CHUNK = 1 << 24
 
 
-class ShardError(RuntimeError):
+class ShardError(StackLMError, RuntimeError):
     """A shard (or shard directory) is unusable; the message names the file and the fix."""
 
     def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import regex
 
 from stacklm.atomic import atomic_write_text
+from stacklm.errors import StackLMError
 from stacklm.tokenizer.specials import GPT4_PATTERN, N_BYTES
 
 ARTIFACT_NAME = "tokenizer.stacklm.json"  # the artifact's file name in a tokenizer directory
@@ -30,7 +31,7 @@ ARTIFACT_VERSION = 1
 SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")  # what a special token's name looks like
 
 
-class TokenizerArtifactError(ValueError):
+class TokenizerArtifactError(StackLMError, ValueError):
     """A tokenizer file that cannot be loaded; the message names the file and the field."""
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 import difflib
 from collections.abc import Sequence
 
+from stacklm.errors import StackLMError
 
-class SourceError(RuntimeError):
+
+class SourceError(StackLMError, RuntimeError):
     """A source cannot be read; the message names the source and the file/part."""
 
     def __init__(self, message: str, *, source: str, file: str | None = None) -> None:
