@@ -30,6 +30,7 @@ from torchdata.nodes import BaseNode
 from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
+from stacklm.dist import rank_world
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
 _MIN_ROWS_FOR_BOS_CHECK = 32
@@ -308,12 +309,6 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
 # ---------------------------------------------------------------------------------------
 # Elastic sampler (``shards`` mode)
 # ---------------------------------------------------------------------------------------
-def _dist_rank_world() -> tuple[int, int]:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-
-
 class ElasticSampler(torch.utils.data.Sampler[int]):
     """One seeded permutation per epoch, consumed in global steps; state ``(seed, epoch, consumed)``.
 
@@ -358,7 +353,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if rank is None or world_size is None:
-            r, w = _dist_rank_world()
+            r, w = rank_world()
             rank = r if rank is None else rank
             world_size = w if world_size is None else world_size
         if not 0 <= rank < world_size:

@@ -7,8 +7,9 @@ every row exactly once.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from stacklm.dist import rank_world
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,12 @@ class ShardSpec:
 
     @classmethod
     def current(cls) -> ShardSpec:
-        """This process's shard: rank from torch.distributed (or RANK/WORLD_SIZE), worker from
-        the DataLoader worker info (a single reader when neither is set)."""
+        """This process's shard: rank and world size from ``stacklm.dist.rank_world`` (the
+        process group, else the launcher's RANK/WORLD_SIZE), worker from the DataLoader worker
+        info (a single reader when neither is set)."""
         import torch
 
-        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        rank, world = rank_world()
         info = torch.utils.data.get_worker_info()
         worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
         return cls(rank, world, worker, num_workers)
