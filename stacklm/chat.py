@@ -1,6 +1,7 @@
 """Chat turns, their rendering into token ids with an assistant-only loss mask, and SFT targets.
 
-Layout (DESIGN.md; the exported Hugging Face chat template renders the same ids)::
+Layout (docs/architecture.md, "Token id layout" for the specials; the exported Hugging Face chat
+template renders the same ids)::
 
     <|bos|> <|role|> content <|end|> <|role|> content <|end|> ... <|eos|>
 

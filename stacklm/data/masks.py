@@ -1,10 +1,10 @@
 """Attention masks from a packed batch: dense (tests, CPU), ``cu_seqlens`` (flash-attn varlen),
 FlexAttention ``BlockMask``.
 
-All three encode the same rule (DESIGN.md, batch contract): token ``i`` may attend to token
-``j`` only when ``seq_ids[b, i] == seq_ids[b, j]`` and ``j <= i``. Packed rows keep each
-segment contiguous (``seq_ids`` is non-decreasing along a row), which is what lets the same
-batch be expressed as variable-length sequences for ``cu_seqlens``.
+All three encode the same rule (docs/architecture.md, "Batch contract"): token ``i`` may
+attend to token ``j`` only when ``seq_ids[b, i] == seq_ids[b, j]`` and ``j <= i``. Packed rows
+keep each segment contiguous (``seq_ids`` is non-decreasing along a row), which is what lets
+the same batch be expressed as variable-length sequences for ``cu_seqlens``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Every document becomes the piece ``<bos> ids <eos>``. Two strategies:
   buffered piece fits its gap. Documents longer than a window are chunked: their leading
   full windows are emitted as they arrive, the tail goes into the buffer like any piece.
 
-The batch contract (DESIGN.md) is derived from the window tokens alone, the same way the shard
+The batch contract (docs/architecture.md) is derived from the window tokens alone, the same way the shard
 reader derives it on read, so what the packer writes needs no side data:
 
 * a segment starts at the window start, at every ``<bos>``, right after every ``<eos>``, and

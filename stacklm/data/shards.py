@@ -1,6 +1,6 @@
 """Token shards on disk: the format, the crash-safe writer and the per-shard checks.
 
-One shard is two files (DESIGN.md, "Shards on disk"):
+One shard is two files (docs/architecture.md, "Shards on disk"):
 
 * ``shard_XXXXX.tokens.bin`` — flat little-endian ``uint16`` (vocab <= 65536) or ``uint32``
   token ids, ``n_seq x seq_len``, row-major: row ``i`` is one packed window;

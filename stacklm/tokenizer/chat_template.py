@@ -1,6 +1,6 @@
 """The Jinja chat template shipped in the Hugging Face export, and the rule it encodes.
 
-Layout (DESIGN.md; the same ids as ``stacklm.chat.render_conversation``)::
+Layout (docs/architecture.md; the same ids as ``stacklm.chat.render_conversation``)::
 
     <|bos|> <|role|> content <|end|> <|role|> content <|end|> ... <|eos|>
 

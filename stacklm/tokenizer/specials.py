@@ -1,4 +1,4 @@
-"""The frozen token-id layout shared by every stage (DESIGN.md, "Token id layout").
+"""The frozen token-id layout shared by every stage (docs/architecture.md, "Token id layout").
 
 ids 0-255 are raw bytes, then learned merges in training order, then ``<|unused_N|>``
 fillers when the corpus ran short of repeated pairs, and the 9 reserved specials always on
