@@ -34,6 +34,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
+from stacklm.errors import ConfigError
 
 MODES = ("shards", "stream", "sft")
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
@@ -68,7 +69,7 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             "padding_fraction": pad / (pad + doc_tokens) if pad + doc_tokens else 0.0}
 
 
-class DataConfigError(ValueError):
+class DataConfigError(ConfigError):
     """The data set-up does not fit the model or the checkpoint; raised before any step."""
 
 

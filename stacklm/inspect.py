@@ -19,10 +19,8 @@ fall back to what its template's ``{% generation %}`` mask says.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
-import sys
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +41,7 @@ from stacklm.chat import (
     render_conversation,
     validate_conversation,
 )
+from stacklm.errors import StackLMError
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 ARTIFACT_NAME = "tokenizer.stacklm.json"
@@ -132,7 +131,7 @@ def _snip(s: str, n: int = 40) -> str:
 # ---------------------------------------------------------------------------------------
 # Tokenizers: ours or any Hugging Face directory
 # ---------------------------------------------------------------------------------------
-class InspectError(Exception):
+class InspectError(StackLMError):
     """Bad input to ``inspect`` (a path, a tokenizer without template, ...): exit status 2."""
 
 
@@ -800,58 +799,3 @@ def format_report(report: Report, tok: InspectTokenizer, n_tokens: int = 48, max
     n_err, n_warn = len(report.errors), sum(f.severity == WARNING for f in report.findings)
     lines += ["", f"{n_err} error(s), {n_warn} warning(s)" + (" -> exit status 1" if n_err else "")]
     return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------
-# CLI
-# ---------------------------------------------------------------------------------------
-def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``stacklm inspect`` on the CLI's subparsers (``cli.build_parser``)."""
-    p = subparsers.add_parser(
-        "inspect",
-        help="decode, show the loss mask and run the SFT checks on conversations, shards or a saved batch",
-        description="Decode and check chat/SFT data. Exit status 1 when an error-level finding is present, 2 on bad input.",
-    )
-    p.add_argument("input", help="conversations .jsonl/.parquet, a shard directory, or a saved batch (.pt)")
-    p.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json) or a Hugging Face tokenizer dir")
-    p.add_argument("--hf", action="store_true", help="use the HF files of a directory that also holds our artifact")
-    p.add_argument("--limit", type=int, help="conversations (default 200) or rows (default 64) to check")
-    p.add_argument("--tokens", type=int, default=48, help="rows of the per-token table")
-    p.add_argument("--max-chars", type=int, default=1500, help="decoded text shown")
-    p.add_argument("--json", help="also write the findings and numbers as JSON here")
-    p.set_defaults(func=cmd_inspect)
-    return p
-
-
-def cmd_inspect(args: argparse.Namespace) -> int:
-    try:
-        tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
-        report = inspect_input(args.input, tok, limit=args.limit)
-    except InspectError as e:
-        try:
-            from stacklm.cli import CliError
-        except ImportError:  # pragma: no cover
-            raise SystemExit(f"stacklm inspect: error: {e}") from None
-        raise CliError(str(e)) from None
-    print(format_report(report, tok, args.tokens, args.max_chars))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
-    return 1 if report.errors else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m stacklm.inspect ...`` (same as ``stacklm inspect ...``)."""
-    parser = argparse.ArgumentParser(prog="stacklm")
-    add_inspect_subcommand(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["inspect", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except Exception as e:
-        if type(e).__name__ == "CliError":
-            print(f"stacklm inspect: error: {e}", file=sys.stderr)
-            return 2
-        raise
-
-
-if __name__ == "__main__":
-    sys.exit(main())

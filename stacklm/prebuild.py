@@ -21,7 +21,6 @@ the differences named.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -47,6 +46,7 @@ from stacklm.data.shards import (
     tokens_path,
     write_shard,
 )
+from stacklm.errors import StackLMError
 
 ARTIFACT_NAME = "tokenizer.stacklm.json"
 STATE_DIR = ".prebuild"
@@ -58,7 +58,7 @@ SPLITS = ("train", "val")
 _NON_CONTENT_FIELDS = ("num_threads", "batch_size", "drop_last")
 
 
-class PrebuildError(ShardError):
+class PrebuildError(ShardError, StackLMError):
     """The prebuild cannot start or continue; the message says why and what to do."""
 
 
@@ -585,7 +585,7 @@ def _load_tokenizer(tokenizer):
 
 
 # ---------------------------------------------------------------------------------------
-# Config file and command line
+# Config file
 # ---------------------------------------------------------------------------------------
 def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """``(PipelineConfig, settings)`` from a YAML config.
@@ -634,79 +634,3 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         "splits": tuple(section.get("splits", SPLITS)),
     }
     return config, settings
-
-
-def cmd_prebuild(args: argparse.Namespace) -> int:
-    config, settings = load_config(args.config)
-    tok_path = args.tokenizer or settings["tokenizer"]
-    if not tok_path:
-        raise PrebuildError(f"{args.config}: no tokenizer: set 'data.tokenizer' in the config or pass --tokenizer DIR")
-    if not Path(tok_path).exists():
-        raise PrebuildError(f"tokenizer {tok_path} does not exist; train one with `stacklm train-tokenizer --out {tok_path}`", path=tok_path)
-    out = args.out or settings["out"]
-    if not out:
-        raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
-    prebuild(
-        config,
-        tok_path,
-        out,
-        workers=args.workers or settings["workers"],
-        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=tuple(args.splits or settings["splits"]),
-        progress=not args.no_progress,
-    )
-    return 0
-
-
-def cmd_verify(args: argparse.Namespace) -> int:
-    from stacklm.data.dataset import verify_shard_set
-
-    report = verify_shard_set(args.dir, tokenizer=args.tokenizer, progress=not args.no_progress)
-    for split, r in report.items():
-        print(f"{args.dir} [{split}]: OK — {r['shards']} shards, {r['rows']:,} sequences, {r['tokens']:,} tokens, max id {r['max_id']} < vocab {r['vocab_size']}")
-    return 0
-
-
-def _guard(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Print a user-fixable error as one message (exit status 2) instead of a traceback."""
-
-    def run(args: argparse.Namespace) -> int:
-        from stacklm.tokenizer.bpe import TokenizerArtifactError
-
-        try:
-            return func(args)
-        except (ShardError, TokenizerArtifactError, ValueError) as e:
-            print(f"stacklm {args.command}: error: {e}", file=sys.stderr)
-            return 2
-
-    return run
-
-
-def add_prebuild_subcommands(subparsers) -> None:
-    """Register ``prebuild`` and ``verify`` on the ``stacklm`` CLI's subparsers."""
-    p = subparsers.add_parser("prebuild", help="run the data pipes once and write train/val token shards")
-    p.add_argument("--config", required=True, help="YAML config with a 'data:' section (see configs/demo.yaml)")
-    p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
-    p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
-    p.add_argument("--workers", type=int, help="parallel jobs; the output is identical for the same N (default 1)")
-    p.add_argument("--tokens-per-shard", type=int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
-    p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
-    p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(func=_guard(cmd_prebuild), command="prebuild")
-
-    v = subparsers.add_parser("verify", help="check every shard and every token id of a prebuilt directory")
-    v.add_argument("dir", help="a prebuilt directory (top level or one split)")
-    v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
-    v.add_argument("--no-progress", action="store_true")
-    v.set_defaults(func=_guard(cmd_verify), command="verify")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m stacklm.prebuild")
-    add_prebuild_subcommands(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from stacklm.chat import render_conversation
+from stacklm.cli import main
+from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.data.pack import pack_greedy
 from stacklm.data.sft import collate_sft, sft_batch, tag_loss
 from stacklm.inspect import (
     CHECKS,
     InspectTokenizer,
-    add_inspect_subcommand,
     inspect_input,
     load_tokenizer,
-    main,
 )
 from stacklm.tokenizer.chat_template import CHAT_TEMPLATE
 from stacklm.tokenizer.export import export_hf
@@ -60,7 +60,7 @@ def run(*argv) -> tuple[int, str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = main([str(a) for a in argv])
+        code = main(["inspect", *(str(a) for a in argv)])
     return code, out.getvalue()
 
 

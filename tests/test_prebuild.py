@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from stacklm import atomic
+from stacklm.cli import main as stacklm_main
+from stacklm.cli.prebuild_commands import add_prebuild_subcommands
 from stacklm.data import manifest as mf
 from stacklm.data import shards as sh
 from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.prebuild import PrebuildError, add_prebuild_subcommands, load_config, prebuild
+from stacklm.prebuild import PrebuildError, load_config, prebuild
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
@@ -200,7 +202,7 @@ def test_sigkill_twice_then_resume_is_byte_identical(tmp_path, tok_dir):
     total = 80_000
     cfg_file = _plain_config(tmp_path, tok_dir, total)
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "stacklm.prebuild", "prebuild", "--config", str(cfg_file), "--out", str(out),
+    cmd = [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg_file), "--out", str(out),
            "--tokens-per-shard", str(TOKENS_PER_SHARD), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -259,12 +261,11 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     args = parser.parse_args(["verify", str(ref), "--no-progress"])
     assert args.func(args) == 0
     assert "[train]: OK" in capsys.readouterr().out
-    args = parser.parse_args(["verify", str(tmp_path), "--no-progress"])
-    assert args.func(args) == 2
+    # user errors go through the one CLI error path: one line, exit status 2
+    assert stacklm_main(["verify", str(tmp_path), "--no-progress"]) == 2
     assert "is empty" in capsys.readouterr().err
-    args = parser.parse_args(["prebuild", "--config", str(REPO / "configs" / "demo.yaml"), "--out", str(tmp_path / "x"),
-                              "--tokenizer", str(tmp_path / "missing")])
-    assert args.func(args) == 2
+    assert stacklm_main(["prebuild", "--config", str(REPO / "configs" / "demo.yaml"), "--out", str(tmp_path / "x"),
+                         "--tokenizer", str(tmp_path / "missing")]) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
     demo, settings = load_config(REPO / "configs" / "demo.yaml")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3

@@ -1,6 +1,6 @@
 """The prebuild as datatrove pipeline steps, for a cluster (Slurm, Ray) or one machine.
 
-    python -m stacklm.scale.datatrove_steps --config C.yaml --out DIR --tasks 64 \\
+    stacklm prebuild-datatrove --config C.yaml --out DIR --tasks 64 \\
         --executor slurm --partition cpu --time 04:00:00 --cpus-per-task 4
 
 Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``r`` builds split
@@ -27,11 +27,9 @@ kept (datatrove ``stat_update``), and the drop counts go into the manifest.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -251,44 +249,3 @@ def prebuild_executors(
     else:
         raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
     return main, merge
-
-
-def main(argv: list[str] | None = None) -> int:
-    from stacklm.prebuild import load_config
-
-    p = argparse.ArgumentParser(prog="python -m stacklm.scale.datatrove_steps", description="stacklm prebuild on a datatrove executor")
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
-    p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: 'tokenizer:' in the config)")
-    p.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
-    p.add_argument("--tokens-per-shard", type=int)
-    p.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")
-    p.add_argument("--workers", type=int, default=-1, help="local: tasks run at once (-1: all)")
-    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
-    p.add_argument("--partition", help="slurm partition")
-    p.add_argument("--time", default="04:00:00", help="slurm time limit per task")
-    p.add_argument("--cpus-per-task", type=int, default=2)
-    p.add_argument("--mem-per-cpu-gb", type=int, default=4)
-    args = p.parse_args(argv)
-    config, settings = load_config(args.config)
-    kwargs: dict[str, Any] = {}
-    if args.executor == "local":
-        kwargs["workers"] = args.workers
-    elif args.executor == "slurm":
-        kwargs.update(partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
-    else:
-        kwargs.update(cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
-    out = args.out or settings["out"]
-    if not out:
-        p.error("pass --out DIR (or set data.data_dir in the config)")
-    _, merge = prebuild_executors(
-        config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
-        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
-    )
-    merge.run()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
