@@ -43,7 +43,7 @@ SUMMARY_EVERY_N_BATCHES = 8
 
 
 def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the per-worker summaries into the ``data_stats`` protocol (``stacklm.logging``)."""
+    """Sum the per-worker summaries into the ``data_stats`` protocol (``stacklm.callbacks``)."""
     realized: dict[str, dict[str, Any]] = {}
     dropped: dict[str, dict[str, dict[str, int]]] = {}
     pad = doc_tokens = 0
@@ -602,7 +602,7 @@ class StackDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:
-        """This rank's cumulative data numbers for ``stacklm.logging.DataStatsCallback``."""
+        """This rank's cumulative data numbers for ``stacklm.callbacks.DataStatsCallback``."""
         out: dict[str, Any] = {"hashes": dict(self.hashes)}
         loader = self._train_loader
         if loader is not None and self.mode in ("stream", "sft"):

@@ -70,7 +70,8 @@ def _run_file(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env)
 
 
-@pytest.mark.parametrize("entry", [("-m", "stacklm"), ("-m", "stacklm.cli"), ("stacklm/cli/__main__.py",), ("stacklm/cli/app.py",)])
+@pytest.mark.parametrize("entry", [("-m", "stacklm"), ("-m", "stacklm.cli"), ("stacklm/__main__.py",),
+                                   ("stacklm/cli/__main__.py",), ("stacklm/cli/app.py",)])
 def test_every_entry_point_runs_the_one_cli(entry):
     """`python -m stacklm`, and the CLI files run directly: running a file puts its folder first
     on sys.path, where a module named like the standard library (the old `inspect.py`) broke
@@ -124,7 +125,7 @@ def test_user_error_classes():
     from stacklm.data.manifest import ManifestError
     from stacklm.datamodule import DataConfigError
     from stacklm.errors import StackLMError
-    from stacklm.inspect import InspectError
+    from stacklm.inspector import InspectError
     from stacklm.prebuild import PrebuildError
 
     for cls in (CliError, InspectError, PrebuildError, DataConfigError):

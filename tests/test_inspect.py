@@ -17,7 +17,7 @@ from stacklm.cli import main
 from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.data.pack import pack_greedy
 from stacklm.data.sft import collate_sft, sft_batch, tag_loss
-from stacklm.inspect import (
+from stacklm.inspector import (
     CHECKS,
     InspectTokenizer,
     inspect_input,

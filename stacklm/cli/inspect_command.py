@@ -26,7 +26,7 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from stacklm.inspect import format_report, inspect_input, load_tokenizer
+    from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
     tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
     report = inspect_input(args.input, tok, limit=args.limit)
