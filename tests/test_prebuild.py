@@ -144,11 +144,11 @@ def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):
     with pytest.raises(PrebuildError, match="tokenizer: built with sha256"):
         prebuild(config(), other, ref, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     assert tree(ref) == before
-    from stacklm.prebuild import PrebuildPlan, _lock, prepare
+    from stacklm.prebuild import PrebuildPlan, lock_out_dir, prepare
 
     busy = PrebuildPlan(config(), other, tmp_path / "busy", tokens_per_shard=TOKENS_PER_SHARD)
     prepare(busy)
-    held = _lock(busy.out)  # another prebuild holds the directory
+    held = lock_out_dir(busy.out)  # another prebuild holds the directory
     with pytest.raises(PrebuildError, match="another `stacklm prebuild` is writing"):
         prebuild(config(), other, busy.out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     held.close()

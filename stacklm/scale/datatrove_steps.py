@@ -53,7 +53,7 @@ class TaskPlan:
 
     def prebuild_plan(self):
         from stacklm.data.nodes import PipelineConfig
-        from stacklm.prebuild import PrebuildPlan
+        from stacklm.prebuild.plan import PrebuildPlan
         from stacklm.tokenizer.bpe import StackTokenizer
 
         return PrebuildPlan(
@@ -102,7 +102,7 @@ class StackMixedDocuments(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.nodes import build_pipeline
         from stacklm.data.sources import ShardSpec
-        from stacklm.prebuild import worker_config
+        from stacklm.prebuild.plan import worker_config
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
@@ -152,13 +152,14 @@ class StackShardWriter(_StackStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.shards import atomic_write_bytes
-        from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from, write_job_shards
+        from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
+        from stacklm.prebuild.plan import STATE_DIR
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
         split_dir = plan.out / split
         split_dir.mkdir(parents=True, exist_ok=True)
-        _remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
+        remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
         summary: dict[str, Any] = {}
         windows = (d.metadata["window"] for d in _without_summary(data, summary))
         shards: list[dict] = []
@@ -168,7 +169,7 @@ class StackShardWriter(_StackStep):
         summary["shards"] = shards
         state_dir = plan.out / STATE_DIR
         state_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(state_dir / f"{_job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
+        atomic_write_bytes(state_dir / f"{job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
         return
         yield  # a generator step that yields nothing: the writer ends the pipeline
 
@@ -180,13 +181,15 @@ class StackManifestMerger(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.prebuild import STATE_DIR, PrebuildError, _job_name, finalize
+        from stacklm.prebuild.jobs import job_name
+        from stacklm.prebuild.manifests import finalize
+        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
 
         plan = self.built()
         summaries = []
         for split in plan.splits:
             for worker in range(plan.workers):
-                path = plan.out / STATE_DIR / f"{_job_name(split, worker)}.done.json"
+                path = plan.out / STATE_DIR / f"{job_name(split, worker)}.done.json"
                 if not path.exists():
                     raise PrebuildError(f"{path} is missing: task for split {split!r}, worker {worker} has not finished; rerun the main job first", path=path)
                 summaries.append(json.loads(path.read_text()))
@@ -214,9 +217,11 @@ def prebuild_executors(
     ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
     directory is checked/claimed here, like ``stacklm prebuild`` does.
     """
-    from stacklm.prebuild import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan, _load_tokenizer, prepare
+    from stacklm.prebuild.build import resolve_tokenizer
+    from stacklm.prebuild.manifests import prepare
+    from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
 
-    tok = _load_tokenizer(tokenizer)
+    tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
