@@ -245,7 +245,7 @@ def test_registers_on_the_cli_parser(dirs, tmp_path, tok, convs):
 
 
 def write_shards(directory: Path, tok, docs, seq_len: int = 64, vocab_size: int | None = None) -> Path:
-    """A shard directory in the DESIGN.md on-disk format, from real packed windows."""
+    """A shard directory in the docs/architecture.md on-disk format, from real packed windows."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenized = [{"ids": np.asarray(tok.encode(d), dtype=np.int32), "source": "t"} for d in docs]
     windows = np.stack(list(pack_greedy(tokenized, seq_len, tok.bos_id, tok.eos_id, tok.pad_id))).astype("<u2")

@@ -128,7 +128,7 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
 
 
 def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """The first ``limit`` windows of a shard directory, read per DESIGN.md "Shards on disk"
+    """The first ``limit`` windows of a shard directory, read per docs/architecture.md "Shards on disk"
     (``shard_XXXXX.tokens.bin`` flat n_seq x seq_len, dtype and seq_len from ``manifest.json``)."""
     files = sorted(directory.glob("shard_*.tokens.bin"))
     if not files:
