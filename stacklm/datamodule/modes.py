@@ -118,6 +118,16 @@ class _WorkerStreamMode(DataMode):
         if pipeline is None:
             raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
 
+    def train_loader(self) -> StackDataLoader:
+        return self._loader(self._dataset("train"))
+
+    def val_loader(self) -> StackDataLoader:
+        return self._loader(self._dataset("val"))
+
+    def _dataset(self, split: str) -> StreamDataset:
+        """This rank's stream of ``split`` batches."""
+        raise NotImplementedError
+
     def _loader(self, dataset: StreamDataset) -> StackDataLoader:
         return StackDataLoader(
             dataset,
@@ -138,12 +148,6 @@ class StreamMode(_WorkerStreamMode):
     worker) builds its own graph over its shard of the documents, with an equal token budget."""
 
     name = "stream"
-
-    def train_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("train"))
-
-    def val_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("val"))
 
     def _dataset(self, split: str) -> StreamDataset:
         dm = self.dm
@@ -178,12 +182,6 @@ class SFTMode(_WorkerStreamMode):
     """Chat conversations rendered and packed by ``stacklm.data.sft``."""
 
     name = "sft"
-
-    def train_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("train"))
-
-    def val_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("val"))
 
     def _dataset(self, split: str) -> StreamDataset:
         """Conversations have no token budget, so the per-worker batch count comes from a
