@@ -14,13 +14,8 @@ SEQ_LEN, BATCH = 64, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    d = tmp_path_factory.mktemp("tok")
-    train_from_iterable(iter_default_corpus(400_000), 512).tokenizer.save(d / "tokenizer.stacklm.json")
-    return d
+def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_512)
 
 
 @pytest.fixture(scope="module")

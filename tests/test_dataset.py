@@ -20,10 +20,8 @@ SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    return train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer
+def tok(tokenizer_2048):
+    return tokenizer_2048
 
 
 @pytest.fixture(scope="module")

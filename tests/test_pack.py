@@ -36,16 +36,14 @@ def _doc(ids, i, source="s"):
 
 
 @pytest.fixture(scope="module")
-def real_docs():
-    """Real text (the stdlib corpus), tokenized by a small rustbpe trained on it."""
-    import rustbpe
-
+def real_docs(tokenizer_1024):
+    """Real text (the stdlib corpus) as ids of the shared 1,024-id tokenizer trained on it
+    (plain text, no specials: every id < VOCAB, so BOS/EOS/PAD above never collide)."""
     texts = list(iter_default_corpus(600_000))
-    tok = rustbpe.Tokenizer()
-    tok.train_from_iterator(iter(texts), VOCAB, pattern=GPT4_PATTERN)
+    assert tokenizer_1024.vocab_size == VOCAB
     rng = np.random.default_rng(0)
     order = rng.permutation(len(texts))
-    ids = tok.batch_encode([texts[i] for i in order])
+    ids = tokenizer_1024.encode_batch([texts[i] for i in order])
     return [_doc(x, i, source=("code" if i % 2 else "prose")) for i, x in enumerate(ids) if len(x)]
 
 

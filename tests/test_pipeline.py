@@ -15,11 +15,8 @@ SEQ_LEN = 128
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    return train_from_iterable(iter_default_corpus(600_000), 1024).tokenizer
+def tok(tokenizer_1024):
+    return tokenizer_1024
 
 
 def _config(**kw) -> PipelineConfig:

@@ -34,8 +34,8 @@ SEQ = 256
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_from_iterable(iter_default_corpus(600_000), 1024).tokenizer
+def tok(tokenizer_1024):
+    return tokenizer_1024
 
 
 def make_conversations(n: int, seed: int = 0) -> list[list[dict]]:
