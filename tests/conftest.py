@@ -39,8 +39,9 @@ def tokenizer_512():
 
 @pytest.fixture(scope="session")
 def tokenizer_1024():
-    """600 kB, 1,024 ids: the default for stream-level tests (pipeline, SFT, chat, inspect, pack).
-    A small vocab makes many tokens per document, so short budgets still fill many windows."""
+    """600 kB, 1,024 ids: the stream-level tests (pipeline, SFT, chat, inspect, pack). test_pack
+    puts its own BOS/EOS/PAD at ids 1024..1026, just above these; the others need a real
+    tokenizer with the specials, and a small one keeps their encoding cheap."""
     return _train(600_000, 1024).tokenizer
 
 
