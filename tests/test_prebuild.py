@@ -32,13 +32,8 @@ TOTAL = 40_000
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    d = tmp_path_factory.mktemp("tok")
-    train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer.save(d / "tokenizer.stacklm.json")
-    return d
+def tok_dir(tokenizer_2048, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_2048)
 
 
 @pytest.fixture(scope="module")
