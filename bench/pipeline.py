@@ -52,7 +52,7 @@ def bench_tokenize(tok, texts: list[str], threads: int, rounds: int = 3) -> dict
     """TokenizeNode vs raw tiktoken on the same texts, interleaved rounds, best of each."""
     from torchdata.nodes import IterableWrapper
 
-    from stacklm.data.tokenize import TokenizeNode
+    from stacklm.data.tokenizing import TokenizeNode
 
     nbytes = sum(len(t.encode()) for t in texts)
     docs = [{"text": t, "source": "stdlib", "domain": "mixed", "doc_id": str(i)} for i, t in enumerate(texts)]
@@ -99,7 +99,7 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
     are interleaved for ``rounds`` rounds and each keeps its best, so bursts of load elsewhere
     on the machine do not decide the ratio."""
     from stacklm.data.nodes import PipelineConfig, build_pipeline
-    from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, StackDataLoader, StreamDataset, _PipelineBuilder
+    from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, PipelineBuilder, StackDataLoader, StreamDataset
 
     texts = [text for _, text in docs]
     out: dict = {"workers": workers}
@@ -122,7 +122,7 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
             return time.perf_counter() - t, n
 
         def with_workers() -> tuple[float, int]:
-            ds = StreamDataset(_PipelineBuilder(one_thread.to_dict(), str(tok_dir), "train"), split="train", rank=0,
+            ds = StreamDataset(PipelineBuilder(one_thread.to_dict(), str(tok_dir), "train"), split="train", rank=0,
                                world_size=1, n_batches_total=10**9, batch_size=8, seq_len=seq_len, pad_id=tok.pad_id)
             loader = StackDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=DEFAULT_SNAPSHOT_STEPS)
             t = time.perf_counter()

@@ -9,11 +9,14 @@ the target, then fsync the folder so the rename survives a power cut.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
+if TYPE_CHECKING:
+    import numpy as np
 
 TMP_MARK = ".tmp-"  # temporary files start with this
 
@@ -38,6 +41,16 @@ def _write_all(f, data: memoryview) -> None:
         view = view[n:]
 
 
+def _bytes_view(data: bytes | memoryview | np.ndarray) -> memoryview:
+    """A flat view of ``data``; a numpy array is made contiguous first. numpy is looked up, not
+    imported: an array can only exist once numpy is loaded, and the command line imports this
+    module (through the tokenizer artifact's name) without loading numpy."""
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(data, numpy.ndarray):
+        return memoryview(numpy.ascontiguousarray(data))
+    return memoryview(data)
+
+
 def atomic_write_bytes(
     path: str | os.PathLike,
     data: bytes | memoryview | np.ndarray,
@@ -53,7 +66,7 @@ def atomic_write_bytes(
     path = Path(path)
     # pid and thread both in the name: concurrent writers of one path never share a temp file
     tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}.{threading.get_ident()}"
-    payload = memoryview(np.ascontiguousarray(data)) if isinstance(data, np.ndarray) else memoryview(data)
+    payload = _bytes_view(data)
     try:
         try:
             with open(tmp, "wb") as f:

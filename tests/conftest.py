@@ -1,10 +1,27 @@
-"""Shared fixtures: small real-text tokenizers trained once per session (fast backend)."""
+"""Shared fixtures: real-text tokenizers trained once per session (fast backend) and their
+saved directories.
+
+Every test module takes its tokenizer from here instead of training its own. There are a few
+sizes, not one, because tests assert on them (a vocab size in a manifest or an error message,
+a model's embedding size); each fixture's docstring says who depends on what. All are trained
+on the embedded corpus (``stacklm.corpus``: stdlib code, docstrings, pydoc topics, CJK, math),
+so they are deterministic. They are shared across modules: never mutate one (build a new
+``StackTokenizer`` from its ``to_dict()`` to edit), and treat saved directories as read-only.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 
 from stacklm.corpus import iter_default_corpus
+
+
+def _train(corpus_bytes: int, vocab_size: int):
+    from stacklm.tokenizer.bpe import train_from_iterable
+
+    return train_from_iterable(iter_default_corpus(corpus_bytes), vocab_size)
 
 
 @pytest.fixture(scope="session")
@@ -14,7 +31,68 @@ def real_docs() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def small_tokenizer(real_docs):
-    from stacklm.tokenizer.bpe import train_from_iterable
+def tokenizer_512():
+    """400 kB, 512 ids: the Lightning tests (datamodule, DDP). Their ``TinyLM(512)`` embeds exactly
+    this vocab, and a small vocab keeps the real-Trainer and gloo subprocess runs cheap."""
+    return _train(400_000, 512).tokenizer
 
-    return train_from_iterable(real_docs, vocab_size=4096).tokenizer
+
+@pytest.fixture(scope="session")
+def tokenizer_1024():
+    """600 kB, 1,024 ids: the stream-level tests (pipeline, SFT, chat, inspect, pack). test_pack
+    puts its own BOS/EOS/PAD at ids 1024..1026, just above these; the others need a real
+    tokenizer with the specials, and a small one keeps their encoding cheap."""
+    return _train(600_000, 1024).tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_2048():
+    """1 MB, 2,048 ids: the shard tests (dataset, prebuild; bench/loader.py trains the same). They
+    assert on the number itself: a manifest's ``vocab_size``, "token id 2051 >= vocab_size 2048"."""
+    return _train(1_000_000, 2048).tokenizer
+
+
+@pytest.fixture(scope="session")
+def tokenizer_4096():
+    """2 MB, 4,096 ids: the tokenizer tests (encode/decode, save/load, export to tiktoken and
+    Hugging Face, import back). The export tests assert ``vocab_size == 4096``."""
+    return _train(2_000_000, 4096).tokenizer
+
+
+@pytest.fixture(scope="session")
+def shortfall_tokenizer():
+    """300 kB at the full default vocab (32,768 ids): the corpus runs out of pairs long before,
+    so ~22k ``<|unused_N|>`` fillers sit between the merges and the 9 specials on the top ids.
+    What a user gets when training on too little text; the export and import tests check that
+    fillers survive every format."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the expected "ran short" warning
+        res = _train(300_000, 32768)
+    assert res.shortfall > 0 and res.tokenizer.n_unused == res.shortfall
+    return res.tokenizer
+
+
+@pytest.fixture(scope="session")
+def saved_tokenizer_dir(tmp_path_factory):
+    """``saved_tokenizer_dir(tok)`` -> a directory holding ``tok`` as ``tokenizer.stacklm.json``
+    (what ``--tokenizer DIR``, the datamodule and prebuild read); ``saved_tokenizer_dir(tok, "hf")``
+    -> ``tok`` exported for Hugging Face (``export_hf``). Written once per tokenizer and format
+    per session and shared: copy it before editing anything in it."""
+    written: dict[tuple[int, str], object] = {}
+
+    def save(tok, fmt: str = "stacklm"):
+        key = (id(tok), fmt)
+        if key not in written:
+            directory = tmp_path_factory.mktemp(f"tokenizer_{tok.vocab_size}_{fmt}")
+            if fmt == "stacklm":
+                tok.save(directory / "tokenizer.stacklm.json")
+            elif fmt == "hf":
+                from stacklm.tokenizer.export import export_hf
+
+                export_hf(tok, directory)
+            else:
+                raise ValueError(f"saved_tokenizer_dir: format must be 'stacklm' or 'hf', got {fmt!r}")
+            written[key] = (tok, directory)  # holding tok keeps its id from being reused
+        return written[key][1]
+
+    return save

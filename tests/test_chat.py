@@ -25,16 +25,15 @@ from stacklm.tokenizer.export import export_hf
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_from_iterable(iter_default_corpus(600_000), 1024).tokenizer
+def tok(tokenizer_1024):
+    return tokenizer_1024
 
 
 @pytest.fixture(scope="module")
-def hf_tok(tok, tmp_path_factory):
+def hf_tok(tok, saved_tokenizer_dir):
     import transformers
 
-    d = export_hf(tok, tmp_path_factory.mktemp("hf_chat"))
-    return transformers.AutoTokenizer.from_pretrained(str(d))
+    return transformers.AutoTokenizer.from_pretrained(str(saved_tokenizer_dir(tok, "hf")))
 
 
 def sid(tok, name):

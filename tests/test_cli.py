@@ -59,3 +59,78 @@ def test_missing_input_is_a_one_line_error(tmp_path):
     res = _run("train-tokenizer", "--input", str(tmp_path / "nope-*.txt"), "--out", str(tmp_path / "t"), check=False)
     assert res.returncode == 2
     assert "nope-*.txt" in res.stderr and "Traceback" not in res.stderr
+
+
+# ---------------------------------------------------------------------- entry points and the one error path
+def _run_file(*args: str) -> subprocess.CompletedProcess:
+    """A script path or ``-m`` target run as a user would, with this checkout importable."""
+    import os
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, env=env)
+
+
+@pytest.mark.parametrize("entry", [("-m", "stacklm"), ("-m", "stacklm.cli"), ("stacklm/__main__.py",),
+                                   ("stacklm/cli/__main__.py",), ("stacklm/cli/app.py",)])
+def test_every_entry_point_runs_the_one_cli(entry):
+    """`python -m stacklm`, and the CLI files run directly: running a file puts its folder first
+    on sys.path, where a module named like the standard library (the old `inspect.py`) broke
+    torch's own `import inspect`."""
+    res = _run_file(*entry, "--help")
+    assert res.returncode == 0, res.stderr[-2000:]
+    for command in ("train-tokenizer", "tok-eval", "prebuild", "verify", "prebuild-datatrove", "inspect", "--debug"):
+        assert command in res.stdout
+    res = _run_file(*entry, "inspect", "--help")
+    assert res.returncode == 0 and "--tokenizer" in res.stdout, res.stderr[-2000:]
+
+
+def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    missing = str(tmp_path / "missing-tokenizer")
+    res = _run("inspect", str(tmp_path / "c.jsonl"), "--tokenizer", missing, check=False)
+    assert res.returncode == 2
+    assert res.stderr.splitlines() == [f"stacklm inspect: error: {missing}: no such tokenizer file or directory"]
+    assert res.stdout == ""
+    for debug in (["--debug", "inspect", str(tmp_path / "c.jsonl"), "--tokenizer", missing],
+                  ["inspect", str(tmp_path / "c.jsonl"), "--tokenizer", missing, "--debug"]):
+        res = _run(*debug, check=False)
+        assert res.returncode == 1, debug
+        assert "Traceback (most recent call last)" in res.stderr and "InspectError" in res.stderr, debug
+
+
+def test_os_error_on_a_user_path_is_one_line(tmp_path):
+    """A config path that is a directory: the OS's own message, as one line."""
+    res = _run("prebuild", "--config", str(tmp_path), "--out", str(tmp_path / "out"), check=False)
+    assert res.returncode == 2
+    assert len(res.stderr.splitlines()) == 1 and res.stderr.startswith("stacklm prebuild: error: ")
+    assert "Is a directory" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
+    """Only user errors become one line; anything else is a bug in stacklm and propagates."""
+    from stacklm.cli import main
+    from stacklm.cli import prebuild_commands
+
+    def broken(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(prebuild_commands, "cmd_verify", broken)
+    with pytest.raises(KeyError, match="a bug"):
+        main(["verify", "somewhere"])
+    assert capsys.readouterr().err == ""
+
+
+def test_user_error_classes():
+    from stacklm.cli.app import is_user_error
+    from stacklm.cli.errors import CliError
+    from stacklm.data.manifest import ManifestError
+    from stacklm.datamodule import DataConfigError
+    from stacklm.errors import StackLMError
+    from stacklm.inspector import InspectError
+    from stacklm.prebuild import PrebuildError
+
+    for cls in (CliError, InspectError, PrebuildError, DataConfigError):
+        assert issubclass(cls, StackLMError), cls
+    assert issubclass(PrebuildError, RuntimeError) and issubclass(DataConfigError, ValueError)  # callers catch these
+    assert is_user_error(InspectError("x")) and is_user_error(FileNotFoundError("x"))
+    assert is_user_error(ManifestError("x"))  # a data-layer error: a StackLMError since the data layer adopted it
+    assert not is_user_error(ValueError("x")) and not is_user_error(KeyError("x"))

@@ -9,18 +9,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, SUMMARY_EVERY_N_BATCHES, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
+from tests.resume import check_save_load_state
 
 SEQ_LEN, BATCH = 64, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    d = tmp_path_factory.mktemp("tok")
-    train_from_iterable(iter_default_corpus(400_000), 512).tokenizer.save(d / "tokenizer.stacklm.json")
-    return d
+def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_512)
 
 
 @pytest.fixture(scope="module")
@@ -227,3 +223,21 @@ def test_shards_mode_data_stats_scale_the_manifest(tokenizer_dir, shards_dir):
     assert n_seq - BATCH < loader.samples_yielded <= n_seq  # the epoch, less a tail under one global batch
     assert abs(total - 20_000 * loader.samples_yielded / n_seq) <= len(stats["realized"])
     assert stats["hashes"]["manifest"] is not None and stats["padding_fraction"] < 0.2
+
+
+@pytest.mark.parametrize("mode, num_workers", [("stream", 0), ("stream", 2), ("shards", 2)])
+def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_dir, mode, num_workers):
+    """The train loader alone, no Trainer: its state saved mid-epoch goes through ``torch.save`` +
+    ``torch.load(weights_only=True)`` (a checkpoint must load without pickle trust) and a fresh
+    module's loader continues exactly."""
+    kw = dict(num_workers=num_workers)
+    if mode == "shards":
+        kw.update(mode="shards", data_dir=str(shards_dir), pipeline=None)
+
+    def build():
+        dm = _dm(tokenizer_dir, **kw)
+        dm.setup("fit")
+        return dm.train_dataloader()
+
+    full = check_save_load_state(build, lambda n: (1, n // 2), state_round_trip="torch")
+    assert len(full) >= 6

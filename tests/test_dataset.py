@@ -15,15 +15,14 @@ from stacklm.data import manifest as mf
 from stacklm.data.dataset import ElasticBatchNode, ElasticSampler, PackedMemmapDataset, derive_batch, verify_shard_set
 from stacklm.data.pack import collate, pack_best_fit, pack_greedy, window_to_example
 from stacklm.data.shards import ShardError, dtype_name, token_dtype, tokens_path, write_shard
+from tests.resume import check_save_load_state
 
 SEQ_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    return train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer
+def tok(tokenizer_2048):
+    return tokenizer_2048
 
 
 @pytest.fixture(scope="module")
@@ -326,16 +325,5 @@ def test_torchdata_nodes_resume(shard_set):
     def loader():
         return Loader(Mapper(ElasticBatchNode(ElasticSampler(ds, 3, seed=4, rank=1, world_size=2)), ds.get_batch))
 
-    whole = loader()
-    it = iter(whole)
-    expected = [next(it) for _ in range(9)]
-    first = loader()
-    it = iter(first)
-    for _ in range(4):
-        next(it)
-    state = first.state_dict()
-    resumed = loader()
-    resumed.load_state_dict(state)
-    it = iter(resumed)
-    for want in expected[4:]:
-        _same(next(it), want)
+    expected = check_save_load_state(loader, [4], limit=9)  # the sampler loops: the first 9 batches
+    assert all(v.dtype == torch.long for batch in expected for v in batch.values())  # and so are the resumed ones

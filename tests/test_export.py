@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import jinja2
 import pytest
@@ -52,8 +51,8 @@ DOMAIN_BYTES = 300_000
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_from_iterable(corpus.iter_default_corpus(2_000_000), vocab_size=4096).tokenizer
+def tok(tokenizer_4096):
+    return tokenizer_4096
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +61,8 @@ def real_docs():
 
 
 @pytest.fixture(scope="module")
-def hf_dir(tok, tmp_path_factory):
-    return export_hf(tok, tmp_path_factory.mktemp("hf"))
+def hf_dir(tok, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tok, "hf")
 
 
 @pytest.fixture(scope="module")
@@ -226,15 +225,12 @@ def test_hf_config_and_special_ids(tok, hf_tok, hf_dir):
     assert backend["pre_tokenizer"]["pretokenizers"][1]["use_regex"] is False
 
 
-def test_hf_at_default_vocab_with_fillers(tmp_path):
+def test_hf_at_default_vocab_with_fillers(shortfall_tokenizer, tmp_path):
     """vocab 32768 from a corpus too small to fill it: fillers sit below the 9 specials."""
     from transformers import AutoTokenizer
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the expected shortfall warning
-        res = train_from_iterable(corpus.iter_default_corpus(300_000), vocab_size=32768)
-    tok = res.tokenizer
-    assert res.shortfall > 0 and tok.n_unused == res.shortfall
+    tok = shortfall_tokenizer  # the fixture asserts the trainer's shortfall == tok.n_unused > 0
+    assert tok.n_unused > 0
     hf = AutoTokenizer.from_pretrained(export_hf(tok, tmp_path))
     assert len(hf) == 32768
     assert [hf.convert_ids_to_tokens(i) for i in range(32759, 32768)] == list(SPECIAL_TOKENS)

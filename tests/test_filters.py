@@ -19,6 +19,7 @@ from stacklm.data.filters import (
     text_stats,
 )
 from stacklm.data.sources import LocalFileSource, SyntheticSource, synthetic_text
+from tests.resume import check_save_load_state
 
 CFG = FilterConfig()
 PROSE = synthetic_text(0, "prose")  # real docstring/pydoc paragraphs
@@ -136,14 +137,13 @@ def test_filter_node_counts_per_source_and_resumes_exactly(tmp_path):
     assert counts == dict(expected) and sum(counts.values()) == 40 and counts["kept"] == len(full)
     assert counts["too_short"] >= 1 and counts["low_alpha_fraction"] >= 1
     assert node.report() == {"stage": "filter", "config_hash": CFG.config_hash(), "counts": {"loc": counts}}
-    for cut in (0, 2, 10, len(full) - 1):
-        a = make()
-        head = [next(a) for _ in range(cut)]
-        state = json.loads(json.dumps(a.state_dict()))
-        b = make()
-        b.reset(state)
-        assert head + list(b) == full
-        assert b.stats.to_dict() == node.stats.to_dict()
+    states = []
+
+    def counts_continue(r):
+        assert r.restored.stats.to_dict() == node.stats.to_dict()
+        states.append(r.state)
+
+    check_save_load_state(make, (0, 2, 10, len(full) - 1), state_round_trip="json", check_resumed=counts_continue)
     strict = FilterNode(LocalFileSource("loc", str(tmp_path / "a.jsonl"), "prose"), FilterConfig.from_dict({"prose": {"min_chars": 10}}))
     with pytest.raises(ValueError, match="same filter thresholds"):
-        strict.reset(state)
+        strict.reset(states[-1])

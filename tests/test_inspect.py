@@ -13,15 +13,15 @@ import pytest
 import torch
 
 from stacklm.chat import render_conversation
+from stacklm.cli import main
+from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.data.pack import pack_greedy
 from stacklm.data.sft import collate_sft, sft_batch, tag_loss
-from stacklm.inspect import (
+from stacklm.inspector import (
     CHECKS,
     InspectTokenizer,
-    add_inspect_subcommand,
     inspect_input,
     load_tokenizer,
-    main,
 )
 from stacklm.tokenizer.chat_template import CHAT_TEMPLATE
 from stacklm.tokenizer.export import export_hf
@@ -34,19 +34,14 @@ CHATML_TEXT = (
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    return train_from_iterable(iter_default_corpus(600_000), 1024).tokenizer
+def tok(tokenizer_1024):
+    return tokenizer_1024
 
 
 @pytest.fixture(scope="module")
-def dirs(tok, tmp_path_factory):
-    root = tmp_path_factory.mktemp("inspect")
-    tok.save(root / "ours" / "tokenizer.stacklm.json")
-    export_hf(tok, root / "hf")
-    return root
+def dirs(tok, saved_tokenizer_dir):
+    """The tokenizer saved both ways: ``dirs["ours"]`` our artifact, ``dirs["hf"]`` the HF export."""
+    return {"ours": saved_tokenizer_dir(tok), "hf": saved_tokenizer_dir(tok, "hf")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +55,7 @@ def run(*argv) -> tuple[int, str]:
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = main([str(a) for a in argv])
+        code = main(["inspect", *(str(a) for a in argv)])
     return code, out.getvalue()
 
 
@@ -71,7 +66,7 @@ def errors_of(report) -> set[str]:
 def test_clean_sft_batch_and_conversations_pass(tok, dirs, convs, tmp_path):
     batch = sft_batch(convs, tok, 256)
     torch.save(batch, tmp_path / "batch.pt")
-    code, out = run(tmp_path / "batch.pt", "--tokenizer", dirs / "ours", "--tokens", 30)
+    code, out = run(tmp_path / "batch.pt", "--tokenizer", dirs["ours"], "--tokens", 30)
     assert code == 0, out
     assert "EOS present: yes" in out and "TRAIN" in out and "0 error(s)" in out
     for check in CHECKS:
@@ -79,7 +74,7 @@ def test_clean_sft_batch_and_conversations_pass(tok, dirs, convs, tmp_path):
     rows = [{"messages": c, "domain": "code" if i % 2 else "prose"} for i, c in enumerate(convs)]
     path = write_jsonl(tmp_path / "c.jsonl", rows)
     for tokdir in ("ours", "hf"):  # our artifact and the exported HF directory (its chat template)
-        report = inspect_input(path, dirs / tokdir)
+        report = inspect_input(path, dirs[tokdir])
         assert not report.errors, [f.to_dict() for f in report.errors]
         assert report.sequences == len(convs) and report.ending_with_eos == len(convs)
         tpc = report.tokens_per_char()
@@ -91,16 +86,16 @@ def test_bug1_hand_concatenated_foreign_template_is_caught(tok, dirs, convs, tmp
     rows = [{"messages": c} for c in convs[:3]] + [{"messages": [{"role": "user", "content": CHATML_TEXT},
                                                                   {"role": "assistant", "content": "ok"}]}]
     path = write_jsonl(tmp_path / "chatml.jsonl", rows)
-    code, out = run(path, "--tokenizer", dirs / "ours")
+    code, out = run(path, "--tokenizer", dirs["ours"])
     assert code == 1 and "foreign_template" in out and f"{path}:4 message 0 (user)" in out
     # (b) in pre-training shards: the same text tokenized as a plain document
     docs = ["A plain paragraph about Python lists and dicts. " * 3, CHATML_TEXT * 2, "def f(x):\n    return x * 2\n"]
     shard = write_shards(tmp_path / "shards", tok, docs)
-    report = inspect_input(shard, dirs / "ours")
+    report = inspect_input(shard, dirs["ours"])
     assert errors_of(report) == {"foreign_template"}
     assert any("chatml" in f.message for f in report.errors)
     clean = write_shards(tmp_path / "clean", tok, [d for d in docs if "im_start" not in d])
-    assert run(clean, "--tokenizer", dirs / "ours")[0] == 0
+    assert run(clean, "--tokenizer", dirs["ours"])[0] == 0
 
 
 def test_bug2_stripped_eos_and_end_of_turn_is_caught(tok, dirs, convs, tmp_path):
@@ -115,12 +110,12 @@ def test_bug2_stripped_eos_and_end_of_turn_is_caught(tok, dirs, convs, tmp_path)
     for w, piece in zip(windows, pieces):  # one conversation per row, padded
         w[: len(piece)] = piece
     torch.save(collate_sft(windows, tok.bos_id, eos, tok.pad_id), tmp_path / "stripped.pt")
-    report = inspect_input(tmp_path / "stripped.pt", dirs / "ours")
+    report = inspect_input(tmp_path / "stripped.pt", dirs["ours"])
     assert errors_of(report) == {"assistant_turn_not_closed", "missing_eos"}
-    code, out = run(tmp_path / "stripped.pt", "--tokenizer", dirs / "ours")
+    code, out = run(tmp_path / "stripped.pt", "--tokenizer", dirs["ours"])
     assert code == 1 and "EOS present: NO" in out
     # the same bug in a chat template: assistant turns rendered without <|end|> / <|eos|>
-    bad = dirs / "hf_stripped"
+    bad = tmp_path / "hf_stripped"
     export_hf(tok, bad)
     cfg = json.loads((bad / "tokenizer_config.json").read_text())
     template = CHAT_TEMPLATE.replace(" ~ '<|end|>' -}}\n      {%- if loop.last", " -}}\n      {%- if loop.last")
@@ -143,17 +138,17 @@ def packed_naively(tok, convs, L=400):
 def test_bug3_all_ones_mask_and_labels_equal_input_ids_is_caught(tok, dirs, convs, tmp_path):
     x = packed_naively(tok, convs)
     torch.save({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}, tmp_path / "hf_style.pt")
-    report = inspect_input(tmp_path / "hf_style.pt", dirs / "ours")
+    report = inspect_input(tmp_path / "hf_style.pt", dirs["ours"])
     assert {"cross_conversation_attention", "positions_not_reset", "loss_on_non_assistant"} <= errors_of(report)
     loss = next(f for f in report.errors if f.check == "loss_on_non_assistant")
     assert "user" in loss.message and "marker" in loss.message
     # the same bug in the stacklm contract: one segment per row and targets = input_ids
     torch.save({"input_ids": x, "targets": x.clone(), "seq_ids": torch.zeros_like(x),
                 "position_ids": torch.arange(x.shape[1]).expand_as(x).clone()}, tmp_path / "ours_style.pt")
-    report = inspect_input(tmp_path / "ours_style.pt", dirs / "ours")
+    report = inspect_input(tmp_path / "ours_style.pt", dirs["ours"])
     assert {"targets_not_shifted", "cross_conversation_attention", "positions_not_reset", "loss_on_non_assistant"} <= errors_of(report)
     assert "never shifted" in next(f.message for f in report.errors if f.check == "targets_not_shifted")
-    assert run(tmp_path / "ours_style.pt", "--tokenizer", dirs / "ours")[0] == 1
+    assert run(tmp_path / "ours_style.pt", "--tokenizer", dirs["ours"])[0] == 1
     # the correct HF way (DataCollatorWithFlattening): positions restart per conversation and
     # labels only on assistant tokens -- no finding
     rendered = [render_conversation(c, tok) for c in convs[:5]]
@@ -161,7 +156,7 @@ def test_bug3_all_ones_mask_and_labels_equal_input_ids_is_caught(tok, dirs, conv
     labels = torch.from_numpy(np.concatenate([np.where(r[1] == 1, r[0], -100) for r in rendered]).astype(np.int64))[None]
     pos = torch.from_numpy(np.concatenate([np.arange(len(r[0])) for r in rendered]))[None]
     torch.save({"input_ids": ids, "labels": labels, "position_ids": pos}, tmp_path / "flat.pt")
-    assert not inspect_input(tmp_path / "flat.pt", dirs / "ours").errors
+    assert not inspect_input(tmp_path / "flat.pt", dirs["ours"]).errors
 
 
 @pytest.fixture(scope="module")
@@ -216,20 +211,20 @@ def test_bad_input_gives_clear_errors(tok, dirs, chatml_dir, tmp_path):
     path = write_jsonl(tmp_path / "c.jsonl", [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
                                                "{oops", {"messages": [{"role": "robot", "content": "x"}]},
                                                {"messages": [{"role": "user", "content": "no answer"}]}])
-    code, out = run(path, "--tokenizer", dirs / "ours")
+    code, out = run(path, "--tokenizer", dirs["ours"])
     assert code == 1
     assert f"{path}:2: [malformed_json]" in out and "robot" in out and "[no_assistant]" in out
     code, out = run(path, "--tokenizer", chatml_dir / "none")
     assert code == 2 and "no chat template" in out
-    code, out = run(tmp_path / "missing.jsonl", "--tokenizer", dirs / "ours")
+    code, out = run(tmp_path / "missing.jsonl", "--tokenizer", dirs["ours"])
     assert code == 2 and "no such file" in out
     code, out = run(path, "--tokenizer", tmp_path)
     assert code == 2 and "neither a stacklm tokenizer" in out
     shard = write_shards(tmp_path / "sh", tok, ["hello world"], vocab_size=32768)
-    code, out = run(shard, "--tokenizer", dirs / "ours")
+    code, out = run(shard, "--tokenizer", dirs["ours"])
     assert code == 2 and "vocab_size 32768" in out
     torch.save([1, 2], tmp_path / "list.pt")
-    code, out = run(tmp_path / "list.pt", "--tokenizer", dirs / "ours")
+    code, out = run(tmp_path / "list.pt", "--tokenizer", dirs["ours"])
     assert code == 2 and "expected a dict" in out
 
 
@@ -238,14 +233,14 @@ def test_registers_on_the_cli_parser(dirs, tmp_path, tok, convs):
     sub = parser.add_subparsers(dest="command", required=True)
     add_inspect_subcommand(sub)
     torch.save(sft_batch(convs[:4], tok, 256), tmp_path / "b.pt")
-    args = parser.parse_args(["inspect", str(tmp_path / "b.pt"), "--tokenizer", str(dirs / "ours"), "--json", str(tmp_path / "r.json")])
+    args = parser.parse_args(["inspect", str(tmp_path / "b.pt"), "--tokenizer", str(dirs["ours"]), "--json", str(tmp_path / "r.json")])
     assert args.func(args) == 0
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["errors"] == 0 and data["sequences"] >= 1
 
 
 def write_shards(directory: Path, tok, docs, seq_len: int = 64, vocab_size: int | None = None) -> Path:
-    """A shard directory in the DESIGN.md on-disk format, from real packed windows."""
+    """A shard directory in the docs/architecture.md on-disk format, from real packed windows."""
     directory.mkdir(parents=True, exist_ok=True)
     tokenized = [{"ids": np.asarray(tok.encode(d), dtype=np.int32), "source": "t"} for d in docs]
     windows = np.stack(list(pack_greedy(tokenized, seq_len, tok.bos_id, tok.eos_id, tok.pad_id))).astype("<u2")
@@ -257,10 +252,10 @@ def write_shards(directory: Path, tok, docs, seq_len: int = 64, vocab_size: int 
 
 
 def test_inspect_tokenizer_views_agree(tok, dirs):
-    ours, hf = load_tokenizer(dirs / "ours"), load_tokenizer(dirs / "hf")
+    ours, hf = load_tokenizer(dirs["ours"]), load_tokenizer(dirs["hf"])
     assert isinstance(ours, InspectTokenizer) and not ours.is_hf and hf.is_hf
     assert (ours.bos_id, ours.eos_id, ours.pad_id) == (hf.bos_id, hf.eos_id, hf.pad_id)
     assert ours.family == hf.family == "stacklm"
     ids = tok.encode("print('<|end|>')")
     assert ours.decode(ids) == hf.decode(ids) == "print('<|end|>')"
-    assert load_tokenizer(dirs / "hf").vocab_size == tok.vocab_size
+    assert load_tokenizer(dirs["hf"]).vocab_size == tok.vocab_size

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.loggers import WandbLogger
 
-from stacklm.logging import DataStatsCallback, merge_data_stats
+from stacklm.callbacks import DataStatsCallback, merge_data_stats
 from tests.test_model import ContractDataModule, tiny_config
 from trainer.module import GPTModule, OptimConfig
 

@@ -13,6 +13,7 @@ from stacklm.data.mix import MixNode, TokenBudgetMixer, mix_budgeted, split_budg
 from stacklm.data.holdout import HoldoutNode, filter_split, holdout_split
 from stacklm.data.shuffle import ShuffleNode, decode_docs, encode_docs, shuffle_docs
 from stacklm.data.stats import StageStats
+from tests.resume import check_save_load_state
 
 
 def _docs(source, n, lo, hi, seed):
@@ -148,25 +149,22 @@ def _mix_node(srcs, total=30_000, seed=9):
 def test_mix_node_matches_plain_and_resumes_exactly():
     srcs = _sources()
     srcs["math"] = srcs["math"][:30]  # a source runs dry mid-stream, too
-    full = list(_mix_node(srcs))
+
+    def check_state(r):
+        assert set(r.state["sources"]) == set(srcs)  # children's states ride along
+        assert r.state["mixer"]["tokens"].sum() == sum(len(d["ids"]) for d in r.head)
+
+    def check_restored(r):
+        assert r.restored.realized() == r.interrupted.realized()
+
+    def check_resumed(r):
+        assert r.restored.realized() == r.uninterrupted.realized()  # as after a run never stopped
+
+    full = check_save_load_state(
+        lambda: _mix_node(srcs), lambda n: (0, 1, 50, n // 2, n - 1, n), state_round_trip="pickle",
+        check_state=check_state, check_restored=check_restored, check_resumed=check_resumed,
+    )
     assert _same_stream(full, list(mix_budgeted(srcs, WEIGHTS, 30_000, seed=9)))
-    for k in (0, 1, 50, len(full) // 2, len(full) - 1, len(full)):
-        node = _mix_node(srcs)
-        head = [next(node) for _ in range(k)]
-        state = pickle.loads(pickle.dumps(node.state_dict()))
-        assert set(state["sources"]) == set(srcs)  # children's states ride along
-        assert state["mixer"]["tokens"].sum() == sum(len(d["ids"]) for d in head)
-        fresh = _mix_node(srcs)
-        fresh.reset(state)
-        assert fresh.realized() == node.realized()
-        assert _same_stream(head + list(fresh), full), k
-        assert fresh.realized() == _mix_node_final(srcs)
-
-
-def _mix_node_final(srcs):
-    node = _mix_node(srcs)
-    list(node)
-    return node.realized()
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,18 +207,16 @@ def _shuffle_node(docs, seed=4):
 
 def test_shuffle_node_resumes_exactly():
     docs = _docs("web", 300, 1, 50, 3)
-    full = list(_shuffle_node(docs))
-    assert _same_stream(full, list(shuffle_docs(docs, 40, seed=4)))
-    for k in (0, 1, 39, 40, 150, 280, 299, 300):
-        node = _shuffle_node(docs)
-        head = [next(node) for _ in range(k)]
-        state = pickle.loads(pickle.dumps(node.state_dict()))
-        buf = state["shuffle"]["buffer"]
+
+    def compact_buffer(r):
+        buf = r.state["shuffle"]["buffer"]
         assert isinstance(buf["ids"], np.ndarray) and buf["ids"].dtype in (np.uint16, np.int32)
-        assert len(buf["offsets"]) - 1 == (min(39, 300 - k) if k else 0)  # topped up to 40, one popped
-        fresh = _shuffle_node(docs)
-        fresh.reset(state)
-        assert _same_stream(head + list(fresh), full), k
+        assert len(buf["offsets"]) - 1 == (min(39, 300 - r.stop) if r.stop else 0)  # topped up to 40, one popped
+
+    full = check_save_load_state(
+        lambda: _shuffle_node(docs), (0, 1, 39, 40, 150, 280, 299, 300), state_round_trip="pickle", check_state=compact_buffer,
+    )
+    assert _same_stream(full, list(shuffle_docs(docs, 40, seed=4)))
 
 
 def test_shuffle_state_is_small():
@@ -296,15 +292,12 @@ def test_holdout_node_resumes_and_names_the_problem(texts):
     def build():
         return HoldoutNode(IterableWrapper(docs), "val", 0.3, seed=1)
 
-    full = list(build())
+    def counts_continue(r):
+        assert r.restored.stats.get("stdlib", "kept") == len(r.full)
+        assert r.restored.stats.get("stdlib", "holdout_other_split") == len(docs) - len(r.full)
+
+    full = check_save_load_state(build, lambda n: [n // 2], check_resumed=counts_continue)
     assert [d["doc_id"] for d in full] == [d["doc_id"] for d in filter_split(docs, "val", 0.3, seed=1)]
-    node = build()
-    head = [next(node) for _ in range(len(full) // 2)]
-    fresh = build()
-    fresh.reset(node.state_dict())
-    assert [d["doc_id"] for d in head + list(fresh)] == [d["doc_id"] for d in full]
-    assert fresh.stats.get("stdlib", "kept") == len(full)
-    assert fresh.stats.get("stdlib", "holdout_other_split") == len(docs) - len(full)
 
     bad = HoldoutNode(IterableWrapper([{"ids": np.zeros(3, np.int32), "source": "web", "doc_id": "w1"}]), "train", 0.1)
     with pytest.raises(KeyError, match="doc 'w1' of source 'web'.*before tokenization"):

@@ -327,7 +327,7 @@ def test_stack_100m_config_file():
     parser.add_class_arguments(GPTModule, "model")
     parser.add_class_arguments(L.Trainer, "trainer")
     parsed = parser.parse_object({"model": cfg["model"], "trainer": cfg["trainer"]})
-    assert parsed.trainer.callbacks[0].class_path == "stacklm.logging.DataStatsCallback"
+    assert parsed.trainer.callbacks[0].class_path == "stacklm.callbacks.DataStatsCallback"
     model = GPTConfig.coerce(cfg["model"]["config"])
     assert model.num_params() == 98_593_280 and model.seq_len == 2048 and model.vocab_size == 32768
     assert cfg["data"]["mode"] == "stream"

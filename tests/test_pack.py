@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import pickle
 import warnings
 from collections import Counter
 
@@ -26,6 +25,7 @@ from stacklm.data.pack import (
     window_to_example,
 )
 from stacklm.tokenizer.specials import GPT4_PATTERN
+from tests.resume import check_save_load_state
 
 VOCAB = 1024
 BOS, EOS, PAD = VOCAB, VOCAB + 1, VOCAB + 2
@@ -36,16 +36,14 @@ def _doc(ids, i, source="s"):
 
 
 @pytest.fixture(scope="module")
-def real_docs():
-    """Real text (the stdlib corpus), tokenized by a small rustbpe trained on it."""
-    import rustbpe
-
+def real_docs(tokenizer_1024):
+    """Real text (the stdlib corpus) as ids of the shared 1,024-id tokenizer trained on it
+    (plain text, no specials: every id < VOCAB, so BOS/EOS/PAD above never collide)."""
     texts = list(iter_default_corpus(600_000))
-    tok = rustbpe.Tokenizer()
-    tok.train_from_iterator(iter(texts), VOCAB, pattern=GPT4_PATTERN)
+    assert tokenizer_1024.vocab_size == VOCAB
     rng = np.random.default_rng(0)
     order = rng.permutation(len(texts))
-    ids = tok.batch_encode([texts[i] for i in order])
+    ids = tokenizer_1024.encode_batch([texts[i] for i in order])
     return [_doc(x, i, source=("code" if i % 2 else "prose")) for i, x in enumerate(ids) if len(x)]
 
 
@@ -288,53 +286,34 @@ def _pack_node(docs, strategy, seq_len=48, buffer_docs=6):
 @pytest.mark.parametrize("strategy", ["greedy", "best_fit"])
 def test_pack_node_matches_plain_packer_and_resumes_exactly(strategy):
     docs = _random_docs(150, seed=11, long_every=9, long_len=130)
-    full = list(_pack_node(docs, strategy))
+
+    def compact(r):  # the buffer is arrays, not per-document objects
+        assert all(isinstance(v, (np.ndarray, int, dict)) for v in r.state["packer"].values())
+        assert isinstance(r.state["ready"], np.ndarray)
+
+    full = check_save_load_state(
+        lambda: _pack_node(docs, strategy), lambda n: (0, 1, 7, n // 2, n - 2, n), state_round_trip="pickle", check_state=compact,
+    )
     plain = list(pack_greedy(docs, 48, BOS, EOS, PAD) if strategy == "greedy" else pack_best_fit(docs, 48, BOS, EOS, PAD, 6))
     assert len(full) == len(plain) and all(np.array_equal(a, b) for a, b in zip(full, plain))
-    for k in (0, 1, 7, len(full) // 2, len(full) - 2, len(full)):
-        node = _pack_node(docs, strategy)
-        head = [next(node) for _ in range(k)]
-        state = pickle.loads(pickle.dumps(node.state_dict()))
-        fresh = _pack_node(docs, strategy)
-        fresh.reset(state)
-        rest = list(fresh)
-        got = head + rest
-        assert len(got) == len(full), k
-        assert all(np.array_equal(a, b) for a, b in zip(got, full)), k
-        # compact: the buffer is arrays, not per-document objects
-        packer_state = state["packer"]
-        assert all(isinstance(v, (np.ndarray, int, dict)) for v in packer_state.values())
-        assert isinstance(state["ready"], np.ndarray)
 
 
 def test_pack_node_counters_survive_resume():
     docs = _random_docs(80, seed=2)
-    node = _pack_node(docs, "best_fit")
-    list(node)
-    expected = node.summary()
-    node2 = _pack_node(docs, "best_fit")
-    for _ in range(10):
-        next(node2)
-    node3 = _pack_node(docs, "best_fit")
-    node3.reset(node2.state_dict())
-    list(node3)
-    assert node3.summary() == expected
+
+    def same_summary(r):
+        assert r.restored.summary() == r.uninterrupted.summary()
+
+    check_save_load_state(lambda: _pack_node(docs, "best_fit"), [10], check_resumed=same_summary)
 
 
 def test_batched_node_resumes_exactly(real_docs):
     def build():
         return batch_node(PackNode(IterableWrapper(real_docs[:300]), 128, "best_fit", BOS, EOS, PAD, 32), batch_size=4)
 
-    full = list(build())
+    full = check_save_load_state(build, [3])
     assert len(full) > 6
-    node = build()
-    head = [next(node) for _ in range(3)]
-    fresh = build()
-    fresh.reset(node.state_dict())
-    got = head + list(fresh)
-    assert len(got) == len(full)
-    for a, b in zip(got, full):
-        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    for a in full:  # the resumed stream is exactly this one
         assert a["input_ids"].shape == (4, 127) and a["input_ids"].dtype == torch.long
 
 
@@ -351,14 +330,5 @@ def test_mix_shuffle_pack_batch_chain_resumes_exactly(real_docs):
         packed = PackNode(ShuffleNode(mixed, 32, seed=2), 256, "best_fit", BOS, EOS, PAD, 24)
         return batch_node(packed, batch_size=3)
 
-    full = list(build())
+    full = check_save_load_state(build, lambda n: (2, n // 2, n - 1), state_round_trip="pickle")
     assert len(full) > 10
-    for k in (2, len(full) // 2, len(full) - 1):
-        node = build()
-        head = [next(node) for _ in range(k)]
-        state = pickle.loads(pickle.dumps(node.state_dict()))
-        fresh = build()
-        fresh.reset(state)
-        got = head + list(fresh)
-        assert len(got) == len(full)
-        assert all(torch.equal(a[key], b[key]) for a, b in zip(got, full) for key in a), k

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from stacklm import atomic
+from stacklm.cli import main as stacklm_main
+from stacklm.cli.prebuild_commands import add_prebuild_subcommands
 from stacklm.data import manifest as mf
 from stacklm.data import shards as sh
 from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.prebuild import PrebuildError, add_prebuild_subcommands, load_config, prebuild
+from stacklm.prebuild import PrebuildError, load_config, prebuild
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
@@ -30,13 +32,8 @@ TOTAL = 40_000
 
 
 @pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-    from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
-
-    d = tmp_path_factory.mktemp("tok")
-    train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer.save(d / "tokenizer.stacklm.json")
-    return d
+def tok_dir(tokenizer_2048, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_2048)
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +139,11 @@ def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):
     with pytest.raises(PrebuildError, match="tokenizer: built with sha256"):
         prebuild(config(), other, ref, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     assert tree(ref) == before
-    from stacklm.prebuild import PrebuildPlan, _lock, prepare
+    from stacklm.prebuild import PrebuildPlan, lock_out_dir, prepare
 
     busy = PrebuildPlan(config(), other, tmp_path / "busy", tokens_per_shard=TOKENS_PER_SHARD)
     prepare(busy)
-    held = _lock(busy.out)  # another prebuild holds the directory
+    held = lock_out_dir(busy.out)  # another prebuild holds the directory
     with pytest.raises(PrebuildError, match="another `stacklm prebuild` is writing"):
         prebuild(config(), other, busy.out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     held.close()
@@ -200,7 +197,7 @@ def test_sigkill_twice_then_resume_is_byte_identical(tmp_path, tok_dir):
     total = 80_000
     cfg_file = _plain_config(tmp_path, tok_dir, total)
     out = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "stacklm.prebuild", "prebuild", "--config", str(cfg_file), "--out", str(out),
+    cmd = [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg_file), "--out", str(out),
            "--tokens-per-shard", str(TOKENS_PER_SHARD), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
@@ -259,12 +256,11 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     args = parser.parse_args(["verify", str(ref), "--no-progress"])
     assert args.func(args) == 0
     assert "[train]: OK" in capsys.readouterr().out
-    args = parser.parse_args(["verify", str(tmp_path), "--no-progress"])
-    assert args.func(args) == 2
+    # user errors go through the one CLI error path: one line, exit status 2
+    assert stacklm_main(["verify", str(tmp_path), "--no-progress"]) == 2
     assert "is empty" in capsys.readouterr().err
-    args = parser.parse_args(["prebuild", "--config", str(REPO / "configs" / "demo.yaml"), "--out", str(tmp_path / "x"),
-                              "--tokenizer", str(tmp_path / "missing")])
-    assert args.func(args) == 2
+    assert stacklm_main(["prebuild", "--config", str(REPO / "configs" / "demo.yaml"), "--out", str(tmp_path / "x"),
+                         "--tokenizer", str(tmp_path / "missing")]) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
     demo, settings = load_config(REPO / "configs" / "demo.yaml")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3

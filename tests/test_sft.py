@@ -4,6 +4,7 @@ drop rules with counts, jsonl / parquet / HF datasets sources, sharding, holdout
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +30,14 @@ from stacklm.data.sft import (
 from stacklm.data.sources import EmptySourceError, ShardSpec
 from stacklm.data.stats import StageStats
 from stacklm.tokenizer.bpe import train_from_iterable
+from tests.resume import check_save_load_state
 
 SEQ = 256
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_from_iterable(iter_default_corpus(600_000), 1024).tokenizer
+def tok(tokenizer_1024):
+    return tokenizer_1024
 
 
 def make_conversations(n: int, seed: int = 0) -> list[list[dict]]:
@@ -286,25 +288,18 @@ def _resume_config(tmp_path, convs):
 
 def test_exact_resume_mid_stream(tok, convs, tmp_path):
     cfg = _resume_config(tmp_path, convs)
-    pipe = build_sft_pipeline(cfg, tok)
-    pipe.batches.reset()
-    full = list(pipe.batches)
+
+    def small(r):
+        assert len(pickle.dumps(r.state)) < 200_000  # small: arrays and counters, not the data
+
+    def counters_continue(r):
+        assert r.restored.stats() == r.uninterrupted.stats() and r.restored.realized() == r.uninterrupted.realized()
+
+    full = check_save_load_state(
+        lambda: build_sft_pipeline(cfg, tok), (1, 4), node=lambda pipe: pipe.batches,
+        check_state=small, check_resumed=counters_continue,
+    )
     assert len(full) >= 6
-    for k in (1, 4):
-        first = build_sft_pipeline(cfg, tok)
-        first.batches.reset()
-        for _ in range(k):
-            next(first.batches)
-        state = first.batches.state_dict()
-        raw = __import__("pickle").dumps(state)
-        assert len(raw) < 200_000  # small: arrays and counters, not the data
-        resumed = build_sft_pipeline(cfg, tok)
-        resumed.batches.reset(state)
-        rest = list(resumed.batches)
-        assert len(rest) == len(full) - k
-        for a, b in zip(full[k:], rest):
-            assert all(torch.equal(a[key], b[key]) for key in a)
-        assert resumed.stats() == pipe.stats() and resumed.realized() == pipe.realized()
 
 
 def test_train_and_val_splits_are_disjoint_and_complete(tok, convs, tmp_path):

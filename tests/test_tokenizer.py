@@ -32,8 +32,8 @@ def _random_strings(n: int, seed: int = 0) -> list[str]:
     return out
 
 
-def test_round_trip_real_and_random_text(small_tokenizer):
-    tok = small_tokenizer
+def test_round_trip_real_and_random_text(tokenizer_4096):
+    tok = tokenizer_4096
     texts = [PROBE] + _random_strings(300)
     for domain in ("prose", "code", "cjk", "math"):
         texts += list(iter_domain(domain, 60_000))
@@ -44,13 +44,13 @@ def test_round_trip_real_and_random_text(small_tokenizer):
         assert all(0 <= i < tok.vocab_size - len(SPECIAL_TOKENS) for i in ids)
 
 
-def test_merges_compress_real_text(small_tokenizer):
+def test_merges_compress_real_text(tokenizer_4096):
     text = "".join(iter_domain("prose", 100_000))
-    assert len(small_tokenizer.encode(text)) < len(text.encode()) / 2.5
+    assert len(tokenizer_4096.encode(text)) < len(text.encode()) / 2.5
 
 
-def test_special_strings_in_untrusted_text_are_bytes(small_tokenizer):
-    tok = small_tokenizer
+def test_special_strings_in_untrusted_text_are_bytes(tokenizer_4096):
+    tok = tokenizer_4096
     ids = tok.encode("<|assistant|>hi")
     assert tok.special_ids["<|assistant|>"] not in ids
     assert tok.decode(ids) == "<|assistant|>hi"
@@ -64,17 +64,17 @@ def test_special_strings_in_untrusted_text_are_bytes(small_tokenizer):
     assert wrapped[0] == tok.bos_id and wrapped[-1] == tok.eos_id and tok.decode(wrapped[1:-1]) == "hi"
 
 
-def test_unknown_special_names_and_string_misuse(small_tokenizer):
+def test_unknown_special_names_and_string_misuse(tokenizer_4096):
     with pytest.raises(ValueError, match="unknown special token"):
-        small_tokenizer.encode("x", allowed_special={"<|im_start|>"})
+        tokenizer_4096.encode("x", allowed_special={"<|im_start|>"})
     with pytest.raises(TypeError, match="allowed_special"):
-        small_tokenizer.encode("x", allowed_special="<|bos|>")
+        tokenizer_4096.encode("x", allowed_special="<|bos|>")
     with pytest.raises(KeyError, match="unknown special token"):
-        small_tokenizer.token_id("<|nope|>")
+        tokenizer_4096.token_id("<|nope|>")
 
 
-def test_decode_is_safe(small_tokenizer):
-    tok = small_tokenizer
+def test_decode_is_safe(tokenizer_4096):
+    tok = tokenizer_4096
     assert tok.decode([0xE4, 0xB8]) == "\ufffd"  # truncated UTF-8 sequence
     assert tok.decode_bytes([0xE4, 0xB8]) == b"\xe4\xb8"
     assert tok.decode([0xFF, ord("a")]) == "\ufffda"
@@ -83,8 +83,8 @@ def test_decode_is_safe(small_tokenizer):
             tok.decode(bad)
 
 
-def test_encode_batch_equals_reference_encoder(small_tokenizer):
-    tok = small_tokenizer
+def test_encode_batch_equals_reference_encoder(tokenizer_4096):
+    tok = tokenizer_4096
     texts = [PROBE] + _random_strings(100, seed=1)
     for domain in ("prose", "code", "cjk", "math"):
         texts += list(iter_domain(domain, 150_000))
@@ -93,8 +93,8 @@ def test_encode_batch_equals_reference_encoder(small_tokenizer):
     assert with_specials == tok.encode(PROBE, allowed_special="all", add_special_tokens=True)
 
 
-def test_long_chunks_use_heap_merge_with_identical_result(small_tokenizer):
-    tok = small_tokenizer
+def test_long_chunks_use_heap_merge_with_identical_result(tokenizer_4096):
+    tok = tokenizer_4096
     rng = random.Random(3)
     enc = tok.to_tiktoken()
     medium = ["a" * 700, "ab" * 400, "".join(rng.choice("etaoinshr") for _ in range(900)), "=" * 300 + "-" * 99]
@@ -110,8 +110,8 @@ def test_long_chunks_use_heap_merge_with_identical_result(small_tokenizer):
         assert tok.encode(s) == enc.encode_ordinary(s)
 
 
-def test_chunk_cache_is_bounded(small_tokenizer, monkeypatch):
-    tok = StackTokenizer(small_tokenizer.merged_tokens, vocab_size=small_tokenizer.vocab_size)
+def test_chunk_cache_is_bounded(tokenizer_4096, monkeypatch):
+    tok = StackTokenizer(tokenizer_4096.merged_tokens, vocab_size=tokenizer_4096.vocab_size)
     tok._cache.max_entries = 1000
     words = " ".join(f"w{i}x" for i in range(20_000))
     tok.encode(words)
@@ -119,27 +119,27 @@ def test_chunk_cache_is_bounded(small_tokenizer, monkeypatch):
     assert tok.decode(tok.encode(words)) == words
 
 
-def test_surrogates_never_crash(small_tokenizer):
-    ids = small_tokenizer.encode("a\ud800b")
-    assert small_tokenizer.decode(ids) == "a\ufffdb"
-    assert small_tokenizer.encode_batch(["a\ud800b"]) == [ids]
+def test_surrogates_never_crash(tokenizer_4096):
+    ids = tokenizer_4096.encode("a\ud800b")
+    assert tokenizer_4096.decode(ids) == "a\ufffdb"
+    assert tokenizer_4096.encode_batch(["a\ud800b"]) == [ids]
     # a well-formed surrogate pair spells its character, as in tiktoken
-    assert small_tokenizer.encode("\ud83d\ude00") == small_tokenizer.encode("😀")
-    assert small_tokenizer.encode_batch(["x\ud83d\ude00"]) == [small_tokenizer.encode("x😀")]
+    assert tokenizer_4096.encode("\ud83d\ude00") == tokenizer_4096.encode("😀")
+    assert tokenizer_4096.encode_batch(["x\ud83d\ude00"]) == [tokenizer_4096.encode("x😀")]
 
 
-def test_save_load_round_trip(small_tokenizer, tmp_path):
-    path = small_tokenizer.save(tmp_path / "tok.json")
+def test_save_load_round_trip(tokenizer_4096, tmp_path):
+    path = tokenizer_4096.save(tmp_path / "tok.json")
     loaded = StackTokenizer.load(path)
-    assert loaded.merged_tokens == small_tokenizer.merged_tokens
-    assert loaded.special_ids == small_tokenizer.special_ids
-    assert loaded.pattern == small_tokenizer.pattern
-    assert loaded.encode(PROBE) == small_tokenizer.encode(PROBE)
+    assert loaded.merged_tokens == tokenizer_4096.merged_tokens
+    assert loaded.special_ids == tokenizer_4096.special_ids
+    assert loaded.pattern == tokenizer_4096.pattern
+    assert loaded.encode(PROBE) == tokenizer_4096.encode(PROBE)
     assert [p.name for p in tmp_path.iterdir()] == ["tok.json"]  # no temp files left behind
 
 
-def test_loaded_tokenizer_keeps_its_own_pattern(small_tokenizer, tmp_path):
-    data = small_tokenizer.to_dict()
+def test_loaded_tokenizer_keeps_its_own_pattern(tokenizer_4096, tmp_path):
+    data = tokenizer_4096.to_dict()
     data["pattern"] = r"\S+|\s+"
     path = tmp_path / "tok.json"
     path.write_text(json.dumps(data))
@@ -163,8 +163,8 @@ def test_loaded_tokenizer_keeps_its_own_pattern(small_tokenizer, tmp_path):
         (lambda d: d.pop("pattern"), "pattern"),
     ],
 )
-def test_hand_edited_artifact_is_rejected_naming_the_field(small_tokenizer, tmp_path, edit, field):
-    data = small_tokenizer.to_dict()
+def test_hand_edited_artifact_is_rejected_naming_the_field(tokenizer_4096, tmp_path, edit, field):
+    data = tokenizer_4096.to_dict()
     edit(data)
     path = tmp_path / "tok.json"
     path.write_text(json.dumps(data))
@@ -172,8 +172,8 @@ def test_hand_edited_artifact_is_rejected_naming_the_field(small_tokenizer, tmp_
         StackTokenizer.load(path)
 
 
-def test_truncated_or_missing_artifact(small_tokenizer, tmp_path):
-    path = small_tokenizer.save(tmp_path / "tok.json")
+def test_truncated_or_missing_artifact(tokenizer_4096, tmp_path):
+    path = tokenizer_4096.save(tmp_path / "tok.json")
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(TokenizerArtifactError, match="truncated"):
         StackTokenizer.load(path)
@@ -181,7 +181,7 @@ def test_truncated_or_missing_artifact(small_tokenizer, tmp_path):
         StackTokenizer.load(tmp_path / "missing.json")
 
 
-def test_encode_batch_numpy_equals_encode(small_tokenizer):
+def test_encode_batch_numpy_equals_encode(tokenizer_4096):
     import numpy as np
 
     # Texts go to the core joined by the pad token: texts holding that string, other
@@ -191,8 +191,8 @@ def test_encode_batch_numpy_equals_encode(small_tokenizer):
     code = list(iter_domain("code", 100_000))
     texts = [PROBE, *odd] + code[:7] + odd + code[7:]
     for threads in (1, 2, 3):
-        arrays = small_tokenizer.encode_batch_numpy(texts, num_threads=threads)
+        arrays = tokenizer_4096.encode_batch_numpy(texts, num_threads=threads)
         assert all(a.dtype == np.int32 for a in arrays)
-        assert [a.tolist() for a in arrays] == [small_tokenizer.encode(t) for t in texts]
-    assert small_tokenizer.encode_batch_numpy([]) == []
-    assert [a.tolist() for a in small_tokenizer.encode_batch_numpy(["<|pad|>"] * 3)] == [small_tokenizer.encode("<|pad|>")] * 3
+        assert [a.tolist() for a in arrays] == [tokenizer_4096.encode(t) for t in texts]
+    assert tokenizer_4096.encode_batch_numpy([]) == []
+    assert [a.tolist() for a in tokenizer_4096.encode_batch_numpy(["<|pad|>"] * 3)] == [tokenizer_4096.encode("<|pad|>")] * 3

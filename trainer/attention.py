@@ -1,6 +1,6 @@
 """Document-causal attention over packed rows: one rule, three kernels.
 
-The rule (DESIGN.md, batch contract): query ``i`` may attend to key ``j`` only when
+The rule (docs/architecture.md, batch contract): query ``i`` may attend to key ``j`` only when
 ``seq_ids[b, i] == seq_ids[b, j]`` and ``j <= i``. Every query can at least see itself, so no
 row of the mask is empty and no kernel produces NaNs.
 

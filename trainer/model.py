@@ -219,7 +219,7 @@ def check_batch(batch: Mapping[str, torch.Tensor], config: GPTConfig) -> None:
     """
     missing = [k for k in BATCH_KEYS if k not in batch]
     if missing:
-        raise ValueError(f"batch is missing key(s) {missing}; the batch contract needs {list(BATCH_KEYS)} (DESIGN.md)")
+        raise ValueError(f"batch is missing key(s) {missing}; the batch contract needs {list(BATCH_KEYS)} (docs/architecture.md)")
     shape = tuple(batch["input_ids"].shape)
     for key in BATCH_KEYS:
         t = batch[key]

@@ -16,9 +16,8 @@ import xxhash
 from torchdata.nodes import BaseNode
 
 from stacklm.data.normalize import normalize_text
+from stacklm.data.splits import check_split
 from stacklm.data.stats import StageStats
-
-SPLITS = ("train", "val")
 
 
 def holdout_split(text: str, fraction: float, seed: int = 0) -> str:
@@ -27,12 +26,6 @@ def holdout_split(text: str, fraction: float, seed: int = 0) -> str:
         raise ValueError(f"holdout fraction must be in [0, 1], got {fraction}")
     h = xxhash.xxh64_intdigest(normalize_text(text).encode("utf-8", errors="surrogatepass"), seed=seed)
     return "val" if h < int(fraction * 2.0**64) else "train"
-
-
-def check_split(split: str) -> None:
-    """Raise ``ValueError`` naming ``SPLITS`` unless ``split`` is one of them."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
 
 
 def _text_of(doc: dict, text_key: str) -> str:

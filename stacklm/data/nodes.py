@@ -23,14 +23,15 @@ from torchdata.nodes import BaseNode
 
 from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
-from stacklm.data.holdout import HoldoutNode, check_split
+from stacklm.data.holdout import HoldoutNode
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
 from stacklm.data.registry import DataMix, get_mix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
+from stacklm.data.splits import check_split
 from stacklm.data.stats import chain_stats
-from stacklm.data.tokenize import TokenizeNode
+from stacklm.data.tokenizing import TokenizeNode
 
 
 @dataclass(frozen=True)

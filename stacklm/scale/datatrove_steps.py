@@ -1,6 +1,6 @@
 """The prebuild as datatrove pipeline steps, for a cluster (Slurm, Ray) or one machine.
 
-    python -m stacklm.scale.datatrove_steps --config C.yaml --out DIR --tasks 64 \\
+    stacklm prebuild-datatrove --config C.yaml --out DIR --tasks 64 \\
         --executor slurm --partition cpu --time 04:00:00 --cpus-per-task 4
 
 Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``r`` builds split
@@ -27,17 +27,17 @@ kept (datatrove ``stat_update``), and the drop counts go into the manifest.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import shutil
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from datatrove.data import Document, DocumentsPipeline
 from datatrove.pipeline.base import PipelineStep
+
+from stacklm.data.splits import SPLITS
 
 SUMMARY_KEY = "stacklm_task_summary"
 
@@ -51,11 +51,11 @@ class TaskPlan:
     out: str
     tasks_per_split: int
     tokens_per_shard: int
-    splits: tuple[str, ...] = ("train", "val")
+    splits: tuple[str, ...] = SPLITS
 
     def prebuild_plan(self):
         from stacklm.data.nodes import PipelineConfig
-        from stacklm.prebuild import PrebuildPlan
+        from stacklm.prebuild.plan import PrebuildPlan
         from stacklm.tokenizer.bpe import StackTokenizer
 
         return PrebuildPlan(
@@ -104,7 +104,7 @@ class StackMixedDocuments(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.nodes import build_pipeline
         from stacklm.data.sources import ShardSpec
-        from stacklm.prebuild import worker_config
+        from stacklm.prebuild.plan import worker_config
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
@@ -153,14 +153,15 @@ class StackShardWriter(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.shards import atomic_write_shard_file as atomic_write_bytes
-        from stacklm.prebuild import STATE_DIR, _job_name, _remove_own_shards_from, write_job_shards
+        from stacklm.data.shards import atomic_write_shard_file
+        from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
+        from stacklm.prebuild.plan import STATE_DIR
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
         split_dir = plan.out / split
         split_dir.mkdir(parents=True, exist_ok=True)
-        _remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
+        remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
         summary: dict[str, Any] = {}
         windows = (d.metadata["window"] for d in _without_summary(data, summary))
         shards: list[dict] = []
@@ -170,7 +171,7 @@ class StackShardWriter(_StackStep):
         summary["shards"] = shards
         state_dir = plan.out / STATE_DIR
         state_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_bytes(state_dir / f"{_job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
+        atomic_write_shard_file(state_dir / f"{job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
         return
         yield  # a generator step that yields nothing: the writer ends the pipeline
 
@@ -182,13 +183,15 @@ class StackManifestMerger(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.prebuild import STATE_DIR, PrebuildError, _job_name, finalize
+        from stacklm.prebuild.jobs import job_name
+        from stacklm.prebuild.manifests import finalize
+        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
 
         plan = self.built()
         summaries = []
         for split in plan.splits:
             for worker in range(plan.workers):
-                path = plan.out / STATE_DIR / f"{_job_name(split, worker)}.done.json"
+                path = plan.out / STATE_DIR / f"{job_name(split, worker)}.done.json"
                 if not path.exists():
                     raise PrebuildError(f"{path} is missing: task for split {split!r}, worker {worker} has not finished; rerun the main job first", path=path)
                 summaries.append(json.loads(path.read_text()))
@@ -205,7 +208,7 @@ def prebuild_executors(
     *,
     tasks: int,
     tokens_per_shard: int | None = None,
-    splits: tuple[str, ...] = ("train", "val"),
+    splits: tuple[str, ...] = SPLITS,
     executor: str = "local",
     logging_dir: str | None = None,
     **executor_kwargs: Any,
@@ -216,9 +219,11 @@ def prebuild_executors(
     ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
     directory is checked/claimed here, like ``stacklm prebuild`` does.
     """
-    from stacklm.prebuild import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan, _load_tokenizer, prepare
+    from stacklm.prebuild.build import resolve_tokenizer
+    from stacklm.prebuild.manifests import prepare
+    from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
 
-    tok = _load_tokenizer(tokenizer)
+    tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
@@ -251,44 +256,3 @@ def prebuild_executors(
     else:
         raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
     return main, merge
-
-
-def main(argv: list[str] | None = None) -> int:
-    from stacklm.prebuild import load_config
-
-    p = argparse.ArgumentParser(prog="python -m stacklm.scale.datatrove_steps", description="stacklm prebuild on a datatrove executor")
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
-    p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: 'tokenizer:' in the config)")
-    p.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
-    p.add_argument("--tokens-per-shard", type=int)
-    p.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")
-    p.add_argument("--workers", type=int, default=-1, help="local: tasks run at once (-1: all)")
-    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
-    p.add_argument("--partition", help="slurm partition")
-    p.add_argument("--time", default="04:00:00", help="slurm time limit per task")
-    p.add_argument("--cpus-per-task", type=int, default=2)
-    p.add_argument("--mem-per-cpu-gb", type=int, default=4)
-    args = p.parse_args(argv)
-    config, settings = load_config(args.config)
-    kwargs: dict[str, Any] = {}
-    if args.executor == "local":
-        kwargs["workers"] = args.workers
-    elif args.executor == "slurm":
-        kwargs.update(partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
-    else:
-        kwargs.update(cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
-    out = args.out or settings["out"]
-    if not out:
-        p.error("pass --out DIR (or set data.data_dir in the config)")
-    _, merge = prebuild_executors(
-        config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
-        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
-    )
-    merge.run()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,13 +8,14 @@ from typing import Any
 from torchdata.nodes import BaseNode, Batcher, Mapper, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import chat_tokens
-from stacklm.data.holdout import HoldoutNode, check_split
+from stacklm.data.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.sft.pack import CollateSFT, SFTPackNode
 from stacklm.data.sft.reader import ConversationSource
 from stacklm.data.sft.render import RenderNode
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
+from stacklm.data.splits import check_split
 from stacklm.data.stats import chain_stats
 
 

@@ -144,6 +144,8 @@ class DataStatsCallback(Callback):
         # gathers data_stats() from all ranks.
         self.enabled = bool(trainer.strategy.broadcast(reason is None, src=0))
         if reason and trainer.is_global_zero:
+            # The prefix is the module's old name (renamed: it shadowed the standard library's
+            # `logging`); the notice keeps it so that filters on it keep matching.
             print(f"stacklm.logging: {reason}; DataStatsCallback logs nothing.", file=sys.stderr)
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

@@ -1,19 +1,14 @@
-"""``stacklm`` command line: one subcommand per job, thin over the library functions."""
+"""``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
-import sys
 import time
 from pathlib import Path
 
+from stacklm.cli.errors import CliError
 from stacklm.tokenizer import ARTIFACT_NAME
-
-
-class CliError(Exception):
-    """An error the user can fix; printed as one line, exit status 2."""
 
 
 # ---------------------------------------------------------------------- train-tokenizer
@@ -127,11 +122,9 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stacklm", description="stacklm: the training-data layer of a small-LM stack")
-    sub = p.add_subparsers(dest="command", required=True)
-
+# ---------------------------------------------------------------------- parser
+def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
+    """Register ``train-tokenizer`` and ``tok-eval`` on the ``stacklm`` CLI's subparsers."""
     t = sub.add_parser("train-tokenizer", help="train the byte-level BPE tokenizer and write it plus its exports")
     t.add_argument("--input", nargs="+", metavar="GLOB", help="text files/globs (default: the embedded corpus)")
     t.add_argument("--max-bytes", type=int, default=100_000_000, help="training sample size in UTF-8 bytes")
@@ -152,24 +145,3 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", help="also write the rows as JSON here")
     e.add_argument("--no-progress", action="store_true")
     e.set_defaults(func=cmd_tok_eval)
-
-    from stacklm.inspect import add_inspect_subcommand
-    from stacklm.prebuild import add_prebuild_subcommands
-
-    add_prebuild_subcommands(sub)
-    add_inspect_subcommand(sub)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except CliError as e:
-        print(f"stacklm {args.command}: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""Tokenize stage: text documents -> ``{"ids": int32 array, ...}``, in batches through the
+"""The tokenizing stage: text documents -> ``{"ids": int32 array, ...}``, in batches through the
 tokenizer's fast path (tiktoken's Rust core, which releases the GIL and encodes a batch on
 ``num_threads`` threads). Text is untrusted: special-token strings encode as bytes.
 

@@ -1,0 +1,38 @@
+"""The ``stacklm`` program: parse, run the command, and the one error path.
+
+Every command reports a mistake the user can fix by raising a ``stacklm.errors.StackLMError``
+(or an ``OSError`` about a path the user gave); ``main`` prints it as one line,
+``stacklm <command>: error: <message>``, and exits with status 2. Anything else is a bug in
+stacklm and keeps its traceback. ``--debug`` (before or after the command) shows the
+traceback of a user error too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Sequence
+
+from stacklm.cli.parser import build_parser
+from stacklm.errors import StackLMError
+
+def is_user_error(exc: BaseException) -> bool:
+    """True for an error the user can fix: printed as one line instead of a traceback."""
+    return isinstance(exc, (StackLMError, OSError))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``stacklm`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Exception as e:
+        if args.debug or not is_user_error(e):
+            raise
+        print(f"stacklm {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # `python stacklm/cli/app.py ...` works too
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""``stacklm inspect``: decode, show the loss mask and run the SFT checks (``stacklm.inspector``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Register ``stacklm inspect`` on the CLI's subparsers (``parser.build_parser``)."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="decode, show the loss mask and run the SFT checks on conversations, shards or a saved batch",
+        description="Decode and check chat/SFT data. Exit status 1 when an error-level finding is present, 2 on bad input.",
+    )
+    p.add_argument("input", help="conversations .jsonl/.parquet, a shard directory, or a saved batch (.pt)")
+    p.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json) or a Hugging Face tokenizer dir")
+    p.add_argument("--hf", action="store_true", help="use the HF files of a directory that also holds our artifact")
+    p.add_argument("--limit", type=int, help="conversations (default 200) or rows (default 64) to check")
+    p.add_argument("--tokens", type=int, default=48, help="rows of the per-token table")
+    p.add_argument("--max-chars", type=int, default=1500, help="decoded text shown")
+    p.add_argument("--json", help="also write the findings and numbers as JSON here")
+    p.set_defaults(func=cmd_inspect)
+    return p
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from stacklm.inspector import format_report, inspect_input, load_tokenizer
+
+    tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
+    report = inspect_input(args.input, tok, limit=args.limit)
+    print(format_report(report, tok, args.tokens, args.max_chars))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
+    return 1 if report.errors else 0

@@ -1,0 +1,24 @@
+"""The ``stacklm`` argument parser: every command group registers itself here."""
+
+from __future__ import annotations
+
+import argparse
+
+from stacklm.cli.inspect_command import add_inspect_subcommand
+from stacklm.cli.prebuild_commands import add_prebuild_subcommands
+from stacklm.cli.tokenizer_commands import add_tokenizer_subcommands
+
+DEBUG_HELP = "on an error, show the full traceback instead of one line"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="stacklm", description="stacklm: the training-data layer of a small-LM stack")
+    p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
+    sub = p.add_subparsers(dest="command", required=True)
+    add_tokenizer_subcommands(sub)
+    add_prebuild_subcommands(sub)
+    add_inspect_subcommand(sub)
+    for command in sub.choices.values():
+        # also accepted after the command; SUPPRESS keeps a `stacklm --debug CMD` from being reset
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
+    return p

@@ -1,0 +1,113 @@
+"""``stacklm prebuild``, ``stacklm verify`` and ``stacklm prebuild-datatrove``: write token
+shards once (locally or on a datatrove executor) and check them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from stacklm.cli.errors import CliError
+
+
+def cmd_prebuild(args: argparse.Namespace) -> int:
+    from stacklm.prebuild import PrebuildError, load_config, prebuild
+
+    config, settings = load_config(args.config)
+    tok_path = args.tokenizer or settings["tokenizer"]
+    if not tok_path:
+        raise PrebuildError(f"{args.config}: no tokenizer: set 'data.tokenizer' in the config or pass --tokenizer DIR")
+    if not Path(tok_path).exists():
+        raise PrebuildError(f"tokenizer {tok_path} does not exist; train one with `stacklm train-tokenizer --out {tok_path}`", path=tok_path)
+    out = args.out or settings["out"]
+    if not out:
+        raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
+    prebuild(
+        config,
+        tok_path,
+        out,
+        workers=args.workers or settings["workers"],
+        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
+        splits=tuple(args.splits or settings["splits"]),
+        progress=not args.no_progress,
+    )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from stacklm.data.dataset import verify_shard_set
+
+    report = verify_shard_set(args.dir, tokenizer=args.tokenizer, progress=not args.no_progress)
+    for split, r in report.items():
+        print(f"{args.dir} [{split}]: OK — {r['shards']} shards, {r['rows']:,} sequences, {r['tokens']:,} tokens, max id {r['max_id']} < vocab {r['vocab_size']}")
+    return 0
+
+
+def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
+    from stacklm.prebuild import load_config
+
+    try:
+        from stacklm.scale.datatrove_steps import prebuild_executors
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "datatrove":
+            raise
+        raise CliError("datatrove is not installed; install it with `pip install 'stacklm[scale]'`") from None
+    config, settings = load_config(args.config)
+    kwargs: dict[str, Any] = {}
+    if args.executor == "local":
+        kwargs["workers"] = args.workers
+    elif args.executor == "slurm":
+        kwargs.update(partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
+    else:
+        kwargs.update(cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
+    out = args.out or settings["out"]
+    if not out:
+        raise CliError("pass --out DIR (or set data.data_dir in the config)")
+    _, merge = prebuild_executors(
+        config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
+        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
+        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
+    )
+    merge.run()
+    return 0
+
+
+def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``prebuild``, ``verify`` and ``prebuild-datatrove`` on the CLI's subparsers."""
+    from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
+
+    p = subparsers.add_parser("prebuild", help="run the data pipes once and write train/val token shards")
+    p.add_argument("--config", required=True, help="YAML config with a 'data:' section (see configs/demo.yaml)")
+    p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
+    p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
+    p.add_argument("--workers", type=int, help="parallel jobs; the output is identical for the same N (default 1)")
+    p.add_argument("--tokens-per-shard", type=int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
+    p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=cmd_prebuild)
+
+    v = subparsers.add_parser("verify", help="check every shard and every token id of a prebuilt directory")
+    v.add_argument("dir", help="a prebuilt directory (top level or one split)")
+    v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
+    v.add_argument("--no-progress", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+    d = subparsers.add_parser(
+        "prebuild-datatrove",
+        help="`prebuild` as datatrove pipeline steps on a local, Slurm or Ray executor",
+        description="The same shard set as `stacklm prebuild --workers TASKS`, built by datatrove tasks "
+        "(stacklm.scale.datatrove_steps); needs `pip install 'stacklm[scale]'`.",
+    )
+    d.add_argument("--config", required=True)
+    d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
+    d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: 'tokenizer:' in the config)")
+    d.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
+    d.add_argument("--tokens-per-shard", type=int)
+    d.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")
+    d.add_argument("--workers", type=int, default=-1, help="local: tasks run at once (-1: all)")
+    d.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
+    d.add_argument("--partition", help="slurm partition")
+    d.add_argument("--time", default="04:00:00", help="slurm time limit per task")
+    d.add_argument("--cpus-per-task", type=int, default=2)
+    d.add_argument("--mem-per-cpu-gb", type=int, default=4)
+    d.set_defaults(func=cmd_prebuild_datatrove)

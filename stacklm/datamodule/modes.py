@@ -1,0 +1,216 @@
+"""What differs between ``StackDataModule``'s modes, one class per mode.
+
+``StackDataModule`` picks its mode's class once, from the ``mode`` argument, and delegates to
+it everything that differs: which arguments the mode needs, its train and val loaders, the
+data numbers of a train loader for logging, and the hash of the data config a resume must
+match. What the modes share (the module's arguments, tokenizer, rank and world size, snapshot
+interval, config parsing) stays on the module, which each mode reads as ``self.dm``.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stacklm.data.sources import ShardSpec
+from stacklm.datamodule.errors import DataConfigError
+from stacklm.datamodule.loader import StackDataLoader
+from stacklm.datamodule.shards_loader import ShardsLoader
+from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+
+if TYPE_CHECKING:
+    from stacklm.datamodule.module import StackDataModule
+
+
+class DataMode:
+    """One mode of ``StackDataModule``; ``dm`` is the module it serves."""
+
+    name: str
+
+    def __init__(self, dm: StackDataModule) -> None:
+        self.dm = dm
+
+    @classmethod
+    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
+        """Raise ``DataConfigError`` when an argument the mode needs is missing."""
+
+    def train_loader(self):
+        raise NotImplementedError
+
+    def val_loader(self):
+        raise NotImplementedError
+
+    def loader_stats(self, loader) -> dict[str, Any]:
+        """What ``loader`` (this mode's train loader) delivered so far, in the ``data_stats``
+        protocol (``stacklm.callbacks``), less the hashes."""
+        raise NotImplementedError
+
+    def data_config_hash(self) -> str:
+        raise NotImplementedError
+
+
+class ShardsMode(DataMode):
+    """A prebuilt shard directory (``stacklm prebuild``) read through memmaps, in one global
+    seeded permutation per epoch sliced by rank and worker (``ShardsLoader``)."""
+
+    name = "shards"
+
+    @classmethod
+    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
+        if data_dir is None:
+            raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
+
+    def train_loader(self) -> ShardsLoader:
+        return self._loader("train")
+
+    def val_loader(self) -> ShardsLoader:
+        return self._loader("val")
+
+    def _loader(self, split: str) -> ShardsLoader:
+        from stacklm.data.dataset import ElasticSampler
+
+        dm = self.dm
+        ds = dm.shards_dataset(split)
+        sampler = ElasticSampler(
+            ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size,
+            shuffle=split == "train", loop=False, drop_last=True,
+        )
+        if len(sampler) == 0:
+            raise DataConfigError(
+                f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
+                f"{dm.world_size} rank(s) x {dm.batch_size}; lower batch_size or build more data"
+            )
+        return ShardsLoader(ds, sampler, num_workers=dm.num_workers)
+
+    def loader_stats(self, loader: ShardsLoader) -> dict[str, Any]:
+        """Shards interleave every source inside each window, so per-source delivery is the
+        manifest's realized mix scaled by the fraction of the split this rank has served;
+        drops and padding are the prebuild's (what was removed before the shards existed)."""
+        top = self._manifest
+        split = top["splits"]["train"]
+        frac = loader.samples_yielded / max(1, split["n_seq"])
+        realized = {
+            s["name"]: {"tokens": int(round(s["tokens"] * frac)), "docs": int(round(s["docs"] * frac)),
+                        "target_weight": s["target_weight"], "realized_weight": s["realized_weight"]}
+            for s in top["sources"]
+        }
+        dropped = {"prebuild": {src: {k: v for k, v in per.items() if v} for src, per in top["drops"]["train"].items()}}
+        return {"realized": realized, "dropped": dropped, "padding_fraction": split["packing"]["pad_fraction"]}
+
+    @functools.cached_property
+    def _manifest(self) -> dict[str, Any]:
+        return json.loads((Path(self.dm.data_dir) / "manifest.json").read_text())
+
+    def data_config_hash(self) -> str:
+        dm = self.dm
+        return hashlib.sha256(f"shards:{Path(dm.data_dir).resolve()}:{dm.seq_len}:{dm.batch_size}:{dm.seed}".encode()).hexdigest()
+
+
+class _WorkerStreamMode(DataMode):
+    """A mode whose loader workers each build their own graph (``StreamDataset``) and report
+    what they delivered in summaries riding on the batches."""
+
+    @classmethod
+    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
+        if pipeline is None:
+            raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
+
+    def train_loader(self) -> StackDataLoader:
+        return self._loader(self._dataset("train"))
+
+    def val_loader(self) -> StackDataLoader:
+        return self._loader(self._dataset("val"))
+
+    def _dataset(self, split: str) -> StreamDataset:
+        """This rank's stream of ``split`` batches."""
+        raise NotImplementedError
+
+    def _loader(self, dataset: StreamDataset) -> StackDataLoader:
+        return StackDataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.dm.num_workers,
+            persistent_workers=False,
+            snapshot_every_n_steps=self.dm.snapshot_interval(),
+        )
+
+    def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
+        if not loader.worker_summaries:
+            return {}
+        return merge_worker_summaries(list(loader.worker_summaries.values()))
+
+
+class StreamMode(_WorkerStreamMode):
+    """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources; each (rank,
+    worker) builds its own graph over its shard of the documents, with an equal token budget."""
+
+    name = "stream"
+
+    def _dataset(self, split: str) -> StreamDataset:
+        dm = self.dm
+        cfg = dm.pipeline_config()
+        tok = dm.tokenizer
+        world = dm.world_size
+        if split == "train":
+            budget = cfg.mix.total_tokens
+            n_total = budget // (world * cfg.batch_size * cfg.seq_len)
+        else:
+            budget = max(1, round(cfg.mix.total_tokens * cfg.holdout_fraction))
+            n_total = dm.val_batches if dm.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
+        if n_total < 1:
+            raise DataConfigError(
+                f"StackDataModule: the {split} token budget ({budget:,} tokens) gives zero batches of "
+                f"{cfg.batch_size} x {cfg.seq_len} tokens on {world} rank(s); raise mix.total_tokens"
+                + (" or holdout_fraction, or set val_batches" if split == "val" else "")
+            )
+        workers = max(1, dm.num_workers)
+        n_total = max(workers, n_total // workers * workers)  # equal share per worker
+        build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
+        return StreamDataset(
+            build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+        )
+
+    def data_config_hash(self) -> str:
+        return self.dm.pipeline_config().config_hash()
+
+
+class SFTMode(_WorkerStreamMode):
+    """Chat conversations rendered and packed by ``stacklm.data.sft``."""
+
+    name = "sft"
+
+    def _dataset(self, split: str) -> StreamDataset:
+        """Conversations have no token budget, so the per-worker batch count comes from a
+        counting pass over every (rank, worker) reader (identical on every rank); readers
+        that run dry earlier pad with fully masked batches so all ranks step together."""
+        dm = self.dm
+        cfg = dm.sft_config()
+        build = SFTBuilder(cfg.to_dict(), dm.tokenizer_path, split)
+        workers = max(1, dm.num_workers)
+        fixed = dm.train_batches if split == "train" else dm.val_batches
+        if fixed is not None:
+            per_worker = max(1, fixed // workers)
+        else:
+            counts = [
+                sum(1 for _ in build(ShardSpec(r, dm.world_size, w, workers), dm.world_size * workers).batches)
+                for r in range(dm.world_size)
+                for w in range(workers)
+            ]
+            per_worker = max(counts)
+            if per_worker == 0:
+                raise DataConfigError(f"StackDataModule(mode='sft'): the {split} split yields no batches; check the sources")
+        return StreamDataset(
+            build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
+        )
+
+    def data_config_hash(self) -> str:
+        return self.dm.sft_config().config_hash()
+
+
+MODE_CLASSES: dict[str, type[DataMode]] = {mode.name: mode for mode in (ShardsMode, StreamMode, SFTMode)}
+MODES = tuple(MODE_CLASSES)

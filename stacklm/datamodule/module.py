@@ -1,0 +1,214 @@
+"""``StackDataModule``: what users hand to ``trainer.fit``.
+
+Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``):
+- ``shards``: a prebuilt directory (``stacklm prebuild``) read through memmaps, in one global
+  seeded permutation per epoch sliced by rank and worker; the loader state is
+  (seed, epoch, samples consumed globally), so resume is O(1) and elastic.
+- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
+  each (rank, worker) builds its own graph over its shard of the documents.
+- ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
+Each mode is one class in ``modes`` (its loaders, logging numbers and config hash), chosen
+once from ``mode``; the module keeps what they share.
+
+Loaders are ``torchdata``'s ``StatefulDataLoader`` (or a thin elastic wrapper in shards
+mode): Lightning stores their ``state_dict()`` in the checkpoint and restores it, so a resumed
+fit sees exactly the batches the uninterrupted run would have.
+
+DDP: every rank must yield the same number of batches or the last collective hangs. Shards
+mode slices the permutation into equal per-rank parts; stream/sft modes give each (rank,
+worker) an equal token budget and a fixed batch count (``batches_per_worker``), padding a
+stream that runs dry with fully masked batches (counted and warned, never silent).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from stacklm.data.nodes import PipelineConfig
+from stacklm.datamodule.errors import DataConfigError
+from stacklm.datamodule.modes import MODE_CLASSES, MODES
+
+DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
+
+
+class StackDataModule(L.LightningDataModule):
+    """Lightning data module over stacklm's shards, streams or SFT conversations.
+
+    Args:
+        mode: ``"shards"``, ``"stream"`` or ``"sft"``.
+        tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
+        data_dir: prebuilt shard directory (``shards`` mode).
+        pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
+            or the SFT config (``sft`` mode).
+        seq_len, batch_size, num_workers, seed: as usual; ``seq_len`` counts the window before
+            the next-token shift (batches are ``seq_len - 1`` wide).
+        val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
+            (stream) or a counting pass (sft); ``0`` disables validation.
+        train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
+        snapshot_every_n_steps: how often loader workers send their state to the main process.
+            A snapshot copies the shuffle buffer and the dedup indexes (~190 MB per million
+            documents), and ``StatefulDataLoader`` takes ``3 x num_workers + 1`` of them (prefetch 2)
+            around each multiple of this interval, so it must be rare. A resume replays at most
+            this many batches from the last snapshot, deterministically (still exact).
+            ``None`` (default): the trainer's step checkpoint interval
+            (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
+            ``DEFAULT_SNAPSHOT_STEPS``.
+    """
+
+    def __init__(
+        self,
+        mode: str = "shards",
+        tokenizer: str | None = None,
+        data_dir: str | None = None,
+        pipeline: dict[str, Any] | None = None,
+        seq_len: int = 2048,
+        batch_size: int = 8,
+        num_workers: int = 0,
+        seed: int = 0,
+        val_batches: int | None = None,
+        train_batches: int | None = None,
+        snapshot_every_n_steps: int | None = None,
+    ) -> None:
+        super().__init__()
+        if mode not in MODES:
+            raise DataConfigError(f"StackDataModule: mode must be one of {MODES}, got {mode!r}")
+        if tokenizer is None:
+            raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
+        MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
+        if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
+            raise DataConfigError(
+                f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
+                f"got {snapshot_every_n_steps}"
+            )
+        self.save_hyperparameters()
+        self.mode = mode
+        self.tokenizer_path = tokenizer
+        self.data_dir = data_dir
+        self.pipeline_dict = dict(pipeline or {})
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+        self.val_batches = val_batches
+        self.train_batches = train_batches
+        self.snapshot_every_n_steps = snapshot_every_n_steps
+        self._tok = None
+        self._train_loader = None
+        self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
+        self._mode = MODE_CLASSES[mode](self)
+
+    # ------------------------------------------------------------------ shared facts
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from stacklm.tokenizer.bpe import StackTokenizer
+
+            self._tok = StackTokenizer.load(self.tokenizer_path)
+        return self._tok
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tokenizer.vocab_size
+
+    def tokenizer_hash(self) -> str:
+        """Content hash of the tokenizer (ids, not training metadata): the one manifests carry."""
+        from stacklm.data.manifest import tokenizer_hash
+
+        return tokenizer_hash(self.tokenizer)
+
+    def pipeline_config(self) -> PipelineConfig:
+        d = dict(self.pipeline_dict)
+        d.setdefault("seq_len", self.seq_len)
+        d.setdefault("batch_size", self.batch_size)
+        d.setdefault("seed", self.seed)
+        cfg = PipelineConfig.from_dict(d)
+        if cfg.seq_len != self.seq_len or cfg.batch_size != self.batch_size:
+            raise DataConfigError(
+                f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
+                f"({self.seq_len}/{self.batch_size}); set them in one place"
+            )
+        return cfg
+
+    def data_config_hash(self) -> str:
+        return self._mode.data_config_hash()
+
+    # ------------------------------------------------------------------ lightning hooks
+    def setup(self, stage: str | None = None) -> None:
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            self.rank, self.world_size = trainer.global_rank, trainer.world_size
+
+    def snapshot_interval(self) -> int:
+        """Steps between worker state snapshots (see ``snapshot_every_n_steps``)."""
+        if self.snapshot_every_n_steps is not None:
+            return int(self.snapshot_every_n_steps)
+        trainer = getattr(self, "trainer", None)
+        steps = [getattr(cb, "_every_n_train_steps", 0) or 0 for cb in (trainer.checkpoint_callbacks if trainer else [])]
+        steps = [n for n in steps if n > 0]
+        return min(steps) if steps else DEFAULT_SNAPSHOT_STEPS
+
+    def train_dataloader(self):
+        self._train_loader = self._mode.train_loader()
+        return self._train_loader
+
+    def val_dataloader(self):
+        if self.val_batches == 0:
+            return []
+        return self._mode.val_loader()
+
+    def shards_dataset(self, split: str):
+        from stacklm.data.dataset import PackedMemmapDataset
+
+        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
+        if ds.seq_len != self.seq_len:
+            raise DataConfigError(
+                f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "
+                "use the same seq_len or rebuild the shards"
+            )
+        return ds
+
+    def sft_config(self):
+        from stacklm.data.sft import SFTConfig
+
+        d = dict(self.pipeline_dict)
+        d.setdefault("seq_len", self.seq_len)
+        d.setdefault("batch_size", self.batch_size)
+        d.setdefault("seed", self.seed)
+        return SFTConfig.from_dict(d)
+
+    # ------------------------------------------------------------------ logging protocol
+    def data_stats(self) -> dict[str, Any]:
+        """This rank's cumulative data numbers for ``stacklm.callbacks.DataStatsCallback``."""
+        out: dict[str, Any] = {"hashes": dict(self.hashes)}
+        if self._train_loader is not None:
+            out.update(self._mode.loader_stats(self._train_loader))
+        return out
+
+    @functools.cached_property
+    def hashes(self) -> dict[str, str | None]:
+        """Tokenizer, manifest and data-config hashes: fixed for the module's life, so computed
+        once (logging asks for them every few steps, checkpoints at every save)."""
+        manifest = None
+        if self.data_dir is not None and (Path(self.data_dir) / "manifest.json").exists():
+            manifest = hashlib.sha256((Path(self.data_dir) / "manifest.json").read_bytes()).hexdigest()
+        return {"tokenizer": self.tokenizer_hash(), "manifest": manifest, "data_config": self.data_config_hash()}
+
+    # ------------------------------------------------------------------ checkpoint guard
+    def state_dict(self) -> dict[str, Any]:
+        """Stored in the checkpoint: what the data was, so a resume with other data refuses."""
+        return {"mode": self.mode, "data_config_hash": self.hashes["data_config"], "tokenizer_hash": self.hashes["tokenizer"],
+                "seq_len": self.seq_len, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        mine = self.state_dict()
+        diffs = [f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in mine if state.get(k) != mine[k]]
+        if diffs:
+            raise DataConfigError(
+                "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + "). "
+                "Resume with the same data config, or start a new run."
+            )

@@ -1,0 +1,40 @@
+"""What ``stacklm inspect`` reports: the named checks, one finding of a check, and the error
+for input it cannot read at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stacklm.errors import StackLMError
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+
+# The named checks, in report order.
+CHECKS: dict[str, str] = {
+    "invalid_conversation": "rows that cannot be trained on (malformed JSON, unknown role, empty message, no assistant)",
+    "foreign_template": "role markers of another chat-template family inside content or text",
+    "special_string_in_text": "special-token strings in untrusted text (must stay bytes)",
+    "template_mismatch": "the tokenizer's chat template renders other ids/mask than stacklm's render_conversation",
+    "assistant_turn_not_closed": "an assistant turn not closed by end-of-turn/EOS",
+    "missing_eos": "a sequence or conversation without EOS",
+    "cross_conversation_attention": "packed rows whose attention segments span two conversations",
+    "positions_not_reset": "position ids that do not restart at 0 for each conversation",
+    "targets_not_shifted": "targets that are not the next token (labels = input_ids in a shifted contract)",
+    "loss_on_non_assistant": "loss-bearing targets on system/user/tool/marker tokens",
+    "no_assistant_loss": "conversations whose assistant tokens carry no loss (all-zero assistant mask)",
+}
+
+
+@dataclass
+class Finding:
+    check: str
+    severity: str
+    message: str
+    where: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        return {"check": self.check, "severity": self.severity, "message": self.message, "where": self.where}
+
+
+class InspectError(StackLMError):
+    """Bad input to ``inspect`` (a path, a tokenizer without template, ...): exit status 2."""

@@ -1,0 +1,192 @@
+"""The inputs ``stacklm inspect`` reads (a conversations file, a saved batch, a shard
+directory), each read and checked into a ``Report``; ``inspect_input`` picks by what it is."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stacklm.chat import DEFAULT_ROLE_ALIASES, ChatFormatError, conversation_from_record, validate_conversation
+from stacklm.inspector.batches import BatchView, check_view, view_batch, view_windows
+from stacklm.inspector.conversations import check_conversation
+from stacklm.inspector.families import text_findings
+from stacklm.inspector.findings import ERROR, Finding, InspectError
+from stacklm.inspector.report import Report, Sample
+from stacklm.inspector.rows import scan_row
+from stacklm.inspector.tokenizer_view import InspectTokenizer, load_tokenizer
+
+
+def _count_text(report: Report, domain: str, text: str, tok: InspectTokenizer) -> None:
+    ct = report.chars_tokens[domain]
+    ct[0] += len(text)
+    ct[1] += len(tok.encode_text(text))
+
+
+def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
+    """``(where, raw)`` for up to ``limit`` rows: bytes per JSON line, dicts for parquet."""
+    from stacklm.data.sources import file_format, open_binary
+
+    try:
+        fmt = file_format(str(path))
+    except ValueError as e:
+        raise InspectError(str(e)) from None
+    rows: list[tuple[str, Any]] = []
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(path)
+        for batch in pf.iter_batches(batch_size=min(limit, 1024)):
+            for r in batch.to_pylist():
+                rows.append((f"{path} row {len(rows)}", r))
+                if len(rows) >= limit:
+                    return rows
+        return rows
+    if fmt != "jsonl":
+        raise InspectError(f"{path}: conversations come as JSON lines or parquet, not {fmt}")
+    with open_binary(str(path)) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip():
+                rows.append((f"{path}:{lineno}", line))
+                if len(rows) >= limit:
+                    break
+    return rows
+
+
+def inspect_conversations(path: Path, tok: InspectTokenizer, limit: int = 200) -> Report:
+    from stacklm.data.sft import parse_json_line
+
+    if not tok.chat_template:
+        raise InspectError(
+            f"{tok.name}: this tokenizer directory has no chat template (tokenizer_config.json 'chat_template'), so it cannot "
+            "render conversations; use a tokenizer with one, e.g. an `export_hf` directory or our tokenizer.stacklm.json"
+        )
+    report = Report(str(path), "conversations", tok.name, eos_id=tok.eos_id)
+    for where, raw in _read_records(path, limit):
+        try:
+            record = parse_json_line(raw, where)[0] if isinstance(raw, bytes) else raw
+            turns = conversation_from_record(record, role_aliases=DEFAULT_ROLE_ALIASES, where=where)
+            validate_conversation(turns, where=where)
+        except ChatFormatError as e:
+            report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where))
+            continue
+        found, ids, mask = check_conversation(turns, tok, where)
+        report.findings += found
+        if not len(ids):
+            continue
+        report.sequences += 1
+        report.ending_with_eos += int(ids[-1] == tok.eos_id)
+        domain = str(record.get("domain") or record.get("source") or "chat")
+        for t in turns:
+            _count_text(report, domain, t.content, tok)
+        if report.sample is None:
+            view = BatchView(ids[None], mask[None].astype(bool), np.zeros((1, len(ids)), np.int64), np.arange(len(ids))[None], "x")
+            labels = scan_row(ids, tok, True).labels if tok.layout is not None else ["assistant" if m else "" for m in mask]
+            report.sample = Sample(ids, view.loss[0], labels, view.pos[0], view.seg[0])
+    if report.sequences == 0 and not report.findings:
+        raise InspectError(f"{path}: no conversations in the file")
+    return report
+
+
+def _inspect_view(report: Report, view: BatchView, tok: InspectTokenizer, where: str) -> Report:
+    found, scans = check_view(view, tok, where)
+    report.findings += found
+    for b in range(view.ids.shape[0]):
+        row = view.ids[b]
+        real = row[row != tok.pad_id] if tok.pad_id is not None else row
+        report.sequences += 1
+        report.ending_with_eos += int(tok.eos_id is not None and tok.eos_id in real.tolist())
+        labels = np.array(scans[b].labels)
+        for c in np.unique(scans[b].conv[scans[b].conv >= -1]):
+            sel = scans[b].conv == c
+            seg_ids = row[sel]
+            domain = "chat" if any(lab == "marker" or lab.startswith("end:") for lab in labels[sel]) else "text"
+            for text in tok.text_runs(seg_ids):
+                report.findings += text_findings(text, tok.family, tok.special_strings, f"{where} row {b}")
+                report.chars_tokens[domain][0] += len(text)
+            report.chars_tokens[domain][1] += int(sum(int(t) not in tok.special_ids for t in seg_ids))
+    report.sample = Sample(view.ids[0], view.loss[0], scans[0].labels, view.pos[0], view.seg[0])
+    return report
+
+
+def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Report:
+    import torch
+
+    try:
+        batch = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise InspectError(f"{path}: cannot load a saved batch ({type(e).__name__}: {e}); save one with torch.save(batch_dict, path)") from None
+    if not isinstance(batch, Mapping):
+        raise InspectError(f"{path}: expected a dict of tensors (a batch), got {type(batch).__name__}")
+    batch = {k: (v[:limit] if hasattr(v, "ndim") and v.ndim == 2 else v) for k, v in batch.items()}
+    view = view_batch(batch, tok.pad_id, str(path))
+    _check_vocab(view.ids, tok, str(path))
+    return _inspect_view(Report(str(path), f"batch ({view.layout} layout)", tok.name, eos_id=tok.eos_id), view, tok, str(path))
+
+
+def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """The first ``limit`` windows of a shard directory, read per docs/architecture.md "Shards on disk"
+    (``shard_XXXXX.tokens.bin`` flat n_seq x seq_len, dtype and seq_len from ``manifest.json``)."""
+    files = sorted(directory.glob("shard_*.tokens.bin"))
+    if not files:
+        raise InspectError(f"{directory}: no shard_*.tokens.bin files; is this a prebuilt shard directory?")
+    manifest: dict[str, Any] = {}
+    mpath = directory / "manifest.json"
+    if mpath.exists():
+        try:
+            manifest = json.loads(mpath.read_text())
+        except json.JSONDecodeError as e:
+            raise InspectError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
+    seq_len = manifest.get("seq_len")
+    dtype = manifest.get("dtype")
+    meta = files[0].with_name(files[0].name.replace(".tokens.bin", ".meta.bin"))
+    if seq_len is None and meta.exists():
+        seq_len = int(np.fromfile(meta, dtype="<i8")[1])
+    if seq_len is None:
+        raise InspectError(f"{directory}: neither manifest.json nor {meta.name} gives seq_len")
+    if dtype is None:
+        dtype = "uint16" if int(manifest.get("vocab_size", 65536)) <= 65536 else "uint32"
+    dt = np.dtype(dtype).newbyteorder("<")
+    rows = []
+    for f in files:
+        arr = np.memmap(f, dtype=dt, mode="r")
+        if arr.size % seq_len:
+            raise InspectError(f"{f}: {arr.size} tokens is not a multiple of seq_len={seq_len}; the shard is truncated")
+        w = arr.reshape(-1, seq_len)
+        rows.append(np.asarray(w[: limit - sum(len(r) for r in rows)], dtype=np.int64))
+        if sum(len(r) for r in rows) >= limit:
+            break
+    return np.concatenate(rows), manifest
+
+
+def _check_vocab(ids: np.ndarray, tok: InspectTokenizer, where: str) -> None:
+    if ids.size and (ids.max() >= tok.vocab_size or ids.min() < 0):
+        raise InspectError(f"{where}: token id {int(ids.max())} is outside this tokenizer's vocab ({tok.vocab_size}); "
+                           "inspect with the tokenizer the data was built with")
+
+
+def inspect_shards(directory: Path, tok: InspectTokenizer, limit: int = 64) -> Report:
+    windows, manifest = read_shard_windows(directory, limit)
+    if manifest.get("vocab_size") not in (None, tok.vocab_size):
+        raise InspectError(f"{directory}: shards were built with vocab_size {manifest['vocab_size']}, the tokenizer has "
+                           f"{tok.vocab_size}; pass the tokenizer the shards were built with")
+    _check_vocab(windows, tok, str(directory))
+    return _inspect_view(Report(str(directory), "shards", tok.name, eos_id=tok.eos_id), view_windows(windows, tok), tok, str(directory))
+
+
+def inspect_input(path: str | Path, tokenizer: str | Path | InspectTokenizer, *, limit: int | None = None, prefer_hf: bool = False) -> Report:
+    """Inspect a conversations file, a shard directory or a saved batch (chosen by what it is)."""
+    tok = tokenizer if isinstance(tokenizer, InspectTokenizer) else load_tokenizer(tokenizer, prefer_hf)
+    p = Path(path)
+    if not p.exists():
+        raise InspectError(f"{p}: no such file or directory")
+    if p.is_file() and p.name.startswith("shard_") and p.name.endswith(".tokens.bin"):
+        p = p.parent  # a shard file: read it with its manifest
+    if p.is_dir():
+        return inspect_shards(p, tok, limit or 64)
+    if p.suffix in (".pt", ".pth", ".bin") or p.name.endswith(".batch"):
+        return inspect_batch_file(p, tok, limit or 64)
+    return inspect_conversations(p, tok, limit or 200)

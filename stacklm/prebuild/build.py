@@ -1,0 +1,141 @@
+"""The whole build: claim the directory, lock it, run the jobs (here or in a pool of spawned
+processes), then write the manifests."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from stacklm.data import manifest as mf
+from stacklm.data.shards import remove_temp_files
+from stacklm.prebuild.jobs import run_job
+from stacklm.prebuild.manifests import finalize, prepare
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.prebuild.progress import BuildProgress
+
+
+def prebuild(
+    config,
+    tokenizer,
+    out: str | os.PathLike,
+    *,
+    workers: int = 1,
+    tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD,
+    splits: Sequence[str] = SPLITS,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Build (or resume, or confirm) the shard set in ``out``; returns the top manifest.
+
+    ``config`` is a ``PipelineConfig``; ``tokenizer`` a ``StackTokenizer`` or the path of its
+    artifact. ``workers > 1`` runs the jobs in that many spawned processes.
+    """
+    tokenizer = resolve_tokenizer(tokenizer)
+    plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits))
+    identity, complete = prepare(plan)
+    if complete:
+        if progress:
+            print(f"{plan.out}: already complete (same config, tokenizer and workers); nothing to do", file=sys.stderr)
+        return mf.read_manifest(plan.out)
+    lock = lock_out_dir(plan.out)
+    bar = BuildProgress(plan, progress)
+    t0 = time.perf_counter()
+    jobs = [(s, w) for s in plan.splits for w in range(plan.workers)]
+    # Leftovers of writes killed midway go now, before any job runs: a job clearing the shared
+    # folders itself would delete the temporary files other jobs are writing at that moment.
+    for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
+        remove_temp_files(folder)
+    try:
+        if plan.workers == 1:
+            summaries = [run_job(plan, s, w, bar) for s, w in jobs]
+        else:
+            summaries = _run_pool(plan, jobs, bar)
+        top = finalize(plan, identity, summaries)
+    finally:
+        bar.close()
+        lock.close()
+    if progress:
+        secs = time.perf_counter() - t0
+        done = bar.tokens - bar.resumed_tokens
+        print(
+            f"prebuild: {sum(s['n_tokens'] for s in top['splits'].values()):,} tokens in "
+            f"{sum(s['shards'] for s in top['splits'].values())} shards -> {plan.out} "
+            f"({done / max(secs, 1e-9):,.0f} mixed tok/s this run, {secs:.1f}s, workers={plan.workers})",
+            file=sys.stderr,
+        )
+    return top
+
+
+def lock_out_dir(out: Path):
+    """An exclusive lock on ``out`` for this process (released by the kernel, even on SIGKILL),
+    so two prebuilds never write the same directory at once."""
+    import fcntl
+
+    f = open(state_dir_of(out) / "lock", "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise PrebuildError(f"another `stacklm prebuild` is writing {out} right now; wait for it (or stop it) and re-run", path=out) from None
+    return f
+
+
+def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress) -> list[dict[str, Any]]:
+    """Jobs in ``plan.workers`` spawned processes (spawn, not fork: the parent may hold torch's
+    thread pools, which do not survive a fork); progress comes back through a queue."""
+    import multiprocessing as mp
+    import queue as queue_lib
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    # The tokenizer travels as its artifact dict: its caches (a tiktoken core) need not pickle.
+    blob = pickle.dumps((dataclasses.replace(plan, tokenizer=None), plan.tokenizer.to_dict()))
+    results = []
+    with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=_init_pool_worker, initargs=(q,)) as pool:
+        pending = {pool.submit(_pool_job, blob, s, w) for s, w in jobs}
+        try:
+            while pending:
+                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                for fut in done:
+                    results.append(fut.result())  # re-raises a job's error (e.g. ShardWriteError)
+                while True:
+                    try:
+                        bar(*q.get_nowait())
+                    except queue_lib.Empty:
+                        break
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+    return results
+
+
+def resolve_tokenizer(tokenizer):
+    """A ``StackTokenizer`` as given, or loaded from the path of its artifact."""
+    from stacklm.tokenizer.bpe import StackTokenizer
+
+    if isinstance(tokenizer, (str, os.PathLike)):
+        return StackTokenizer.load(tokenizer)
+    return tokenizer
+
+
+_QUEUE = None
+
+
+def _init_pool_worker(queue) -> None:
+    global _QUEUE
+    _QUEUE = queue
+
+
+def _pool_job(plan_blob: bytes, split: str, worker: int) -> dict[str, Any]:
+    from stacklm.tokenizer.bpe import StackTokenizer
+
+    plan, tok = pickle.loads(plan_blob)
+    plan = dataclasses.replace(plan, tokenizer=StackTokenizer.from_dict(tok))
+    return run_job(plan, split, worker, lambda *msg: _QUEUE.put(msg))

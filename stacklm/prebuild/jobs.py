@@ -1,0 +1,127 @@
+"""One job: (split, worker) -> shards, checkpointed after every shard."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stacklm.data.shards import atomic_write_shard_file, list_shard_files, meta_path, tokens_path, write_shard
+from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
+
+
+def job_name(split: str, worker: int) -> str:
+    return f"{split}-w{worker:03d}"
+
+
+def _load_pickle(path: Path) -> Any:
+    try:
+        return pickle.loads(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except Exception as e:  # a checkpoint is written atomically, so this is outside damage
+        raise PrebuildError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to redo that job from the start") from None
+
+
+def run_job(
+    plan: PrebuildPlan,
+    split: str,
+    worker: int,
+    on_progress: Callable[[str, int, dict[str, int]], None] | None = None,
+    *,
+    build: Callable | None = None,
+) -> dict[str, Any]:
+    """Run (or resume, or skip when done) job ``(split, worker)``; return its summary.
+
+    ``build`` defaults to ``stacklm.data.nodes.build_pipeline``.
+    """
+    from stacklm.data.sources import ShardSpec
+
+    if build is None:
+        from stacklm.data.nodes import build_pipeline as build
+    name = job_name(split, worker)
+    state_dir = state_dir_of(plan.out)
+    done_path = state_dir / f"{name}.done.json"
+    if done_path.exists():
+        return json.loads(done_path.read_text())
+    ckpt_path = state_dir / f"{name}.ckpt"
+    split_dir = plan.out / split
+    split_dir.mkdir(parents=True, exist_ok=True)
+
+    pipe = build(worker_config(plan.config, worker, plan.workers), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers))
+    windows = pipe.windows
+    ckpt = _load_pickle(ckpt_path)
+    shards: list[dict] = list(ckpt["shards"]) if ckpt else []
+    windows.reset(ckpt["state"] if ckpt else None)
+    remove_own_shards_from(split_dir, plan.workers, worker, len(shards))
+
+    def realized_tokens() -> dict[str, int]:
+        return {src: int(r["tokens"]) for src, r in pipe.realized().items()}
+
+    def checkpoint() -> None:
+        atomic_write_shard_file(ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict()}, protocol=5))
+        if on_progress is not None:
+            on_progress(name, len(shards), realized_tokens())
+
+    if on_progress is not None:
+        on_progress(name, len(shards), realized_tokens())
+    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint)
+    summary = {
+        "split": split,
+        "worker": worker,
+        "workers": plan.workers,
+        "budget": int(pipe.mix.mixer.total_tokens),
+        "shards": shards,
+        "stats": pipe.stats(),
+        "realized": pipe.realized(),
+        "packing": pipe.packing(),
+    }
+    atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
+    ckpt_path.unlink(missing_ok=True)
+    return summary
+
+
+def write_job_shards(
+    plan: PrebuildPlan, split_dir: Path, worker: int, windows: Iterable[np.ndarray], shards: list[dict], on_shard: Callable[[], None]
+) -> None:
+    """Write ``windows`` as job ``worker``'s next shards, ``plan.seqs_per_shard`` windows each
+    (the last may be shorter). Its ``j``-th shard is global index ``j * workers + worker``, so
+    jobs never collide; each one's info is appended to ``shards`` (which may already hold the
+    shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
+    ``run_job`` and the datatrove writer, so both write the same set."""
+    buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
+
+    def commit(n: int) -> None:
+        info = write_shard(split_dir, len(shards) * plan.workers + worker, buf[:n], plan.dtype)
+        shards.append(info.to_dict())
+        on_shard()
+
+    n = 0
+    for window in windows:
+        buf[n] = window
+        n += 1
+        if n == plan.seqs_per_shard:
+            commit(n)
+            n = 0
+    if n:
+        commit(n)
+
+
+def remove_own_shards_from(split_dir: Path, workers: int, worker: int, keep: int) -> None:
+    """Delete this job's shards at local index >= ``keep``: written after the last checkpoint
+    (the job is about to rewrite them, identically) — never left looking complete meanwhile."""
+    for name in list_shard_files(split_dir):
+        index = int(name.rsplit("_", 1)[1])
+        if index % workers == worker and index // workers >= keep:
+            meta_path(split_dir, name).unlink(missing_ok=True)
+            tokens_path(split_dir, name).unlink(missing_ok=True)
+
+
+def job_budget(plan: PrebuildPlan, split: str, worker: int) -> int:
+    """Tokens job ``(split, worker)`` will mix (for the progress bar's ETA)."""
+    total = worker_config(plan.config, worker, plan.workers).mix.total_tokens
+    return max(1, round(total * plan.config.holdout_fraction)) if split == "val" else total

@@ -1,0 +1,184 @@
+"""The output directory's records: claiming it for a build (``prepare``: refuse a directory
+built differently), and the split and top manifests written once every job is done
+(``finalize``: the top manifest is the "finished" mark)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from stacklm.data import manifest as mf
+from stacklm.data.shards import atomic_write_shard_file, dtype_name
+from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
+
+
+def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
+    """Refuse a directory built (or being built) differently; True when already complete."""
+    out = plan.out
+    top = mf.manifest_path(out)
+    build_file = state_dir_of(out) / BUILD_FILE
+    if top.exists():
+        found, where = mf.read_manifest(out).get("build", {}), top
+    elif build_file.exists():
+        found, where = json.loads(build_file.read_text()), build_file
+    elif out.exists() and any(p.name != STATE_DIR for p in out.iterdir()):  # a bare .prebuild/: killed while claiming
+        raise PrebuildError(
+            f"{out} is not empty and holds no stacklm prebuild ({top.name} or {STATE_DIR}/{BUILD_FILE}); "
+            "choose a new or empty --out directory",
+            path=out,
+        )
+    else:
+        return False
+    problems = []
+    if found.get("tokenizer_hash") != identity["tokenizer_hash"]:
+        problems.append(
+            f"tokenizer: built with sha256 {str(found.get('tokenizer_hash'))[:16]}... (vocab {found.get('vocab_size')}), "
+            f"this run's tokenizer is {identity['tokenizer_hash'][:16]}... (vocab {identity['vocab_size']})"
+        )
+    diffs = mf.config_differences(found.get("config", {}), identity["config"])
+    if diffs:
+        problems.append("config: " + "; ".join(diffs[:8]) + (f"; ... {len(diffs) - 8} more" if len(diffs) > 8 else ""))
+    for key in ("workers", "tokens_per_shard", "splits"):
+        if found.get(key) != identity[key]:
+            problems.append(f"{key}: built with {found.get(key)!r}, this run has {identity[key]!r}")
+    if problems:
+        raise PrebuildError(
+            f"{where} belongs to a different build, refusing to mix them:\n  - " + "\n  - ".join(problems)
+            + f"\nRe-run with the original settings to resume, or choose another --out (or delete {out}).",
+            path=where,
+        )
+    return top.exists()
+
+
+def _common_fields(plan: PrebuildPlan, identity: dict[str, Any]) -> dict[str, Any]:
+    cfg, tok = plan.config, plan.tokenizer
+    return {
+        "format": mf.FORMAT,
+        "version": mf.VERSION,
+        "seq_len": cfg.seq_len,
+        "dtype": dtype_name(plan.dtype),
+        "vocab_size": tok.vocab_size,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id,
+        "tokenizer_hash": identity["tokenizer_hash"],
+        "filter_config_hash": cfg.filters.config_hash(),
+        "config_hash": identity["config_hash"],
+        "seed": cfg.seed,
+        "packing_strategy": cfg.strategy,
+        "build": identity,
+    }
+
+
+# Source-stage reasons that each count one document read (the others count bytes or repairs).
+_DOCS_READ = ("kept", "dropped_empty", "dropped_binary")
+
+
+def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Merge the jobs of one split (prebuild workers or datatrove tasks) into its manifest."""
+    shards: list[dict] = []
+    for s in summaries:
+        w, n = int(s["worker"]), int(s["workers"])
+        shards += [{**info, "index": j * n + w} for j, info in enumerate(s["shards"])]
+    shards.sort(key=lambda d: d["index"])
+    for d in shards:
+        del d["index"]
+    stats = mf.sum_counts(s["stats"] for s in summaries)
+    realized = mf.merge_realized((s["realized"] for s in summaries), plan.config.mix.weights)
+    n_seq = sum(int(d["n_seq"]) for d in shards)
+    holdout = stats.get("holdout", {})
+    return {
+        **_common_fields(plan, identity),
+        "split": split,
+        "n_seq": n_seq,
+        "n_tokens": n_seq * plan.config.seq_len,
+        "budget": sum(int(s["budget"]) for s in summaries),
+        "shards": shards,
+        "sources": mf.source_list(plan.config.mix.to_dict(), realized, stats, _resolved_revisions(plan.out)),
+        "realized": realized,
+        "drops": mf.drop_summary(stats, realized),
+        "stats": stats,
+        "holdout": {
+            "fraction": plan.config.holdout_fraction,
+            "docs_kept_for_this_split": sum(int(v.get("kept", 0)) for v in holdout.values()),
+            "docs_skipped_for_the_other_split": sum(int(v.get("holdout_other_split", 0)) for v in holdout.values()),
+        },
+        "packing": mf.merge_packing(s["packing"] for s in summaries),
+        "tasks": [
+            {
+                "worker": int(s["worker"]),
+                "budget": int(s["budget"]),
+                "shards": len(s["shards"]),
+                "n_seq": sum(int(d["n_seq"]) for d in s["shards"]),
+                "docs_read": {src: sum(int(per.get(r, 0)) for r in _DOCS_READ) for src, per in s["stats"].get("source", {}).items()},
+            }
+            for s in summaries
+        ],
+    }
+
+
+def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    val = splits.get("val")
+    return {
+        **_common_fields(plan, identity),
+        "splits": {
+            name: {
+                "path": name,
+                "n_seq": m["n_seq"],
+                "n_tokens": m["n_tokens"],
+                "shards": len(m["shards"]),
+                "packing": m["packing"],
+            }
+            for name, m in splits.items()
+        },
+        "sources": splits[plan.splits[0]]["sources"],
+        "drops": {name: m["drops"] for name, m in splits.items()},
+        "holdout": {
+            "fraction": plan.config.holdout_fraction,
+            "val_sequences": val["n_seq"] if val else 0,
+            "val_tokens": val["n_tokens"] if val else 0,
+            "val_docs": sum(r["docs"] for r in val["realized"].values()) if val else 0,
+            "val_doc_tokens": sum(r["tokens"] for r in val["realized"].values()) if val else 0,
+        },
+    }
+
+
+def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Write the split manifests, then the top manifest (the "finished" mark), then drop the
+    resume state."""
+    per_split = {}
+    for split in plan.splits:
+        jobs = sorted((s for s in summaries if s["split"] == split), key=lambda s: s["worker"])
+        if len(jobs) != plan.workers:
+            raise PrebuildError(f"split {split!r}: {len(jobs)} of {plan.workers} jobs finished; re-run to complete the rest")
+        per_split[split] = split_manifest(plan, identity, split, jobs)
+        mf.write_manifest(plan.out / split, per_split[split])
+    top = top_manifest(plan, identity, per_split)
+    mf.write_manifest(plan.out, top)
+    shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)
+    return top
+
+
+def prepare(plan: PrebuildPlan) -> tuple[dict[str, Any], bool]:
+    """Check/claim ``plan.out``: returns ``(identity, already_complete)``."""
+    identity = plan.identity()
+    complete = _check_out_dir(plan, identity)
+    if complete:
+        shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)  # killed after the manifest
+        return identity, True
+    state_dir = state_dir_of(plan.out)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    if not (state_dir / BUILD_FILE).exists():  # claims the directory for this build
+        atomic_write_shard_file(state_dir / BUILD_FILE, json.dumps(identity, sort_keys=True, indent=1).encode())
+    if not (state_dir / REVISIONS_FILE).exists():  # resolved once, so a resume records the same
+        revisions = mf.resolve_revisions(plan.config.mix.to_dict())
+        atomic_write_shard_file(state_dir / REVISIONS_FILE, json.dumps(revisions, sort_keys=True).encode())
+    return identity, False
+
+
+def _resolved_revisions(out: Path) -> dict[str, str | None]:
+    path = state_dir_of(out) / REVISIONS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}

@@ -1,0 +1,53 @@
+"""The prebuild's progress bar."""
+
+from __future__ import annotations
+
+from stacklm.prebuild.jobs import job_budget
+from stacklm.prebuild.plan import PrebuildPlan
+
+
+class BuildProgress:
+    """One tqdm bar over all jobs: mixed tokens vs the token budget (rate, ETA), the realized
+    mix so far in the postfix."""
+
+    def __init__(self, plan: PrebuildPlan, enabled: bool) -> None:
+        self.budget = sum(job_budget(plan, s, w) for s in plan.splits for w in range(plan.workers))
+        self.per_job: dict[str, dict[str, int]] = {}
+        self.shards: dict[str, int] = {}
+        self.bar = None
+        self.resumed_tokens = 0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.budget, unit="tok", unit_scale=True, desc=f"prebuild {plan.out.name}", dynamic_ncols=True)
+
+    @property
+    def tokens(self) -> int:
+        return sum(sum(v.values()) for v in self.per_job.values())
+
+    def __call__(self, job: str, shards: int, realized: dict[str, int]) -> None:
+        before = self.tokens
+        resumed = job not in self.per_job
+        self.per_job[job] = realized
+        self.shards[job] = shards
+        if resumed:  # tokens restored from a checkpoint: not this run's throughput
+            self.resumed_tokens += self.tokens - before
+        if self.bar is None:
+            return
+        mix: dict[str, int] = {}
+        for job_name, per in self.per_job.items():
+            if job_name.startswith("train"):
+                for src, n in per.items():
+                    mix[src] = mix.get(src, 0) + n
+        total = sum(mix.values()) or 1
+        postfix = " ".join(f"{src}={n / total:.3f}" for src, n in mix.items())
+        self.bar.set_postfix_str(f"shards={sum(self.shards.values())} mix: {postfix}", refresh=False)
+        if resumed:
+            self.bar.n += self.tokens - before
+            self.bar.last_print_n = self.bar.n
+        else:
+            self.bar.update(self.tokens - before)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
