@@ -99,6 +99,12 @@ def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block) -> torch.Ten
 
     # Inside a compiled model the plain function is traced into the graph; outside, on CUDA,
     # use the compiled kernel; on CPU (tests) the eager reference implementation.
+    if torch.compiler.is_compiling() and q.device.type == "cpu":
+        # Inductor's CPU FlexAttention kernel (torch 2.13) gives wrong results when v is a strided
+        # view into the fused qkv projection while q and k (after RoPE) are fresh buffers; a
+        # contiguous v avoids it (found by bench/gpu.py --compile on CPU; the CUDA kernel is
+        # checked by the same bench on a GPU).
+        v = v.contiguous()
     if torch.compiler.is_compiling() or q.device.type != "cuda":
         return flex_attention(q, k, v, block_mask=block)
     return _compiled_flex_attention()(q, k, v, block_mask=block)
