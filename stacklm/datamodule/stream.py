@@ -12,9 +12,11 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 
@@ -50,13 +52,14 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    t = seq_len - 1
-    return {
-        "input_ids": torch.full((batch_size, t), pad_id, dtype=torch.long),
-        "position_ids": torch.arange(t, dtype=torch.long).expand(batch_size, t).clone(),
-        "seq_ids": torch.zeros((batch_size, t), dtype=torch.long),
-        "targets": torch.full((batch_size, t), -100, dtype=torch.long),
-    }
+    """A batch of padding rows that carries no loss (every target ``IGNORE_INDEX``)."""
+    out = contract_buffer(batch_size, seq_len - 1)
+    planes = contract_planes(out)
+    planes.input_ids.fill(pad_id)
+    planes.position_ids[:] = np.arange(seq_len - 1)
+    planes.seq_ids.fill(0)
+    planes.targets.fill(IGNORE_INDEX)
+    return contract_batch(out)
 
 
 class _StreamIterator:
