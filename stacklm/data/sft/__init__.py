@@ -30,7 +30,16 @@ from stacklm.data.sft.config import ON_INVALID, OVERLONG_RULES, SFTConfig, SFTSo
 from stacklm.data.sft.pack import CollateSFT, ConversationPacker, SFTPackNode, collate_sft, sft_batch
 from stacklm.data.sft.pipeline import SFTPipeline, build_sft_pipeline
 from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
-from stacklm.data.sft.render import DROPPED_TOO_LONG, TRUNCATED, TURNS_CUT, RenderNode, render_for_sft, tag_loss, truncation_point, untag_loss
+from stacklm.data.sft.render import (
+    DROPPED_TOO_LONG,
+    TRUNCATED,
+    TURNS_CUT,
+    RenderNode,
+    render_for_sft,
+    tag_loss,
+    truncation_point,
+    untag_loss,
+)
 
 __all__ = [
     "CONTENT_REPAIRED",

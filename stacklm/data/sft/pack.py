@@ -9,7 +9,14 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, ChatFormatError, as_turns, chat_tokens, conversation_from_record, validate_conversation
+from stacklm.chat import (
+    DEFAULT_ROLE_ALIASES,
+    ChatFormatError,
+    as_turns,
+    chat_tokens,
+    conversation_from_record,
+    validate_conversation,
+)
 from stacklm.data.audit import KEPT
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.pack import BestFitPacker, PackNode, segment_layout

@@ -8,7 +8,14 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, MALFORMED_JSON, ChatFormatError, Turn, conversation_from_record, validate_conversation
+from stacklm.chat import (
+    DEFAULT_ROLE_ALIASES,
+    MALFORMED_JSON,
+    ChatFormatError,
+    Turn,
+    conversation_from_record,
+    validate_conversation,
+)
 from stacklm.data.audit import KEPT, clean_text
 from stacklm.data.sft.config import ON_INVALID, SFTSourceConfig
 from stacklm.data.sources import (
