@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from stacklm.cli.parser import build_parser
 from stacklm.errors import StackLMError
 
+
 def is_user_error(exc: BaseException) -> bool:
     """True for an error the user can fix: printed as one line instead of a traceback."""
     return isinstance(exc, (StackLMError, OSError))
