@@ -30,6 +30,7 @@ from stacklm.data.sources import (
     glob_files,
     hub_load_kwargs,
     import_datasets,
+    loads_json_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,8 @@ INVALID_UTF8_LINES = "invalid_utf8_lines"
 
 def parse_json_line(raw: bytes, where: str) -> tuple[dict, bool]:
     """``(record, had_invalid_utf8)``; malformed lines raise ``ChatFormatError`` at ``where``."""
-    lenient = False
     try:
-        try:
-            obj = json.loads(raw)
-        except UnicodeDecodeError:
-            obj, lenient = json.loads(raw.decode("utf-8", errors="replace")), True
+        obj, lenient = loads_json_line(raw, invalid_utf8="replace")
     except json.JSONDecodeError as e:
         raise ChatFormatError(
             f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object", reason=MALFORMED_JSON, where=where

@@ -32,7 +32,14 @@ from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNot
 from stacklm.data.sources.files import LocalFileSource, file_format, glob_files
 from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, hub_load_kwargs
 from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, TextPartSource
-from stacklm.data.sources.readers import DatasetsReader, JsonlReader, TextFileReader, import_datasets, open_binary
+from stacklm.data.sources.readers import (
+    DatasetsReader,
+    JsonlReader,
+    TextFileReader,
+    import_datasets,
+    loads_json_line,
+    open_binary,
+)
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
 from stacklm.data.sources.synthetic import DEFAULT_SYNTHETIC_DOCS, SyntheticSource
 
@@ -62,6 +69,7 @@ __all__ = [
     "glob_files",
     "hub_load_kwargs",
     "import_datasets",
+    "loads_json_line",
     "near_edit",
     "open_binary",
     "open_source",

@@ -83,6 +83,17 @@ def _skip_bytes(stream: io.BufferedIOBase, n: int) -> None:
         n -= len(chunk)
 
 
+def loads_json_line(raw: bytes, *, invalid_utf8: str) -> tuple[Any, bool]:
+    """``(json.loads(raw), had_invalid_utf8)``. A line that is not valid UTF-8 is decoded with
+    the ``invalid_utf8`` error handler instead of failing (``surrogateescape`` keeps the bad
+    bytes recoverable, ``replace`` turns them into U+FFFD); JSON errors propagate for the caller
+    to name the file and line its own way."""
+    try:
+        return json.loads(raw), False
+    except UnicodeDecodeError:
+        return json.loads(raw.decode("utf-8", errors=invalid_utf8)), True
+
+
 class JsonlReader:
     """JSON lines; yields raw line bytes (``None`` for blank lines) so unowned rows in strided
     mode are never parsed. Position = decompressed byte offset and line number."""
@@ -110,14 +121,10 @@ class JsonlReader:
         return f"{self.path}, line {self.line}"
 
     def text_of(self, raw: bytes) -> Any:
-        lenient = False
         try:
-            try:
-                obj = json.loads(raw)
-            except UnicodeDecodeError:
-                # Invalid UTF-8: parse with the bad bytes escaped; the text field goes back to
-                # its original bytes below so the audit counts them exactly.
-                obj, lenient = json.loads(raw.decode("utf-8", errors="surrogateescape")), True
+            # Invalid UTF-8: parse with the bad bytes escaped; the text field goes back to its
+            # original bytes below so the audit counts them exactly.
+            obj, lenient = loads_json_line(raw, invalid_utf8="surrogateescape")
         except (json.JSONDecodeError, RecursionError) as e:
             detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
             raise SourceError(
