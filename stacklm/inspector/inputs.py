@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, ChatFormatError, conversation_from_record, validate_conversation
+from stacklm.chat import DEFAULT_ROLE_ALIASES, ChatFormatError, validate_conversation
+from stacklm.chat_formats import conversation_from_record
 from stacklm.inspector.batches import BatchView, check_view, view_batch, view_windows
 from stacklm.inspector.conversations import check_conversation
 from stacklm.inspector.families import text_findings

@@ -14,9 +14,9 @@ from stacklm.chat import (
     ChatFormatError,
     as_turns,
     chat_tokens,
-    conversation_from_record,
     validate_conversation,
 )
+from stacklm.chat_formats import conversation_from_record
 from stacklm.data.audit import KEPT
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.pack import BestFitPacker, PackNode, segment_layout

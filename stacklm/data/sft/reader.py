@@ -13,9 +13,9 @@ from stacklm.chat import (
     MALFORMED_JSON,
     ChatFormatError,
     Turn,
-    conversation_from_record,
     validate_conversation,
 )
+from stacklm.chat_formats import conversation_from_record
 from stacklm.data.audit import KEPT, clean_text
 from stacklm.data.sft.config import ON_INVALID, SFTSourceConfig
 from stacklm.data.sources import (
