@@ -72,14 +72,15 @@ class ChatRecord:
     def to_trl(self) -> dict[str, Any]:
         """A row TRL's SFTTrainer tokenizes to the same ids (conversational ``messages``, or
         conversational ``prompt``/``completion``). ``tools`` travel as a JSON string: Arrow
-        would merge the schemas' keys across rows (adding nulls), TRL decodes the string."""
+        would merge the schemas' keys across rows (adding nulls), TRL decodes the string. The
+        key is always present (None without tools): ``Dataset.from_list`` takes its columns from
+        the first row, so a first row without it would drop every row's tools."""
         out: dict[str, Any] = (
             {"messages": self.messages}
             if self.n_prompt is None
             else {"prompt": self.messages[: self.n_prompt], "completion": self.messages[self.n_prompt :]}
         )
-        if self.tools:
-            out["tools"] = json.dumps(self.tools, ensure_ascii=False)
+        out["tools"] = json.dumps(self.tools, ensure_ascii=False) if self.tools else None
         return out
 
 
