@@ -29,7 +29,7 @@ FAMILIES: tuple[TemplateFamily, ...] = (
     TemplateFamily("phi3", ("<|user|>", "<|assistant|>", "<|system|>", "<|end|>"), re.compile(r"<\|(system|user|assistant)\|>[\s\S]*?<\|end\|>")),
     TemplateFamily("mistral", ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[TOOL_RESULTS]"),
                    re.compile(r"\[(SYSTEM_PROMPT|AVAILABLE_TOOLS|TOOL_RESULTS)\][\s\S]*?\[/\1\]|\[TOOL_CALLS\]\s*\[")),
-    TemplateFamily("gpt", ("<|endoftext|>", "<|endofprompt|>"), re.compile(r"<\|endoftext\|>")),
+    TemplateFamily("gpt", ("<|endoftext|>", "<|endofprompt|>"), re.compile(r"(?!)")),  # document separators, no turns
     TemplateFamily("alpaca", ("### Instruction:", "### Response:"), re.compile(r"### Instruction:[\s\S]*?### Response:")),
     TemplateFamily(
         "stacklm",
