@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.contract import IGNORE_INDEX
 from stacklm.errors import StackLMError
-from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.tokenizer.chat_template import THINK_CLOSE, THINK_OPEN
 from stacklm.tokenizer.specials import ROLE_TOKENS
 

@@ -118,7 +118,7 @@ def test_per_source_policies_and_truncation_counted_in_a_mix(tok, tmp_path):
     for spec, path in zip(sources, (a, b, alp)):
         counts: dict[str, int] = {}
         loss = stop = 0
-        for line in open(path, encoding="utf-8"):
+        for line in path.read_text(encoding="utf-8").splitlines():
             turns = conversation_from_record(json.loads(line), format=spec.format)
             piece, outcome, cut = render_for_sft(turns, tok, seq_len, spec.overlong or cfg.overlong, spec.loss_policy())
             counts[outcome] = counts.get(outcome, 0) + 1

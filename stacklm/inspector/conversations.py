@@ -13,7 +13,6 @@ from stacklm.inspector.families import text_findings
 from stacklm.inspector.findings import ERROR, INFO, Finding
 from stacklm.inspector.tokenizer_view import InspectTokenizer
 
-
 TEMPLATE_TEXT_HINT = ("; if the data legitimately discusses chat templates, pass --allow-template-text "
                       "(special strings in content stay bytes either way)")
 

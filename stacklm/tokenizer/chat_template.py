@@ -67,7 +67,7 @@ def build_chat_template(role_tokens: Mapping[str, str] = ROLE_TOKENS) -> str:
     gen = role_tokens[GENERATION_ROLE]
     sys_tok = role_tokens["system"]
     call_tok = role_tokens["tool_call"]
-    j = lambda s: s.replace("\n", "\\n")  # noqa: E731 - a Python str as a Jinja string literal body
+    j = lambda s: s.replace("\n", "\\n")  # a Python str as a Jinja string literal body
     # Whitespace control ({%- -%}) everywhere: the rendered text must be exactly the tokens,
     # with no stray newlines from the template's own layout.
     return (

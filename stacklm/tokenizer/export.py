@@ -216,7 +216,7 @@ def derive_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def build_hf_tokenizer(tok: StackTokenizer):
     """A ``tokenizers.Tokenizer`` that encodes exactly like ``tok`` (see module docstring)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     ranks = tok.mergeable_ranks
     vocab = {token_to_hf(b): i for b, i in ranks.items()}

@@ -7,7 +7,7 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from stacklm.chat import DEFAULT_ROLE_ALIASES
 from stacklm.chat_formats import FORMATS
@@ -65,7 +65,7 @@ class SFTSourceConfig:
 
     # Fields added after configs were hashed: left out of to_dict() at their default, so an
     # existing config keeps its config_hash (a resume is not refused by an upgrade).
-    _NEW_DEFAULTS = {"format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
+    _NEW_DEFAULTS: ClassVar[dict[str, Any]] = {"format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
                      "reasoning_loss": "train", "overlong": None}
 
     def __post_init__(self) -> None:
