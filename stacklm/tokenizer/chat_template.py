@@ -156,8 +156,10 @@ def encode_chat(
     encoded as untrusted text (special strings stay bytes) and markers as special ids.
 
     Works with a ``StackTokenizer`` or a Hugging Face tokenizer (anything with
-    ``convert_tokens_to_ids``). This is the reference the exported template is tested against,
-    and the escape hatch for HF users whose content may contain special-token strings.
+    ``convert_tokens_to_ids``). This is the per-turn reference for plain ``{"role", "content"}``
+    messages, and the escape hatch for HF users whose content may contain special-token
+    strings; tool calls, ``tools``, reasoning and weights go through
+    ``stacklm.chat_formats.render_record`` (what the template is tested against on every format).
     """
     _check_messages(messages, role_tokens)
     if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer
