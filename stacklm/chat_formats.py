@@ -264,6 +264,10 @@ def read_record(
         if isinstance(prompt, str) and isinstance(completion, str):
             messages = [{"role": "user", "content": prompt}, {"role": ASSISTANT, "content": completion}]
             return ChatRecord(messages, tools, 1, fmt, where)
+        if isinstance(prompt, str) or isinstance(completion, str):
+            raise ChatFormatError(
+                f"prompt is {type(prompt).__name__} and completion {type(completion).__name__}: both must be strings "
+                "(plain) or both lists of messages (conversational)", reason=BAD_MESSAGE, where=where)
         p = parse_messages(prompt, role_aliases=role_aliases, where=f"{where} prompt")
         c = parse_messages(completion, role_aliases=role_aliases, where=f"{where} completion")
         return ChatRecord(p + c, tools, len(p), fmt, where)

@@ -145,6 +145,7 @@ def test_bad_records_are_located_errors():
         ({"conversations": [{"from": "gpt", "value": "a", "weight": -1}]}, "bad_message"),
         ({"instruction": 3, "output": "b"}, "bad_message"),
         ({"messages": [], "tools": "{not json"}, "bad_message"),
+        ({"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}, "bad_message"),
     ]:
         with pytest.raises(ChatFormatError) as e:
             conversation_from_record(rec, where="f.jsonl:9")
