@@ -349,8 +349,11 @@ def test_chat_template_markers_special_content_bytes(tok, hf_tok):
 
 
 def test_chat_template_rejects_unknown_role_and_bad_content(hf_tok, tok):
-    with pytest.raises(jinja2.TemplateError, match="unknown chat role tool in message 1"):
-        hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
+    with pytest.raises(jinja2.TemplateError, match="unknown chat role wizard in message 1"):
+        hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}])
+    # OpenAI's tool role is a tool_result (it used to raise: issue 15)
+    tool = hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}], return_dict=False)
+    assert tool == encode_chat(tok, [{"role": "user", "content": "x"}, {"role": "tool_result", "content": "y"}])[0]
     with pytest.raises(jinja2.TemplateError, match="message 0 .user. has no string content"):
         hf_tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
     with pytest.raises(ValueError, match="unknown chat role 'tool'"):
