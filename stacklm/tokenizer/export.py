@@ -220,7 +220,11 @@ def build_hf_tokenizer(tok: StackTokenizer):
 
     ranks = tok.mergeable_ranks
     vocab = {token_to_hf(b): i for b, i in ranks.items()}
-    vocab.update((token_to_hf(t.encode()), i) for t, i in tok.named_tokens.items())
+    for t, i in tok.named_tokens.items():
+        if token_to_hf(t.encode()) in vocab:
+            raise ValueError(f"the learned token {t!r} (id {vocab[token_to_hf(t.encode())]}) spells the named token {t!r} (id {i}); "
+                             "a Hugging Face vocab cannot hold both -- retrain with a pattern that splits punctuation from letters")
+        vocab[token_to_hf(t.encode())] = i
     # Two merges spelling the same bytes (possible, rare) cannot share a vocab string: keep the
     # id with a placeholder no byte-level chunk can equal, so every later id stays in place.
     for dup in tok.duplicate_ids:
