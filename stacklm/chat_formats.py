@@ -349,3 +349,19 @@ def render_record(
     pairs, evaluation prompts)."""
     return render_conversation(conversation_from_record(record, format=format, role_aliases=role_aliases), tokenizer,
                                add_generation_prompt, policy)
+
+
+def render_messages(
+    messages: Any,
+    tokenizer: Any,
+    *,
+    tools: Any = None,
+    policy: LossPolicy = DEFAULT_POLICY,
+    add_generation_prompt: bool = False,
+    role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, mask)`` of a message list (OpenAI/HF or ShareGPT dicts, with tool calls,
+    ``tools``, reasoning and weights) -- what ``apply_chat_template(messages, tools=tools)``
+    renders with the exported template."""
+    return render_conversation(turns_from_messages(messages, role_aliases=role_aliases, tools=tools), tokenizer,
+                               add_generation_prompt, policy)

@@ -16,6 +16,7 @@ from stacklm.chat_formats import (
     detect_format,
     read_record,
     record_turns,
+    render_messages,
     render_record,
     tool_call_text,
 )
@@ -158,6 +159,7 @@ def test_weight_zero_and_reasoning_policies(tok):
                         {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2", "reasoning_content": "hmm"}]}
     ids, mask = render_record(rec, tok)
     turns = conversation_from_record(rec)
+    assert [ids.tolist(), mask.tolist()] == [a.tolist() for a in render_conversation(turns, tok)]
     a1 = tok.encode("a1")
     start = 1 + 2 + len(tok.encode("q")) + 1  # bos, <|user|> q <|end|>, <|assistant|>
     assert ids[start : start + len(a1)].tolist() == a1 and not mask[start : start + len(a1) + 1].any()
@@ -182,6 +184,8 @@ def test_hf_template_matches_render_on_every_format(tok, hf_tok, records):
             out = hf_tok.apply_chat_template(msgs, tools=rec.tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
             assert out["input_ids"] == ids.tolist(), (i, fmt, raw)
             assert out["assistant_masks"] == mask.tolist(), (i, fmt, raw)
+            m_ids, m_mask = render_messages(msgs, tok, tools=rec.tools)
+            assert m_ids.tolist() == ids.tolist() and m_mask.tolist() == mask.tolist()
         # the generation prompt after the last user turn
         last_user = max(k for k, m in enumerate(rec.messages) if m["role"] == "user")
         prompt = rec.messages[: last_user + 1]
