@@ -7,12 +7,14 @@ template renders the same ids)::
 
 or, with ``add_generation_prompt=True``, a trailing ``<|assistant|>`` in place of ``<|eos|>``.
 
-The mask (what the model is trained to produce) is 1 exactly on each assistant turn's content
-and its closing ``<|end|>``, plus the final ``<|eos|>`` when the conversation ends on an
-assistant turn without a generation prompt; 0 on ``<|bos|>``, every role marker, and the
-system / user / tool_call / tool_result turns. This is the rule of the template's
-``{% generation %}`` blocks (``stacklm.tokenizer.chat_template``), so HF's
-``return_assistant_tokens_mask`` gives the same mask.
+The mask (what the model is trained to produce) follows a ``LossPolicy``
+(``stacklm.chat_policy``). The default is 1 exactly on each assistant turn's text (a
+``reasoning_content`` think block included) and its closing ``<|end|>``, plus the final
+``<|eos|>`` when the conversation ends on an assistant turn without a generation prompt; 0 on
+``<|bos|>``, every role marker, an assistant turn of ``weight`` 0, and the system / user /
+tool_call / tool_result turns. This is the rule of the template's ``{% generation %}`` blocks
+(``stacklm.tokenizer.chat_template``), so HF's ``return_assistant_tokens_mask`` gives the same
+mask. Records in the common formats become turns in ``stacklm.chat_formats``.
 
 Content is untrusted: a ``<|end|>`` typed by a user is encoded as the bytes ``<``, ``|``, ...,
 never as the special id, so no message can close a turn or impersonate another role.
@@ -20,7 +22,6 @@ never as the special id, so no message can close a turn or impersonate another r
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -29,8 +30,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.contract import IGNORE_INDEX
 from stacklm.errors import StackLMError
+from stacklm.tokenizer.chat_template import THINK_CLOSE, THINK_OPEN
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
@@ -74,10 +77,19 @@ class ChatFormatError(StackLMError, ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Turn:
-    """One message. ``role`` is one of ``ROLES``; ``content`` is untrusted text."""
+    """One message. ``role`` is one of ``ROLES``; ``content`` is untrusted text.
+
+    ``reasoning``: an assistant's ``reasoning_content``, rendered as a think block before the
+    content (``turn_text``). ``weight``: the per-message weight of ShareGPT / OpenAI
+    fine-tuning data; 0 means never trained, ``None`` leaves it to the policy. ``completion``:
+    the turn came from a prompt/completion record's completion (``completion_only`` loss).
+    """
 
     role: str
     content: str
+    reasoning: str | None = None
+    weight: float | None = None
+    completion: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLE_TOKENS:
@@ -89,129 +101,39 @@ class Turn:
                 f"{self.role} turn content is {type(self.content).__name__}, not str", reason=BAD_MESSAGE
             )
 
-    def to_message(self) -> dict[str, str]:
-        """The ``{"role", "content"}`` dict ``apply_chat_template`` takes."""
-        return {"role": self.role, "content": self.content}
+        if self.reasoning is not None and not isinstance(self.reasoning, str):
+            raise ChatFormatError(f"{self.role} turn reasoning is {type(self.reasoning).__name__}, not str", reason=BAD_MESSAGE)
+        if self.weight is not None and (isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or self.weight < 0):
+            raise ChatFormatError(f"{self.role} turn weight {self.weight!r} is not a number >= 0 (0 = no loss)", reason=BAD_MESSAGE)
 
+    def text(self, reasoning: str = "train") -> str:
+        """What the turn renders between its role marker and ``<|end|>``: the think block
+        (unless the reasoning policy is ``drop``) and the content."""
+        if self.reasoning and reasoning != "drop":
+            return THINK_OPEN + self.reasoning + THINK_CLOSE + self.content
+        return self.content
 
-# ---------------------------------------------------------------------------------------
-# Parsing records in the common formats
-# ---------------------------------------------------------------------------------------
-MESSAGE_COLUMNS = ("messages", "conversations")
-
-
-def _content_text(value: Any, where: str) -> str:
-    """Message content as text: a str, or OpenAI-style parts ``[{"type": "text", "text": ...}]``."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        parts = []
-        for p in value:
-            if isinstance(p, str):
-                parts.append(p)
-            elif isinstance(p, Mapping) and p.get("type", "text") == "text" and isinstance(p.get("text"), str):
-                parts.append(p["text"])
-            else:
-                kind = p.get("type") if isinstance(p, Mapping) else type(p).__name__
-                raise ChatFormatError(f"content part of type {kind!r} is not text; only text parts are supported", reason=BAD_MESSAGE, where=where)
-        return "".join(parts)
-    raise ChatFormatError(f"content is {type(value).__name__}, expected a string", reason=BAD_MESSAGE, where=where)
-
-
-def _tool_call_text(call: Any) -> str:
-    """An OpenAI-style tool call as the JSON text of a ``tool_call`` turn."""
-    fn = call.get("function", call) if isinstance(call, Mapping) else call
-    if isinstance(fn, Mapping) and "name" in fn:
-        args = fn.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                pass
-        return json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
-    return call if isinstance(call, str) else json.dumps(call, ensure_ascii=False)
-
-
-def turns_from_messages(
-    messages: Any, *, role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES, where: str = "conversation"
-) -> list[Turn]:
-    """Turns from a list of ``{"role", "content"}`` (OpenAI/HF ``messages``) or
-    ``{"from", "value"}`` (ShareGPT ``conversations``) dicts.
-
-    An assistant message with OpenAI ``tool_calls`` becomes its content (if any) followed by
-    one ``tool_call`` turn per call (``{"name", "arguments"}`` as JSON). Roles go through
-    ``role_aliases``; an unknown role raises ``ChatFormatError`` naming the message.
-    """
-    if isinstance(messages, str):  # some parquet/hub datasets store the list as JSON text
-        try:
-            messages = json.loads(messages)
-        except json.JSONDecodeError as e:
-            raise ChatFormatError(f"messages column holds a string that is not JSON ({e.msg})", reason=BAD_MESSAGE, where=where) from None
-    if not isinstance(messages, (list, tuple)):
-        raise ChatFormatError(f"expected a list of messages, got {type(messages).__name__}", reason=BAD_MESSAGE, where=where)
-    turns: list[Turn] = []
-    for i, m in enumerate(messages):
-        at = f"{where}, message {i}"
-        if not isinstance(m, Mapping):
-            raise ChatFormatError(f"expected a message object, got {type(m).__name__}", reason=BAD_MESSAGE, where=at)
-        if "role" in m:
-            role, content = m["role"], m.get("content")
-        elif "from" in m:
-            role, content = m["from"], m.get("value")
-        else:
-            raise ChatFormatError(
-                f"message has neither 'role'/'content' (messages format) nor 'from'/'value' (ShareGPT); keys: {sorted(m)}",
-                reason=BAD_MESSAGE,
-                where=at,
-            )
-        if not isinstance(role, str):
-            raise ChatFormatError(f"role is {type(role).__name__}, expected a string", reason=BAD_MESSAGE, where=at)
-        role = role_aliases.get(role, role)
-        if role not in ROLE_TOKENS:
-            raise ChatFormatError(
-                f"unknown chat role {role!r}; known: {', '.join(ROLES)} (aliases: "
-                f"{', '.join(f'{k}->{v}' for k, v in role_aliases.items())}); map it with role_aliases",
-                reason=UNKNOWN_ROLE,
-                where=at,
-            )
-        calls = m.get("tool_calls") if role == ASSISTANT else None
-        if content is not None or not calls:
-            turns.append(Turn(role, _content_text(content, at)))
-        for call in calls or ():
-            turns.append(Turn("tool_call", _tool_call_text(call)))
-    return turns
-
-
-def conversation_from_record(
-    record: Mapping[str, Any],
-    *,
-    column: str | None = None,
-    role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
-    where: str = "record",
-) -> list[Turn]:
-    """The turns of one dataset row: ``column`` if given, else ``messages`` or ``conversations``."""
-    if column is None:
-        column = next((c for c in MESSAGE_COLUMNS if c in record), None)
-        if column is None:
-            raise ChatFormatError(
-                f"no 'messages' or 'conversations' field; fields: {sorted(record)}; set the source's column",
-                reason=NO_MESSAGES,
-                where=where,
-            )
-    elif column not in record:
-        raise ChatFormatError(f"no {column!r} field; fields: {sorted(record)}", reason=NO_MESSAGES, where=where)
-    return turns_from_messages(record[column], role_aliases=role_aliases, where=where)
+    def to_message(self) -> dict[str, Any]:
+        """The message dict ``apply_chat_template`` takes (the exported template renders it to
+        the same ids and, under the default policy, the same mask)."""
+        m: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.reasoning:
+            m["reasoning_content"] = self.reasoning
+        if self.weight is not None:
+            m["weight"] = self.weight
+        return m
 
 
 def as_turns(conversation: Iterable[Turn | Mapping[str, Any]]) -> list[Turn]:
-    """Accept ``Turn`` objects or ``{"role", "content"}`` dicts (exact role names, no aliases)."""
+    """Accept ``Turn`` objects or ``{"role", "content"[, "reasoning_content", "weight"]}`` dicts
+    (exact role names, no aliases; ``stacklm.chat_formats`` reads the other formats)."""
     out = []
     for i, t in enumerate(conversation):
         if isinstance(t, Turn):
             out.append(t)
         elif isinstance(t, Mapping):
             try:
-                out.append(Turn(t.get("role"), t.get("content")))
+                out.append(Turn(t.get("role"), t.get("content"), t.get("reasoning_content") or None, t.get("weight")))
             except ChatFormatError as e:
                 raise ChatFormatError(str(e), reason=e.reason, where=f"message {i}") from None
         else:
@@ -225,7 +147,7 @@ def validate_conversation(turns: Sequence[Turn], *, require_assistant: bool = Tr
     if not turns:
         raise ChatFormatError("conversation has no messages", reason=EMPTY_CONVERSATION, where=where)
     for i, t in enumerate(turns):
-        if not t.content.strip():
+        if not t.text().strip():
             raise ChatFormatError(f"message {i} ({t.role}) has empty content", reason=EMPTY_CONTENT, where=where)
     if require_assistant and not any(t.role == ASSISTANT for t in turns):
         raise ChatFormatError(
@@ -285,12 +207,12 @@ def chat_tokens(tokenizer: Any) -> ChatTokens:
     return ct
 
 
-def render_turns(turns: Sequence[Turn], tokenizer: Any) -> list[np.ndarray]:
-    """Per turn, the ids ``<|role|> content <|end|>`` (int32): the units truncation works in."""
+def render_turns(turns: Sequence[Turn], tokenizer: Any, reasoning: str = "train") -> list[np.ndarray]:
+    """Per turn, the ids ``<|role|> text <|end|>`` (int32): the units truncation works in."""
     ct = chat_tokens(tokenizer)
     out = []
     for t in turns:
-        content = ct.encode(t.content)
+        content = ct.encode(t.text(reasoning))
         seg = np.empty(len(content) + 2, dtype=np.int32)
         seg[0] = ct.role[t.role]
         seg[1:-1] = content
@@ -299,43 +221,69 @@ def render_turns(turns: Sequence[Turn], tokenizer: Any) -> list[np.ndarray]:
     return out
 
 
+def _think_tokens(t: Turn, seg: np.ndarray, ct: ChatTokens) -> int:
+    """How many leading text tokens of an assistant segment are its think block. The turn text
+    is encoded in one piece (as the HF template's text is), so the block is the longest prefix
+    of the segment that agrees with the block encoded alone."""
+    block = ct.encode(THINK_OPEN + t.reasoning + THINK_CLOSE)
+    body = seg[1:-1]
+    k = 0
+    while k < min(len(block), len(body)) and int(block[k]) == int(body[k]):
+        k += 1
+    return k
+
+
 def assemble(
-    turns: Sequence[Turn], segments: Sequence[np.ndarray], tokenizer: Any, add_generation_prompt: bool = False
+    turns: Sequence[Turn],
+    segments: Sequence[np.ndarray],
+    tokenizer: Any,
+    add_generation_prompt: bool = False,
+    policy: LossPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, mask)`` from rendered turn segments: ``<|bos|>``, the segments, then ``<|eos|>``
-    or the generation prompt; mask per the module docstring."""
+    or the generation prompt; mask per ``policy`` (module docstring of ``stacklm.chat_policy``)."""
     ct = chat_tokens(tokenizer)
+    trained = policy.trained(turns)
     n = 2 + sum(len(s) for s in segments)
     ids = np.empty(n, dtype=np.int32)
     mask = np.zeros(n, dtype=np.int8)
     ids[0] = ct.bos
     pos = 1
-    for t, seg in zip(turns, segments):
+    stop = 0 if policy.train_stop_token else 1
+    for t, seg, tr in zip(turns, segments, trained):
         ids[pos : pos + len(seg)] = seg
-        if t.role == ASSISTANT:
-            mask[pos + 1 : pos + len(seg)] = 1  # content and <|end|>, not the role marker
+        if tr:
+            start = pos + 1  # never the role marker
+            if t.reasoning and policy.reasoning == "mask":
+                start += _think_tokens(t, seg, ct)
+            mask[start : pos + len(seg) - stop] = 1
         pos += len(seg)
     if add_generation_prompt:
         ids[-1] = ct.role[ASSISTANT]
     else:
         ids[-1] = ct.eos
-        mask[-1] = int(bool(turns) and turns[-1].role == ASSISTANT)
+        mask[-1] = int(bool(turns) and trained[-1] and policy.train_stop_token)
     return ids, mask
 
 
 def render_conversation(
-    turns: Iterable[Turn | Mapping[str, Any]], tokenizer: Any, add_generation_prompt: bool = False
+    turns: Iterable[Turn | Mapping[str, Any]],
+    tokenizer: Any,
+    add_generation_prompt: bool = False,
+    policy: LossPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, mask)`` for a conversation: int32 ids and an int8 mask of the same length.
 
-    ``tokenizer`` is a ``StackTokenizer`` or an HF tokenizer exported from one. Raises
-    ``ChatFormatError`` for an unknown role, non-text content or no turns; content is never
-    parsed for special tokens.
+    ``tokenizer`` is a ``StackTokenizer`` or an HF tokenizer exported from one. ``turns``:
+    ``Turn`` objects or ``{"role", "content"}`` dicts (for records in other formats --
+    ShareGPT, tool calls, prompt/completion, Alpaca -- use ``stacklm.chat_formats.render_record``).
+    Raises ``ChatFormatError`` for an unknown role, non-text content or no turns; content is
+    never parsed for special tokens.
     """
     turns = as_turns(turns)
     if not turns:
         raise ChatFormatError("conversation has no messages", reason=EMPTY_CONVERSATION)
-    return assemble(turns, render_turns(turns, tokenizer), tokenizer, add_generation_prompt)
+    return assemble(turns, render_turns(turns, tokenizer, policy.reasoning), tokenizer, add_generation_prompt, policy)
 
 
 # ---------------------------------------------------------------------------------------
@@ -349,10 +297,10 @@ def sft_targets(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def sft_example(
-    turns: Iterable[Turn | Mapping[str, Any]], tokenizer: Any
+    turns: Iterable[Turn | Mapping[str, Any]], tokenizer: Any, policy: LossPolicy = DEFAULT_POLICY
 ) -> dict[str, torch.Tensor]:
     """One unpacked conversation as a batch-contract row (tensors of shape ``(len(ids) - 1,)``)."""
-    ids, mask = render_conversation(turns, tokenizer)
+    ids, mask = render_conversation(turns, tokenizer, policy=policy)
     T = len(ids) - 1
     return {
         "input_ids": torch.from_numpy(ids[:-1].astype(np.int64)),

@@ -11,13 +11,12 @@ from stacklm.chat import (
     ChatFormatError,
     Turn,
     as_turns,
-    conversation_from_record,
     render_conversation,
     sft_example,
     sft_targets,
-    turns_from_messages,
     validate_conversation,
 )
+from stacklm.chat_formats import conversation_from_record, turns_from_messages
 from stacklm.corpus import iter_default_corpus
 from stacklm.tokenizer.bpe import train_from_iterable
 from stacklm.tokenizer.chat_template import encode_chat

@@ -202,12 +202,42 @@ def test_hf_split_special_tokens_true_config(tok, tmp_path):
     assert fixed == encode_chat(tok, [{"role": "user", "content": "hi"}])[0]
 
 
-def test_hf_add_special_tokens_wraps_bos_eos(tok, hf_tok):
+def test_hf_add_special_tokens_never_doubles_a_marker(tok, hf_tok):
+    """HF's default add_special_tokens=True adds nothing: TRL appends the <|eos|> string to plain
+    text, and chat-rendered text starts with <|bos|>; a wrapping post-processor doubled both."""
     text = "Hello, world!"
-    assert hf_tok.encode(text) == tok.encode(text, add_special_tokens=True)  # HF default: True
-    assert hf_tok(text)["input_ids"] == [tok.bos_id, *tok.encode(text), tok.eos_id]
+    assert hf_tok.encode(text) == hf_tok.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert hf_tok(text + "<|eos|>")["input_ids"] == [*tok.encode(text), tok.eos_id]  # TRL's plain-text path
+    rendered = hf_tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}],
+                                          tokenize=False)
+    ids = hf_tok(rendered)["input_ids"]  # a formatting_func's text, tokenized the default way
+    assert ids == encode_chat(tok, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])[0]
+    assert ids.count(tok.bos_id) == 1 and ids.count(tok.eos_id) == 1
     pair = hf_tok(text, "again")["input_ids"]
-    assert pair == [tok.bos_id, *tok.encode(text), tok.eos_id, tok.bos_id, *tok.encode("again"), tok.eos_id]
+    assert pair == [*tok.encode(text), *tok.encode("again")]
+
+
+def test_hf_vocab_size_equals_len(tok, hf_tok, shortfall_tokenizer, tmp_path):
+    """transformers' vocab_size is the model vocab alone; a model sized from it must cover the specials."""
+    from transformers import AutoTokenizer
+
+    assert hf_tok.vocab_size == len(hf_tok) == tok.vocab_size
+    big = AutoTokenizer.from_pretrained(export_hf(shortfall_tokenizer, tmp_path))
+    assert big.vocab_size == len(big) == 32768
+    assert max(big.get_vocab().values()) == 32767 and big.convert_tokens_to_ids("<|tool_result|>") == 32767
+
+
+@pytest.mark.filterwarnings("ignore:.*pattern that differs")
+def test_hf_specials_unreachable_from_text(tok):
+    """The specials sit in the BPE vocab; the pattern must never hand BPE one of them whole."""
+    from stacklm.tokenizer.bpe import StackTokenizer
+
+    hf = export.build_hf_tokenizer(tok)
+    assert hf.encode("<|bos|><|end|>", add_special_tokens=False).ids == [tok.bos_id, tok.token_id("<|end|>")]
+    d = tok.to_dict()
+    d["pattern"] = r"\S+|\s+"  # keeps "<|bos|>" one chunk
+    with pytest.raises(ValueError, match="one chunk"):
+        export.build_hf_tokenizer(StackTokenizer.from_dict(d))
 
 
 def test_hf_config_and_special_ids(tok, hf_tok, hf_dir):
@@ -319,8 +349,11 @@ def test_chat_template_markers_special_content_bytes(tok, hf_tok):
 
 
 def test_chat_template_rejects_unknown_role_and_bad_content(hf_tok, tok):
-    with pytest.raises(jinja2.TemplateError, match="unknown chat role tool in message 1"):
-        hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}])
+    with pytest.raises(jinja2.TemplateError, match="unknown chat role wizard in message 1"):
+        hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "wizard", "content": "y"}])
+    # OpenAI's tool role is a tool_result (it used to raise: issue 15)
+    tool = hf_tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "tool", "content": "y"}], return_dict=False)
+    assert tool == encode_chat(tok, [{"role": "user", "content": "x"}, {"role": "tool_result", "content": "y"}])[0]
     with pytest.raises(jinja2.TemplateError, match="message 0 .user. has no string content"):
         hf_tok.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": "x"}]}])
     with pytest.raises(ValueError, match="unknown chat role 'tool'"):

@@ -111,15 +111,15 @@ def test_bug2_stripped_eos_and_end_of_turn_is_caught(tok, dirs, convs, tmp_path)
         w[: len(piece)] = piece
     torch.save(collate_sft(windows, tok.bos_id, eos, tok.pad_id), tmp_path / "stripped.pt")
     report = inspect_input(tmp_path / "stripped.pt", dirs["ours"])
-    assert errors_of(report) == {"assistant_turn_not_closed", "missing_eos"}
+    assert errors_of(report) == {"assistant_turn_not_closed", "missing_eos", "stop_token_never_trained"}
     code, out = run(tmp_path / "stripped.pt", "--tokenizer", dirs["ours"])
     assert code == 1 and "EOS present: NO" in out
     # the same bug in a chat template: assistant turns rendered without <|end|> / <|eos|>
     bad = tmp_path / "hf_stripped"
     export_hf(tok, bad)
     cfg = json.loads((bad / "tokenizer_config.json").read_text())
-    template = CHAT_TEMPLATE.replace(" ~ '<|end|>' -}}\n      {%- if loop.last", " -}}\n      {%- if loop.last")
-    template = template.replace("{{- '<|eos|>' -}}{%- endif -%}\n    {%- endgeneration", "{%- endif -%}\n    {%- endgeneration")
+    template = CHAT_TEMPLATE.replace(" ~ '<|end|>' -}}\n          {%- if loop.last", " -}}\n          {%- if loop.last")
+    template = template.replace("{{- '<|eos|>' -}}{%- endif -%}\n        {%- endgeneration", "{%- endif -%}\n        {%- endgeneration")
     assert template != CHAT_TEMPLATE
     cfg["chat_template"] = template
     (bad / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -213,7 +213,7 @@ def test_bad_input_gives_clear_errors(tok, dirs, chatml_dir, tmp_path):
                                                {"messages": [{"role": "user", "content": "no answer"}]}])
     code, out = run(path, "--tokenizer", dirs["ours"])
     assert code == 1
-    assert f"{path}:2: [malformed_json]" in out and "robot" in out and "[no_assistant]" in out
+    assert "[malformed_json]" in out and f"at: {path}:2" in out and "robot" in out and "[no_assistant]" in out
     code, out = run(path, "--tokenizer", chatml_dir / "none")
     assert code == 2 and "no chat template" in out
     code, out = run(tmp_path / "missing.jsonl", "--tokenizer", dirs["ours"])

@@ -20,7 +20,14 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--limit", type=int, help="conversations (default 200) or rows (default 64) to check")
     p.add_argument("--tokens", type=int, default=48, help="rows of the per-token table")
     p.add_argument("--max-chars", type=int, default=1500, help="decoded text shown")
-    p.add_argument("--json", help="also write the findings and numbers as JSON here")
+    p.add_argument("--json", help="also write the findings (each once, with count and first locations) and numbers as JSON "
+                   "here; '-' prints only the JSON, to stdout")
+    p.add_argument("--allow-template-text", action="store_true",
+                   help="chat-format markers (ours or another family's) inside message content are warnings, not errors "
+                   "(for data that legitimately discusses chat templates)")
+    p.add_argument("--seq-len", type=int, help="count the conversations the SFT pipes would truncate or drop at this length")
+    p.add_argument("--overlong", choices=("truncate", "keep_end", "drop"), default="truncate",
+                   help="the SFT overlong policy --seq-len counts with (default truncate)")
     p.set_defaults(func=cmd_inspect)
     return p
 
@@ -29,8 +36,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
     tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
-    report = inspect_input(args.input, tok, limit=args.limit)
-    print(format_report(report, tok, args.tokens, args.max_chars))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
+    report = inspect_input(args.input, tok, limit=args.limit, allow_template_text=args.allow_template_text,
+                           seq_len=args.seq_len, overlong=args.overlong)
+    if args.json == "-":
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(format_report(report, tok, args.tokens, args.max_chars))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report.to_dict(), indent=1))
     return 1 if report.errors else 0

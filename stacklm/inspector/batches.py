@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import IGNORE_INDEX
+from stacklm.chat import ASSISTANT, IGNORE_INDEX
 from stacklm.inspector.findings import ERROR, INFO, Finding, InspectError
 from stacklm.inspector.rows import TRAINABLE, UNJUDGED, RowScan, scan_row
 from stacklm.inspector.tokenizer_view import InspectTokenizer
@@ -120,6 +120,8 @@ def check_view(view: BatchView, tok: InspectTokenizer, where: str, complete: boo
                                f"{int(stride.sum())} steps that are not +1 inside a segment", where))
     if tok.layout is not None:
         out += _role_findings(view, scans, where)
+    if not complete:
+        out += _row_end_findings(scans, tok, where)
     for b, s in enumerate(scans):
         for j, why in s.unclosed[:1]:
             out.append(Finding("assistant_turn_not_closed", ERROR, f"an assistant turn is not closed by <|end|> before token {j} "
@@ -128,6 +130,32 @@ def check_view(view: BatchView, tok: InspectTokenizer, where: str, complete: boo
             out.append(Finding("missing_eos", ERROR, f"the conversation starting at token {j} ends without EOS "
                                f"(id {tok.eos_id})", f"{where} row {b}"))
     return out, scans
+
+
+def stop_ids(tok: InspectTokenizer) -> set[int]:
+    """The ids that end a reply: ``<|end|>`` and EOS in the stacklm layout; for a foreign
+    template, EOS and every special (its end-of-turn marker is one of them)."""
+    if tok.layout is not None:
+        return {tok.layout.end, tok.layout.eos}
+    return set(tok.special_ids) | ({tok.eos_id} if tok.eos_id is not None else set())
+
+
+def _row_end_findings(scans: list[RowScan], tok: InspectTokenizer, where: str) -> list[Finding]:
+    """Rows cut inside a conversation: the reply cut at the row end is trained without its stop
+    token (an error); rows that start or end inside a conversation are counted (truncation)."""
+    out: list[Finding] = []
+    for b, s in enumerate(scans):
+        if s.tail_role == ASSISTANT:
+            out.append(Finding("row_ends_mid_assistant", ERROR, "the row ends inside an assistant turn, before its <|end|>: "
+                               "the reply was cut (truncation at max_length, or windows cut through conversations) and the "
+                               "model learns replies that stop without a stop token; drop or cut at turn boundaries",
+                               f"{where} row {b}", key="row ends inside an assistant turn"))
+    ends = sum(s.tail_role is not None for s in scans)
+    starts = sum(s.starts_inside for s in scans)
+    if ends or starts:
+        out.append(Finding("truncation", INFO, f"{ends} of {len(scans)} rows end inside a conversation turn and {starts} start "
+                           "inside one (conversations cut by the window)", where))
+    return out
 
 
 def _role_findings(view: BatchView, scans: list[RowScan], where: str) -> list[Finding]:

@@ -13,18 +13,27 @@ from stacklm.inspector.families import text_findings
 from stacklm.inspector.findings import ERROR, INFO, Finding
 from stacklm.inspector.tokenizer_view import InspectTokenizer
 
+TEMPLATE_TEXT_HINT = ("; if the data legitimately discusses chat templates, pass --allow-template-text "
+                      "(special strings in content stay bytes either way)")
 
-def check_conversation(turns: Sequence[Turn], tok: InspectTokenizer, where: str) -> tuple[list[Finding], np.ndarray, np.ndarray]:
-    """Render with the tokenizer's template and run every check; ``(findings, ids, mask)``."""
+
+def check_conversation(
+    turns: Sequence[Turn], tok: InspectTokenizer, where: str, allow_template_text: bool = False
+) -> tuple[list[Finding], np.ndarray, np.ndarray]:
+    """Render with the tokenizer's template and run every check; ``(findings, ids, mask)``.
+    Any chat-format marker in a message is an error unless ``allow_template_text``."""
     out: list[Finding] = []
     for i, t in enumerate(turns):
-        out += text_findings(t.content, tok.family, tok.special_strings, f"{where} message {i} ({t.role})")
+        for f in text_findings(t.text(), tok.family, tok.special_strings, f"{where} message {i} ({t.role})", strict=not allow_template_text):
+            if f.severity == ERROR and f.check in ("foreign_template", "special_string_in_text") and not allow_template_text:
+                f.message += TEMPLATE_TEXT_HINT
+            out.append(f)
     try:
         ids, mask = tok.render(turns)
     except Exception as e:  # a template that raises (unknown role, ...) is a finding, not a crash
         out.append(Finding("invalid_conversation", ERROR, f"the chat template cannot render it: {type(e).__name__}: {e}", where))
         return out, np.zeros(0, np.int64), np.zeros(0, np.int8)
-    if any(s in t.content for t in turns for s in tok.special_strings):
+    if any(s in t.text() for t in turns for s in tok.special_strings):
         out += _special_injection(turns, ids, tok, where)
     if tok.layout is not None:
         if tok.is_hf:
@@ -45,7 +54,8 @@ def _special_injection(turns: Sequence[Turn], ids: np.ndarray, tok: InspectToken
     """Did a special string in content become a special id? Compare with the same conversation
     whose special strings are neutralised."""
     pattern = re.compile("|".join(re.escape(s) for s in tok.special_strings))
-    clean = [Turn(t.role, pattern.sub("x", t.content)) for t in turns]
+    clean = [Turn(t.role, pattern.sub("x", t.content), pattern.sub("x", t.reasoning) if t.reasoning else t.reasoning, t.weight, t.completion)
+             for t in turns]
     try:
         clean_ids, _ = tok.render(clean)
     except Exception:  # noqa: BLE001 - the original rendered; judge on that alone

@@ -22,15 +22,26 @@ CHECKS: dict[str, str] = {
     "targets_not_shifted": "targets that are not the next token (labels = input_ids in a shifted contract)",
     "loss_on_non_assistant": "loss-bearing targets on system/user/tool/marker tokens",
     "no_assistant_loss": "conversations whose assistant tokens carry no loss (all-zero assistant mask)",
+    "stop_token_never_trained": "no end-of-turn/EOS token is a trained target anywhere: the model never learns to stop",
+    "row_ends_mid_assistant": "a row that ends inside an assistant turn, before its stop token (a cut reply)",
+    "no_assistant_turn": "conversations without an assistant turn (nothing to train; the SFT pipes drop them)",
+    "truncation": "conversations cut or dropped for length (--seq-len), rows starting or ending inside one",
 }
 
 
 @dataclass
 class Finding:
+    """One occurrence. ``key`` groups occurrences into one reported message (default: the
+    message itself); the report prints each group once, with its count and first locations."""
+
     check: str
     severity: str
     message: str
     where: str = ""
+    key: str = ""
+
+    def group_key(self) -> tuple[str, str, str]:
+        return (self.check, self.severity, self.key or self.message)
 
     def to_dict(self) -> dict[str, str]:
         return {"check": self.check, "severity": self.severity, "message": self.message, "where": self.where}

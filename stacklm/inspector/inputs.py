@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, ChatFormatError, conversation_from_record, validate_conversation
-from stacklm.inspector.batches import BatchView, check_view, view_batch, view_windows
+from stacklm.chat import DEFAULT_ROLE_ALIASES, NO_ASSISTANT, ChatFormatError, validate_conversation
+from stacklm.chat_formats import conversation_from_record
+from stacklm.inspector.batches import BatchView, check_view, stop_ids, view_batch, view_windows
 from stacklm.inspector.conversations import check_conversation
 from stacklm.inspector.families import text_findings
-from stacklm.inspector.findings import ERROR, Finding, InspectError
+from stacklm.inspector.findings import ERROR, INFO, WARNING, Finding, InspectError
 from stacklm.inspector.report import Report, Sample
 from stacklm.inspector.rows import scan_row
 from stacklm.inspector.tokenizer_view import InspectTokenizer, load_tokenizer
@@ -56,7 +57,48 @@ def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
     return rows
 
 
-def inspect_conversations(path: Path, tok: InspectTokenizer, limit: int = 200) -> Report:
+def _count_trained(report: Report, ids: np.ndarray, trained: np.ndarray, tok: InspectTokenizer) -> None:
+    got = np.asarray(ids)[np.asarray(trained, dtype=bool)]
+    report.trained_tokens += int(got.size)
+    report.trained_stop_tokens += int(np.isin(got, list(stop_ids(tok))).sum())
+
+
+def _stop_finding(report: Report, tok: InspectTokenizer) -> None:
+    """Error when tokens are trained but never a stop token (end-of-turn / EOS)."""
+    if report.trained_tokens and not report.trained_stop_tokens:
+        names = ", ".join(sorted(tok.token_repr(i) for i in stop_ids(tok)))[:120]
+        report.findings.append(Finding(
+            "stop_token_never_trained", ERROR,
+            f"{report.trained_tokens} tokens carry loss in {report.sequences} sequences, none of them a stop token ({names}): "
+            "the model never learns to end a reply (train_stop_token: false, or a mask that stops before <|end|>/EOS)",
+            report.input))
+
+
+def _truncation_counts(report: Report, turns, ids: np.ndarray, tok: InspectTokenizer, seq_len: int, overlong: str) -> None:
+    """What the SFT pipes would do with this conversation at ``seq_len`` (stacklm layout), or
+    whether it is longer than ``seq_len`` (other templates)."""
+    c = report.counts
+    if tok.layout is None:
+        if len(ids) > seq_len:
+            c["longer_than_seq_len"] = c.get("longer_than_seq_len", 0) + 1
+        return
+    from stacklm.data.sft.render import TURNS_CUT, render_for_sft
+
+    _piece, outcome, cut = render_for_sft(turns, tok.raw, seq_len, overlong)
+    c[outcome] = c.get(outcome, 0) + 1
+    if cut and outcome != "dropped_too_long":
+        c[TURNS_CUT] = c.get(TURNS_CUT, 0) + cut
+
+
+def inspect_conversations(
+    path: Path,
+    tok: InspectTokenizer,
+    limit: int = 200,
+    *,
+    allow_template_text: bool = False,
+    seq_len: int | None = None,
+    overlong: str = "truncate",
+) -> Report:
     from stacklm.data.sft import parse_json_line
 
     if not tok.chat_template:
@@ -65,29 +107,44 @@ def inspect_conversations(path: Path, tok: InspectTokenizer, limit: int = 200) -
             "render conversations; use a tokenizer with one, e.g. an `export_hf` directory or our tokenizer.stacklm.json"
         )
     report = Report(str(path), "conversations", tok.name, eos_id=tok.eos_id)
+    n_rows = 0
     for where, raw in _read_records(path, limit):
+        n_rows += 1
         try:
             record = parse_json_line(raw, where)[0] if isinstance(raw, bytes) else raw
             turns = conversation_from_record(record, role_aliases=DEFAULT_ROLE_ALIASES, where=where)
             validate_conversation(turns, where=where)
         except ChatFormatError as e:
-            report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where))
+            if e.reason == NO_ASSISTANT:
+                report.findings.append(Finding("no_assistant_turn", WARNING, f"[{e.reason}] {e.detail}", e.where or where,
+                                               key="conversations without an assistant turn"))
+            else:
+                report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where,
+                                               key=f"[{e.reason}]"))
             continue
-        found, ids, mask = check_conversation(turns, tok, where)
+        found, ids, mask = check_conversation(turns, tok, where, allow_template_text)
         report.findings += found
         if not len(ids):
             continue
         report.sequences += 1
         report.ending_with_eos += int(ids[-1] == tok.eos_id)
+        _count_trained(report, ids, mask, tok)
+        if seq_len:
+            _truncation_counts(report, turns, ids, tok, seq_len, overlong)
         domain = str(record.get("domain") or record.get("source") or "chat")
         for t in turns:
-            _count_text(report, domain, t.content, tok)
+            _count_text(report, domain, t.text(), tok)
         if report.sample is None:
             view = BatchView(ids[None], mask[None].astype(bool), np.zeros((1, len(ids)), np.int64), np.arange(len(ids))[None], "x")
             labels = scan_row(ids, tok, True).labels if tok.layout is not None else ["assistant" if m else "" for m in mask]
             report.sample = Sample(ids, view.loss[0], labels, view.pos[0], view.seg[0])
     if report.sequences == 0 and not report.findings:
         raise InspectError(f"{path}: no conversations in the file")
+    if seq_len:
+        parts = ", ".join(f"{k}: {v}" for k, v in sorted(report.counts.items()))
+        report.findings.append(Finding("truncation", INFO, f"at seq_len {seq_len} (overlong: {overlong}), of {report.sequences} "
+                                       f"conversations -- {parts}", str(path)))
+    _stop_finding(report, tok)
     return report
 
 
@@ -105,10 +162,12 @@ def _inspect_view(report: Report, view: BatchView, tok: InspectTokenizer, where:
             seg_ids = row[sel]
             domain = "chat" if any(lab == "marker" or lab.startswith("end:") for lab in labels[sel]) else "text"
             for text in tok.text_runs(seg_ids):
-                report.findings += text_findings(text, tok.family, tok.special_strings, f"{where} row {b}")
+                report.findings += text_findings(text, tok.family, tok.special_strings, f"{where} row {b}", strict=False)
                 report.chars_tokens[domain][0] += len(text)
             report.chars_tokens[domain][1] += int(sum(int(t) not in tok.special_ids for t in seg_ids))
     report.sample = Sample(view.ids[0], view.loss[0], scans[0].labels, view.pos[0], view.seg[0])
+    _count_trained(report, view.ids, view.loss, tok)
+    _stop_finding(report, tok)
     return report
 
 
@@ -177,8 +236,18 @@ def inspect_shards(directory: Path, tok: InspectTokenizer, limit: int = 64) -> R
     return _inspect_view(Report(str(directory), "shards", tok.name, eos_id=tok.eos_id), view_windows(windows, tok), tok, str(directory))
 
 
-def inspect_input(path: str | Path, tokenizer: str | Path | InspectTokenizer, *, limit: int | None = None, prefer_hf: bool = False) -> Report:
-    """Inspect a conversations file, a shard directory or a saved batch (chosen by what it is)."""
+def inspect_input(
+    path: str | Path,
+    tokenizer: str | Path | InspectTokenizer,
+    *,
+    limit: int | None = None,
+    prefer_hf: bool = False,
+    allow_template_text: bool = False,
+    seq_len: int | None = None,
+    overlong: str = "truncate",
+) -> Report:
+    """Inspect a conversations file, a shard directory or a saved batch (chosen by what it is).
+    ``allow_template_text``, ``seq_len`` and ``overlong`` apply to conversations files."""
     tok = tokenizer if isinstance(tokenizer, InspectTokenizer) else load_tokenizer(tokenizer, prefer_hf)
     p = Path(path)
     if not p.exists():
@@ -189,4 +258,4 @@ def inspect_input(path: str | Path, tokenizer: str | Path | InspectTokenizer, *,
         return inspect_shards(p, tok, limit or 64)
     if p.suffix in (".pt", ".pth", ".bin") or p.name.endswith(".batch"):
         return inspect_batch_file(p, tok, limit or 64)
-    return inspect_conversations(p, tok, limit or 200)
+    return inspect_conversations(p, tok, limit or 200, allow_template_text=allow_template_text, seq_len=seq_len, overlong=overlong)

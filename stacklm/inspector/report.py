@@ -34,6 +34,26 @@ class Report:
     ending_with_eos: int = 0
     chars_tokens: dict[str, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     eos_id: int | None = None
+    trained_tokens: int = 0  # loss-bearing tokens seen, and how many of them were a stop token
+    trained_stop_tokens: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # e.g. truncation outcomes (--seq-len)
+
+    N_LOCATIONS = 5
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Each distinct finding once: check, severity, the first message, how many times it
+        occurred and its first ``N_LOCATIONS`` locations; errors first, then in check order."""
+        out: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for f in self.findings:
+            g = out.get(f.group_key())
+            if g is None:
+                g = out[f.group_key()] = {"check": f.check, "severity": f.severity, "message": f.message, "count": 0, "where": []}
+            g["count"] += 1
+            if f.where and len(g["where"]) < self.N_LOCATIONS:
+                g["where"].append(f.where)
+        order = {c: i for i, c in enumerate(CHECKS)}
+        rank = {ERROR: 0, WARNING: 1, INFO: 2}
+        return sorted(out.values(), key=lambda g: (order.get(g["check"], len(order)), rank.get(g["severity"], 3)))
 
     @property
     def errors(self) -> list[Finding]:
@@ -53,8 +73,12 @@ class Report:
             "sequences": self.sequences,
             "ending_with_eos": self.ending_with_eos,
             "tokens_per_char": self.tokens_per_char(),
-            "findings": [f.to_dict() for f in self.findings],
+            "trained_tokens": self.trained_tokens,
+            "trained_stop_tokens": self.trained_stop_tokens,
+            "counts": dict(self.counts),
+            "findings": self.groups(),
             "errors": len(self.errors),
+            "warnings": sum(f.severity == WARNING for f in self.findings),
         }
 
 
@@ -83,15 +107,20 @@ def format_report(report: Report, tok: InspectTokenizer, n_tokens: int = 48, max
     for d, (c, t) in sorted(report.chars_tokens.items()):
         lines.append(f"{d:<12} {c:>10} {t:>10} {t / c if c else 0:>12.3f}")
     lines += ["", "== checks =="]
+    groups = report.groups()
     for check, what in CHECKS.items():
-        found = report.by_check(check)
-        worst = next((sev for sev in (ERROR, WARNING, INFO) if any(f.severity == sev for f in found)), None)
+        found = [g for g in groups if g["check"] == check]
+        worst = next((sev for sev in (ERROR, WARNING, INFO) if any(g["severity"] == sev for g in found)), None)
         if worst is None:
             lines.append(f"  ok       {check}: {what}")
             continue
-        lines.append(f"  {worst.upper():<8} {check}: {len(found)} finding(s)")
-        for f in sorted(found, key=lambda f: (f.severity != ERROR, f.severity != WARNING))[:3]:
-            lines.append(f"           {f.severity}: {f.where}: {f.message}" if f.where else f"           {f.severity}: {f.message}")
+        lines.append(f"  {worst.upper():<8} {check}: {sum(g['count'] for g in found)} finding(s)")
+        for g in found:  # each distinct message once, with its count and first locations
+            times = f" [x{g['count']}]" if g["count"] > 1 else ""
+            lines.append(f"           {g['severity']}{times}: {g['message']}")
+            if g["where"]:
+                more = f" (+{g['count'] - len(g['where'])} more)" if g["count"] > len(g["where"]) else ""
+                lines.append(f"             at: {'; '.join(g['where'])}{more}")
     n_err, n_warn = len(report.errors), sum(f.severity == WARNING for f in report.findings)
     lines += ["", f"{n_err} error(s), {n_warn} warning(s)" + (" -> exit status 1" if n_err else "")]
     return "\n".join(lines)

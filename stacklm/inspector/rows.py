@@ -13,7 +13,8 @@ from stacklm.inspector.tokenizer_view import InspectTokenizer
 
 # What a token may be trained on: assistant content, the <|end|> closing an assistant turn,
 # the <|eos|> right after it, and plain (non-chat) text with its <|eos|> (pre-training).
-TRAINABLE = {"assistant", "end:assistant", "eos:assistant", "text", "eos:text"}
+# A tool call is the assistant's own output (``roles_to_train: [assistant, tool_call]``).
+TRAINABLE = {"assistant", "end:assistant", "eos:assistant", "tool_call", "end:tool_call", "eos:tool_call", "text", "eos:text"}
 UNKNOWN = "unknown"  # the start of a row cut from a conversation whose role marker is in another row
 UNJUDGED = {UNKNOWN, f"end:{UNKNOWN}", f"eos:{UNKNOWN}"}
 
@@ -24,6 +25,8 @@ class RowScan:
     conv: np.ndarray  # conversation index per token (-1 before the first <|bos|>; pad = -2)
     unclosed: list[tuple[int, str]]  # (token index, why) of assistant turns left open
     no_eos: list[int]  # start index of conversations that end without <|eos|>
+    tail_role: str | None = None  # the turn still open where the row ends (no padding, no EOS after it)
+    starts_inside: bool = False  # the row starts inside a conversation cut by the window
 
 
 def scan_row(ids: Sequence[int], tok: InspectTokenizer, complete: bool) -> RowScan:
@@ -44,7 +47,8 @@ def scan_row(ids: Sequence[int], tok: InspectTokenizer, complete: bool) -> RowSc
     # tokens belong to a turn whose role marker is in the previous row. They are "unknown",
     # never judged, rather than guessed.
     first_bos = next((j for j, t in enumerate(ids) if t == bos), len(ids)) if bos is not None else len(ids)
-    if any(t in role_of or t == end for t in ids[:first_bos]):
+    starts_inside = any(t in role_of or t == end for t in ids[:first_bos])
+    if starts_inside:
         role, in_chat = UNKNOWN, True
 
     def close_conv(j: int, why: str) -> None:
@@ -78,7 +82,7 @@ def scan_row(ids: Sequence[int], tok: InspectTokenizer, complete: bool) -> RowSc
         elif t == eos and eos is not None:
             close_conv(j, "<|eos|> follows")
             after = prev_label.split(":", 1)[1] if prev_label.startswith("end:") else ""
-            lab = f"eos:{after}" if after in (ASSISTANT, UNKNOWN) else ("eos" if in_chat else "eos:text")
+            lab = f"eos:{after}" if after in (ASSISTANT, UNKNOWN, "tool_call") else ("eos" if in_chat else "eos:text")
             seen_eos = True
         else:
             lab = role if role else ("outside" if in_chat else "text")
@@ -86,8 +90,9 @@ def scan_row(ids: Sequence[int], tok: InspectTokenizer, complete: bool) -> RowSc
             conv[j] = c
         labels.append(lab)
         prev_label = lab
+    tail_role = role if labels and labels[-1] != "pad" else None
     if complete and labels and labels[-1] != "pad":
         close_conv(len(ids), "the sequence ends")
         if not seen_eos:
             no_eos.append(start)
-    return RowScan(labels, conv, unclosed, no_eos)
+    return RowScan(labels, conv, unclosed, no_eos, tail_role, starts_inside)

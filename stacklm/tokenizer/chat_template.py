@@ -41,39 +41,90 @@ SPECIAL_OPEN = "<|"
 ESCAPED_SPECIAL_OPEN = "<" + CONTENT_ESCAPE_CHAR + "|"
 
 
+# How the parts of a turn other than plain content become text (``stacklm.chat`` renders the
+# same strings): an assistant's ``reasoning_content`` opens its turn as a think block, the
+# ``tools`` schemas go into the system turn (one JSON object per line after a header), and an
+# OpenAI tool call is ``{"name": ..., "arguments": ...}`` -- arguments given as a JSON string
+# are written as they are (a template cannot parse JSON), an object through ``tojson``.
+THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
+TOOLS_HEADER = "# Tools\n"
+TOOLS_SEPARATOR = "\n\n"  # between a system message's own text and the tools block
+# Role names the template takes besides ``ROLE_TOKENS``: OpenAI's tool result role.
+TEMPLATE_ROLE_ALIASES = {"tool": "tool_result"}
+
+
 def build_chat_template(role_tokens: Mapping[str, str] = ROLE_TOKENS) -> str:
-    """The Jinja source for ``role_tokens`` (role name -> the special token opening its turn)."""
-    roles = ", ".join(f'"{r}": "{t}"' for r, t in role_tokens.items())
-    content = "(message['content'] | replace('" + SPECIAL_OPEN + "', '" + ESCAPED_SPECIAL_OPEN + "'))"
-    known = ", ".join(role_tokens)
+    """The Jinja source for ``role_tokens`` (role name -> the special token opening its turn).
+
+    Besides ``{"role", "content"}`` messages it renders what ``stacklm.chat_formats`` reads:
+    an assistant message's ``tool_calls`` (content may be null) as ``tool_call`` turns,
+    ``role: "tool"`` as a ``tool_result`` turn, ``reasoning_content`` as a think block,
+    ``tools=`` into the system turn, and ``weight: 0`` as an assistant turn without loss.
+    """
+    roles = ", ".join(f'"{r}": "{t}"' for r, t in {**role_tokens, **{a: role_tokens[r] for a, r in TEMPLATE_ROLE_ALIASES.items()}}.items())
+    esc = " | replace('" + SPECIAL_OPEN + "', '" + ESCAPED_SPECIAL_OPEN + "')"
+    known = ", ".join([*role_tokens, *TEMPLATE_ROLE_ALIASES])
     gen = role_tokens[GENERATION_ROLE]
+    sys_tok = role_tokens["system"]
+    call_tok = role_tokens["tool_call"]
+    j = lambda s: s.replace("\n", "\\n")  # a Python str as a Jinja string literal body
     # Whitespace control ({%- -%}) everywhere: the rendered text must be exactly the tokens,
     # with no stray newlines from the template's own layout.
     return (
         "{%- set role_tokens = {" + roles + "} -%}\n"
+        "{%- if tools -%}{%- set tools_text = '" + j(TOOLS_HEADER) + "' ~ (tools | map('tojson') | join('\\n')) -%}"
+        "{%- else -%}{%- set tools_text = '' -%}{%- endif -%}\n"
         "{{- '" + BOS + "' -}}\n"
+        "{%- if tools_text and (messages | length == 0 or messages[0]['role'] != 'system') -%}\n"
+        "  {{- '" + sys_tok + "' ~ (tools_text" + esc + ") ~ '" + END + "' -}}\n"
+        "{%- endif -%}\n"
         "{%- for message in messages -%}\n"
         "  {%- if message['role'] not in role_tokens -%}\n"
         "    {{- raise_exception('unknown chat role ' ~ message['role'] ~ ' in message ' ~ loop.index0"
         " ~ '; this tokenizer knows: " + known + "') -}}\n"
         "  {%- endif -%}\n"
-        "  {%- if message['content'] is not string -%}\n"
+        "  {%- set calls = message.tool_calls if message['role'] == '" + GENERATION_ROLE + "' and message.tool_calls is defined"
+        " and message.tool_calls else [] -%}\n"
+        "  {%- if message.content is defined and message.content is string -%}{%- set text = message.content -%}\n"
+        "  {%- elif calls and (message.content is not defined or message.content is none) -%}{%- set text = '' -%}\n"
+        "  {%- else -%}\n"
         "    {{- raise_exception('message ' ~ loop.index0 ~ ' (' ~ message['role'] ~ ') has no string content;"
         " pass content as a str') -}}\n"
         "  {%- endif -%}\n"
-        "  {{- role_tokens[message['role']] -}}\n"
+        "  {%- if loop.first and message['role'] == 'system' and tools_text -%}"
+        "{%- set text = text ~ '" + j(TOOLS_SEPARATOR) + "' ~ tools_text -%}{%- endif -%}\n"
         "  {%- if message['role'] == '" + GENERATION_ROLE + "' -%}\n"
-        "    {%- generation -%}\n"
-        "      {{- " + content + " ~ '" + END + "' -}}\n"
-        "      {%- if loop.last and not add_generation_prompt -%}{{- '" + EOS + "' -}}{%- endif -%}\n"
-        "    {%- endgeneration -%}\n"
+        "    {%- if message.reasoning_content is defined and message.reasoning_content -%}"
+        "{%- set text = '" + j(THINK_OPEN) + "' ~ message.reasoning_content ~ '" + j(THINK_CLOSE) + "' ~ text -%}{%- endif -%}\n"
+        "    {%- set trained = not (message.weight is defined and message.weight is not none and message.weight == 0) -%}\n"
+        "    {%- if text or not calls -%}\n"
+        "      {{- '" + gen + "' -}}\n"
+        "      {%- if trained -%}\n"
+        "        {%- generation -%}\n"
+        "          {{- (text" + esc + ") ~ '" + END + "' -}}\n"
+        "          {%- if loop.last and not calls and not add_generation_prompt -%}{{- '" + EOS + "' -}}{%- endif -%}\n"
+        "        {%- endgeneration -%}\n"
+        "      {%- else -%}\n"
+        "        {{- (text" + esc + ") ~ '" + END + "' -}}\n"
+        "        {%- if loop.last and not calls and not add_generation_prompt -%}{{- '" + EOS + "' -}}{%- endif -%}\n"
+        "      {%- endif -%}\n"
+        "    {%- endif -%}\n"
+        "    {%- for call in calls -%}\n"
+        "      {%- set fn = call.function if call.function is defined and call.function else call -%}\n"
+        "      {%- set args = fn.arguments if fn.arguments is defined else {} -%}\n"
+        "      {%- set call_text = '{\"name\": ' ~ (fn.name | tojson) ~ ', \"arguments\": ' ~ "
+        "(args if args is string else (args | tojson)) ~ '}' -%}\n"
+        "      {{- '" + call_tok + "' ~ (call_text" + esc + ") ~ '" + END + "' -}}\n"
+        "    {%- endfor -%}\n"
+        "    {%- if loop.last and calls and not add_generation_prompt -%}{{- '" + EOS + "' -}}{%- endif -%}\n"
         "  {%- else -%}\n"
-        "    {{- " + content + " ~ '" + END + "' -}}\n"
+        "    {{- role_tokens[message['role']] ~ (text" + esc + ") ~ '" + END + "' -}}\n"
+        "    {%- if loop.last and not add_generation_prompt -%}{{- '" + EOS + "' -}}{%- endif -%}\n"
         "  {%- endif -%}\n"
         "{%- endfor -%}\n"
         "{%- if add_generation_prompt -%}\n"
         "  {{- '" + gen + "' -}}\n"
-        "{%- elif messages | length == 0 or messages[-1]['role'] != '" + GENERATION_ROLE + "' -%}\n"
+        "{%- elif messages | length == 0 -%}\n"
         "  {{- '" + EOS + "' -}}\n"
         "{%- endif -%}"
     )
@@ -105,8 +156,10 @@ def encode_chat(
     encoded as untrusted text (special strings stay bytes) and markers as special ids.
 
     Works with a ``StackTokenizer`` or a Hugging Face tokenizer (anything with
-    ``convert_tokens_to_ids``). This is the reference the exported template is tested against,
-    and the escape hatch for HF users whose content may contain special-token strings.
+    ``convert_tokens_to_ids``). This is the per-turn reference for plain ``{"role", "content"}``
+    messages, and the escape hatch for HF users whose content may contain special-token
+    strings; tool calls, ``tools``, reasoning and weights go through
+    ``stacklm.chat_formats.render_record`` (what the template is tested against on every format).
     """
     _check_messages(messages, role_tokens)
     if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer

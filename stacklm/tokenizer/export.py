@@ -17,9 +17,14 @@ The traps, and what the export does about each (also in ``docs/tokenizer.md``):
   tokens are matched on the raw text, before the normalizer, so content never yields a special
   id while the template's own markers do -- in one pass, with the assistant mask. Cost: text
   that itself contains ``<`` U+FDD0 ``|`` (a Unicode noncharacter) encodes as ``<|`` would.
-* **``add_special_tokens``.** HF's default (``hf_tok(text)``, ``hf_tok.encode(text)``) is True;
-  the post-processor then wraps the ids in ``<|bos|> ... <|eos|>``, exactly like
-  ``StackTokenizer.encode(text, add_special_tokens=True)``.
+* **``add_special_tokens`` never doubles a marker.** The export has no post-processor, so HF's
+  default ``add_special_tokens=True`` adds nothing: TRL's plain-text path appends the ``<|eos|>``
+  string itself, and chat-rendered text already starts with ``<|bos|>``; a wrapping
+  post-processor would double either (it cannot see what the text holds). Text that should be
+  ``<|bos|> ... <|eos|>`` (``StackTokenizer.encode(text, add_special_tokens=True)``) carries them.
+* **``vocab_size == len(tokenizer)``.** The fillers and specials are in the BPE vocab at their
+  ids (as well as added tokens), so transformers' ``vocab_size`` (the model vocab alone) counts
+  them and a model sized from it covers every id.
 * **tiktoken caches local files by path.** ``tiktoken.load.load_tiktoken_bpe(path)`` keeps a
   copy under ``$TMPDIR/data-gym-cache`` keyed by the path string, so re-saving a ranks file at
   the same path can silently load the old ranks. ``load_tiktoken_encoding`` reads the file
@@ -211,17 +216,21 @@ def derive_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def build_hf_tokenizer(tok: StackTokenizer):
     """A ``tokenizers.Tokenizer`` that encodes exactly like ``tok`` (see module docstring)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-    n_base = tok.vocab_size - len(tok.named_tokens)
     ranks = tok.mergeable_ranks
     vocab = {token_to_hf(b): i for b, i in ranks.items()}
+    for t, i in tok.named_tokens.items():
+        if token_to_hf(t.encode()) in vocab:
+            raise ValueError(f"the learned token {t!r} (id {vocab[token_to_hf(t.encode())]}) spells the named token {t!r} (id {i}); "
+                             "a Hugging Face vocab cannot hold both -- retrain with a pattern that splits punctuation from letters")
+        vocab[token_to_hf(t.encode())] = i
     # Two merges spelling the same bytes (possible, rare) cannot share a vocab string: keep the
     # id with a placeholder no byte-level chunk can equal, so every later id stays in place.
     for dup in tok.duplicate_ids:
         vocab[f"{DUPLICATE_PREFIX}{ranks[tok.id_to_bytes(dup)]}-{dup}"] = dup
-    if sorted(vocab.values()) != list(range(n_base)):
-        raise AssertionError(f"internal: byte-level vocab does not cover ids 0..{n_base - 1}")
+    if sorted(vocab.values()) != list(range(tok.vocab_size)):
+        raise AssertionError(f"internal: byte-level vocab does not cover ids 0..{tok.vocab_size - 1} once each")
     merges = [(token_to_hf(a), token_to_hf(b)) for a, b in derive_merges(ranks)]
     model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True)
     hf = Tokenizer(model)
@@ -236,22 +245,38 @@ def build_hf_tokenizer(tok: StackTokenizer):
         ]
     )
     hf.decoder = decoders.ByteLevel()
-    # fillers then specials, in id order: added tokens take the next free ids
+    check_specials_unreachable(hf, tok.named_tokens)
+    # fillers then specials, in id order. They are in the BPE vocab at their ids as well as added
+    # tokens: transformers' ``vocab_size`` is the model vocab alone, and a model sized from it
+    # must cover the specials (``vocab_size == len(tokenizer)``). Added tokens whose string is
+    # in the vocab keep that id; BPE never reaches them (check_specials_unreachable).
     named = sorted(tok.named_tokens.items(), key=lambda x: x[1])
     hf.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, _ in named])
     for t, i in named:
         got = hf.token_to_id(t)
         if got != i:
             raise AssertionError(f"internal: added token {t} landed at id {got}, expected {i}")
-    bos, eos = "<|bos|>", "<|eos|>"
-    # bos/eos wrapping lives here, in tokenizer.json: transformers >= 5 ignores add_bos_token /
-    # add_eos_token from tokenizer_config.json when a tokenizer.json exists (and reports them as
-    # False). Setting either attribute on a loaded tokenizer rebuilds this template from both.
-    hf.post_processor = processors.TemplateProcessing(
-        single=f"{bos}:0 $A:0 {eos}:0",
-        pair=f"{bos}:0 $A:0 {eos}:0 {bos}:1 $B:1 {eos}:1",
-        special_tokens=[(bos, tok.bos_id), (eos, tok.eos_id)],
-    )
+    # No post-processor: ``add_special_tokens=True`` (HF's default) adds nothing. Any wrapping
+    # would double a marker some path already wrote: TRL's plain-text path appends the
+    # ``<|eos|>`` string before tokenizing (-> ``... <|eos|> <|eos|>``), and text rendered by the
+    # chat template (a formatting_func, ``tokenize=False``) already starts with ``<|bos|>``. A
+    # TemplateProcessing cannot test whether the text has them, so the export never adds them:
+    # text that needs ``<|bos|>``/``<|eos|>`` carries them (the chat template writes both).
+    hf.post_processor = None
+    return hf
+
+
+def check_specials_unreachable(hf, named: Mapping[str, int]) -> None:
+    """The named tokens live in the BPE vocab too (so ``vocab_size == len(tokenizer)``); BPE must
+    never produce them from text. With ``ignore_merges=True`` a pre-tokenized chunk equal to a
+    vocab string maps to it, so no chunk may equal a named token's string."""
+    for t in named:
+        chunks = [c for c, _ in hf.pre_tokenizer.pre_tokenize_str(t)]
+        if token_to_hf(t.encode()) in chunks:
+            raise ValueError(
+                f"the tokenizer's pre-tokenizer pattern keeps {t!r} as one chunk, so text could encode to that special "
+                "id in the Hugging Face export; use a pattern that splits punctuation from letters (the GPT-4 default)"
+            )
     return hf
 
 

@@ -1,8 +1,9 @@
 """SFT pipes: conversation files or hub datasets -> validated turns -> rendered ids with an
 assistant-only loss -> best-fit packing per conversation -> batches in the batch contract.
 
-    ConversationSource (jsonl / parquet / hub; ``messages`` or ShareGPT ``conversations``)
-      -> [HoldoutNode]  -> RenderNode (render, truncate at a turn boundary or drop)
+    ConversationSource (jsonl / parquet / hub; messages, ShareGPT, prompt/completion, Alpaca)
+      -> [HoldoutNode]  -> RenderNode (render with the source's loss policy; overlong: truncate,
+                                      keep_end or drop)
     [-> weighted interleave of several sources] -> ShuffleNode -> SFTPackNode -> batch + collate_sft
 
 A packed row holds whole conversations only (one is never cut across rows), each starting
@@ -32,9 +33,12 @@ from stacklm.data.sft.pipeline import SFTPipeline, build_sft_pipeline
 from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
 from stacklm.data.sft.render import (
     DROPPED_TOO_LONG,
+    NOTHING_TO_TRAIN,
     TRUNCATED,
+    TRUNCATED_START,
     TURNS_CUT,
     RenderNode,
+    keep_end_start,
     render_for_sft,
     tag_loss,
     truncation_point,
@@ -48,6 +52,7 @@ __all__ = [
     "ConversationSource",
     "DROPPED_TOO_LONG",
     "INVALID_UTF8_LINES",
+    "NOTHING_TO_TRAIN",
     "ON_INVALID",
     "OVERLONG_RULES",
     "RenderNode",
@@ -56,10 +61,12 @@ __all__ = [
     "SFTPipeline",
     "SFTSourceConfig",
     "TRUNCATED",
+    "TRUNCATED_START",
     "TURNS_CUT",
     "build_sft_pipeline",
     "collate_sft",
     "conversation_text",
+    "keep_end_start",
     "parse_json_line",
     "render_for_sft",
     "sft_batch",

@@ -7,11 +7,15 @@ import hashlib
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from stacklm.chat import DEFAULT_ROLE_ALIASES
+from stacklm.chat_formats import FORMATS
+from stacklm.chat_policy import LossPolicy
 
-OVERLONG_RULES = ("truncate", "drop")
+# truncate: keep the longest prefix of turns ending on a trained turn; keep_end: keep the
+# leading system turn(s) and the longest tail starting at a user turn; drop: drop it.
+OVERLONG_RULES = ("truncate", "keep_end", "drop")
 ON_INVALID = ("drop", "raise")
 
 
@@ -31,6 +35,13 @@ class SFTSourceConfig:
     ``datasets.load_dataset(path, config_name, split=..., streaming=True, ...)`` -- a hub id, or
     a builder such as ``"json"``/``"parquet"`` with ``data_files``. ``column``: the list of
     messages; ``None`` picks ``messages``, else ``conversations`` (ShareGPT ``from``/``value``).
+
+    Per source (so a mix can train each dataset its own way): ``format`` (``chat_formats.FORMATS``;
+    ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca by the fields), the loss
+    policy (``loss``: ``assistant_only`` | ``last_assistant_turn`` | ``roles_to_train`` |
+    ``completion_only``; ``roles_to_train``; ``train_stop_token``; ``reasoning_loss``: ``train``
+    | ``mask`` | ``drop``, see ``stacklm.chat_policy``) and ``overlong`` (``None``: the SFT
+    config's rule).
     """
 
     name: str
@@ -45,9 +56,29 @@ class SFTSourceConfig:
     column: str | None = None
     domain: str = "chat"
     weight: float = 1.0
+    format: str = "auto"
+    loss: str = "assistant_only"
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    train_stop_token: bool = True
+    reasoning_loss: str = "train"
+    overlong: str | None = None
+
+    # Fields added after configs were hashed: left out of to_dict() at their default, so an
+    # existing config keeps its config_hash (a resume is not refused by an upgrade).
+    _NEW_DEFAULTS: ClassVar[dict[str, Any]] = {"format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
+                     "reasoning_loss": "train", "overlong": None}
 
     def __post_init__(self) -> None:
         where = f"sft source {self.name!r}"
+        if self.format not in FORMATS:
+            raise ValueError(f"{where}: field 'format' must be one of {FORMATS}, got {self.format!r}")
+        if self.overlong is not None and self.overlong not in OVERLONG_RULES:
+            raise ValueError(f"{where}: field 'overlong' must be one of {OVERLONG_RULES} (or unset), got {self.overlong!r}")
+        object.__setattr__(self, "roles_to_train", (self.roles_to_train,) if isinstance(self.roles_to_train, str) else tuple(self.roles_to_train))
+        try:
+            self.loss_policy()
+        except ValueError as e:
+            raise ValueError(f"{where}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
         if self.kind not in ("local", "hf"):
             raise ValueError(f"{where}: field 'kind' must be 'local' or 'hf', got {self.kind!r}")
         if self.kind == "local" and not self.files:
@@ -70,10 +101,18 @@ class SFTSourceConfig:
         _unknown_keys(f"sft source {data['name']!r}", data, cls)
         return cls(**data)
 
+    def loss_policy(self) -> LossPolicy:
+        """The ``LossPolicy`` of this source's fields."""
+        return LossPolicy(self.loss, self.roles_to_train, self.train_stop_token, self.reasoning_loss)
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["files"] = list(self.files)
         d["data_files"] = list(self.data_files) if self.data_files is not None else None
+        d["roles_to_train"] = list(self.roles_to_train)
+        for k, default in self._NEW_DEFAULTS.items():
+            if d[k] == default:
+                del d[k]
         return d
 
 
@@ -83,7 +122,9 @@ class SFTConfig:
 
     ``pack_buffer``: conversations held by the best-fit packer (1 = one conversation per row,
     padded). ``overlong``: a conversation longer than ``seq_len`` is cut after the last
-    assistant turn that fits (``truncate``) or dropped (``drop``); both counted.
+    trained turn that fits (``truncate``), cut to its system turn(s) plus the longest tail that
+    starts at a user turn and fits (``keep_end``), or dropped (``drop``); all counted. A
+    source's own ``overlong`` overrides it.
     ``on_invalid``: ``drop`` counts a malformed line / unknown role / empty message / no
     assistant turn and goes on (the first location of each reason is logged and kept);
     ``raise`` stops at the first one.

@@ -14,9 +14,10 @@ from stacklm.chat import (
     ChatFormatError,
     as_turns,
     chat_tokens,
-    conversation_from_record,
     validate_conversation,
 )
+from stacklm.chat_formats import conversation_from_record
+from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.audit import KEPT
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.pack import BestFitPacker, PackNode, segment_layout
@@ -82,13 +83,15 @@ def sft_batch(
     pack_buffer: int | None = None,
     role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
     stats: StageStats | None = None,
+    policy: LossPolicy = DEFAULT_POLICY,
 ) -> dict[str, torch.Tensor]:
     """One packed SFT batch from a list of conversations, without any nodes.
 
-    Each conversation is a list of ``Turn``/``{"role", "content"}`` or a record with a
-    ``messages``/``conversations`` field. Invalid conversations raise ``ChatFormatError``
-    (a list in hand is fixed, not filtered); overlong ones follow ``overlong`` and are
-    counted in ``stats`` (``kept`` / ``truncated`` / ``dropped_too_long``). All conversations
+    Each conversation is a list of ``Turn``/``{"role", "content"}`` or a record in any
+    ``chat_formats.FORMATS``. Invalid conversations raise ``ChatFormatError`` (a list in hand
+    is fixed, not filtered); overlong ones follow ``overlong``, and they and those with nothing
+    to train under ``policy`` are counted in ``stats`` (``kept`` / ``truncated`` /
+    ``truncated_start`` / ``dropped_too_long`` / ``nothing_to_train``). All conversations
     share one best-fit buffer unless ``pack_buffer`` is given, so the rows are as full as the
     lengths allow.
     """
@@ -107,7 +110,7 @@ def sft_batch(
             except ChatFormatError as e:
                 raise ChatFormatError(str(e), reason=e.reason, where=where) from None
         validate_conversation(turns, where=where)
-        piece, outcome, cut = render_for_sft(turns, tokenizer, seq_len, overlong)
+        piece, outcome, cut = render_for_sft(turns, tokenizer, seq_len, overlong, policy)
         stats.add("batch", outcome)
         if cut and piece is not None:
             stats.add("batch", TURNS_CUT, cut)

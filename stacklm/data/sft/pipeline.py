@@ -81,7 +81,7 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
         node: BaseNode = src
         if config.holdout_fraction > 0:
             node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
-        node = chain["render"] = RenderNode(node, tokenizer, config.seq_len, config.overlong)
+        node = chain["render"] = RenderNode(node, tokenizer, config.seq_len, spec.overlong or config.overlong, spec.loss_policy())
         sources[spec.name], chains[spec.name], rendered[spec.name] = src, chain, node
     if len(rendered) == 1:
         stream: BaseNode = next(iter(rendered.values()))

@@ -13,9 +13,9 @@ from stacklm.chat import (
     MALFORMED_JSON,
     ChatFormatError,
     Turn,
-    conversation_from_record,
     validate_conversation,
 )
+from stacklm.chat_formats import conversation_from_record
 from stacklm.data.audit import KEPT, clean_text
 from stacklm.data.sft.config import ON_INVALID, SFTSourceConfig
 from stacklm.data.sources import (
@@ -167,12 +167,14 @@ class ConversationSource(PartNode):
                 self.stats.add(self.name, INVALID_UTF8_LINES)
         else:
             record = raw
-        turns = conversation_from_record(record, column=self.spec.column, role_aliases=self.role_aliases, where=where)
+        turns = conversation_from_record(record, column=self.spec.column, format=self.spec.format, role_aliases=self.role_aliases,
+                                         where=where)
         repaired = False
         for i, t in enumerate(turns):  # NULs and lone surrogates: repaired the audit's way, counted
             text, audit = clean_text(t.content)
-            if audit.repaired:
-                turns[i], repaired = Turn(t.role, text), True
+            reasoning, r_audit = clean_text(t.reasoning) if t.reasoning else (t.reasoning, None)
+            if audit.repaired or (r_audit is not None and r_audit.repaired):
+                turns[i], repaired = Turn(t.role, text, reasoning, t.weight, t.completion), True
         if repaired:
             self.stats.add(self.name, CONTENT_REPAIRED)
         validate_conversation(turns, where=where)
