@@ -46,12 +46,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
-    try:
-        from stacklm.scale.datatrove_steps import prebuild_executors
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "datatrove":
-            raise
-        raise CliError("datatrove is not installed; install it with `pip install 'stacklm[scale]'`") from None
+    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
     config, settings = load_config(args.config)
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -77,7 +72,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
     p = subparsers.add_parser("prebuild", help="run the data pipes once and write train/val token shards")
-    p.add_argument("--config", required=True, help="YAML config with a 'data:' section (see configs/demo.yaml)")
+    p.add_argument("--config", required=True, help="YAML config with a 'data:' section (see stacklm/configs/demo.yaml)")
     p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
     p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
     p.add_argument("--workers", type=int, help="parallel jobs; the output is identical for the same N (default 1)")
