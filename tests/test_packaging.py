@@ -75,7 +75,6 @@ def test_extras_in_pyproject():
     assert project["scripts"]["stacklm-train"] == "stacklm.train.cli:main"
 
 
-@pytest.mark.slow
 def test_wheel_ships_configs_and_no_trainer_package(tmp_path):
     """Build the wheel from a copy of the sources (no network: no build isolation)."""
     src = tmp_path / "src"
