@@ -109,6 +109,9 @@ def test_one_source_schema_for_pretraining_and_sft(tmp_path):
             SFTConfig.from_dict({"sources": [{"name": "c", "path": "x", old: "y"}]}, path="data.pipeline")
     with pytest.raises(ConfigError, match="did you mean 'pack_buffer_docs'"):
         SFTConfig.from_dict({"sources": [src], "pack_buffer": 4})
+    node = SourceConfig("w", "synthetic", 1.0, "prose", seed=1, num_docs=3).build()  # the pre-training source node
+    node.reset()
+    assert [d["source"] for d in node] == ["w"] * 3
     with pytest.raises(DataMixError, match="for pre-training"):  # chat is an SFT domain
         PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 10, "entries": [{**src, "domain": "chat"}]}})
 
