@@ -25,7 +25,7 @@ Verdicts: fp32 differences within ``--tol`` (1e-4 on CPU, 1e-3 on CUDA); a bf16 
 within ``BF16_SLACK`` times SDPA's own bf16 error against fp32, plus ``--tol``; each control
 moves the logits by more than 100 x ``--tol``. The exit status is 1 if any verdict fails.
 
-Part B — throughput. The demo mix (``configs/demo.yaml``: offline synthetic sources, best-fit
+Part B — throughput. The demo mix (``stacklm/configs/demo.yaml``: offline synthetic sources, best-fit
 packing, exact and near dedup), scaled to the steps measured, trains the model with AdamW
 (``GPTModule``'s optimizer and schedule), bf16 autocast on CUDA, grad-clip 1.0, fed by
 ``StackDataModule`` as a user builds it (``setup`` + ``train_dataloader``):
@@ -65,10 +65,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
+from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.pack import collate, pack_best_fit
-from trainer.attention import BACKENDS, flash_attn_available, resolve_backend
-from trainer.model import GPT, GPTConfig, check_batch, lm_loss
+from stacklm.train.attention import BACKENDS, flash_attn_available, resolve_backend
+from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss
 
 BF16_SLACK = 2.0  # a bf16 kernel may be up to this many times as far from fp32 as bf16 SDPA is
 CONTROL_FACTOR = 100.0  # a control must move the logits by this many times the fp32 tolerance
@@ -408,11 +409,11 @@ def print_kernels(rows, controls, notes, verdicts, tol) -> None:
 # Part B: training throughput
 # ---------------------------------------------------------------------------------------
 def pipeline_dict(args, total_tokens: int) -> dict:
-    """The demo mix (configs/demo.yaml) at this run's seq_len/batch size and token budget; the
+    """The demo mix (stacklm/configs/demo.yaml) at this run's seq_len/batch size and token budget; the
     synthetic sources grow with the budget (the demo sizes them for 1M tokens)."""
     import yaml
 
-    doc = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    doc = yaml.safe_load((CONFIG_DIR / "demo.yaml").read_text())
     d = copy.deepcopy(doc["data"]["pipeline"])
     d.update(seq_len=args.seq_len, batch_size=args.batch_size, seed=0)
     scale = max(1.0, total_tokens / d["mix"]["total_tokens"])
@@ -447,7 +448,7 @@ def datamodule_loader(mode: str, args, tok_dir: Path, workers: int, data_dir: Pa
 
 def train(args, config: GPTConfig, loader, device: torch.device, pad_id: int) -> dict:
     """Warm-up, then ``args.steps`` timed steps from ``loader``; the numbers of the timed part."""
-    from trainer.module import GPTModule, OptimConfig
+    from stacklm.train.module import GPTModule, OptimConfig
 
     total = args.warmup + args.steps
     torch.manual_seed(0)

@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_default_corpus
 from stacklm.data import manifest as mf
 from stacklm.data.dataset import ElasticSampler, PackedMemmapDataset
@@ -152,7 +153,7 @@ def bench_prebuild(args, tok) -> list[tuple[int, float, float]]:
 
     from stacklm.prebuild import load_config, prebuild
 
-    config, _ = load_config(Path(__file__).resolve().parents[1] / "configs" / "demo.yaml")
+    config, _ = load_config(CONFIG_DIR / "demo.yaml")
     config = dataclasses.replace(config, mix=dataclasses.replace(config.mix, total_tokens=args.prebuild_tokens))
     rows = []
     for workers in (1, 2):
@@ -187,7 +188,7 @@ def main() -> None:
     if args.skip_prebuild:
         return
     rows = bench_prebuild(args, tok)
-    print(f"\nprebuild (configs/demo.yaml mix, train budget {args.prebuild_tokens:,} tokens + val holdout, seq_len 256)")
+    print(f"\nprebuild (stacklm/configs/demo.yaml mix, train budget {args.prebuild_tokens:,} tokens + val holdout, seq_len 256)")
     print("text MB = raw text the sources read (train jobs + val jobs; the val jobs skip ~1/holdout of what they read)")
     print(f"{'workers':>7s} {'seconds':>8s} {'train MB':>9s} {'val MB':>7s} {'MB/s':>7s} {'MB/s/worker':>12s} {'speed-up':>9s}")
     base = sum(rows[0][2].values()) / rows[0][1]

@@ -72,7 +72,7 @@ def _write_sources(docs: list[tuple[str, str]], d: Path, files_per_source: int =
     """One local jsonl source per domain, as a real mix routes them (web prose and the CJK
     texts through the prose rules, code through the code rules, math through the math rules),
     weighted by their share of the bytes so they run dry together; several files apiece so
-    loader workers split them by whole files. Returns DataMixEntry dicts."""
+    loader workers split them by whole files. Returns SourceConfig dicts."""
     route = {"prose": "prose", "cjk": "prose", "code": "code", "math": "math"}
     by_domain: dict[str, list[str]] = {}
     for domain, text in docs:

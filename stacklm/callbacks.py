@@ -220,7 +220,9 @@ class DataStatsCallback(Callback):
 
     @staticmethod
     def _log_mix_table(logger, realized: Mapping[str, Mapping[str, Any]], step: int) -> None:
-        import wandb
+        from stacklm.optional import require
+
+        wandb = require("wandb", "wandb", "the W&B data-mix table")
 
         columns = ["source", "target_weight", "realized_weight", "tokens", "docs"]
         rows = [[s, r.get("target_weight"), r.get("realized_weight"), r.get("tokens"), r.get("docs")] for s, r in realized.items()]

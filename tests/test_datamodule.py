@@ -7,6 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from stacklm.configs import CONFIG_DIR
 from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, SUMMARY_EVERY_N_BATCHES, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
 from tests.resume import check_save_load_state
@@ -159,8 +160,8 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
     from tests.test_sft import make_conversations, write_jsonl
 
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(120)])
-    pipeline = {"sources": [{"name": "chats", "kind": "local", "files": [str(path)]}], "shuffle_buffer": 16,
-                "pack_buffer": 8, "holdout_fraction": 0.1}
+    pipeline = {"sources": [{"name": "chats", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 16,
+                "pack_buffer_docs": 8, "holdout_fraction": 0.1}
     kw = dict(mode="sft", pipeline=pipeline, seq_len=128, batch_size=2)
     dm = _dm(tokenizer_dir, **kw)
     dm.setup("fit")
@@ -185,11 +186,9 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
 
 
 def test_stack_100m_config_data_section_builds():
-    from pathlib import Path
-
     import yaml
 
-    cfg = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "stack-100m.yaml").read_text())
+    cfg = yaml.safe_load((CONFIG_DIR / "stack-100m.yaml").read_text())
     dm = StackDataModule(**cfg["data"])
     pc = dm.pipeline_config()
     assert pc.mix.name == "stack-100m" and pc.mix.total_tokens == 20_000_000_000

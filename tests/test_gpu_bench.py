@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from stacklm.data.pack import collate
-from trainer.model import GPT, GPTConfig
+from stacklm.train.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu.py"
@@ -114,7 +114,7 @@ def test_wait_fraction_sees_a_slow_loader():
 @pytest.mark.slow
 def test_compiled_flex_on_cpu_matches_sdpa():
     """A torch.compile'd model with FlexAttention on CPU gives SDPA's logits (Inductor's CPU flex
-    kernel needs a contiguous v there; see trainer.attention._flex)."""
+    kernel needs a contiguous v there; see stacklm.train.attention._flex)."""
     torch.manual_seed(0)
     seq_ids = torch.tensor([[0] * 20 + [1] * 30 + [2] * 13, [0] * 40 + [1] * 23])
     starts = torch.cat([torch.ones(2, 1, dtype=torch.bool), seq_ids[:, 1:] != seq_ids[:, :-1]], dim=1)

@@ -18,12 +18,13 @@ import torch.nn.functional as F
 import yaml
 from torch.utils.data import DataLoader
 
+from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_prose
 from stacklm.data.pack import Collate, collate, pack_greedy
 from stacklm.tokenizer.specials import special_token_ids
-from trainer.attention import attend, build_attention_mask, reference_attention
-from trainer.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss
-from trainer.module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
+from stacklm.train.attention import attend, build_attention_mask, reference_attention
+from stacklm.train.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss
+from stacklm.train.module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512  # 256 byte tokens + room for merges + the 9 specials at the top
@@ -300,7 +301,7 @@ def test_mismatched_datamodule_fails_before_any_step(tmp_path, dm_kwargs, messag
 
 
 def test_cli_fit_from_yaml(tmp_path, monkeypatch):
-    from trainer.__main__ import cli_main
+    from stacklm.train.cli import cli_main
 
     monkeypatch.setattr("sys.argv", ["trainer"])  # args come from the list below only
     config = {
@@ -321,7 +322,7 @@ def test_cli_fit_from_yaml(tmp_path, monkeypatch):
 def test_stack_100m_config_file():
     import jsonargparse
 
-    cfg = yaml.safe_load((ROOT / "configs" / "stack-100m.yaml").read_text())
+    cfg = yaml.safe_load((CONFIG_DIR / "stack-100m.yaml").read_text())
     # The model and trainer sections parse against the real signatures (names, types, class paths).
     parser = jsonargparse.ArgumentParser()
     parser.add_class_arguments(GPTModule, "model")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.data.registry import DataMix, DataMixEntry
+from stacklm.data.registry import DataMix, SourceConfig
 from tests.resume import check_save_load_state
 
 SEQ_LEN = 128
@@ -25,9 +25,9 @@ def _config(**kw) -> PipelineConfig:
         "test",
         kw.pop("total_tokens", 60_000),
         (
-            DataMixEntry("web", "synthetic", 0.6, "prose", seed=1, num_docs=1500),
-            DataMixEntry("code", "synthetic", 0.3, "code", seed=2, num_docs=600),
-            DataMixEntry("math", "synthetic", 0.1, "math", seed=3, num_docs=600),
+            SourceConfig("web", "synthetic", 0.6, "prose", seed=1, num_docs=1500),
+            SourceConfig("code", "synthetic", 0.3, "code", seed=2, num_docs=600),
+            SourceConfig("math", "synthetic", 0.1, "math", seed=3, num_docs=600),
         ),
     )
     base = dict(seq_len=SEQ_LEN, batch_size=4, shuffle_buffer=64, pack_buffer_docs=32, holdout_fraction=0.05,

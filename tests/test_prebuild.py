@@ -182,9 +182,11 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
     assert tree(out) == tree(ref)
 
 
-def _plain_config(tmp_path: Path, tokenizer, total=TOTAL) -> Path:
+def _own_config(tmp_path: Path, tokenizer, total=TOTAL, **pipeline) -> Path:
+    """A config file of one's own, in the trainer's layout (data.pipeline)."""
     path = tmp_path / "c.yaml"
-    path.write_text(json.dumps({"tokenizer": str(tokenizer), "data": data_section(total=total)}))  # JSON is YAML
+    data = {"tokenizer": str(tokenizer), "pipeline": {**data_section(total=total), **pipeline}}
+    path.write_text(json.dumps({"data": data}))  # JSON is YAML
     return path
 
 
@@ -195,7 +197,7 @@ def _count(d: Path) -> int:
 def test_sigkill_twice_then_resume_is_byte_identical(tmp_path, tok_dir):
     """A real process killed at two different points; the third run finishes the job."""
     total = 80_000
-    cfg_file = _plain_config(tmp_path, tok_dir, total)
+    cfg_file = _own_config(tmp_path, tok_dir, total)
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg_file), "--out", str(out),
            "--tokens-per-shard", str(TOKENS_PER_SHARD), "--no-progress"]
@@ -259,11 +261,13 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     # user errors go through the one CLI error path: one line, exit status 2
     assert stacklm_main(["verify", str(tmp_path), "--no-progress"]) == 2
     assert "is empty" in capsys.readouterr().err
-    assert stacklm_main(["prebuild", "--config", str(REPO / "configs" / "demo.yaml"), "--out", str(tmp_path / "x"),
+    assert stacklm_main(["prebuild", "--config", "demo", "--out", str(tmp_path / "x"),
                          "--tokenizer", str(tmp_path / "missing")]) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
-    demo, settings = load_config(REPO / "configs" / "demo.yaml")  # StackDataModule layout: data.pipeline
+    demo, settings = load_config("demo")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
     assert settings["tokenizer"] == "artifacts/demo/tokenizer" and settings["out"] == "artifacts/demo/shards"
-    plain, settings = load_config(_plain_config(tmp_path, "tok"))  # plain layout: data is the pipeline config
-    assert plain.seq_len == SEQ_LEN and settings["tokenizer"] == "tok" and settings["out"] is None
+    own, settings = load_config(_own_config(tmp_path, "tok"))  # the same layout: data.pipeline
+    assert own.seq_len == SEQ_LEN and settings["tokenizer"] == "tok" and settings["out"] is None
+    with pytest.raises(PrebuildError, match=r"'data\.pipeline\.dedup\.nera'; did you mean 'near'"):
+        load_config(_own_config(tmp_path, "tok", dedup={"nera": False}))

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from stacklm.chat import IGNORE_INDEX, ChatFormatError, as_turns, render_conversation, sft_targets
+from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_code, iter_default_corpus, iter_prose
 from stacklm.data.masks import dense_mask
+from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import (
     ConversationPacker,
     ConversationSource,
     SFTConfig,
-    SFTSourceConfig,
     build_sft_pipeline,
     collate_sft,
     render_for_sft,
@@ -217,8 +218,8 @@ def bad_rows(convs):
 
 def test_pipeline_counts_every_rejection_with_its_location(tok, convs, tmp_path):
     path = write_jsonl(tmp_path / "chats.jsonl", bad_rows(convs))
-    cfg = SFTConfig(sources=(SFTSourceConfig("chats", files=(str(path),)),), seq_len=SEQ, batch_size=4,
-                    shuffle_buffer=1, pack_buffer=8, holdout_fraction=0.0)
+    cfg = SFTConfig(sources=(SourceConfig("chats", path=(str(path),)),), seq_len=SEQ, batch_size=4,
+                    shuffle_buffer=1, pack_buffer_docs=8, holdout_fraction=0.0)
     pipe = build_sft_pipeline(cfg, tok)
     pipe.batches.reset()
     batches = list(pipe.batches)
@@ -250,7 +251,7 @@ def test_pipeline_counts_every_rejection_with_its_location(tok, convs, tmp_path)
 
 def test_all_rejected_source_is_an_error_naming_the_reasons(tok, tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)])
-    node = ConversationSource(SFTSourceConfig("q", files=(str(path),)))
+    node = ConversationSource(SourceConfig("q", path=(str(path),)))
     node.reset()
     with pytest.raises(EmptySourceError, match=r"all 5 conversations .* rejected .*no_assistant"):
         list(node)
@@ -261,13 +262,13 @@ def test_jsonl_parquet_and_hf_datasets_sources_agree(tok, convs, tmp_path):
     parquet = write_parquet(tmp_path / "a.parquet", convs)
     shj = write_jsonl(tmp_path / "s.jsonl", [sharegpt(c) for c in convs])
     specs = [
-        SFTSourceConfig("x", files=(str(jsonl),)),
-        SFTSourceConfig("x", files=(str(parquet),)),
-        SFTSourceConfig("x", kind="hf", path="json", data_files=(str(shj),)),  # the hub code path, on a local file
+        SourceConfig("x", path=(str(jsonl),)),
+        SourceConfig("x", path=(str(parquet),)),
+        SourceConfig("x", kind="hf", path="json", data_files=(str(shj),)),  # the hub code path, on a local file
     ]
     results = []
     for spec in specs:
-        cfg = SFTConfig(sources=(spec,), seq_len=SEQ, batch_size=8, shuffle_buffer=16, pack_buffer=8, holdout_fraction=0.0)
+        cfg = SFTConfig(sources=(spec,), seq_len=SEQ, batch_size=8, shuffle_buffer=16, pack_buffer_docs=8, holdout_fraction=0.0)
         pipe = build_sft_pipeline(cfg, tok)
         pipe.batches.reset()
         results.append([b for b in pipe.batches])
@@ -281,8 +282,8 @@ def _resume_config(tmp_path, convs):
     a = write_jsonl(tmp_path / "a.jsonl", [{"messages": c} for c in convs[:50]])
     b = write_parquet(tmp_path / "b.parquet", convs[50:])
     return SFTConfig(
-        sources=(SFTSourceConfig("a", files=(str(a),), weight=2.0), SFTSourceConfig("b", files=(str(b),))),
-        seq_len=SEQ, batch_size=3, shuffle_buffer=12, pack_buffer=6, holdout_fraction=0.1, seed=7,
+        sources=(SourceConfig("a", path=(str(a),), weight=2.0), SourceConfig("b", path=(str(b),))),
+        seq_len=SEQ, batch_size=3, shuffle_buffer=12, pack_buffer_docs=6, holdout_fraction=0.1, seed=7,
     )
 
 
@@ -325,7 +326,7 @@ def test_shards_read_each_conversation_once(convs, tmp_path, n_files):
     seen = []
     for rank in range(2):
         for worker in range(2):
-            node = ConversationSource(SFTSourceConfig("s", files=tuple(files)), shard=ShardSpec(rank, 2, worker, 2))
+            node = ConversationSource(SourceConfig("s", path=tuple(files)), shard=ShardSpec(rank, 2, worker, 2))
             node.reset()
             seen += [d["doc_id"] for d in node]
     assert len(seen) == len(set(seen)) == len(convs)
@@ -334,7 +335,7 @@ def test_shards_read_each_conversation_once(convs, tmp_path, n_files):
 def test_config_file_and_bad_config(tmp_path):
     import yaml
 
-    data = yaml.safe_load((Path(__file__).resolve().parents[1] / "configs" / "sft.yaml").read_text())["data"]
+    data = yaml.safe_load((CONFIG_DIR / "sft.yaml").read_text())["data"]["pipeline"]
     cfg = SFTConfig.from_dict(data)
     assert cfg.sources[0].kind == "hf" and cfg.seq_len == 2048 and cfg.overlong == "truncate"
     assert SFTConfig.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
@@ -342,5 +343,5 @@ def test_config_file_and_bad_config(tmp_path):
         SFTConfig.from_dict({**data, "seqlen": 5})
     with pytest.raises(ValueError, match="overlong"):
         SFTConfig.from_dict({**data, "overlong": "wrap"})
-    with pytest.raises(ValueError, match="files"):
-        SFTSourceConfig("x", kind="local")
+    with pytest.raises(ValueError, match="path"):
+        SourceConfig("x", kind="local")

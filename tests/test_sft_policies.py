@@ -12,7 +12,8 @@ import pytest
 from stacklm.chat import Turn, render_conversation
 from stacklm.chat_formats import conversation_from_record
 from stacklm.chat_policy import LossPolicy
-from stacklm.data.sft import SFTConfig, SFTSourceConfig, build_sft_pipeline, render_for_sft, sft_batch, untag_loss
+from stacklm.data.registry import SourceConfig
+from stacklm.data.sft import SFTConfig, build_sft_pipeline, render_for_sft, sft_batch, untag_loss
 from stacklm.data.stats import StageStats
 from tests.test_sft import make_conversations, write_jsonl
 
@@ -98,11 +99,11 @@ def test_per_source_policies_and_truncation_counted_in_a_mix(tok, tmp_path):
     alp = write_jsonl(tmp_path / "c.jsonl", [{"instruction": c[-2]["content"], "output": c[-1]["content"]} for c in convs[20:30]])
     seq_len = 200
     sources = (
-        SFTSourceConfig("chat", files=(str(a),), loss="last_assistant_turn", overlong="keep_end"),
-        SFTSourceConfig("pc", files=(str(b),), loss="completion_only", train_stop_token=False),
-        SFTSourceConfig("alpaca", files=(str(alp),), format="alpaca", overlong="drop"),
+        SourceConfig("chat", path=str(a), loss="last_assistant_turn", overlong="keep_end"),
+        SourceConfig("pc", path=str(b), loss="completion_only", train_stop_token=False),
+        SourceConfig("alpaca", path=str(alp), format="alpaca", overlong="drop"),
     )
-    cfg = SFTConfig(sources=sources, seq_len=seq_len, batch_size=4, shuffle_buffer=8, pack_buffer=8, holdout_fraction=0.0)
+    cfg = SFTConfig(sources=sources, seq_len=seq_len, batch_size=4, shuffle_buffer=8, pack_buffer_docs=8, holdout_fraction=0.0)
     pipe = build_sft_pipeline(cfg, tok)
     pipe.batches.reset()
     eos, end = tok.eos_id, tok.token_id("<|end|>")
@@ -137,13 +138,13 @@ def test_per_source_policies_and_truncation_counted_in_a_mix(tok, tmp_path):
 
 
 def test_source_config_fields(tmp_path):
-    base = {"name": "s", "files": ["x.jsonl"]}
-    s = SFTSourceConfig.from_dict({**base, "loss": "roles_to_train", "roles_to_train": ["assistant", "tool_call"],
+    base = {"name": "s", "path": ["x.jsonl"]}
+    s = SourceConfig.from_dict({**base, "loss": "roles_to_train", "roles_to_train": ["assistant", "tool_call"],
                                    "reasoning_loss": "mask", "overlong": "keep_end", "format": "sharegpt"})
     assert s.loss_policy() == LossPolicy("roles_to_train", ("assistant", "tool_call"), True, "mask")
-    assert SFTSourceConfig.from_dict(s.to_dict()) == s
-    assert "loss" not in SFTSourceConfig.from_dict(base).to_dict()  # defaults keep old config hashes
+    assert SourceConfig.from_dict(s.to_dict()) == s
+    assert "loss" not in SourceConfig.from_dict(base).to_dict()  # defaults keep old config hashes
     for bad, field in [({"loss": "all"}, "loss"), ({"roles_to_train": ["wizard"]}, "roles_to_train"),
                        ({"overlong": "wrap"}, "overlong"), ({"format": "csv"}, "format"), ({"reasoning_loss": "x"}, "reasoning")]:
         with pytest.raises(ValueError, match=field):
-            SFTSourceConfig.from_dict({**base, **bad})
+            SourceConfig.from_dict({**base, **bad})

@@ -22,7 +22,7 @@ import zstandard
 
 from stacklm.data.audit import ByteAudit, clean_text, record_audit
 from stacklm.data.filters import FilterNode
-from stacklm.data.registry import STACK_100M, DataMix, DataMixEntry, DataMixError, get_mix
+from stacklm.data.registry import STACK_100M, DataMix, SourceConfig, DataMixError, get_mix
 from stacklm.data.sources import (
     EmptySourceError,
     HFStreamSource,
@@ -140,7 +140,7 @@ def test_mix_validation_names_entry_and_field(change, words):
 def test_mix_rejects_duplicate_names():
     e = STACK_100M.entries[0]
     with pytest.raises(DataMixError, match="twice"):
-        DataMix("x", 10, (DataMixEntry(**{**e.to_dict(), "weight": 0.5}), DataMixEntry(**{**e.to_dict(), "weight": 0.5})))
+        DataMix("x", 10, (SourceConfig(**{**e.to_dict(), "weight": 0.5}), SourceConfig(**{**e.to_dict(), "weight": 0.5})))
 
 
 # ---------------------------------------------------------------------------------------
@@ -284,7 +284,7 @@ def test_glob_matching_nothing_names_the_glob(tmp_path):
     with pytest.raises(SourceNotFoundError) as err:
         next(LocalFileSource("ghost", pattern, "prose"))
     assert pattern in str(err.value) and "'ghost'" in str(err.value)
-    entry = DataMixEntry(name="ghost", kind="local", path=pattern, weight=1.0, domain="prose")
+    entry = SourceConfig(name="ghost", kind="local", path=pattern, weight=1.0, domain="prose")
     with pytest.raises(FileNotFoundError):
         next(open_source(entry))
 
@@ -400,7 +400,7 @@ def hub_offline(monkeypatch):
 
 
 def test_hub_offline_falls_back_loudly_and_resumes(hub_offline):
-    entry = DataMixEntry(**{**STACK_100M["finemath"].to_dict(), "num_docs": 12})
+    entry = SourceConfig(**{**STACK_100M["finemath"].to_dict(), "num_docs": 12})
     with pytest.raises(SourceError, match=r"HuggingFaceTB/finemath.*fallback_offline=True"):
         next(open_source(entry))
     node = open_source(entry, fallback_offline=True)

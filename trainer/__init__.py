@@ -1,10 +1,6 @@
-"""The Stack-100M model and its Lightning entry point.
+"""The repository's entry point for training: ``python -m trainer fit --config demo``.
 
-``python -m trainer fit --config configs/<name>.yaml`` runs ``LightningCLI`` with
-``GPTModule`` and ``stacklm.datamodule.StackDataModule`` (see ``trainer.__main__``).
+A thin shim: the code is ``stacklm.train`` (installed as ``stacklm-train``), so the wheel
+installs no top-level ``trainer`` package (a name an unrelated PyPI project owns). This folder
+is not packaged; it works from a checkout of the repository.
 """
-
-from trainer.model import GPT, GPTConfig, check_batch, lm_loss
-from trainer.module import GPTModule, OptimConfig, warmup_cosine
-
-__all__ = ["GPT", "GPTConfig", "GPTModule", "OptimConfig", "check_batch", "lm_loss", "warmup_cosine"]

@@ -46,12 +46,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
-    try:
-        from stacklm.scale.datatrove_steps import prebuild_executors
-    except ModuleNotFoundError as e:
-        if (e.name or "").split(".")[0] != "datatrove":
-            raise
-        raise CliError("datatrove is not installed; install it with `pip install 'stacklm[scale]'`") from None
+    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
     config, settings = load_config(args.config)
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -77,7 +72,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
     p = subparsers.add_parser("prebuild", help="run the data pipes once and write train/val token shards")
-    p.add_argument("--config", required=True, help="YAML config with a 'data:' section (see configs/demo.yaml)")
+    p.add_argument("--config", required=True, help="YAML config in the trainer's layout (data.pipeline), or a packaged config by name: demo, stack-100m")
     p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
     p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
     p.add_argument("--workers", type=int, help="parallel jobs; the output is identical for the same N (default 1)")
@@ -98,9 +93,9 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         description="The same shard set as `stacklm prebuild --workers TASKS`, built by datatrove tasks "
         "(stacklm.scale.datatrove_steps); needs `pip install 'stacklm[scale]'`.",
     )
-    d.add_argument("--config", required=True)
+    d.add_argument("--config", required=True, help="as for `prebuild`: a YAML path or a packaged config name")
     d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
-    d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: 'tokenizer:' in the config)")
+    d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
     d.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
     d.add_argument("--tokens-per-shard", type=int)
     d.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")

@@ -12,40 +12,41 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from torchdata.nodes import BaseNode
 
+from stacklm.config import Config
 from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
+from stacklm.data.graph import BuiltPipeline
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.mix import MixNode
 from stacklm.data.pack import PackNode, batch_node
-from stacklm.data.registry import DataMix, get_mix
+from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.splits import check_split
-from stacklm.data.stats import chain_stats
 from stacklm.data.tokenizing import TokenizeNode
+from stacklm.errors import ConfigError
 
 
 @dataclass(frozen=True)
-class DedupConfig:
+class DedupConfig(Config):
     exact: bool = True
     near: bool = True
     near_max_docs: int = 2_000_000  # per source; the index warns once and stops growing when full
 
 
 @dataclass(frozen=True)
-class PipelineConfig:
-    """Everything that decides the stream's content. ``config_hash`` guards resumes/prebuilds."""
+class PipelineConfig(Config):
+    """Everything that decides the stream's content. ``config_hash`` guards resumes/prebuilds
+    (``num_threads`` is left out of it: it changes speed, not the stream)."""
 
-    mix: DataMix
+    hash_exclude: ClassVar[tuple[str, ...]] = ("num_threads",)
+
+    mix: DataMix = field(metadata={"help": "a registered mix name such as 'stack-100m', or a mapping with name, total_tokens, entries"})
     seq_len: int = 2048
     batch_size: int = 8
     strategy: str = "best_fit"
@@ -62,70 +63,28 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
-            raise ValueError(f"pipeline config: field 'seq_len' must be >= 2, got {self.seq_len}")
+            raise ConfigError(f"pipeline config: field 'seq_len' must be >= 2, got {self.seq_len}")
         if self.batch_size < 1:
-            raise ValueError(f"pipeline config: field 'batch_size' must be >= 1, got {self.batch_size}")
+            raise ConfigError(f"pipeline config: field 'batch_size' must be >= 1, got {self.batch_size}")
         if self.strategy not in ("greedy", "best_fit"):
-            raise ValueError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
+            raise ConfigError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
-            raise ValueError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
+            raise ConfigError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["mix"] = self.mix.to_dict()
-        d["filters"] = self.filters.to_dict()
-        d["dedup"] = dataclasses.asdict(self.dedup)
-        return d
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "PipelineConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"pipeline config: unknown field(s) {unknown}; known: {sorted(known)}")
-        if "mix" not in data:
-            raise ValueError(
-                "pipeline config: missing field 'mix' (a registered mix name such as 'stack-100m', or a dict with "
-                "name, total_tokens, entries)"
-            )
-        kw = dict(data)
-        mix = data["mix"]
-        kw["mix"] = get_mix(mix) if isinstance(mix, str) else mix if isinstance(mix, DataMix) else DataMix.from_dict(mix)
-        if "filters" in kw:
-            kw["filters"] = FilterConfig.from_dict(kw["filters"] or {})
-        if "dedup" in kw:
-            kw["dedup"] = DedupConfig(**(kw["dedup"] or {}))
-        return cls(**kw)
-
-    def config_hash(self, exclude: tuple[str, ...] = ("num_threads",)) -> str:
-        """sha256 of the canonical config (minus knobs that do not change the stream)."""
-        d = {k: v for k, v in self.to_dict().items() if k not in exclude}
-        return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None) -> Pipeline:
+        """The node graph for one split and one (rank, worker) shard (``build_pipeline``)."""
+        return build_pipeline(self, tokenizer, split, shard)
 
 
 @dataclass
-class Pipeline:
-    """The built graph plus handles on its stages for stats/logging."""
+class Pipeline(BuiltPipeline):
+    """The built pre-training graph plus handles on its mix and shuffle stages."""
 
-    config: PipelineConfig
-    split: str
-    shard: ShardSpec
-    sources: dict[str, BaseNode]
-    chains: dict[str, dict[str, BaseNode]]
     mix: MixNode
     shuffle: ShuffleNode
-    windows: PackNode
-    batches: BaseNode
-
-    def stats(self) -> dict[str, dict[str, dict[str, int]]]:
-        """Counts by stage -> source -> reason (kept, filtered reasons, dups, audit counts)."""
-        return chain_stats(self.chains)
 
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mix.realized()
-
-    def packing(self) -> dict[str, Any]:
-        return self.windows.summary()
 
 
 def _near_deduper(config: PipelineConfig):
@@ -164,4 +123,5 @@ def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shar
         shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
-    return Pipeline(config, split, shard, sources, chains, mix, shuffle, windows, batches)
+    return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,
+                    mix=mix, shuffle=shuffle)

@@ -1,28 +1,32 @@
-"""The data-mix registry: which sources a run reads, with what weight, from where.
+"""The one source schema and the data-mix registry: which sources a run reads, with what
+weight, from where.
 
-A ``DataMixEntry`` names one source completely (hub path, config, ``data_dir``, split, text
-column, pinnable ``revision``), so a run's inputs can be written into a YAML config and into
+A ``SourceConfig`` (pre-training and SFT alike) names one source completely (hub path,
+config, ``data_dir``, split, text column, pinnable ``revision``), so a run's inputs can be written into a YAML config and into
 the shard manifest, and re-read later. A ``DataMix`` is the entries plus a token budget; its
 weights must sum to 1 so a config typo cannot silently reshape the mix.
 
-Both round-trip through plain dicts (``to_dict`` / ``from_dict``) and every validation error
-names the entry and the field, so a bad YAML line is found without reading this file.
+Both are ``stacklm.config.Config``s: they round-trip through plain dicts (``to_dict`` /
+``from_dict``) and every validation error names the entry and the field, so a bad YAML line
+is found without reading this file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
+from stacklm.config import Config, did_you_mean
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
 DOMAINS = ("prose", "code", "math")
 # Weights are floats typed by humans in YAML; allow rounding slack, nothing more.
 WEIGHT_SUM_TOLERANCE = 1e-6
+DEFAULT_TEXT_COLUMN = "text"  # a pre-training source's text column when none is given
 
 
 class DataMixError(ConfigError):
@@ -30,94 +34,176 @@ class DataMixError(ConfigError):
 
 
 @dataclass(frozen=True)
-class DataMixEntry:
-    """One source of a data mix.
+class SourceConfig(Config):
+    """One source, for pre-training and SFT alike.
 
     ``kind`` decides how ``path`` is read:
       - ``"hf"``: ``path`` is a hub id (or a packaged builder such as ``"json"`` together with
         ``data_files``), opened with ``datasets.load_dataset(..., streaming=True)``;
-      - ``"local"``: ``path`` (or ``data_files``) are glob patterns of jsonl / jsonl.gz /
-        jsonl.zst / parquet / txt files;
-      - ``"synthetic"``: the deterministic offline corpus (``seed``, ``num_docs``).
+      - ``"local"``: ``path`` (one glob or a list of globs) or ``data_files`` are glob patterns
+        of jsonl / jsonl.gz / jsonl.zst / parquet / txt files;
+      - ``"synthetic"``: the deterministic offline corpus (``seed``, ``num_docs``); pre-training only.
+    ``text_column``: the column holding the text (pre-training; ``None`` = ``"text"``) or the
+    list of messages (SFT; ``None`` = ``messages``, else ShareGPT ``conversations``).
+    ``domain``: ``prose``/``code``/``math`` picks a pre-training source's quality filter; an
+    SFT source is ``chat`` (its default).
+
+    SFT only, per source (so a mix can train each dataset its own way): ``format``
+    (``chat_formats.FORMATS``; ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca
+    by the fields), the loss policy (``loss``: ``assistant_only`` | ``last_assistant_turn`` |
+    ``roles_to_train`` | ``completion_only``; ``roles_to_train``; ``train_stop_token``;
+    ``reasoning_loss``: ``train`` | ``mask`` | ``drop``, see ``stacklm.chat_policy``) and
+    ``overlong`` (``None``: the SFT config's rule).
     """
 
+    config_error: ClassVar[type[ConfigError]] = DataMixError
+
     name: str
-    kind: str
-    weight: float
-    domain: str
-    path: str | None = None
+    kind: str = "local"  # one of KINDS
+    weight: float = 1.0
+    domain: str | None = None
+    path: str | tuple[str, ...] | None = None
     config_name: str | None = None  # the ``name=`` of load_dataset (hub subset)
     data_dir: str | None = None
     data_files: tuple[str, ...] | None = None
     split: str = "train"
-    text_column: str = "text"
+    text_column: str | None = None
     revision: str | None = None  # a commit sha pins the data; None follows the default branch
     seed: int = 0  # synthetic corpus (also the offline fallback of an hf entry)
     num_docs: int | None = None  # synthetic corpus length; None = its default
+    format: str = "auto"
+    loss: str = "assistant_only"
+    roles_to_train: tuple[str, ...] = ("assistant",)
+    train_stop_token: bool = True
+    reasoning_loss: str = "train"
+    overlong: str | None = None
+
+    # Fields added after configs were hashed: left out of to_dict() at their default, so an
+    # existing config keeps its config_hash (a resume is not refused by an upgrade).
+    _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {
+        "format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
+        "reasoning_loss": "train", "overlong": None,
+    }
+
+    @classmethod
+    def label(cls, data: Mapping[str, Any] | None) -> str:
+        name = data.get("name", "<unnamed>") if isinstance(data, Mapping) else "<unnamed>"
+        return f"source {name!r}"
 
     def __post_init__(self) -> None:
+        for name in ("path", "data_files"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str):
+                object.__setattr__(self, name, tuple(value))
         if isinstance(self.data_files, str):
             object.__setattr__(self, "data_files", (self.data_files,))
-        elif self.data_files is not None:
-            object.__setattr__(self, "data_files", tuple(self.data_files))
+        roles = self.roles_to_train
+        object.__setattr__(self, "roles_to_train", (roles,) if isinstance(roles, str) else tuple(roles))
         self.validate()
 
     def _fail(self, field_name: str, problem: str) -> DataMixError:
-        return DataMixError(f"data mix entry {self.name!r}: field {field_name!r} {problem}")
+        return DataMixError(f"source {self.name!r}: field {field_name!r} {problem}")
+
+    @property
+    def paths(self) -> list[str]:
+        """The glob patterns of a local source (``data_files``, else ``path``)."""
+        given = self.data_files or self.path or ()
+        return [given] if isinstance(given, str) else list(given)
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise DataMixError(f"data mix entry {self.name!r}: field 'name' must be a non-empty string without '/'")
+            raise DataMixError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
         if self.kind not in KINDS:
             raise self._fail("kind", f"must be one of {KINDS}, got {self.kind!r}")
-        if self.domain not in DOMAINS:
-            raise self._fail("domain", f"must be one of {DOMAINS}, got {self.domain!r}")
+        if self.domain is not None and self.domain not in DOMAINS + ("chat",):
+            raise self._fail("domain", f"must be one of {DOMAINS + ('chat',)}, got {self.domain!r}")
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
             raise self._fail("weight", f"must be a number, got {self.weight!r}")
         if not math.isfinite(self.weight) or self.weight <= 0:
             raise self._fail("weight", f"must be a finite number > 0, got {self.weight!r}")
-        if self.kind == "hf" and not self.path:
-            raise self._fail("path", "is required for kind 'hf' (a hub id such as 'HuggingFaceFW/fineweb-edu')")
-        if self.kind == "local" and not (self.path or self.data_files):
-            raise self._fail("path", "is required for kind 'local' (a glob such as 'data/*.jsonl.zst')")
-        if not isinstance(self.text_column, str) or not self.text_column:
-            raise self._fail("text_column", f"must be a non-empty string, got {self.text_column!r}")
+        if self.kind == "hf" and not (isinstance(self.path, str) and self.path):
+            raise self._fail("path", "is required for kind 'hf' (a hub id such as 'HuggingFaceFW/fineweb-edu', or a builder like 'json')")
+        if self.kind == "local" and not self.paths:
+            raise self._fail("path", "is required for kind 'local' (a glob such as 'data/*.jsonl.zst', or a list of globs)")
+        if self.text_column is not None and (not isinstance(self.text_column, str) or not self.text_column):
+            raise self._fail("text_column", f"must be a non-empty string or null, got {self.text_column!r}")
         if not isinstance(self.split, str) or not self.split:
             raise self._fail("split", f"must be a non-empty string, got {self.split!r}")
         if self.num_docs is not None and (not isinstance(self.num_docs, int) or self.num_docs < 0):
             raise self._fail("num_docs", f"must be an int >= 0 or null, got {self.num_docs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise self._fail("seed", f"must be an int, got {self.seed!r}")
+        self._validate_sft_fields()
+
+    def _validate_sft_fields(self) -> None:
+        from stacklm.chat_formats import FORMATS
+        from stacklm.data.sft.config import OVERLONG_RULES
+
+        if self.format not in FORMATS:
+            raise self._fail("format", f"must be one of {FORMATS}, got {self.format!r}")
+        if self.overlong is not None and self.overlong not in OVERLONG_RULES:
+            raise self._fail("overlong", f"must be one of {OVERLONG_RULES} (or null), got {self.overlong!r}")
+        try:
+            self.loss_policy()
+        except ValueError as e:
+            raise DataMixError(f"source {self.name!r}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
+
+    def loss_policy(self):
+        """The ``stacklm.chat_policy.LossPolicy`` of an SFT source's fields."""
+        from stacklm.chat_policy import LossPolicy
+
+        return LossPolicy(self.loss, self.roles_to_train, self.train_stop_token, self.reasoning_loss)
 
     def to_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        if out["data_files"] is not None:
-            out["data_files"] = list(out["data_files"])
-        return out
+        d = super().to_dict()
+        for key, default in self._OMIT_AT_DEFAULT.items():
+            if d[key] == default:
+                del d[key]
+        return d
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DataMixEntry:
-        name = data.get("name", "<unnamed>")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise DataMixError(f"data mix entry {name!r}: unknown field(s) {unknown}; known fields: {sorted(known)}")
-        missing = [f for f in ("name", "kind", "weight", "domain") if f not in data]
-        if missing:
-            raise DataMixError(f"data mix entry {name!r}: missing required field(s) {missing}")
-        return cls(**dict(data))
+    def build(self, *, shard=None, fallback_offline: bool = False):
+        """The pre-training document source node (``sources.open_source``)."""
+        from stacklm.data.sources import open_source
+
+        return open_source(self, shard=shard, fallback_offline=fallback_offline)
 
 
 @dataclass(frozen=True)
-class DataMix:
-    """Entries whose weights sum to 1, plus the run's total token budget."""
+class DataMix(Config):
+    """Pre-training sources whose weights sum to 1, plus the run's total token budget.
+
+    A pre-training source needs a ``domain`` of ``prose``/``code``/``math`` (it picks the
+    quality filter) and reads ``text_column`` ``"text"`` unless told otherwise (filled in here,
+    so the config and its hash say which column was read).
+    """
+
+    config_error: ClassVar[type[ConfigError]] = DataMixError
 
     name: str
     total_tokens: int
-    entries: tuple[DataMixEntry, ...] = field(default_factory=tuple)
+    entries: tuple[SourceConfig, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def label(cls, data: Mapping[str, Any] | None) -> str:
+        name = data.get("name", "<unnamed>") if isinstance(data, Mapping) else "<unnamed>"
+        return f"data mix {name!r}"
+
+    @classmethod
+    def _from_value(cls, value: Any, path: str) -> DataMix:
+        if isinstance(value, str):
+            if value not in MIXES:
+                raise DataMixError(
+                    f"field {path or 'mix'!r}: unknown data mix {value!r}{did_you_mean(value, sorted(MIXES))} "
+                    f"(registered: {sorted(MIXES)}; or give a mapping with name, total_tokens, entries)"
+                )
+            return MIXES[value]
+        return super()._from_value(value, path)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "entries", tuple(self.entries))
+        object.__setattr__(self, "entries", tuple(
+            dataclasses.replace(e, text_column=DEFAULT_TEXT_COLUMN) if isinstance(e, SourceConfig) and e.text_column is None else e
+            for e in self.entries
+        ))
         self.validate()
 
     def validate(self) -> None:
@@ -127,17 +213,19 @@ class DataMix:
             raise DataMixError(f"data mix {self.name!r}: field 'entries' is empty; list at least one source")
         seen: set[str] = set()
         for entry in self.entries:
-            if not isinstance(entry, DataMixEntry):
-                raise DataMixError(f"data mix {self.name!r}: entries must be DataMixEntry, got {type(entry).__name__}")
+            if not isinstance(entry, SourceConfig):
+                raise DataMixError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
             if entry.name in seen:
                 raise DataMixError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
+            if entry.domain not in DOMAINS:
+                raise entry._fail("domain", f"must be one of {DOMAINS} for pre-training, got {entry.domain!r}")
             seen.add(entry.name)
         total = math.fsum(e.weight for e in self.entries)
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             listed = ", ".join(f"{e.name}={e.weight}" for e in self.entries)
             raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
 
-    def __getitem__(self, name: str) -> DataMixEntry:
+    def __getitem__(self, name: str) -> SourceConfig:
         for entry in self.entries:
             if entry.name == name:
                 return entry
@@ -166,41 +254,24 @@ class DataMix:
         )
         return dataclasses.replace(self, entries=entries)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "total_tokens": self.total_tokens, "entries": [e.to_dict() for e in self.entries]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> DataMix:
-        name = data.get("name", "<unnamed>")
-        unknown = sorted(set(data) - {"name", "total_tokens", "entries"})
-        if unknown:
-            raise DataMixError(f"data mix {name!r}: unknown field(s) {unknown}; known: ['entries', 'name', 'total_tokens']")
-        entries = data.get("entries")
-        if not isinstance(entries, Sequence) or isinstance(entries, (str, bytes)):
-            raise DataMixError(f"data mix {name!r}: field 'entries' must be a list of entries, got {type(entries).__name__}")
-        total = data.get("total_tokens")
-        if isinstance(total, float) and total.is_integer():  # YAML "2.0e10" parses as float
-            total = int(total)
-        return cls(name=name, total_tokens=total, entries=tuple(DataMixEntry.from_dict(e) for e in entries))
-
 
 STACK_100M = DataMix(
     name="stack-100m",
     total_tokens=20_000_000_000,
     entries=(
-        DataMixEntry(
+        SourceConfig(
             name="fineweb-edu", kind="hf", path="HuggingFaceFW/fineweb-edu", config_name="sample-100BT",
             weight=0.70, domain="prose",
         ),
-        DataMixEntry(
+        SourceConfig(
             name="cosmopedia-v2", kind="hf", path="HuggingFaceTB/smollm-corpus", config_name="cosmopedia-v2",
             weight=0.15, domain="prose",
         ),
-        DataMixEntry(
+        SourceConfig(
             name="starcoderdata-python", kind="hf", path="bigcode/starcoderdata", data_dir="python",
             text_column="content", weight=0.10, domain="code",
         ),
-        DataMixEntry(
+        SourceConfig(
             name="finemath", kind="hf", path="HuggingFaceTB/finemath", config_name="finemath-4plus",
             weight=0.05, domain="math",
         ),
@@ -214,4 +285,4 @@ def get_mix(name: str) -> DataMix:
     try:
         return MIXES[name]
     except KeyError:
-        raise KeyError(f"unknown data mix {name!r}; registered: {sorted(MIXES)}") from None
+        raise KeyError(f"unknown data mix {name!r}{did_you_mean(name, sorted(MIXES))}; registered: {sorted(MIXES)}") from None

@@ -5,31 +5,38 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
+
+Names load on first use (PEP 562): ``import stacklm.datamodule`` imports neither torch nor
+lightning (which pulls in transformers through torchmetrics), so a CLI or a config check
+that only names the package stays fast.
 """
 
-from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.loader import (
-    StackDataLoader,
-    from_checkpoint_safe,
-    gather_from_ranks,
-    pick_rank_state,
-    to_checkpoint_safe,
-)
-from stacklm.datamodule.modes import MODES, DataMode, SFTMode, ShardsMode, StreamMode
-from stacklm.datamodule.module import DEFAULT_SNAPSHOT_STEPS, StackDataModule
-from stacklm.datamodule.shards_loader import ShardsLoader
-from stacklm.datamodule.stream import (
-    SUMMARY_EVERY_N_BATCHES,
-    SUMMARY_KEY,
-    PipelineBuilder,
-    SFTBuilder,
-    StreamDataset,
-    merge_worker_summaries,
-)
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT_SNAPSHOT_STEPS", "MODES", "SUMMARY_EVERY_N_BATCHES", "SUMMARY_KEY", "DataConfigError", "DataMode",
-    "PipelineBuilder", "SFTBuilder", "SFTMode", "ShardsLoader", "ShardsMode", "StackDataLoader", "StackDataModule",
-    "StreamDataset", "StreamMode", "from_checkpoint_safe", "gather_from_ranks", "merge_worker_summaries",
-    "pick_rank_state", "to_checkpoint_safe",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from stacklm.datamodule.errors import DataConfigError as DataConfigError  # eager: errors are light
+
+_WHERE = {
+    "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
+    "pick_rank_state": "loader", "to_checkpoint_safe": "loader",
+    "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
+    "DEFAULT_SNAPSHOT_STEPS": "module", "PipelineSpec": "module", "StackDataModule": "module", "check_pipeline": "module",
+    "ShardsLoader": "shards_loader",
+    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
+    "StreamDataset": "stream", "merge_worker_summaries": "stream",
+}
+
+__all__ = sorted([*_WHERE, "DataConfigError"])
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stacklm.datamodule.module import StackDataModule  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f"stacklm.datamodule.{_WHERE[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'stacklm.datamodule' has no attribute {name!r}")

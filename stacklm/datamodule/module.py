@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,37 @@ import lightning as L
 from stacklm.data.nodes import PipelineConfig
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.modes import MODE_CLASSES, MODES
+from stacklm.config import PIPELINE_PATH
+from stacklm.errors import ConfigError
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
+
+
+class PipelineSpec(dict):
+    """The type of ``StackDataModule``'s ``pipeline`` argument: a plain dict, which
+    ``check_pipeline`` parses when ``LightningCLI`` reads the YAML (registered with jsonargparse
+    below), so ``python -m trainer fit --config X --print_config`` already refuses a typo."""
+
+
+def check_pipeline(value: Any) -> dict[str, Any]:
+    """``value`` as a plain dict, after parsing it as the config it is (``SFTConfig`` when it
+    lists ``sources``, else ``PipelineConfig``): unknown keys and wrong types raise here."""
+    from stacklm.data.sft import SFTConfig
+
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"{PIPELINE_PATH}: expected a mapping (the pipeline config), got {value!r}")
+    d = dict(value)
+    if d:
+        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
+    return d
+
+
+try:  # jsonargparse comes with lightning's CLI; without it there is no CLI to check for
+    from jsonargparse.typing import register_type
+
+    register_type(PipelineSpec, serializer=dict, deserializer=check_pipeline)
+except ImportError:  # pragma: no cover
+    pass
 
 
 class StackDataModule(L.LightningDataModule):
@@ -44,7 +74,8 @@ class StackDataModule(L.LightningDataModule):
         tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
         data_dir: prebuilt shard directory (``shards`` mode).
         pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
-            or the SFT config (``sft`` mode).
+            or the SFT config (``sft`` mode; see ``SFTConfig``); parsed on construction, so an
+            unknown key or a wrong type is an error naming ``data.pipeline.<key>``.
         seq_len, batch_size, num_workers, seed: as usual; ``seq_len`` counts the window before
             the next-token shift (batches are ``seq_len - 1`` wide).
         val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
@@ -65,7 +96,7 @@ class StackDataModule(L.LightningDataModule):
         mode: str = "shards",
         tokenizer: str | None = None,
         data_dir: str | None = None,
-        pipeline: dict[str, Any] | None = None,
+        pipeline: PipelineSpec | None = None,
         seq_len: int = 2048,
         batch_size: int = 8,
         num_workers: int = 0,
@@ -80,6 +111,8 @@ class StackDataModule(L.LightningDataModule):
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
         MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
+        if pipeline:
+            pipeline = check_pipeline(pipeline)
         if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
             raise DataConfigError(
                 f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
@@ -126,7 +159,7 @@ class StackDataModule(L.LightningDataModule):
         d.setdefault("seq_len", self.seq_len)
         d.setdefault("batch_size", self.batch_size)
         d.setdefault("seed", self.seed)
-        cfg = PipelineConfig.from_dict(d)
+        cfg = PipelineConfig.from_dict(d, path=PIPELINE_PATH)
         if cfg.seq_len != self.seq_len or cfg.batch_size != self.batch_size:
             raise DataConfigError(
                 f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
@@ -179,7 +212,7 @@ class StackDataModule(L.LightningDataModule):
         d.setdefault("seq_len", self.seq_len)
         d.setdefault("batch_size", self.batch_size)
         d.setdefault("seed", self.seed)
-        return SFTConfig.from_dict(d)
+        return SFTConfig.from_dict(d, path=PIPELINE_PATH)
 
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:

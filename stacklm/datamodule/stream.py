@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.nodes import PipelineConfig
 from stacklm.data.sources import ShardSpec
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
@@ -137,7 +137,7 @@ class PipelineBuilder:
 
         cfg = PipelineConfig.from_dict(self.config)
         per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
-        return build_pipeline(replace(cfg, mix=per_reader), StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+        return replace(cfg, mix=per_reader).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
 
 
 class SFTBuilder:
@@ -147,11 +147,10 @@ class SFTBuilder:
         self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
 
     def __call__(self, shard: ShardSpec, n_readers: int):
-        from stacklm.data.sft import SFTConfig, build_sft_pipeline
+        from stacklm.data.sft import SFTConfig
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        return build_sft_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path),
-                                  split=self.split, shard=shard)
+        return SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
 
 
 class StreamDataset(IterableDataset):

@@ -115,7 +115,9 @@ def load_tokenizer(spec: str | Path, prefer_hf: bool = False) -> InspectTokenize
             f"{p}: neither a stacklm tokenizer ({ARTIFACT_NAME}) nor a Hugging Face tokenizer directory "
             "(tokenizer.json / tokenizer_config.json)"
         )
-    import transformers
+    from stacklm.optional import require
+
+    transformers = require("transformers", "hf", "a Hugging Face tokenizer directory")
 
     try:
         hf = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)

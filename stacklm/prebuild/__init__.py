@@ -1,6 +1,6 @@
 """``stacklm prebuild``: the streaming pipes, run once, written to token shards.
 
-    stacklm prebuild --config configs/demo.yaml --out data/demo [--workers N] [--tokenizer DIR]
+    stacklm prebuild --config demo --out data/demo [--workers N] [--tokenizer DIR]
     stacklm verify data/demo [--tokenizer DIR]
 
 Work is split into *jobs*, one per (split, worker). Worker ``w`` of ``N`` builds the pipeline

@@ -1,58 +1,78 @@
-"""The prebuild's YAML config file: the pipeline config and the build settings."""
+"""The prebuild's YAML config file: the trainer's layout, read for the pipeline and the build settings."""
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
+from stacklm.config import PIPELINE_PATH, Config
+from stacklm.errors import ConfigError
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError
+
+MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits
+
+
+@dataclass(frozen=True)
+class PrebuildSettings(Config):
+    """The optional top-level ``prebuild:`` section (command-line flags override it)."""
+
+    out: str | None = None  # default: data.data_dir
+    tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
+    workers: int = 1
+    splits: tuple[str, ...] = SPLITS
+
+    def __post_init__(self) -> None:
+        bad = [s for s in self.splits if s not in SPLITS]
+        if bad or not self.splits:
+            raise ConfigError(f"prebuild.splits must be a non-empty subset of {SPLITS}, got {list(self.splits)}")
 
 
 def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """``(PipelineConfig, settings)`` from a YAML config.
-
-    Two layouts are read. The trainer's: ``data:`` holds ``StackDataModule``'s arguments, the
-    pipeline config under ``data.pipeline`` (``seq_len``/``batch_size``/``seed`` default to the
-    module's), ``data.tokenizer`` and ``data.data_dir`` (the default ``--out``). Or a plain one:
-    ``data:`` is the pipeline config itself, ``tokenizer:`` at the top. An optional top-level
-    ``prebuild:`` section may set ``tokens_per_shard``, ``workers``, ``splits``, ``out``.
+    """``(PipelineConfig, settings)`` from a YAML config in the trainer's layout (the one
+    ``python -m trainer fit --config`` reads): ``data:`` holds ``StackDataModule``'s arguments,
+    the pipeline config under ``data.pipeline`` (``seq_len``/``batch_size``/``seed`` default to
+    the module's), ``data.tokenizer`` and ``data.data_dir`` (the default ``--out``). An optional
+    top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
+    ``workers``, ``splits``, ``out``; other top-level sections (model, trainer) are the trainer's.
     ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``.
+    ``path`` may also name a packaged config (``demo``, ``stack-100m``; ``stacklm.configs``).
     """
     import yaml
 
+    from stacklm.configs import resolve_config
     from stacklm.data.nodes import PipelineConfig
 
-    path = Path(path)
+    path = resolve_config(path)
     try:
         doc = yaml.safe_load(path.read_text())
     except FileNotFoundError:
         raise PrebuildError(f"{path}: no such config file", path=path) from None
     except yaml.YAMLError as e:
         raise PrebuildError(f"{path}: not valid YAML ({e})", path=path) from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("data"), dict):
-        raise PrebuildError(f"{path}: expected a mapping with a 'data:' section (the pipeline config: seq_len, mix, ...)", path=path)
-    data = doc["data"]
-    section = doc.get("prebuild") or {}
-    if "pipeline" in data:  # StackDataModule arguments
-        if not isinstance(data["pipeline"], dict):
-            raise PrebuildError(f"{path}: 'data.pipeline' must be the pipeline config (a mapping with mix, ...)", path=path)
-        fields = dict(data["pipeline"])
-        for key in ("seq_len", "batch_size", "seed"):
-            if key in data:
-                fields.setdefault(key, data[key])
-        where, tokenizer, out = "data.pipeline", data.get("tokenizer", doc.get("tokenizer")), data.get("data_dir")
-    else:
-        fields, where, tokenizer, out = data, "data", doc.get("tokenizer"), None
+    data = doc.get("data") if isinstance(doc, dict) else None
+    if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
+        raise PrebuildError(
+            f"{path}: expected a 'data:' section with the pipeline config under '{PIPELINE_PATH}' (mix, seq_len, ...); "
+            "see the packaged demo config (`stacklm prebuild --config demo`)",
+            path=path,
+        )
+    if data.get("mode") == "sft":
+        raise PrebuildError(f"{path}: data.mode is 'sft'; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
+    fields = dict(data["pipeline"])
+    for key in MODULE_DEFAULTS:
+        if key in data:
+            fields.setdefault(key, data[key])
     try:
-        config = PipelineConfig.from_dict(fields)
+        config = PipelineConfig.from_dict(fields, path=PIPELINE_PATH)
+        section = PrebuildSettings.coerce(doc.get("prebuild"), "prebuild")
     except (ValueError, TypeError) as e:
-        raise PrebuildError(f"{path}: section {where!r}: {e}", path=path) from None
+        raise PrebuildError(f"{path}: {e}", path=path) from None
     settings = {
-        "tokenizer": tokenizer,
-        "out": section.get("out", out),
-        "tokens_per_shard": int(section.get("tokens_per_shard", DEFAULT_TOKENS_PER_SHARD)),
-        "workers": int(section.get("workers", 1)),
-        "splits": tuple(section.get("splits", SPLITS)),
+        "tokenizer": data.get("tokenizer"),
+        "out": section.out or data.get("data_dir"),
+        "tokens_per_shard": section.tokens_per_shard,
+        "workers": section.workers,
+        "splits": section.splits,
     }
     return config, settings

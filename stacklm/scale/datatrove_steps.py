@@ -34,10 +34,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from datatrove.data import Document, DocumentsPipeline
-from datatrove.pipeline.base import PipelineStep
-
 from stacklm.data.splits import SPLITS
+from stacklm.optional import require
+
+require("datatrove", "scale", "the datatrove prebuild (stacklm.scale)")  # missing: an error naming the extra
+
+from datatrove.data import Document, DocumentsPipeline  # noqa: E402
+from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
 SUMMARY_KEY = "stacklm_task_summary"
 

@@ -21,13 +21,13 @@ Every rejected conversation is counted by reason, per source (``chat.INVALID_REA
 source stage; ``truncated`` / ``dropped_too_long`` in the render stage), and the first
 location of each reason is kept (``SFTPipeline.examples()``) so a drop is never silent.
 
-One module per job: ``config`` (``SFTSourceConfig``, ``SFTConfig``), ``reader``
+One module per job: ``config`` (``SFTConfig``; its sources are ``registry.SourceConfig``), ``reader``
 (``ConversationSource``), ``render`` (loss tags, truncation, ``RenderNode``), ``pack``
 (``ConversationPacker``, ``SFTPackNode``, ``collate_sft``, ``sft_batch``) and ``pipeline``
 (``build_sft_pipeline``, ``SFTPipeline``).
 """
 
-from stacklm.data.sft.config import ON_INVALID, OVERLONG_RULES, SFTConfig, SFTSourceConfig
+from stacklm.data.sft.config import ON_INVALID, OVERLONG_RULES, SFTConfig
 from stacklm.data.sft.pack import CollateSFT, ConversationPacker, SFTPackNode, collate_sft, sft_batch
 from stacklm.data.sft.pipeline import SFTPipeline, build_sft_pipeline
 from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
@@ -59,7 +59,6 @@ __all__ = [
     "SFTConfig",
     "SFTPackNode",
     "SFTPipeline",
-    "SFTSourceConfig",
     "TRUNCATED",
     "TRUNCATED_START",
     "TURNS_CUT",

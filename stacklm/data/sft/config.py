@@ -1,127 +1,38 @@
-"""The SFT configuration: one conversation dataset (``SFTSourceConfig``) and the stream (``SFTConfig``)."""
+"""The SFT configuration: ``SFTConfig``, the stream over conversation datasets, each one a
+``SourceConfig`` -- the same source schema as pre-training (``stacklm.data.registry``)."""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from dataclasses import dataclass, field, replace
 
 from stacklm.chat import DEFAULT_ROLE_ALIASES
-from stacklm.chat_formats import FORMATS
-from stacklm.chat_policy import LossPolicy
+from stacklm.config import Config
+from stacklm.data.registry import SourceConfig
+from stacklm.errors import ConfigError
 
 # truncate: keep the longest prefix of turns ending on a trained turn; keep_end: keep the
 # leading system turn(s) and the longest tail starting at a user turn; drop: drop it.
 OVERLONG_RULES = ("truncate", "keep_end", "drop")
 ON_INVALID = ("drop", "raise")
-
-
-def _unknown_keys(what: str, data: Mapping[str, Any], cls) -> None:
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"{what}: unknown field(s) {unknown}; known: {sorted(known)}")
+SFT_KINDS = ("local", "hf")
+SFT_DOMAIN = "chat"
 
 
 @dataclass(frozen=True)
-class SFTSourceConfig:
-    """One conversation dataset.
-
-    ``kind="local"``: ``files`` are globs of ``.jsonl``/``.ndjson``/``.json`` (JSON lines,
-    optionally ``.gz``/``.zst``) or ``.parquet`` files. ``kind="hf"``:
-    ``datasets.load_dataset(path, config_name, split=..., streaming=True, ...)`` -- a hub id, or
-    a builder such as ``"json"``/``"parquet"`` with ``data_files``. ``column``: the list of
-    messages; ``None`` picks ``messages``, else ``conversations`` (ShareGPT ``from``/``value``).
-
-    Per source (so a mix can train each dataset its own way): ``format`` (``chat_formats.FORMATS``;
-    ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca by the fields), the loss
-    policy (``loss``: ``assistant_only`` | ``last_assistant_turn`` | ``roles_to_train`` |
-    ``completion_only``; ``roles_to_train``; ``train_stop_token``; ``reasoning_loss``: ``train``
-    | ``mask`` | ``drop``, see ``stacklm.chat_policy``) and ``overlong`` (``None``: the SFT
-    config's rule).
-    """
-
-    name: str
-    kind: str = "local"
-    files: tuple[str, ...] = ()
-    path: str | None = None
-    config_name: str | None = None
-    split: str = "train"
-    data_files: tuple[str, ...] | None = None
-    data_dir: str | None = None
-    revision: str | None = None
-    column: str | None = None
-    domain: str = "chat"
-    weight: float = 1.0
-    format: str = "auto"
-    loss: str = "assistant_only"
-    roles_to_train: tuple[str, ...] = ("assistant",)
-    train_stop_token: bool = True
-    reasoning_loss: str = "train"
-    overlong: str | None = None
-
-    # Fields added after configs were hashed: left out of to_dict() at their default, so an
-    # existing config keeps its config_hash (a resume is not refused by an upgrade).
-    _NEW_DEFAULTS: ClassVar[dict[str, Any]] = {"format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
-                     "reasoning_loss": "train", "overlong": None}
-
-    def __post_init__(self) -> None:
-        where = f"sft source {self.name!r}"
-        if self.format not in FORMATS:
-            raise ValueError(f"{where}: field 'format' must be one of {FORMATS}, got {self.format!r}")
-        if self.overlong is not None and self.overlong not in OVERLONG_RULES:
-            raise ValueError(f"{where}: field 'overlong' must be one of {OVERLONG_RULES} (or unset), got {self.overlong!r}")
-        object.__setattr__(self, "roles_to_train", (self.roles_to_train,) if isinstance(self.roles_to_train, str) else tuple(self.roles_to_train))
-        try:
-            self.loss_policy()
-        except ValueError as e:
-            raise ValueError(f"{where}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
-        if self.kind not in ("local", "hf"):
-            raise ValueError(f"{where}: field 'kind' must be 'local' or 'hf', got {self.kind!r}")
-        if self.kind == "local" and not self.files:
-            raise ValueError(f"{where}: field 'files' (globs of .jsonl/.parquet files) is required for kind 'local'")
-        if self.kind == "hf" and not self.path:
-            raise ValueError(f"{where}: field 'path' (hub id or builder like 'json') is required for kind 'hf'")
-        if not self.weight > 0:
-            raise ValueError(f"{where}: field 'weight' must be > 0, got {self.weight}")
-        for f in ("files", "data_files"):
-            v = getattr(self, f)
-            if isinstance(v, str):
-                object.__setattr__(self, f, (v,))
-            elif v is not None:
-                object.__setattr__(self, f, tuple(v))
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SFTSourceConfig":
-        if "name" not in data:
-            raise ValueError(f"sft source {dict(data)}: missing field 'name'")
-        _unknown_keys(f"sft source {data['name']!r}", data, cls)
-        return cls(**data)
-
-    def loss_policy(self) -> LossPolicy:
-        """The ``LossPolicy`` of this source's fields."""
-        return LossPolicy(self.loss, self.roles_to_train, self.train_stop_token, self.reasoning_loss)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["files"] = list(self.files)
-        d["data_files"] = list(self.data_files) if self.data_files is not None else None
-        d["roles_to_train"] = list(self.roles_to_train)
-        for k, default in self._NEW_DEFAULTS.items():
-            if d[k] == default:
-                del d[k]
-        return d
-
-
-@dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(Config):
     """Everything that decides the SFT stream. ``config_hash`` guards resumes.
 
-    ``pack_buffer``: conversations held by the best-fit packer (1 = one conversation per row,
-    padded). ``overlong``: a conversation longer than ``seq_len`` is cut after the last
+    ``sources``: conversation datasets (``SourceConfig`` with ``kind`` ``local`` -- ``path``:
+    globs of ``.jsonl``/``.ndjson``/``.json`` (JSON lines, optionally ``.gz``/``.zst``) or
+    ``.parquet`` files -- or ``hf``: ``datasets.load_dataset(path, config_name, split=...,
+    streaming=True, ...)``, a hub id or a builder such as ``"json"`` with ``data_files``);
+    ``text_column`` is the list of messages (``None``: ``messages``, else ShareGPT
+    ``conversations``); ``domain`` defaults to ``chat``. Per source (so a mix can train each
+    dataset its own way): ``format``, the loss policy (``loss``, ``roles_to_train``,
+    ``train_stop_token``, ``reasoning_loss``) and ``overlong`` (see ``SourceConfig``).
+    ``pack_buffer_docs``: conversations held by the best-fit packer (1 = one conversation per
+    row, padded). ``overlong``: a conversation longer than ``seq_len`` is cut after the last
     trained turn that fits (``truncate``), cut to its system turn(s) plus the longest tail that
     starts at a user turn and fits (``keep_end``), or dropped (``drop``); all counted. A
     source's own ``overlong`` overrides it.
@@ -130,12 +41,12 @@ class SFTConfig:
     ``raise`` stops at the first one.
     """
 
-    sources: tuple[SFTSourceConfig, ...]
+    sources: tuple[SourceConfig, ...] = field(metadata={"help": "a list of {name, kind, path, ...}"})
     seq_len: int = 2048
     batch_size: int = 8
     seed: int = 0
     shuffle_buffer: int = 1000
-    pack_buffer: int = 128
+    pack_buffer_docs: int = 128
     overlong: str = "truncate"
     on_invalid: str = "drop"
     holdout_fraction: float = 0.01
@@ -145,42 +56,31 @@ class SFTConfig:
     def __post_init__(self) -> None:
         w = "sft config"
         if not self.sources:
-            raise ValueError(f"{w}: field 'sources' is empty; list at least one conversation dataset")
-        object.__setattr__(self, "sources", tuple(self.sources))
+            raise ConfigError(f"{w}: field 'sources' is empty; list at least one conversation dataset")
+        sources = tuple(replace(s, domain=SFT_DOMAIN) if s.domain is None else s for s in self.sources)
+        object.__setattr__(self, "sources", sources)
+        object.__setattr__(self, "role_aliases", dict(self.role_aliases))
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
-            raise ValueError(f"{w}: source names must be unique, got {names}")
+            raise ConfigError(f"{w}: source names must be unique, got {names}")
+        for s in self.sources:
+            if s.kind not in SFT_KINDS:
+                raise ConfigError(f"{w}: source {s.name!r}: field 'kind' must be one of {SFT_KINDS}, got {s.kind!r}")
         if self.seq_len < 8:
-            raise ValueError(f"{w}: field 'seq_len' must be >= 8, got {self.seq_len}")
+            raise ConfigError(f"{w}: field 'seq_len' must be >= 8, got {self.seq_len}")
         if self.batch_size < 1:
-            raise ValueError(f"{w}: field 'batch_size' must be >= 1, got {self.batch_size}")
-        if self.pack_buffer < 1 or self.shuffle_buffer < 1:
-            raise ValueError(f"{w}: fields 'pack_buffer' and 'shuffle_buffer' must be >= 1")
+            raise ConfigError(f"{w}: field 'batch_size' must be >= 1, got {self.batch_size}")
+        if self.pack_buffer_docs < 1 or self.shuffle_buffer < 1:
+            raise ConfigError(f"{w}: fields 'pack_buffer_docs' and 'shuffle_buffer' must be >= 1")
         if self.overlong not in OVERLONG_RULES:
-            raise ValueError(f"{w}: field 'overlong' must be one of {OVERLONG_RULES}, got {self.overlong!r}")
+            raise ConfigError(f"{w}: field 'overlong' must be one of {OVERLONG_RULES}, got {self.overlong!r}")
         if self.on_invalid not in ON_INVALID:
-            raise ValueError(f"{w}: field 'on_invalid' must be one of {ON_INVALID}, got {self.on_invalid!r}")
+            raise ConfigError(f"{w}: field 'on_invalid' must be one of {ON_INVALID}, got {self.on_invalid!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
-            raise ValueError(f"{w}: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
+            raise ConfigError(f"{w}: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SFTConfig":
-        """From the ``data.sft`` section of a YAML config (see ``configs/sft.yaml``)."""
-        _unknown_keys("sft config", data, cls)
-        if "sources" not in data:
-            raise ValueError("sft config: missing field 'sources' (a list of {name, kind, files|path, ...})")
-        kw = dict(data)
-        kw["sources"] = tuple(s if isinstance(s, SFTSourceConfig) else SFTSourceConfig.from_dict(s) for s in data["sources"])
-        if kw.get("role_aliases") is not None:
-            kw["role_aliases"] = dict(kw["role_aliases"])
-        return cls(**kw)
+    def build(self, tokenizer, split: str = "train", shard=None):
+        """The SFT node graph for one split and one (rank, worker) shard (``build_sft_pipeline``)."""
+        from stacklm.data.sft.pipeline import build_sft_pipeline
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        d["sources"] = [s.to_dict() for s in self.sources]
-        d["role_aliases"] = dict(self.role_aliases)
-        return d
-
-    def config_hash(self) -> str:
-        """sha256 of the canonical config: a resume with another stream is refused on this."""
-        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+        return build_sft_pipeline(self, tokenizer, split, shard)

@@ -8,6 +8,7 @@ from typing import Any
 from torchdata.nodes import BaseNode, Batcher, Mapper, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import chat_tokens
+from stacklm.data.graph import BuiltPipeline
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.sft.pack import CollateSFT, SFTPackNode
@@ -16,25 +17,15 @@ from stacklm.data.sft.render import RenderNode
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
-from stacklm.data.stats import chain_stats
 
 
 @dataclass
-class SFTPipeline:
-    """The built SFT graph; ``batches`` is what a loader iterates (its ``state_dict()`` is the
-    whole graph's exact position)."""
-
-    config: SFTConfig
-    split: str
-    shard: ShardSpec
-    sources: dict[str, ConversationSource]
-    chains: dict[str, dict[str, BaseNode]]
-    windows: SFTPackNode
-    batches: BaseNode
+class SFTPipeline(BuiltPipeline):
+    """The built SFT graph (``BuiltPipeline``); its packer also counts by reason."""
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         """Counts by stage -> source -> reason (kept, each rejection reason, truncated, ...)."""
-        out = chain_stats(self.chains)
+        out = super().stats()
         pack = self.windows.packer.stats.to_dict()
         if pack:
             out["pack"] = pack
@@ -43,9 +34,6 @@ class SFTPipeline:
     def examples(self) -> dict[str, dict[str, str]]:
         """source -> reason -> the first rejected conversation's located message."""
         return {name: dict(src.first_where) for name, src in self.sources.items() if src.first_where}
-
-    def packing(self) -> dict[str, Any]:
-        return self.windows.summary()
 
     def realized(self) -> dict[str, dict[str, Any]]:
         """Per source: conversations, tokens and loss-bearing tokens rendered, target and
@@ -96,6 +84,6 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
         )
     if config.shuffle_buffer > 1:
         stream = ShuffleNode(stream, config.shuffle_buffer, seed=config.seed + 1)
-    windows = SFTPackNode(stream, config.seq_len, ct.bos, ct.eos, ct.pad, config.pack_buffer)
+    windows = SFTPackNode(stream, config.seq_len, ct.bos, ct.eos, ct.pad, config.pack_buffer_docs)
     batches = Mapper(Batcher(windows, config.batch_size, drop_last=config.drop_last), CollateSFT(ct.bos, ct.eos, ct.pad))
-    return SFTPipeline(config, split, shard, sources, chains, windows, batches)
+    return SFTPipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches)

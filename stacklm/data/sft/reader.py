@@ -17,7 +17,8 @@ from stacklm.chat import (
 )
 from stacklm.chat_formats import conversation_from_record
 from stacklm.data.audit import KEPT, clean_text
-from stacklm.data.sft.config import ON_INVALID, SFTSourceConfig
+from stacklm.data.registry import SourceConfig
+from stacklm.data.sft.config import ON_INVALID, SFT_DOMAIN
 from stacklm.data.sources import (
     DatasetsReader,
     EmptySourceError,
@@ -60,7 +61,7 @@ def conversation_text(turns: Sequence[Turn]) -> str:
 
 
 class ConversationSource(PartNode):
-    """Conversations of one ``SFTSourceConfig`` as ``{"turns", "text", "source", "domain",
+    """Conversations of one ``SourceConfig`` as ``{"turns", "text", "source", "domain",
     "doc_id"}``, validated (``chat.validate_conversation``) and with every rejection counted.
 
     Reading is by parts (files, or a hub dataset's shards) split across (rank, worker) with
@@ -73,7 +74,7 @@ class ConversationSource(PartNode):
 
     def __init__(
         self,
-        spec: SFTSourceConfig,
+        spec: SourceConfig,
         *,
         shard: ShardSpec | None = None,
         role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
@@ -81,7 +82,7 @@ class ConversationSource(PartNode):
     ) -> None:
         if on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
-        super().__init__(spec.name, spec.domain, shard=shard, stage="sft_source")
+        super().__init__(spec.name, spec.domain or SFT_DOMAIN, shard=shard, stage="sft_source")
         self.spec = spec
         self.role_aliases, self.on_invalid = dict(role_aliases), on_invalid
         self.first_where: dict[str, str] = {}
@@ -90,19 +91,19 @@ class ConversationSource(PartNode):
     def _describe(self) -> str:
         s = self.spec
         if s.kind == "local":
-            return f"files {list(s.files)}"
+            return f"files {s.paths}"
         extra = " ".join(f"{k}={v}" for k, v in (("name", s.config_name), ("data_files", s.data_files), ("revision", s.revision)) if v)
         return f"datasets {s.path} {extra} split={s.split}".replace("  ", " ")
 
     def _list_parts(self) -> list[str]:
         s = self.spec
         if s.kind == "local":
-            paths = glob_files(s.files)
+            paths = glob_files(s.paths)
             if not paths:
                 raise SourceNotFoundError(
-                    f"sft source {self.name!r}: {list(s.files)} matched no files (cwd {os.getcwd()}); check the paths",
+                    f"sft source {self.name!r}: {s.paths} matched no files (cwd {os.getcwd()}); check the paths",
                     source=self.name,
-                    file=str(list(s.files)),
+                    file=str(s.paths),
                 )
             for p in paths:
                 try:
@@ -167,8 +168,8 @@ class ConversationSource(PartNode):
                 self.stats.add(self.name, INVALID_UTF8_LINES)
         else:
             record = raw
-        turns = conversation_from_record(record, column=self.spec.column, format=self.spec.format, role_aliases=self.role_aliases,
-                                         where=where)
+        turns = conversation_from_record(record, column=self.spec.text_column, format=self.spec.format,
+                                         role_aliases=self.role_aliases, where=where)
         repaired = False
         for i, t in enumerate(turns):  # NULs and lone surrogates: repaired the audit's way, counted
             text, audit = clean_text(t.content)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from stacklm.data.registry import DataMixEntry
+from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
 from stacklm.data.sources.errors import EmptySourceError, SourceError, column_error
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, import_datasets
@@ -56,11 +56,11 @@ class HFStreamSource(TextPartSource):
         self._fallback: SyntheticSource | None = None
 
     @classmethod
-    def from_entry(cls, entry: DataMixEntry, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> HFStreamSource:
+    def from_entry(cls, entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> HFStreamSource:
         return cls(
             entry.name, entry.path, entry.domain, config_name=entry.config_name, split=entry.split,
             data_dir=entry.data_dir, data_files=entry.data_files, revision=entry.revision,
-            text_column=entry.text_column, shard=shard, fallback_offline=fallback_offline,
+            text_column=entry.text_column or DEFAULT_TEXT_COLUMN, shard=shard, fallback_offline=fallback_offline,
             fallback_seed=entry.seed, fallback_docs=entry.num_docs,
         )
 

@@ -214,8 +214,10 @@ class DatasetsReader:
 
 def import_datasets():
     """The ``datasets`` module, imported on first use (importing it takes seconds) with its
-    progress bars off."""
-    import datasets
+    progress bars off; missing, an error naming the ``[hf]`` extra."""
+    from stacklm.optional import require
+
+    datasets = require("datasets", "hf", "reading parquet files and hub datasets")
 
     datasets.disable_progress_bars()  # one bar per file would bury the useful output
     return datasets

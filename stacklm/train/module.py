@@ -1,4 +1,4 @@
-"""``GPTModule``: the LightningModule that trains ``trainer.model.GPT`` on batch-contract dicts.
+"""``GPTModule``: the LightningModule that trains ``stacklm.train.model.GPT`` on batch-contract dicts.
 
 Logs (per optimizer step, written at Lightning's ``log_every_n_steps``):
   - ``train/loss`` — mean cross-entropy over targets != -100;
@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass
 import lightning.pytorch as L
 import torch
 
-from trainer.model import GPT, GPTConfig, check_batch, coerce_dataclass, lm_loss
+from stacklm.config import Config
+from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Config):
     """AdamW with linear warmup then cosine decay to ``min_lr_ratio * lr``."""
 
     lr: float = 6e-4
@@ -42,10 +43,6 @@ class OptimConfig:
         self.betas = tuple(self.betas)
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ValueError(f"OptimConfig needs lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0; got {self}")
-
-    @classmethod
-    def coerce(cls, value: OptimConfig | Mapping | None) -> OptimConfig:
-        return coerce_dataclass(cls, value)
 
 
 def warmup_cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:

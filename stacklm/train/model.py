@@ -7,7 +7,7 @@ embedding). Deep-and-thin is the better use of ~100M parameters at this scale (M
 Liu et al. 2024), and it keeps one shared matrix for input and output.
 
 Packed rows: every attention layer applies the document-causal mask built once from
-``seq_ids`` (see ``trainer.attention``), and RoPE rotates queries and keys by
+``seq_ids`` (see ``stacklm.train.attention``), and RoPE rotates queries and keys by
 ``position_ids`` (the offset inside each document), so a document packed at offset k of a
 row sees exactly what it would see alone at the start of a row.
 """
@@ -16,31 +16,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from stacklm.config import Config
 from stacklm.data.contract import BATCH_KEYS, IGNORE_INDEX
-from trainer.attention import BACKENDS, AttentionMask, attend, build_attention_mask
-
-
-def coerce_dataclass(cls, value):
-    """``cls`` from an instance, a plain dict (checkpoint hparams, YAML) or ``None`` (defaults);
-    an unknown key is an error that lists the known fields."""
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    unknown = set(value) - {f.name for f in fields(cls)}
-    if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
-    return cls(**value)
+from stacklm.train.attention import BACKENDS, AttentionMask, attend, build_attention_mask
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Config):
     """Model shape. Defaults are the Stack-100M model (``stack_100m()``)."""
 
     vocab_size: int = 32768  # embedding rows; must be >= the tokenizer's vocab
@@ -52,7 +40,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-6
     init_std: float = 0.02
-    attention: str = "auto"  # one of trainer.attention.BACKENDS
+    attention: str = "auto"  # one of stacklm.train.attention.BACKENDS
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "n_layer", "n_head", "d_model", "mlp_ratio"):
@@ -79,14 +67,6 @@ class GPTConfig:
         """A CPU-sized model for tests and the demo (~0.4M params besides the embedding)."""
         base = dict(vocab_size=32768, seq_len=256, n_layer=2, n_head=4, d_model=128)
         return cls(**{**base, **overrides})
-
-    @classmethod
-    def coerce(cls, value: GPTConfig | Mapping | None) -> GPTConfig:
-        """A config from itself, a plain dict (checkpoint hparams, YAML) or ``None`` (defaults)."""
-        return coerce_dataclass(cls, value)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def num_params(self) -> int:
         """Parameter count, embedding counted once (it is tied to the output layer)."""

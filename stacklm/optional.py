@@ -1,0 +1,42 @@
+"""Optional dependencies: the heavy libraries a feature needs are imported where it runs.
+
+``stacklm``'s core (tokenizer, pipes, shards, ``StackDataModule``) needs none of them; each
+belongs to an extra: ``[hf]`` (``transformers``, ``datasets``: hub streams, parquet files,
+Hugging Face tokenizers), ``[wandb]`` (the W&B mix table), ``[scale]`` (``datatrove``
+executors). ``require`` imports one and, when it is missing, raises a ``StackLMError`` that
+names the package and the ``pip install`` that fixes it -- one line from the CLI, exit 2 --
+instead of a bare ``ModuleNotFoundError`` from deep inside a pipe.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from stacklm.errors import StackLMError
+
+EXTRAS = {"hf": ("transformers", "datasets"), "wandb": ("wandb",), "scale": ("datatrove",)}
+
+
+class MissingDependencyError(StackLMError, ImportError):
+    """An optional package a feature needs is not installed; the message says which extra."""
+
+
+def require(module: str, extra: str, purpose: str | None = None) -> ModuleType:
+    """``import module``, or ``MissingDependencyError`` naming it and ``pip install "stacklm[extra]"``.
+
+    Only the module itself being absent is translated: an import error raised from inside an
+    installed package (a broken install of something else) keeps its own traceback.
+    """
+    if extra not in EXTRAS:
+        raise ValueError(f"unknown extra {extra!r}; extras: {sorted(EXTRAS)}")
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        top = module.split(".")[0]
+        if e.name is not None and e.name.split(".")[0] != top:
+            raise
+        why = f"{purpose} needs" if purpose else "this needs"
+        raise MissingDependencyError(
+            f"{why} the optional package {top!r}, which is not installed: pip install \"stacklm[{extra}]\""
+        ) from None

@@ -1,0 +1,155 @@
+"""The one ``Config`` base: unknown keys named by dotted path with the nearest valid name, type
+coercion of nested configs, lists, Optional and Literal, one hash, and the configs that use it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import pytest
+
+from stacklm.config import Config
+from stacklm.configs import CONFIG_DIR, packaged_configs, resolve_config
+from stacklm.data.nodes import PipelineConfig
+from stacklm.data.registry import DataMixError, SourceConfig
+from stacklm.data.sft import SFTConfig
+from stacklm.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Inner(Config):
+    near: bool = True
+    size: int = 3
+
+
+@dataclass(frozen=True)
+class Outer(Config):
+    name: str
+    inner: Inner = field(default_factory=Inner)
+    rule: Literal["greedy", "best_fit"] = "best_fit"
+    files: tuple[str, ...] = ()
+    limit: int | None = None
+    ratio: float = 0.5
+
+
+def test_unknown_key_names_dotted_path_and_nearest_name():
+    with pytest.raises(ConfigError) as err:
+        Outer.from_dict({"name": "x", "inner": {"nera": False}}, path="data.pipeline")
+    msg = str(err.value)
+    assert "'data.pipeline.inner.nera'" in msg and "did you mean 'near'" in msg
+    with pytest.raises(ConfigError, match="'nme'; did you mean 'name'"):
+        Outer.from_dict({"nme": "x"})
+    with pytest.raises(ConfigError, match=r"missing required field\(s\) \['name'\]"):
+        Outer.from_dict({})
+
+
+def test_types_are_coerced_and_wrong_types_named():
+    cfg = Outer.from_dict({"name": "x", "inner": None, "files": "a/*.jsonl", "limit": 2.0e3, "ratio": 1})
+    assert cfg.inner == Inner() and cfg.files == ("a/*.jsonl",) and cfg.limit == 2000 and isinstance(cfg.limit, int)
+    assert cfg.ratio == 1 and isinstance(cfg.ratio, int)  # an int stays an int: to_dict keeps what was written
+    assert Outer.from_dict({"name": "x", "files": ["a", "b"]}).files == ("a", "b")
+    for bad, words in [
+        ({"inner": {"size": "3"}}, ["'inner.size'", "integer"]),
+        ({"inner": {"near": 1}}, ["'inner.near'", "true or false"]),
+        ({"rule": "first_fit"}, ["'rule'", "best_fit"]),
+        ({"limit": "many"}, ["'limit'"]),
+        ({"files": [1]}, ["'files[0]'", "string"]),
+        ({"inner": [1]}, ["'inner'", "mapping"]),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            Outer.from_dict({"name": "x", **bad})
+        for w in words:
+            assert w in str(err.value), (bad, str(err.value))
+
+
+def test_round_trip_and_one_hash():
+    cfg = Outer.from_dict({"name": "x", "inner": {"size": 4}, "files": ["a"]})
+    assert cfg.to_dict() == {"name": "x", "inner": {"near": True, "size": 4}, "rule": "best_fit", "files": ["a"],
+                             "limit": None, "ratio": 0.5}
+    assert Outer.from_dict(cfg.to_dict()) == cfg and Outer.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
+    assert cfg.config_hash() != Outer.from_dict({**cfg.to_dict(), "ratio": 0.25}).config_hash()
+    assert cfg.config_hash(exclude=("ratio",)) == Outer.from_dict({**cfg.to_dict(), "ratio": 0.25}).config_hash(exclude=("ratio",))
+    with pytest.raises(NotImplementedError):
+        cfg.build()
+
+
+def test_pipeline_config_typos_at_every_depth():
+    base = {"mix": "stack-100m"}
+    for patch, dotted, near in [
+        ({"dedup": {"nera": True}}, "data.pipeline.dedup.nera", "near"),
+        ({"filters": {"prose": {"min_char": 1}}}, "data.pipeline.filters.prose.min_char", "min_chars"),
+        ({"pack_buffer": 8}, "data.pipeline.pack_buffer", "pack_buffer_docs"),
+        ({"mix": {"name": "m", "total_tokens": 10, "entries": [{"name": "w", "kind": "synthetic", "domain": "prose",
+                                                                 "text_colum": "t"}]}},
+         "data.pipeline.mix.entries[0].text_colum", "text_column"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            PipelineConfig.from_dict({**base, **patch}, path="data.pipeline")
+        assert f"{dotted!r}" in str(err.value) and f"did you mean {near!r}" in str(err.value)
+    with pytest.raises(DataMixError, match="did you mean 'stack-100m'"):
+        PipelineConfig.from_dict({"mix": "stack-10m"})
+
+
+def test_one_source_schema_for_pretraining_and_sft(tmp_path):
+    src = {"name": "chats", "kind": "local", "path": [str(tmp_path / "*.jsonl")], "text_column": "messages"}
+    sft = SFTConfig.from_dict({"sources": [src], "pack_buffer_docs": 4})
+    assert isinstance(sft.sources[0], SourceConfig) and sft.sources[0].domain == "chat"
+    assert sft.sources[0].paths == [str(tmp_path / "*.jsonl")] and sft.pack_buffer_docs == 4
+    pre = PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 10, "entries": [
+        {**src, "domain": "prose", "text_column": None}]}})
+    assert isinstance(pre.mix.entries[0], SourceConfig) and pre.mix.entries[0].text_column == "text"
+    for old, new in [("files", "data_files"), ("column", "text_column")]:  # the SFT names before the merge
+        with pytest.raises(ConfigError, match=f"did you mean '{new}'"):
+            SFTConfig.from_dict({"sources": [{"name": "c", "path": "x", old: "y"}]}, path="data.pipeline")
+    with pytest.raises(ConfigError, match="did you mean 'pack_buffer_docs'"):
+        SFTConfig.from_dict({"sources": [src], "pack_buffer": 4})
+    node = SourceConfig("w", "synthetic", 1.0, "prose", seed=1, num_docs=3).build()  # the pre-training source node
+    node.reset()
+    assert [d["source"] for d in node] == ["w"] * 3
+    with pytest.raises(DataMixError, match="for pre-training"):  # chat is an SFT domain
+        PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 10, "entries": [{**src, "domain": "chat"}]}})
+
+
+def test_packaged_configs_resolve_by_name_and_share_one_layout(tmp_path):
+    assert {"demo", "sft", "stack-100m"} <= set(packaged_configs())
+    assert resolve_config("demo") == CONFIG_DIR / "demo.yaml" == resolve_config("demo.yaml")
+    own = tmp_path / "demo"
+    own.write_text("data: {}\n")
+    assert resolve_config(own) == own  # an existing file wins over a name
+    with pytest.raises(ConfigError, match="did you mean 'demo'"):
+        resolve_config("dmeo")
+    import yaml
+
+    for name in packaged_configs():  # one layout: data.pipeline is a config of its mode
+        data = yaml.safe_load(resolve_config(name).read_text())["data"]
+        cls = SFTConfig if data["mode"] == "sft" else PipelineConfig
+        cfg = cls.from_dict(data["pipeline"], path="data.pipeline")
+        assert cls.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
+
+
+@pytest.mark.parametrize("name", ["demo", "sft"])
+def test_print_config_refuses_a_pipeline_typo(tmp_path, name):
+    """``python -m trainer fit --config X --print_config`` parses ``data.pipeline``: a typo exits
+    2 naming the dotted key and the nearest name; the packaged config itself prints."""
+    import yaml
+
+    doc = yaml.safe_load(resolve_config(name).read_text())
+    doc["data"]["pipeline"]["shuffle_bufer"] = 8
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(json.dumps(doc))
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WANDB_MODE": "offline"}
+    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", str(bad), "--print_config"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2, res.stdout + res.stderr
+    assert "'data.pipeline.shuffle_bufer'; did you mean 'shuffle_buffer'" in res.stderr
+    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", name, "--print_config"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    printed = yaml.safe_load(res.stdout)["data"]["pipeline"]
+    assert printed == yaml.safe_load(resolve_config(name).read_text())["data"]["pipeline"]
