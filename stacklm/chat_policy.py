@@ -32,6 +32,10 @@ from typing import Any
 
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
+# truncate: keep the longest prefix of turns ending on a trained turn; keep_end: keep the
+# leading system turn(s) and the longest tail starting at a user turn; drop: drop it.
+OVERLONG_RULES = ("truncate", "keep_end", "drop")
+
 LOSS_MODES = ("assistant_only", "last_assistant_turn", "roles_to_train", "completion_only")
 REASONING_POLICIES = ("train", "mask", "drop")
 

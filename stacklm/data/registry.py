@@ -137,7 +137,7 @@ class SourceConfig(Config):
 
     def _validate_sft_fields(self) -> None:
         from stacklm.chat_formats import FORMATS
-        from stacklm.data.sft.config import OVERLONG_RULES
+        from stacklm.chat_policy import OVERLONG_RULES
 
         if self.format not in FORMATS:
             raise self._fail("format", f"must be one of {FORMATS}, got {self.format!r}")

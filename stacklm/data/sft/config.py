@@ -7,13 +7,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from stacklm.chat import DEFAULT_ROLE_ALIASES
+from stacklm.chat_policy import OVERLONG_RULES
 from stacklm.config import Config
 from stacklm.data.registry import SourceConfig
 from stacklm.errors import ConfigError
 
-# truncate: keep the longest prefix of turns ending on a trained turn; keep_end: keep the
-# leading system turn(s) and the longest tail starting at a user turn; drop: drop it.
-OVERLONG_RULES = ("truncate", "keep_end", "drop")
 ON_INVALID = ("drop", "raise")
 SFT_KINDS = ("local", "hf")
 SFT_DOMAIN = "chat"

@@ -17,7 +17,7 @@ from torchdata.nodes import BaseNode
 from stacklm.chat import Turn, assemble, render_turns
 from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.audit import KEPT
-from stacklm.data.sft.config import OVERLONG_RULES
+from stacklm.chat_policy import OVERLONG_RULES
 from stacklm.data.stats import StageStats
 
 TRUNCATED = "truncated"  # overlong: truncate -- the end cut off
