@@ -54,7 +54,9 @@ class DataMode:
 
 class ShardsMode(DataMode):
     """A prebuilt shard directory (``stacklm prebuild``) read through memmaps, in one global
-    seeded permutation per epoch sliced by rank and worker (``ShardsLoader``)."""
+    seeded permutation per epoch sliced by rank and worker (``ShardsLoader``). Its resume
+    position is shape-free and kept in the datamodule's checkpoint state, so a resume may change
+    world size, worker count and batch size."""
 
     name = "shards"
 
@@ -63,27 +65,54 @@ class ShardsMode(DataMode):
         if data_dir is None:
             raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
 
+    def __init__(self, dm: StackDataModule) -> None:
+        super().__init__(dm)
+        self.restored: dict[str, int] | None = None  # the checkpoint's position, until the first loader takes it
+        self._forced_reload = False
+
     def train_loader(self) -> ShardsLoader:
-        return self._loader("train")
+        """Starts where the last train loader stopped, else at the checkpoint's position.
+
+        Lightning counts an epoch's steps from ``len(loader)`` once, when it builds the loader;
+        a resume on another shape gives the resumed epoch another length than a whole epoch,
+        so the trainer is told to rebuild the loader at the next epoch
+        (``reload_dataloaders_every_n_epochs=1``, set back once the lengths agree again)."""
+        dm = self.dm
+        last = dm._train_loader
+        position = last.position() if isinstance(last, ShardsLoader) else self.restored
+        self.restored = None
+        loader = self._loader("train", position)
+        trainer = getattr(dm, "trainer", None)
+        if trainer is not None:
+            if len(loader) != loader.full_epoch_steps() and not trainer.reload_dataloaders_every_n_epochs:
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 1, True
+            elif self._forced_reload and len(loader) == loader.full_epoch_steps():
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 0, False
+        return loader
 
     def val_loader(self) -> ShardsLoader:
-        return self._loader("val")
+        return self._loader("val", None)
 
-    def _loader(self, split: str) -> ShardsLoader:
+    def position(self) -> dict[str, int] | None:
+        loader = self.dm._train_loader
+        return loader.position() if isinstance(loader, ShardsLoader) else self.restored
+
+    def _loader(self, split: str, position: dict[str, int] | None) -> ShardsLoader:
         from stacklm.data.dataset import ElasticSampler
 
         dm = self.dm
         ds = dm.shards_dataset(split)
-        sampler = ElasticSampler(
-            ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size,
-            shuffle=split == "train", loop=False, drop_last=True,
-        )
-        if len(sampler) == 0:
+        train = split == "train"
+        if not train and len(ds) < dm.world_size * dm.batch_size:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
                 f"{dm.world_size} rank(s) x {dm.batch_size}; lower batch_size or build more data"
             )
-        return ShardsLoader(ds, sampler, num_workers=dm.num_workers)
+        order = ElasticSampler(ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size, shuffle=train, loop=False)
+        return ShardsLoader(
+            ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
+            tail="pad" if train else "drop", position=position,
+        )
 
     def loader_stats(self, loader: ShardsLoader) -> dict[str, Any]:
         """Shards interleave every source inside each window, so per-source delivery is the
@@ -105,8 +134,11 @@ class ShardsMode(DataMode):
         return json.loads((Path(self.dm.data_dir) / "manifest.json").read_text())
 
     def data_config_hash(self) -> str:
+        """Content, not place: a moved or copied shard directory has the same hash."""
+        from stacklm.datamodule.identity import shards_content_hash
+
         dm = self.dm
-        return hashlib.sha256(f"shards:{Path(dm.data_dir).resolve()}:{dm.seq_len}:{dm.batch_size}:{dm.seed}".encode()).hexdigest()
+        return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):
