@@ -29,8 +29,9 @@ def row_ids(batch) -> list[str | None]:
 
 
 class Record(L.Callback):
-    def __init__(self, out: Path, save_at: set[int]) -> None:
+    def __init__(self, out: Path, save_at: set[int], save_epoch_end: bool = False) -> None:
         self.out, self.save_at, self.seen, self.lengths = out, save_at, [], []
+        self.save_epoch_end = save_epoch_end
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if not self.lengths or self.lengths[-1][0] != trainer.current_epoch:  # this run's first batch of the epoch
@@ -41,6 +42,10 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.save_at:
             trainer.save_checkpoint(self.out / f"step{trainer.global_step}.ckpt")
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        if self.save_epoch_end:
+            trainer.save_checkpoint(self.out / f"epoch{trainer.current_epoch}-end.ckpt")
 
     def on_train_end(self, trainer, pl_module):
         self.out.mkdir(parents=True, exist_ok=True)
@@ -59,6 +64,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--save-at", type=int, nargs="*", default=[])
+    ap.add_argument("--save-epoch-end", action="store_true")
     ap.add_argument("--resume")
     a = ap.parse_args()
     dm = StackDataModule(mode="shards", tokenizer=a.tokenizer, data_dir=a.data_dir, seq_len=a.seq_len,
@@ -67,7 +73,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", max_epochs=a.epochs,
-        callbacks=[Record(out, set(a.save_at))], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Record(out, set(a.save_at), a.save_epoch_end)], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.out,
     )
     trainer.fit(TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=a.resume)

@@ -5,6 +5,7 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
+- ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes.
 """
 
 from stacklm.datamodule.errors import DataConfigError

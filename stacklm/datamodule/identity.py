@@ -13,7 +13,8 @@ dataset rebuilt at the same path is refused.
 - ``tokenizer``: ``stacklm.data.manifest.tokenizer_hash`` (the ids, not training metadata).
 - ``pipeline``: what decides the order of the data: shards mode, the seed and ``seq_len``
   (batch size, world size and workers may change, see ``ShardsLoader``); stream and SFT modes,
-  the whole pipeline config hash.
+  the whole pipeline config but the batch size (part of the shape, which the datamodule checks
+  and names on its own).
 
 ``where`` (the shard directory) is stored for the refusal message only.
 """
@@ -62,7 +63,8 @@ def data_identity(dm: StackDataModule) -> dict[str, Any]:
         cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
         d = cfg.to_dict()
         data = _sha(d.get("mix", d.get("sources")))
-        pipeline = dm.data_config_hash()
+        # the batch size is part of the shape, checked (and named) on its own
+        pipeline = _sha({k: v for k, v in d.items() if k not in ("num_threads", "batch_size")})
         where = None
     return {"mode": dm.mode, "data": data, "tokenizer": dm.tokenizer_hash(), "pipeline": pipeline, "where": where}
 

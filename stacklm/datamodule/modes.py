@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
-from stacklm.datamodule.shards_loader import ShardsLoader
+from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 
 if TYPE_CHECKING:
@@ -79,7 +79,13 @@ class ShardsMode(DataMode):
         (``reload_dataloaders_every_n_epochs=1``, set back once the lengths agree again)."""
         dm = self.dm
         last = dm._train_loader
-        position = last.position() if isinstance(last, ShardsLoader) else self.restored
+        position = self.restored
+        if isinstance(last, ShardsLoader):
+            position = last.position()
+            if last.batches_yielded:  # rebuilt at the start of the next epoch: Lightning counts from 0
+                position = start_position(position["epoch"] + 1) if position["rows_served"] >= last.num_rows else {**position, "steps": 0}
+            # else rebuilt before serving anything (Lightning moved on to the next epoch while
+            # restoring a checkpoint saved at an epoch's last step): the same position
         self.restored = None
         loader = self._loader("train", position)
         trainer = getattr(dm, "trainer", None)
@@ -151,23 +157,29 @@ class _WorkerStreamMode(DataMode):
             raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
 
     def train_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("train"))
+        return self._loader(self._dataset("train"), epoch_source=self._trainer_epoch)
 
     def val_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("val"))
+        return self._loader(self._dataset("val"))  # the same validation order every epoch
 
     def _dataset(self, split: str) -> StreamDataset:
         """This rank's stream of ``split`` batches."""
         raise NotImplementedError
 
-    def _loader(self, dataset: StreamDataset) -> StackDataLoader:
+    def _loader(self, dataset: StreamDataset, epoch_source=None) -> StackDataLoader:
         return StackDataLoader(
             dataset,
             batch_size=None,
             num_workers=self.dm.num_workers,
             persistent_workers=False,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
+            epoch_source=epoch_source,
         )
+
+    def _trainer_epoch(self) -> int | None:
+        """The epoch Lightning is about to run (restored on resume), so each epoch is its own pass."""
+        trainer = getattr(self.dm, "trainer", None)
+        return None if trainer is None else trainer.current_epoch
 
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
         if not loader.worker_summaries:

@@ -2,8 +2,9 @@
 
 Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``):
 - ``shards``: a prebuilt directory (``stacklm prebuild``) read through memmaps, in one global
-  seeded permutation per epoch sliced by rank and worker; the loader state is
-  (seed, epoch, samples consumed globally), so resume is O(1) and elastic.
+  seeded permutation per epoch (seeded by seed x epoch) sliced by rank and worker; the
+  position is shape-free (epoch, rows served, steps) in this module's checkpoint state, so
+  resume is O(1) and elastic (docs/trainer.md, "Resume").
 - ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
   each (rank, worker) builds its own graph over its shard of the documents.
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.

@@ -95,8 +95,13 @@ class ShardsLoader:
         epoch, rows, steps = int(pos["epoch"]), int(pos["rows_served"]), int(pos["steps"])
         if not 0 <= rows <= self.num_rows:
             raise ValueError(f"position serves {rows} rows of an epoch of {self.num_rows}")
-        if rows == self.num_rows:  # a finished epoch: the next one starts from its top
-            epoch, rows, steps = epoch + 1, 0, 0
+        if rows == self.num_rows:
+            # A finished epoch: the next one starts from its top. Saved at the epoch's last
+            # step, Lightning resumes counting from ``steps`` unless that reaches a whole epoch
+            # at this shape (then it starts the epoch at 0): count the same way, so Lightning's
+            # length and this loader's agree.
+            epoch, rows = epoch + 1, 0
+            steps = steps if steps < self.full_epoch_steps() else 0
         self.epoch, self.rows_served, self.steps = epoch, rows, steps
 
     def position(self) -> dict[str, int]:
