@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "elastic_fit.py"
 
 
-def fit(tokenizer_dir, shards_dir, out: Path, *, devices=1, workers=0, batch=4, save_at=(), epoch_end=False, resume=None) -> dict:
+def fit(tokenizer_dir, shards_dir, out: Path, *, devices=1, workers=0, batch=4, save_at=(), epoch_end=False, resume=None) -> dict:  # noqa: F811
     args = ["--tokenizer", str(tokenizer_dir), "--data-dir", str(shards_dir), "--out", str(out), "--devices", str(devices),
             "--workers", str(workers), "--batch-size", str(batch)]
     if save_at:
@@ -89,7 +89,7 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
     ref_steps = global_rows(ref_run)
     reference = {e: [r for s in steps for r in s if r is not None] for e, steps in ref_steps.items()}
     assert sorted(reference) == [0, 1]
-    for epoch, rows in reference.items():
+    for rows in reference.values():
         assert sorted(rows) == everything  # the one-process epoch: every row once
     assert reference[0] != reference[1]  # each epoch draws a new order
     assert ref_run["lengths"][0] == [[0, per_epoch], [1, per_epoch]]
@@ -101,15 +101,15 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
 
     results = {}
     cases = [  # name, first run, its checkpoint, the step it holds, the new shape
-        ("world 1->2", ref_run, f"step{k0}", k0, dict(devices=2)),
-        ("workers 0->2", ref_run, f"step{k0}", k0, dict(workers=2)),
-        ("batch 4->8", ref_run, f"step{k0}", k0, dict(batch=8)),
-        ("world 2->1, workers 2->0", two, "step9", 9, dict()),
-        ("world 2->3", two, "step9", 9, dict(devices=3, workers=2)),
-        ("in epoch 1: world 1->2, workers 0->2, batch 4->8", ref_run, f"step{k1}", k1, dict(devices=2, workers=2, batch=8)),
+        ("world 1->2", ref_run, f"step{k0}", k0, {"devices": 2}),
+        ("workers 0->2", ref_run, f"step{k0}", k0, {"workers": 2}),
+        ("batch 4->8", ref_run, f"step{k0}", k0, {"batch": 8}),
+        ("world 2->1, workers 2->0", two, "step9", 9, {}),
+        ("world 2->3", two, "step9", 9, {"devices": 3, "workers": 2}),
+        ("in epoch 1: world 1->2, workers 0->2, batch 4->8", ref_run, f"step{k1}", k1, {"devices": 2, "workers": 2, "batch": 8}),
         # saved at the last step of an epoch (Lightning counts on from there) and at its end
-        ("last step of epoch 0: world 2->1", two, f"step{per_epoch_two}", per_epoch_two, dict()),
-        ("end of epoch 0: world 1->2", ref_run, "epoch0-end", per_epoch, dict(devices=2)),
+        ("last step of epoch 0: world 2->1", two, f"step{per_epoch_two}", per_epoch_two, {}),
+        ("end of epoch 0: world 1->2", ref_run, "epoch0-end", per_epoch, {"devices": 2}),
     ]
     for i, (name, first, ckpt, k, shape) in enumerate(cases):
         resumed = fit(tokenizer_dir, shards_dir, tmp_path / f"case{i}", resume=first["out"] / f"{ckpt}.ckpt", **shape)
@@ -135,12 +135,12 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
 
 
 # ------------------------------------------------------------------ epochs draw new orders
-def _stream_dm(tokenizer_dir, **kw):
+def _stream_dm(tokenizer_dir, **kw):  # noqa: F811
     from stacklm.datamodule import StackDataModule
     from tests.test_datamodule import stream_pipeline
 
-    args = dict(mode="stream", tokenizer=str(tokenizer_dir), pipeline=stream_pipeline(total_tokens=3_000), seq_len=64,
-                batch_size=2, num_workers=0, val_batches=0)
+    args = {"mode": "stream", "tokenizer": str(tokenizer_dir), "pipeline": stream_pipeline(total_tokens=3_000), "seq_len": 64,
+                "batch_size": 2, "num_workers": 0, "val_batches": 0}
     return StackDataModule(**{**args, **kw})
 
 
@@ -169,7 +169,7 @@ def test_each_epoch_draws_a_new_order_and_resumes_exactly_inside_it(tokenizer_di
     from tests.lightning_helpers import batch_hash
     from tests.resume import check_save_load_state
 
-    kw = dict(num_workers=2) if mode == "stream" else dict(mode="shards", data_dir=str(shards_dir), pipeline=None)
+    kw = {"num_workers": 2} if mode == "stream" else {"mode": "shards", "data_dir": str(shards_dir), "pipeline": None}
     epoch0 = [batch_hash(b) for b in _loader_at(_stream_dm(tokenizer_dir, **kw), 0)]
     full = check_save_load_state(lambda: _loader_at(_stream_dm(tokenizer_dir, **kw), 1), lambda n: (1, n // 2),
                                  state_round_trip="torch")
@@ -232,15 +232,15 @@ def test_stream_trainer_epochs_differ_and_resume_inside_the_second(tokenizer_dir
 
 
 # ------------------------------------------------------------------ content-addressed resume
-def _fit_shards(root, data_dir, tokenizer_dir, *, steps, ckpt_every=None, ckpt_path=None, **kw):
+def _fit_shards(root, data_dir, tokenizer_dir, *, steps, ckpt_every=None, ckpt_path=None, **kw):  # noqa: F811
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from stacklm.datamodule import StackDataModule
     from tests.lightning_helpers import TinyLM
 
-    dm = StackDataModule(**{**dict(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(data_dir), seq_len=64,
-                                   batch_size=2, val_batches=0), **kw})
+    dm = StackDataModule(**{**{"mode": "shards", "tokenizer": str(tokenizer_dir), "data_dir": str(data_dir), "seq_len": 64,
+                                   "batch_size": 2, "val_batches": 0}, **kw})
     callbacks = [ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=ckpt_every, save_top_k=-1)] if ckpt_every else []
     L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, callbacks=callbacks, logger=False,
               enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0,
@@ -292,7 +292,7 @@ def test_stream_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, 
 
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
     trainer(tmp_path / "a", [ckpt], 2).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir))
-    for change, kw in (("num_workers 0 -> 2", dict(num_workers=2)), ("batch_size 2 -> 4", dict(batch_size=4))):
+    for change, kw in (("num_workers 0 -> 2", {"num_workers": 2}), ("batch_size 2 -> 4", {"batch_size": 4})):
         rec = BatchRecorder()
         with pytest.raises(DataConfigError, match=change) as err:
             trainer(tmp_path / "b", [rec], 4).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir, **kw),
