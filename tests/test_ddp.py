@@ -50,6 +50,22 @@ def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
     for r in (0, 1):
         assert [s[1] for s in resumed[r]] == [s[1] for s in full[r][k:]]
 
+    # a stream position belongs to each (rank, worker): resuming it on one process is refused
+    # before a step, naming the old and the new shape
+    import lightning as L
+
+    from stacklm.datamodule import DataConfigError, StackDataModule
+    from tests.lightning_helpers import BatchRecorder, TinyLM
+
+    rec = BatchRecorder()
+    dm = StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=json.loads(pipe), seq_len=64, batch_size=2,
+                         val_batches=0)
+    with pytest.raises(DataConfigError, match="world_size 2 -> 1"):
+        L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[rec], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, default_root_dir=tmp_path / "single").fit(
+            TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=ckpt)
+    assert rec.seen == []
+
 
 def _all_rows(shards_dir):
     import hashlib
