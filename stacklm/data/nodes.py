@@ -71,9 +71,9 @@ class PipelineConfig(Config):
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ConfigError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
 
-    def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None) -> Pipeline:
-        """The node graph for one split and one (rank, worker) shard (``build_pipeline``)."""
-        return build_pipeline(self, tokenizer, split, shard)
+    def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0) -> Pipeline:
+        """The node graph for one split, one (rank, worker) shard and one pass (``build_pipeline``)."""
+        return build_pipeline(self, tokenizer, split, shard, epoch=epoch)
 
 
 @dataclass
@@ -93,8 +93,23 @@ def _near_deduper(config: PipelineConfig):
     return NearDeduper(max_docs=config.dedup.near_max_docs)
 
 
-def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shard: ShardSpec | None = None) -> Pipeline:
-    """Build the whole graph for one split and one (rank, worker) shard of the sources."""
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The seed of pass ``epoch`` over the data: ``seed`` itself for epoch 0 (a one-pass run and
+    a prebuild are unchanged), else a value derived from ``(seed, epoch)``, so every epoch draws
+    a new order and the same epoch always draws the same one."""
+    if epoch == 0:
+        return seed
+    return int(hashlib.sha256(f"stacklm-epoch:{seed}:{epoch}".encode()).hexdigest()[:15], 16)
+
+
+def build_pipeline(
+    config: PipelineConfig, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
+) -> Pipeline:
+    """Build the whole graph for one split and one (rank, worker) shard of the sources.
+
+    ``epoch`` (a pass over the data) reseeds the mix draws and the shuffle (``epoch_seed``);
+    the holdout assignment keeps ``config.seed``, so a document stays in its split every epoch.
+    """
     check_split(split)
     shard = shard or ShardSpec()
     total = config.mix.total_tokens
@@ -117,8 +132,8 @@ def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shar
         sources[entry.name] = src
         chains[entry.name] = chain
         tokenized[entry.name] = node
-    mix = MixNode(tokenized, config.mix.weights, total, seed=config.seed)
-    shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=config.seed + 1)
+    mix = MixNode(tokenized, config.mix.weights, total, seed=epoch_seed(config.seed, epoch))
+    shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=epoch_seed(config.seed + 1, epoch))
     windows = PackNode(
         shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs
     )

@@ -5,6 +5,7 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
+- ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes.
 
 Names load on first use (PEP 562): ``import stacklm.datamodule`` imports neither torch nor
 lightning (which pulls in transformers through torchmetrics), so a CLI or a config check

@@ -4,7 +4,7 @@ with ``torch.load(weights_only=True)``; the rank-state gather/pick it checkpoint
 from __future__ import annotations
 
 import pickle
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -78,11 +78,16 @@ class StackDataLoader(StatefulDataLoader):
     different part of the stream) and each rank restores its own.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, epoch_source: Callable[[], int | None] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.worker_summaries: dict[int, dict[str, Any]] = {}  # worker id -> its latest summary
+        self.epoch = 0  # the pass over the data: each pass draws its own order (``StreamDataset.epoch``)
+        self.epoch_source = epoch_source  # e.g. the trainer's current epoch, read at each pass
 
     def __iter__(self) -> Iterator[Any]:
+        if self.epoch_source is not None and (epoch := self.epoch_source()) is not None:
+            self.epoch = int(epoch)
+        self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
         for batch in super().__iter__():
             if isinstance(batch, dict) and SUMMARY_KEY in batch:
                 batch = dict(batch)
@@ -91,7 +96,8 @@ class StackDataLoader(StatefulDataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"per_rank": to_checkpoint_safe(gather_from_ranks(super().state_dict()))}
+        return {"per_rank": to_checkpoint_safe(gather_from_ranks(super().state_dict())), "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.epoch = int(state_dict.get("epoch", 0))
         super().load_state_dict(from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream")))

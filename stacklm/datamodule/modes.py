@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
-from stacklm.datamodule.shards_loader import ShardsLoader
+from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 
 if TYPE_CHECKING:
@@ -54,7 +54,9 @@ class DataMode:
 
 class ShardsMode(DataMode):
     """A prebuilt shard directory (``stacklm prebuild``) read through memmaps, in one global
-    seeded permutation per epoch sliced by rank and worker (``ShardsLoader``)."""
+    seeded permutation per epoch sliced by rank and worker (``ShardsLoader``). Its resume
+    position is shape-free and kept in the datamodule's checkpoint state, so a resume may change
+    world size, worker count and batch size."""
 
     name = "shards"
 
@@ -63,27 +65,60 @@ class ShardsMode(DataMode):
         if data_dir is None:
             raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
 
+    def __init__(self, dm: StackDataModule) -> None:
+        super().__init__(dm)
+        self.restored: dict[str, int] | None = None  # the checkpoint's position, until the first loader takes it
+        self._forced_reload = False
+
     def train_loader(self) -> ShardsLoader:
-        return self._loader("train")
+        """Starts where the last train loader stopped, else at the checkpoint's position.
+
+        Lightning counts an epoch's steps from ``len(loader)`` once, when it builds the loader;
+        a resume on another shape gives the resumed epoch another length than a whole epoch,
+        so the trainer is told to rebuild the loader at the next epoch
+        (``reload_dataloaders_every_n_epochs=1``, set back once the lengths agree again)."""
+        dm = self.dm
+        last = dm._train_loader
+        position = self.restored
+        if isinstance(last, ShardsLoader):
+            position = last.position()
+            if last.batches_yielded:  # rebuilt at the start of the next epoch: Lightning counts from 0
+                position = start_position(position["epoch"] + 1) if position["rows_served"] >= last.num_rows else {**position, "steps": 0}
+            # else rebuilt before serving anything (Lightning moved on to the next epoch while
+            # restoring a checkpoint saved at an epoch's last step): the same position
+        self.restored = None
+        loader = self._loader("train", position)
+        trainer = getattr(dm, "trainer", None)
+        if trainer is not None:
+            if len(loader) != loader.full_epoch_steps() and not trainer.reload_dataloaders_every_n_epochs:
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 1, True
+            elif self._forced_reload and len(loader) == loader.full_epoch_steps():
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 0, False
+        return loader
 
     def val_loader(self) -> ShardsLoader:
-        return self._loader("val")
+        return self._loader("val", None)
 
-    def _loader(self, split: str) -> ShardsLoader:
+    def position(self) -> dict[str, int] | None:
+        loader = self.dm._train_loader
+        return loader.position() if isinstance(loader, ShardsLoader) else self.restored
+
+    def _loader(self, split: str, position: dict[str, int] | None) -> ShardsLoader:
         from stacklm.data.dataset import ElasticSampler
 
         dm = self.dm
         ds = dm.shards_dataset(split)
-        sampler = ElasticSampler(
-            ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size,
-            shuffle=split == "train", loop=False, drop_last=True,
-        )
-        if len(sampler) == 0:
+        train = split == "train"
+        if not train and len(ds) < dm.world_size * dm.batch_size:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
                 f"{dm.world_size} rank(s) x {dm.batch_size}; lower batch_size or build more data"
             )
-        return ShardsLoader(ds, sampler, num_workers=dm.num_workers)
+        order = ElasticSampler(ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size, shuffle=train, loop=False)
+        return ShardsLoader(
+            ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
+            tail="pad" if train else "drop", position=position,
+        )
 
     def loader_stats(self, loader: ShardsLoader) -> dict[str, Any]:
         """Shards interleave every source inside each window, so per-source delivery is the
@@ -105,8 +140,11 @@ class ShardsMode(DataMode):
         return json.loads((Path(self.dm.data_dir) / "manifest.json").read_text())
 
     def data_config_hash(self) -> str:
+        """Content, not place: a moved or copied shard directory has the same hash."""
+        from stacklm.datamodule.identity import shards_content_hash
+
         dm = self.dm
-        return hashlib.sha256(f"shards:{Path(dm.data_dir).resolve()}:{dm.seq_len}:{dm.batch_size}:{dm.seed}".encode()).hexdigest()
+        return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):
@@ -119,23 +157,29 @@ class _WorkerStreamMode(DataMode):
             raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
 
     def train_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("train"))
+        return self._loader(self._dataset("train"), epoch_source=self._trainer_epoch)
 
     def val_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("val"))
+        return self._loader(self._dataset("val"))  # the same validation order every epoch
 
     def _dataset(self, split: str) -> StreamDataset:
         """This rank's stream of ``split`` batches."""
         raise NotImplementedError
 
-    def _loader(self, dataset: StreamDataset) -> StackDataLoader:
+    def _loader(self, dataset: StreamDataset, epoch_source=None) -> StackDataLoader:
         return StackDataLoader(
             dataset,
             batch_size=None,
             num_workers=self.dm.num_workers,
             persistent_workers=False,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
+            epoch_source=epoch_source,
         )
+
+    def _trainer_epoch(self) -> int | None:
+        """The epoch Lightning is about to run (restored on resume), so each epoch is its own pass."""
+        trainer = getattr(self.dm, "trainer", None)
+        return None if trainer is None else trainer.current_epoch
 
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
         if not loader.worker_summaries:

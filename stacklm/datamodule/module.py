@@ -2,8 +2,9 @@
 
 Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``):
 - ``shards``: a prebuilt directory (``stacklm prebuild``) read through memmaps, in one global
-  seeded permutation per epoch sliced by rank and worker; the loader state is
-  (seed, epoch, samples consumed globally), so resume is O(1) and elastic.
+  seeded permutation per epoch (seeded by seed x epoch) sliced by rank and worker; the
+  position is shape-free (epoch, rows served, steps) in this module's checkpoint state, so
+  resume is O(1) and elastic (docs/trainer.md, "Resume").
 - ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
   each (rank, worker) builds its own graph over its shard of the documents.
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
@@ -132,6 +133,7 @@ class StackDataModule(L.LightningDataModule):
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._tok = None
         self._train_loader = None
+        self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
         self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
         self._mode = MODE_CLASSES[mode](self)
 
@@ -232,16 +234,47 @@ class StackDataModule(L.LightningDataModule):
         return {"tokenizer": self.tokenizer_hash(), "manifest": manifest, "data_config": self.data_config_hash()}
 
     # ------------------------------------------------------------------ checkpoint guard
+    def shape(self) -> dict[str, int]:
+        """How this run reads the data: world size, loader workers, batch size."""
+        return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size}
+
     def state_dict(self) -> dict[str, Any]:
-        """Stored in the checkpoint: what the data was, so a resume with other data refuses."""
-        return {"mode": self.mode, "data_config_hash": self.hashes["data_config"], "tokenizer_hash": self.hashes["tokenizer"],
-                "seq_len": self.seq_len, "batch_size": self.batch_size}
+        """Stored in the checkpoint: what the data is (``identity``, content hashes), the shape
+        that read it, and in shards mode the shape-free position (``ShardsLoader``)."""
+        from stacklm.datamodule.identity import data_identity
+
+        if self._identity is None:
+            self._identity = data_identity(self)
+        state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
+        if self.mode == "shards":
+            state["position"] = self._mode.position()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        mine = self.state_dict()
-        diffs = [f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in mine if state.get(k) != mine[k]]
-        if diffs:
+        """Refuse, before the first step, a checkpoint of other data, or (stream and sft modes)
+        of another shape; in shards mode, take its position for the next train loader."""
+        from stacklm.datamodule.identity import check_identity
+
+        if "identity" not in state:
             raise DataConfigError(
-                "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + "). "
-                "Resume with the same data config, or start a new run."
+                "refusing to resume: the checkpoint's data state is from an older stacklm (no content identity); "
+                "resume it with the stacklm version that wrote it, or start a new run"
+            )
+        mine = self.state_dict()
+        check_identity(state["identity"], mine["identity"])
+        if state.get("seq_len") != self.seq_len:
+            raise DataConfigError(f"refusing to resume: the checkpoint has seq_len {state.get('seq_len')}, this run {self.seq_len}; use the same seq_len")
+        if self.mode == "shards":
+            self._mode.restored = state.get("position")
+            return
+        old, new = state["shape"], mine["shape"]
+        if old != new:
+            changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
+            raise DataConfigError(
+                f"refusing to resume: this {self.mode}-mode checkpoint was written with world_size={old.get('world_size')}, "
+                f"num_workers={old.get('num_workers')}, batch_size={old.get('batch_size')} and this run has "
+                f"world_size={new['world_size']}, num_workers={new['num_workers']}, batch_size={new['batch_size']} "
+                f"({changed}). A {self.mode}-mode position belongs to each (rank, worker) stream and cannot be re-dealt yet: "
+                "resume with the checkpoint's devices x nodes, num_workers and batch_size (or use shards mode, "
+                "`stacklm prebuild`, which resumes on any shape)."
             )

@@ -1,72 +1,168 @@
 """``ShardsLoader``: the shards-mode loader over a prebuilt directory, resumable in O(1) on any
-world size, batch size or worker count."""
+world size, batch size or worker count.
+
+Its position is shape-free: ``(epoch, rows_served, steps)`` — the epoch, how many rows of that
+epoch's global permutation have been served, and how many steps the trainer counted in it.
+Whatever shape the next run has, it deals the rows left to its own ``world x batch`` steps, so
+every row of an epoch is trained exactly once (docs/trainer.md, "Resume").
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 
-class _IndexBatches(torch.utils.data.Sampler):
-    """Feeds a ``DataLoader`` whole index batches from an ``ElasticSampler`` (main process)."""
+from stacklm.datamodule.stream import _padding_batch
 
-    def __init__(self, sampler) -> None:
-        self.sampler = sampler
+TAILS = ("pad", "drop")
+
+
+def start_position(epoch: int = 0, rows_served: int = 0, steps: int = 0) -> dict[str, int]:
+    """A loader position: ``rows_served`` rows of epoch ``epoch``'s permutation are served, in
+    ``steps`` trainer steps (the steps matter only to tell Lightning the epoch's length)."""
+    return {"epoch": int(epoch), "rows_served": int(rows_served), "steps": int(steps)}
+
+
+class _StepBatches(torch.utils.data.Sampler):
+    """Feeds a ``DataLoader`` this rank's ``(indices, n_padding)`` per step (main process)."""
+
+    def __init__(self, plan: list[tuple[np.ndarray, int]]) -> None:
+        self.plan = plan
 
     def __iter__(self):
-        return self.sampler.batches()
+        return iter(self.plan)
+
+    def __len__(self) -> int:
+        return len(self.plan)
 
 
 class _BatchFetch:
-    """Picklable ``dataset[indices] -> batch`` for loader workers."""
+    """Picklable ``(indices, n_padding) -> batch`` for loader workers: the rows, then padding
+    rows that carry no loss (every target ``IGNORE_INDEX``)."""
 
     def __init__(self, dataset) -> None:
         self.dataset = dataset
 
-    def __getitem__(self, indices):
-        return self.dataset.get_batch(indices)
+    def __getitem__(self, item):
+        indices, n_pad = item
+        ds = self.dataset
+        if n_pad == 0:
+            return ds.get_batch(indices)
+        pad = _padding_batch(n_pad, ds.seq_len, ds.pad_id)
+        if len(indices) == 0:
+            return pad
+        real = ds.get_batch(indices)
+        return {k: torch.cat([real[k], pad[k]]) for k in real}
 
 
 class ShardsLoader:
-    """Shards-mode loader: this rank's slice of one global seeded permutation per epoch.
+    """Shards-mode loader: this rank's share of one global seeded permutation per epoch.
 
-    The state is ``ElasticSampler``'s ``(seed, epoch, consumed)`` as of the batches the
-    consumer has taken, so resume is
-    O(1) and may change world size, batch size or worker count. It has a length, so Lightning
-    does not fetch ahead of the step it trains. Every rank yields the same
-    number of batches per epoch: the epoch's tail shorter than one global step (``< world x
-    batch`` rows) is not served that epoch and is counted in ``elastic.dropped_tail``; the next
-    epoch is a fresh permutation, so no row is starved across epochs.
+    Epoch ``e`` serves the permutation ``perm(seed, e)`` (``ElasticSampler.permutation``) in
+    global steps of ``world x batch`` rows; rank ``r`` takes rows ``[r*B, (r+1)*B)`` of each
+    step. The epoch's last step, shorter than ``world x batch`` rows, is dealt evenly over the
+    ranks and padded to ``batch`` rows (``tail="pad"``, training: every row trained exactly once,
+    padding counted in ``padding_rows``) or not served (``tail="drop"``, validation: counted in
+    ``dropped_tail``). Every rank yields the same number of batches, so DDP never hangs.
+
+    Length: ``steps + ceil(rows left / (world x batch))`` from the position it starts at: a
+    resume on another shape finishes the epoch at the new shape; the next epoch is a full one
+    (the datamodule has Lightning rebuild the loader then, see ``ShardsMode``). An iteration that
+    starts on a finished epoch moves to the next one, so each epoch draws a new order.
     """
 
-    def __init__(self, dataset, sampler, num_workers: int = 0) -> None:
-        self.dataset, self.elastic = dataset, sampler  # not ".sampler": Lightning would probe it as a DataLoader's
-        self.num_workers = num_workers
-        self._taken = 0
+    def __init__(
+        self, dataset, order, *, batch_size: int, rank: int, world_size: int, num_workers: int = 0,
+        tail: str = "pad", position: dict[str, int] | None = None,
+    ) -> None:
+        if tail not in TAILS:
+            raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
+        self.dataset, self.order = dataset, order  # order: an ElasticSampler, used for its permutations only
+        self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
+        self.num_workers, self.tail = num_workers, tail
+        self.num_rows = len(dataset)
         self.batches_yielded = 0
-        self.samples_yielded = 0
+        self.samples_yielded = 0  # real rows this rank served (padding excluded)
+        self.padding_rows = 0
+        self.dropped_tail = 0
+        self._set_position(position or start_position())
+
+    # -- position --------------------------------------------------------------------------
+    def _set_position(self, pos: dict[str, Any]) -> None:
+        epoch, rows, steps = int(pos["epoch"]), int(pos["rows_served"]), int(pos["steps"])
+        if not 0 <= rows <= self.num_rows:
+            raise ValueError(f"position serves {rows} rows of an epoch of {self.num_rows}")
+        if rows == self.num_rows:
+            # A finished epoch: the next one starts from its top. Saved at the epoch's last
+            # step, Lightning resumes counting from ``steps`` unless that reaches a whole epoch
+            # at this shape (then it starts the epoch at 0): count the same way, so Lightning's
+            # length and this loader's agree.
+            epoch, rows = epoch + 1, 0
+            steps = steps if steps < self.full_epoch_steps() else 0
+        self.epoch, self.rows_served, self.steps = epoch, rows, steps
+
+    def position(self) -> dict[str, int]:
+        """The position after the batches the consumer has taken (shape-free; see the module)."""
+        return start_position(self.epoch, self.rows_served, self.steps)
+
+    @property
+    def step_size(self) -> int:
+        return self.world_size * self.batch_size
+
+    def _steps_left(self) -> int:
+        left = self.num_rows - self.rows_served
+        return math.ceil(left / self.step_size) if self.tail == "pad" else left // self.step_size
+
+    def full_epoch_steps(self) -> int:
+        """Steps of a whole epoch at this shape."""
+        n = self.num_rows
+        return math.ceil(n / self.step_size) if self.tail == "pad" else n // self.step_size
 
     def __len__(self) -> int:
-        """Steps in a *whole* epoch at this shape: Lightning subtracts the steps it has already
-        done when it resumes mid-epoch (the iterator itself serves only what is left, and
-        ends early if a resume changed the shape)."""
-        return self.elastic.num_samples // self.elastic.step_size
+        return self.steps + self._steps_left()
+
+    # -- iteration ---------------------------------------------------------------------------
+    def _plan(self) -> list[tuple[np.ndarray, int]]:
+        """This rank's ``(indices, n_padding)`` for every step left in the epoch."""
+        perm = self.order.permutation(self.epoch)
+        W, B, r = self.world_size, self.batch_size, self.rank
+        plan = []
+        for t in range(self._steps_left()):
+            lo = self.rows_served + t * self.step_size
+            chunk = perm[lo : min(lo + self.step_size, self.num_rows)]
+            if len(chunk) == self.step_size:
+                mine = chunk[r * B : (r + 1) * B]
+            else:  # the epoch's short last step: dealt evenly, so few ranks get no row at all
+                mine = chunk[r * len(chunk) // W : (r + 1) * len(chunk) // W]
+            plan.append((mine, B - len(mine)))
+        return plan
 
     def __iter__(self):
+        if self._steps_left() == 0:  # the epoch is finished (or only a dropped tail is left)
+            self._set_position(start_position(self.epoch + 1))
+        plan = self._plan()
+        start, self.dropped_tail = self.rows_served, 0
         loader = torch.utils.data.DataLoader(
-            _BatchFetch(self.dataset), batch_size=None, sampler=_IndexBatches(self.elastic), num_workers=self.num_workers,
+            _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
         )
-        self._taken = 0
-        for batch in loader:
-            self._taken += 1
+        for t, batch in enumerate(loader, start=1):
+            # counted here, as the consumer takes each batch: the DataLoader fetches ahead
+            self.steps += 1
+            self.rows_served = min(self.num_rows, start + t * self.step_size)
+            if t == len(plan) and self.tail == "drop":
+                self.dropped_tail = self.num_rows - self.rows_served
+                self.rows_served = self.num_rows
             self.batches_yielded += 1
-            self.samples_yielded += int(batch["input_ids"].shape[0])
+            self.samples_yielded += self.batch_size - plan[t - 1][1]
+            self.padding_rows += plan[t - 1][1]
             yield batch
 
+    # -- checkpoint state (Lightning's loader state; the datamodule keeps the same position) --
     def state_dict(self) -> dict[str, Any]:
-        # counted here, not in the sampler: the DataLoader's own prefetching runs the sampler
-        # ahead of what the consumer has taken
-        return {"sampler": self.elastic.state_after(self._taken)}
+        return {"position": self.position()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.elastic.load_state_dict(state["sampler"])
+        self._set_position(state["position"])

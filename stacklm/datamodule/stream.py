@@ -130,14 +130,15 @@ class PipelineBuilder:
     def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
         self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
 
-    def __call__(self, shard: ShardSpec, n_readers: int):
+    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):
         from dataclasses import replace
 
         from stacklm.tokenizer.bpe import StackTokenizer
 
         cfg = PipelineConfig.from_dict(self.config)
         per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
-        return replace(cfg, mix=per_reader).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+        return replace(cfg, mix=per_reader).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard,
+                                                  epoch=epoch)
 
 
 class SFTBuilder:
@@ -146,7 +147,7 @@ class SFTBuilder:
     def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
         self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
 
-    def __call__(self, shard: ShardSpec, n_readers: int):
+    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch (counted once)
         from stacklm.data.sft import SFTConfig
         from stacklm.tokenizer.bpe import StackTokenizer
 
@@ -173,12 +174,13 @@ class StreamDataset(IterableDataset):
         self.n_batches_total = n_batches_total
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.n_batches = n_batches_total
+        self.epoch = 0  # the pass over the data; set by the loader before its workers start
 
     def __len__(self) -> int:
         return self.n_batches_total
 
     def builder(self, shard: ShardSpec):
-        return self.build(shard, shard.count)
+        return self.build(shard, shard.count, epoch=self.epoch)
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()

@@ -1,0 +1,85 @@
+"""What a run's data *is*, for the resume guard: content hashes, never paths.
+
+A checkpoint stores ``data_identity(dm)``; a resume recomputes it and refuses on any
+difference (``check_identity``), naming both hashes. Because nothing here depends on where the
+data lies, a shard directory moved or copied to another disk or node resumes, while another
+dataset rebuilt at the same path is refused.
+
+- ``data``: shards mode, sha256 over every split's shard list as its manifest records it
+  (name, row count, xxh64 of the ``tokens.bin`` bytes) with ``seq_len`` and ``dtype``: the
+  manifest's hashes are what ``stacklm verify`` checks the files against, so the guard costs
+  two small JSON reads, not a pass over the tokens. Stream and SFT modes: sha256 of the sources
+  part of the config (the mix entries / conversation sources).
+- ``tokenizer``: ``stacklm.data.manifest.tokenizer_hash`` (the ids, not training metadata).
+- ``pipeline``: what decides the order of the data: shards mode, the seed and ``seq_len``
+  (batch size, world size and workers may change, see ``ShardsLoader``); stream and SFT modes,
+  the whole pipeline config but the batch size (part of the shape, which the datamodule checks
+  and names on its own).
+
+``where`` (the shard directory) is stored for the refusal message only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stacklm.datamodule.errors import DataConfigError
+
+if TYPE_CHECKING:
+    from stacklm.datamodule.module import StackDataModule
+
+COMPARED = ("mode", "data", "tokenizer", "pipeline")
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shards_content_hash(data_dir: str | Path) -> str:
+    """sha256 of what a prebuilt directory holds, from its manifests' per-shard xxh64."""
+    from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest
+
+    top = read_manifest(Path(data_dir), required=REQUIRED)
+    if "shards" in top:  # a split directory itself
+        splits = {top["split"]: top}
+    else:
+        splits = {name: read_manifest(Path(data_dir) / name, required=SPLIT_REQUIRED) for name in sorted(top.get("splits", {}))}
+    return _sha({
+        "seq_len": top["seq_len"], "dtype": top["dtype"], "tokenizer_hash": top["tokenizer_hash"],
+        "splits": {name: [[s["name"], int(s["n_seq"]), s.get("xxh64")] for s in m["shards"]] for name, m in splits.items()},
+    })
+
+
+def data_identity(dm: StackDataModule) -> dict[str, Any]:
+    """The identity of ``dm``'s data (see the module docstring)."""
+    if dm.mode == "shards":
+        data = shards_content_hash(dm.data_dir)
+        pipeline = _sha({"seed": dm.seed, "seq_len": dm.seq_len})
+        where = str(Path(dm.data_dir).resolve())
+    else:
+        cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
+        d = cfg.to_dict()
+        data = _sha(d.get("mix", d.get("sources")))
+        # the batch size is part of the shape, checked (and named) on its own
+        pipeline = _sha({k: v for k, v in d.items() if k not in ("num_threads", "batch_size")})
+        where = None
+    return {"mode": dm.mode, "data": data, "tokenizer": dm.tokenizer_hash(), "pipeline": pipeline, "where": where}
+
+
+def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
+    """Refuse to resume when the checkpoint's data is not this run's; the message names each
+    differing field with both hashes."""
+    diffs = [f"{k}: checkpoint {saved.get(k)} vs now {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
+    if not diffs:
+        return
+    where = ""
+    if "data" in (d.split(":")[0] for d in diffs) and now.get("where"):
+        where = (f" The checkpoint's shards were read from {saved.get('where')}; {now['where']} holds other content"
+                 " (a moved or copied directory with the same shards would resume).")
+    raise DataConfigError(
+        "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + ")." + where
+        + " Resume with the data, tokenizer and seed of the checkpoint, or start a new run."
+    )
