@@ -12,6 +12,7 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
