@@ -5,6 +5,10 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
+
+``StackDataModule`` (the only Lightning import) is loaded on first access: loader workers
+unpickle ``stream``'s classes, which imports this package, and a worker must not import
+Lightning or wandb (``stacklm.datamodule.workers``).
 """
 
 from stacklm.datamodule.errors import DataConfigError
@@ -16,7 +20,6 @@ from stacklm.datamodule.loader import (
     to_checkpoint_safe,
 )
 from stacklm.datamodule.modes import MODES, DataMode, SFTMode, ShardsMode, StreamMode
-from stacklm.datamodule.module import DEFAULT_SNAPSHOT_STEPS, StackDataModule
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
@@ -33,3 +36,11 @@ __all__ = [
     "StreamDataset", "StreamMode", "from_checkpoint_safe", "gather_from_ranks", "merge_worker_summaries",
     "pick_rank_state", "to_checkpoint_safe",
 ]
+
+
+def __getattr__(name: str):
+    if name in ("StackDataModule", "DEFAULT_SNAPSHOT_STEPS"):
+        from stacklm.datamodule import module
+
+        return getattr(module, name)
+    raise AttributeError(f"module 'stacklm.datamodule' has no attribute {name!r}")

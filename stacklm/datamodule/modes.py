@@ -20,6 +20,7 @@ from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+from stacklm.datamodule.workers import worker_context
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule
@@ -129,13 +130,20 @@ class _WorkerStreamMode(DataMode):
         raise NotImplementedError
 
     def _loader(self, dataset: StreamDataset) -> StackDataLoader:
+        workers = self.dm.num_workers
+        context = worker_context(needs_datasets=self._needs_datasets()) if workers > 0 else None
         return StackDataLoader(
             dataset,
             batch_size=None,
-            num_workers=self.dm.num_workers,
+            num_workers=workers,
             persistent_workers=False,
+            multiprocessing_context=context,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
         )
+
+    def _needs_datasets(self) -> bool:
+        """Does a source read through ``datasets`` (preloaded in the worker forkserver then)?"""
+        return False
 
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
         if not loader.worker_summaries:
@@ -174,6 +182,9 @@ class StreamMode(_WorkerStreamMode):
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
         )
 
+    def _needs_datasets(self) -> bool:
+        return any(entry.kind == "hf" for entry in self.dm.pipeline_config().mix.entries)
+
     def data_config_hash(self) -> str:
         return self.dm.pipeline_config().config_hash()
 
@@ -207,6 +218,9 @@ class SFTMode(_WorkerStreamMode):
             build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
         )
+
+    def _needs_datasets(self) -> bool:
+        return any(source.kind == "hf" for source in self.dm.sft_config().sources)
 
     def data_config_hash(self) -> str:
         return self.dm.sft_config().config_hash()

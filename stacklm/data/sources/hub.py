@@ -11,7 +11,7 @@ from torchdata.nodes import BaseNode
 from stacklm.data.registry import DataMixEntry
 from stacklm.data.sources.errors import EmptySourceError, SourceError, column_error
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
-from stacklm.data.sources.readers import DatasetsReader, import_datasets
+from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
 
@@ -83,7 +83,7 @@ class HFStreamSource(TextPartSource):
         """Validate the opened stream (errors here never fall back) and split it into parts."""
         columns = list(ds.features) if ds.features is not None else None
         if columns is None:  # features unknown until read: look at the first row
-            first = next(iter(ds), None)
+            first = next(dataset_rows(ds), None)
             if first is None:
                 raise EmptySourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
             columns = list(first)

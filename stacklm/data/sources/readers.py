@@ -192,7 +192,7 @@ class DatasetsReader:
             self.dataset.load_state_dict(position)
 
     def __iter__(self) -> Iterator[dict]:
-        for row in self.dataset:
+        for row in dataset_rows(self.dataset):
             self.row += 1
             yield row
 
@@ -210,6 +210,19 @@ class DatasetsReader:
 
     def close(self) -> None:
         pass
+
+
+def dataset_rows(dataset) -> Iterator[dict]:
+    """The rows of a ``datasets`` IterableDataset, all of them, also inside a loader worker.
+
+    Why not ``iter(dataset)``: inside a torch ``DataLoader`` worker, ``IterableDataset.__iter__``
+    looks at ``torch.utils.data.get_worker_info()`` and keeps only shards ``worker::num_workers``
+    (none at all for a worker past ``n_shards``). stacklm already gives each (rank, worker) its own
+    parts (``sharding.assign_parts``), so that second split would lose rows. ``iter(batch_size=1)``
+    reads the same stream, from the same ``load_state_dict`` position, without the worker split.
+    """
+    for batch in dataset.iter(batch_size=1):
+        yield {key: values[0] for key, values in batch.items()}
 
 
 def import_datasets():
