@@ -401,13 +401,14 @@ def hub_offline(monkeypatch):
 
 def test_hub_offline_falls_back_loudly_and_resumes(hub_offline):
     entry = DataMixEntry(**{**STACK_100M["finemath"].to_dict(), "num_docs": 12})
-    with pytest.raises(SourceError, match=r"HuggingFaceTB/finemath.*fallback_offline=True"):
+    with pytest.raises(SourceError, match=r"HuggingFaceTB/finemath") as err:
         next(open_source(entry))
+    assert "fallback" not in str(err.value) and "synthetic" not in str(err.value)  # never suggested as the fix
     node = open_source(entry, fallback_offline=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         docs = drain(node)
-    assert any("falling back" in str(w.message) and "finemath" in str(w.message) for w in caught)
+    assert any("OFFLINE FALLBACK" in str(w.message) and "finemath" in str(w.message) for w in caught)
     assert node.is_fallback and len(docs) == 12
     assert {d["source"] for d in docs} == {"finemath"} and {d["domain"] for d in docs} == {"math"}
     assert docs[0]["doc_id"] == "finemath/synthetic-fallback/0"

@@ -161,7 +161,8 @@ def build_pipeline(config: PipelineConfig, tokenizer, split: str = "train", shar
     mix = MixNode(tokenized, config.mix.weights, total, seed=config.seed)
     shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=config.seed + 1)
     windows = PackNode(
-        shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs
+        shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs,
+        sources=[entry.name for entry in config.mix.entries],  # batches count what they deliver per source
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
     return Pipeline(config, split, shard, sources, chains, mix, shuffle, windows, batches)
