@@ -139,6 +139,7 @@ class _WorkerStreamMode(DataMode):
             persistent_workers=False,
             multiprocessing_context=context,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
+            vocab_size=self.dm.vocab_size,
         )
 
     def _needs_datasets(self) -> bool:
@@ -146,9 +147,30 @@ class _WorkerStreamMode(DataMode):
         return False
 
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
-        if not loader.worker_summaries:
-            return {}
-        return merge_worker_summaries(list(loader.worker_summaries.values()))
+        """Delivered (counted in the main process as batches reach the step) plus the workers'
+        drops; a mode whose batches carry no delivery counts (sft) reports the workers' mix."""
+        out: dict[str, Any] = {}
+        if loader.worker_summaries:
+            out.update(merge_worker_summaries(list(loader.worker_summaries.values())))
+        if loader.delivered.sources:
+            out.update(loader.delivered.stats())
+        elif loader.worker_summaries:
+            out["realized"] = _mixed_realized(loader.worker_summaries.values())
+        return out
+
+
+def _mixed_realized(summaries) -> dict[str, dict[str, Any]]:
+    """The workers' mixer counts summed (sft mode, whose batches carry no delivery counts)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in summaries:
+        for src, row in (s.get("mixed") or {}).items():
+            slot = out.setdefault(src, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
+            slot["tokens"] += int(row["tokens"])
+            slot["docs"] += int(row["docs"])
+    total = sum(r["tokens"] for r in out.values())
+    for r in out.values():
+        r["realized_weight"] = r["tokens"] / total if total else 0.0
+    return out
 
 
 class StreamMode(_WorkerStreamMode):
@@ -180,6 +202,7 @@ class StreamMode(_WorkerStreamMode):
         return StreamDataset(
             build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+            sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
 
     def _needs_datasets(self) -> bool:
