@@ -53,6 +53,11 @@ class DataMode:
         raise NotImplementedError
 
 
+# The prebuild manifest's per-source drop counts that are whole documents (the others count
+# repaired bytes, truncated documents or cut tokens).
+_PREBUILD_DOC_DROPS = ("filtered", "exact_dup", "near_dup", "dropped_empty", "dropped_binary", "empty_after_tokenize")
+
+
 class ShardsMode(DataMode):
     """A prebuilt shard directory (``stacklm prebuild``) read through memmaps, in one global
     seeded permutation per epoch sliced by rank and worker (``ShardsLoader``)."""
@@ -98,8 +103,13 @@ class ShardsMode(DataMode):
                         "target_weight": s["target_weight"], "realized_weight": s["realized_weight"]}
             for s in top["sources"]
         }
-        dropped = {"prebuild": {src: {k: v for k, v in per.items() if v} for src, per in top["drops"]["train"].items()}}
-        return {"realized": realized, "dropped": dropped, "padding_fraction": split["packing"]["pad_fraction"]}
+        drops = top["drops"]["train"]
+        dropped_docs = {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}}
+        dropped_tokens = {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
+                          if per.get("tokens_cut_by_budget")}
+        fallback = sorted(s["name"] for s in top["sources"] if s.get("offline_fallback"))
+        return {"realized": realized, "dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens,
+                "offline_fallback": fallback, "padding_fraction": split["packing"]["pad_fraction"]}
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:
