@@ -275,3 +275,16 @@ def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_d
 
     full = check_save_load_state(build, lambda n: (1, n // 2), state_round_trip="torch")
     assert len(full) >= 6
+
+
+def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir):
+    pipeline = stream_pipeline()
+    pipeline["mix"]["entries"][1]["num_docs"] = 3  # code: far too little for its 30%
+    dm = _dm(tokenizer_dir, pipeline=pipeline)
+    dm.setup("fit")
+    with pytest.warns(RuntimeWarning, match=r"source 'code' ran dry in rank 0 worker 0 at batch \d+ .*target 0\.3000"):
+        for _ in dm.train_dataloader():
+            pass
+    dry = dm.data_stats()["ran_dry"]
+    assert list(dry) == ["code"] and dry["code"]["target_share"] == pytest.approx(0.3)
+    assert 0 < dry["code"]["batch"] and dry["code"]["delivered_share"] < 0.3

@@ -90,14 +90,14 @@ class StackDataLoader(StatefulDataLoader):
     def __iter__(self) -> Iterator[Any]:
         for batch in super().__iter__():
             batch = dict(batch)
-            summary = batch.pop(SUMMARY_KEY, None)
-            if summary is not None:
-                self.worker_summaries[summary["worker"]] = summary
-                for source in summary.get("ran_dry", ()):
-                    self.delivered.note_dry(source, rank=int(summary.get("rank", 0)), worker=int(summary["worker"]))
             ids = batch["input_ids"]
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
             self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None))
+            summary = batch.pop(SUMMARY_KEY, None)
+            if summary is not None:  # after counting: the batch that carries it is delivered too
+                self.worker_summaries[summary["worker"]] = summary
+                for source in summary.get("ran_dry", ()):
+                    self.delivered.note_dry(source, rank=int(summary.get("rank", 0)), worker=int(summary["worker"]))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
