@@ -288,3 +288,17 @@ def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir)
     dry = dm.data_stats()["ran_dry"]
     assert list(dry) == ["code"] and dry["code"]["target_share"] == pytest.approx(0.3)
     assert 0 < dry["code"]["batch"] and dry["code"]["delivered_share"] < 0.3
+
+
+def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
+    from stacklm.datamodule.errors import BatchVocabError
+
+    dm = _dm(tokenizer_dir)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.vocab_size == dm.vocab_size == 512
+    next(iter(loader))
+    loader.vocab_size = 300  # as if the data came from a bigger tokenizer than the model's
+    with pytest.raises(BatchVocabError, match=r"train stream: a batch holds token id \d+ outside the vocabulary \[0, 300\)"):
+        for _ in loader:
+            pass
