@@ -104,6 +104,7 @@ class _StreamIterator:
         self.yielded = 0
         self.padded = 0
         self.dry: list[str] = []
+        self.fresh = True  # no summary sent since this iterator started (not part of the state)
 
     def _graph(self):
         if self.graph is None:
@@ -131,10 +132,11 @@ class _StreamIterator:
             batch = _padding_batch(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
         self.yielded += 1
         dry = self._dry_sources(graph)
-        if (self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded in (1, self.ds.n_batches) or self.padded == 1
-                or dry != self.dry):
-            # also with the first batch (numbers from the first logging step on) and when a source runs dry
-            self.dry = dry
+        if (self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.ds.n_batches or self.padded == 1
+                or dry != self.dry or self.fresh):
+            # also with the first batch of a start or a resume (numbers from the first logging step on)
+            # and when a source runs dry
+            self.dry, self.fresh = dry, False
             batch = {**batch, SUMMARY_KEY: self.summary()}
         return batch
 
