@@ -57,7 +57,8 @@ class DeliveredTokenTally(L.Callback):
     """Counts, from the batches themselves, the non-pad input tokens and the ``<bos>`` tokens
     the training step received, after every step: the independent count the data layer's
     logged numbers are checked against. Its totals are in the checkpoint (callback state), so a
-    resumed run continues them; ``out`` gets ``{step: [tokens, bos]}`` as JSON after each step."""
+    resumed run continues them; ``out`` gets ``{step: [tokens, bos]}`` as JSON after each step
+    (``{rank}`` in it is replaced by the rank, for DDP)."""
 
     def __init__(self, out: str, pad_id: int, bos_id: int) -> None:
         self.out, self.pad_id, self.bos_id = out, pad_id, bos_id
@@ -72,7 +73,7 @@ class DeliveredTokenTally(L.Callback):
         import json
 
         self.per_step[int(trainer.global_step)] = [self.tokens, self.bos]
-        with open(self.out, "w") as f:
+        with open(self.out.replace("{rank}", str(trainer.global_rank)), "w") as f:
             json.dump(self.per_step, f)
 
     def state_dict(self) -> dict:
