@@ -302,3 +302,25 @@ def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
     with pytest.raises(BatchVocabError, match=r"train stream: a batch holds token id \d+ outside the vocabulary \[0, 300\)"):
         for _ in loader:
             pass
+
+
+def test_an_opted_in_offline_fallback_is_recorded_in_data_stats(tokenizer_dir, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    pipeline = stream_pipeline()
+    pipeline["mix"]["entries"][1] = {"name": "code", "kind": "hf", "path": "HuggingFaceTB/finemath", "config_name": "finemath-4plus",
+                                     "weight": 0.3, "domain": "math", "num_docs": 400}
+    dm = _dm(tokenizer_dir, pipeline=pipeline)  # fallback_offline not set: a broken hub source is an error
+    dm.setup("fit")
+    with pytest.raises(Exception, match="HuggingFaceTB/finemath") as err:
+        next(iter(dm.train_dataloader()))
+    assert "fallback" not in str(err.value)
+    dm = _dm(tokenizer_dir, pipeline={**pipeline, "fallback_offline": True})
+    dm.setup("fit")
+    with pytest.warns(RuntimeWarning, match="OFFLINE FALLBACK: source 'code'"):
+        next(iter(dm.train_dataloader()))
+    assert dm.data_stats()["offline_fallback"] == ["code"]

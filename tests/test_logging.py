@@ -164,6 +164,27 @@ def test_offline_run_holds_the_logged_data_stats(offline_wandb):
     assert dict(map(tuple, drops["data"]))["near_dedup/near_dup"] == 2
 
 
+def test_offline_fallback_goes_into_the_run_config_loudly(offline_wandb):
+    tmp_path = offline_wandb
+
+    class FallbackDataModule(StatsDataModule):
+        def data_stats(self) -> dict:
+            return {**super().data_stats(), "offline_fallback": ["code"]}
+
+    logger = WandbLogger(project="stacklm-test", save_dir=str(tmp_path), offline=True)
+    with pytest.warns(RuntimeWarning, match=r"OFFLINE FALLBACK: source\(s\) \['code'\]"):
+        fit(FallbackDataModule(seq_len=64, batch_size=6, n_docs=60), DataStatsCallback(log_every_n_steps=2), logger, tmp_path, max_steps=2)
+    logger.experiment.finish()
+    _, records = read_offline_run(tmp_path)
+    config = {}
+    for r in records:
+        if r["type"] == "config":
+            config.update(r["config"]["update"])
+    assert config["data/offline_fallback"] == ["code"]
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert any(row.get("data/offline_fallback") == 1 for row in history)
+
+
 def test_scalars_reach_every_logger(offline_wandb):
     """CSV and TensorBoard get the same data scalars as W&B (``logger.log_metrics`` on each)."""
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
