@@ -7,7 +7,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, SUMMARY_EVERY_N_BATCHES, DataConfigError, StackDataModule
+from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
 from tests.worker_probe import probe_modules as _probe_modules
 from tests.resume import check_save_load_state
