@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
-from tests.worker_probe import probe_modules as _probe_modules
+from tests.worker_probe import ThenProbe
 from tests.resume import check_save_load_state
 
 SEQ_LEN, BATCH = 64, 2
@@ -99,12 +99,15 @@ def test_stream_workers_start_clean_and_fast(tokenizer_dir, tmp_path, monkeypatc
     import lightning  # noqa: F401  (in this process, as under a real fit)
     import wandb  # noqa: F401
 
+    warm = _dm(tokenizer_dir, num_workers=2)
+    warm.setup("fit")
+    next(iter(warm.train_dataloader()))  # the forkserver runs before the variable below exists
     monkeypatch.setenv("STACKLM_TEST_PROBE", str(tmp_path / "probe"))
     dm = _dm(tokenizer_dir, num_workers=2)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
-    loader.worker_init_fn = _probe_modules
+    loader.worker_init_fn = ThenProbe(loader.worker_init_fn)  # the variable set above reaches a warm forkserver's workers
     next(iter(loader))
     seen = [json.loads((tmp_path / f"probe{w}").read_text()) for w in range(2)]
     assert all(s == {"lightning": False, "wandb": False, "lightning.pytorch": False} for s in seen), seen

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
-from stacklm.datamodule.workers import worker_context
+from stacklm.datamodule.workers import WorkerEnv, worker_context
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule
@@ -148,6 +149,7 @@ class _WorkerStreamMode(DataMode):
             num_workers=workers,
             persistent_workers=False,
             multiprocessing_context=context,
+            worker_init_fn=WorkerEnv(os.environ) if workers > 0 else None,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
             vocab_size=self.dm.vocab_size,
         )

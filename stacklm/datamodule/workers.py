@@ -20,6 +20,8 @@ and its graph builder reach the worker pickled; they live in modules that import
 from __future__ import annotations
 
 import multiprocessing
+import os
+from collections.abc import Mapping
 
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_START_METHOD = "forkserver"
@@ -41,3 +43,18 @@ def worker_context(method: str = DEFAULT_START_METHOD, *, needs_datasets: bool =
         # which is harmless: a worker imports what is missing itself, in a clean process.
         ctx.set_forkserver_preload(PRELOAD + (["datasets"] if needs_datasets else []))
     return ctx
+
+
+class WorkerEnv:
+    """``worker_init_fn`` that gives a worker the main process's environment as of the loader's
+    creation. Why: a forkserver keeps the environment it started with (the first loader's), so
+    a variable set later in the main process (``HF_HUB_OFFLINE``, ``HF_TOKEN``, a cache path)
+    would not reach the workers of later loaders. Modules the server preloaded have already
+    read their import-time settings (``datasets.config``), so set those before the run starts."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self.env = dict(env)
+
+    def __call__(self, worker_id: int) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
