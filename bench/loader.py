@@ -1,6 +1,7 @@
 """Shard loader speed vs raw memmap slicing, and prebuild throughput, in one run.
 
     python3 bench/loader.py [--batch 8] [--seq-len 2048] [--seconds 3] [--prebuild-tokens 400000]
+    python3 bench/loader.py --skip-loading --skip-prebuild --stream-seconds 20   # stream mode only
 
 Part 1 — loading. Real text (``stacklm.corpus``) tokenized by a small BPE trained here, packed
 best-fit into ``seq_len`` windows and written as shards (tiled to ``--rows`` rows, several
@@ -16,6 +17,12 @@ random batches of rows (the same index arrays, in the same order):
 * both again through ``torch.utils.data.DataLoader`` (main process, ``batch_size=None`` over a
   batch sampler), since that is how a trainer consumes them; and per-item ``ds[i]`` + the
   default collate (what ``DistributedSampler`` with ``batch_size=B`` does).
+
+Part 3 — stream mode (``--skip-stream`` to leave out). ``StackDataModule(mode="stream")`` over
+real text (the embedded corpus written as jsonl files, a local source) with exact + near
+dedup and best-fit packing, ``--stream-workers`` loader workers: time to the first batch with
+each worker start method (``fork``, ``forkserver`` cold and warm, ``spawn``), then steady
+tokens/s delivered (non-pad tokens of the batches, from ``data_stats()``) and batches/s.
 
 Part 2 — prebuild. The demo mix (offline synthetic sources) with ``--workers 1`` and ``2``:
 MB of raw text read per second per worker (text bytes of every document the sources read,
@@ -165,6 +172,72 @@ def bench_prebuild(args, tok) -> list[tuple[int, float, float]]:
     return rows
 
 
+def bench_stream(args, tok) -> None:
+    """Part 3: the stream loader on real text, per worker start method (module docstring)."""
+    import json
+
+    from stacklm.datamodule import StackDataModule
+    from stacklm.datamodule.workers import worker_context
+
+    tmp = Path(tempfile.mkdtemp(prefix="stacklm-stream-bench-"))
+    tok_dir = tmp / "tok"
+    tok.save(tok_dir / "tokenizer.stacklm.json")
+    texts = list(iter_default_corpus(args.stream_text_bytes))
+    texts = [texts[i] for i in np.random.default_rng(0).permutation(len(texts))]  # the corpus alternates code and prose
+    for k in range(4):  # four files: each worker reads its own two
+        with open(tmp / f"corpus{k}.jsonl", "w") as f:
+            for t in texts[k::4]:
+                f.write(json.dumps({"text": t}) + "\n")
+    n_bytes = sum(len(t.encode()) for t in texts)
+    pipeline = {
+        "mix": {"name": "bench", "total_tokens": 10**12, "entries": [
+            {"name": "corpus", "kind": "local", "path": str(tmp / "corpus*.jsonl"), "weight": 1.0, "domain": "code"}]},
+        "strategy": "best_fit", "shuffle_buffer": 1000, "pack_buffer_docs": 256, "holdout_fraction": 0.0,
+        "dedup": {"exact": True, "near": True}, "num_threads": 1,
+    }
+
+    def loader():
+        dm = StackDataModule(mode="stream", tokenizer=str(tok_dir), pipeline=pipeline, seq_len=args.seq_len,
+                             batch_size=args.batch, num_workers=args.stream_workers, val_batches=0)
+        dm.setup("fit")
+        return dm, dm.train_dataloader()
+
+    print(f"\nstream mode: {n_bytes / 1e6:.1f} MB of real text (stacklm.corpus) as 4 jsonl files, exact + near dedup, best fit, "
+          f"B={args.batch}, T={args.seq_len - 1}, {args.stream_workers} loader workers")
+    print(f"{'start method':22s} {'first batch s':>14s}")
+    for method, label in (("fork", "fork"), ("forkserver", "forkserver (cold)"), ("forkserver", "forkserver (warm)"),
+                          ("spawn", "spawn")):
+        _, ld = loader()
+        ld.multiprocessing_context = worker_context(method)
+        t0 = time.perf_counter()
+        it = iter(ld)
+        next(it)
+        print(f"{label:22s} {time.perf_counter() - t0:14.2f}")
+        del it
+    dm, ld = loader()  # the default (forkserver, warm now): steady state
+    it = iter(ld)
+    next(it)
+    start = dm.data_stats()["delivered"]
+    t0 = time.perf_counter()
+    n = 0
+    dry = False
+    while time.perf_counter() - t0 < args.stream_seconds:
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        if not bool((batch["input_ids"] != tok.pad_id).any()):  # the text ran out: padding batches from here
+            dry = True
+            break
+        n += 1
+    secs = time.perf_counter() - t0
+    end = dm.data_stats()["delivered"]
+    tokens = end["tokens"] - start["tokens"]
+    positions = end["positions"] - start["positions"] - (batch["input_ids"].numel() if dry else 0)
+    print(f"steady: {n} batches in {secs:.1f}s = {n / secs:.2f} batches/s, {tokens / secs:,.0f} delivered tokens/s "
+          f"(non-pad), padding {1 - tokens / max(1, positions):.2%}" + (" (stopped: the text ran out)" if dry else ""))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=8)
@@ -176,6 +249,10 @@ def main() -> None:
     p.add_argument("--prebuild-tokens", type=int, default=2_000_000, help="train budget of the prebuild runs")
     p.add_argument("--skip-prebuild", action="store_true")
     p.add_argument("--skip-loading", action="store_true")
+    p.add_argument("--skip-stream", action="store_true")
+    p.add_argument("--stream-workers", type=int, default=2)
+    p.add_argument("--stream-seconds", type=float, default=20.0, help="steady-state measurement of the stream loader")
+    p.add_argument("--stream-text-bytes", type=int, default=30_000_000, help="real text behind the stream source")
     args = p.parse_args()
     torch.set_num_threads(1)
 
@@ -185,6 +262,8 @@ def main() -> None:
     tokens_per_batch = args.batch * (args.seq_len - 1)
     if not args.skip_loading:
         report_loading(args, tok, tokens_per_batch)
+    if not args.skip_stream:
+        bench_stream(args, tok)
     if args.skip_prebuild:
         return
     rows = bench_prebuild(args, tok)

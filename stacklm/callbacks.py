@@ -1,17 +1,27 @@
-"""W&B logging of what the data layer did: realized mix, token counts, drops, padding, throughput.
+"""Logging of what the data layer did: delivered mix, token counts, drops, padding, throughput.
 
 ``DataStatsCallback`` is a Lightning ``Callback``. Every ``log_every_n_steps`` optimizer steps
-it logs, to the run's ``WandbLogger``:
+it logs these scalars through **every logger of the trainer** (CSV, TensorBoard, W&B, ...):
 
-  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents delivered so far
+  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents delivered to the step so far
   ``data/target_weight/<source>``, ``data/realized_weight/<source>``, ``data/weight_gap/<source>``
-  ``data/mix`` (a ``wandb.Table``) and ``data/mix_bar`` (``wandb.plot.bar``: realized next to
-                                                    target weight per source)
-  ``data/dropped/<stage>/<source>/<reason>``, ``data/dropped_total``   documents dropped, by reason
-  ``data/padding_fraction``
+  ``data/dropped_docs/<stage>/<source>/<reason>``, ``data/dropped_docs_total``   documents dropped
+  ``data/dropped_tokens/<source>/<reason>``, ``data/dropped_tokens_total``      tokens dropped (cut by the budget)
+  ``data/holdout_docs/<source>``                       documents set aside for the other split (not drops)
+  ``data/padding_fraction``                            pad positions / all positions delivered
+  ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
+  ``data/ran_dry/<source>``                            the step at which a source ran dry (once it has)
   ``loader/batches_per_s``, ``loader/tokens_per_s``     rate of batches through the train loop
   ``loader/wait_fraction``                             share of wall time spent waiting on the loader
-and, once at fit start, the hashes into the run config under ``data/hashes``.
+
+and, on W&B only, every ``table_every_n_steps``: ``data/mix`` (a table), ``data/mix_bar`` (realized
+next to target share per source), ``data/share_over_time`` (realized and target share per source
+against the step), ``data/doc_length/<source>`` (a histogram of the delivered documents' lengths)
+and ``data/drops_bar`` (dropped documents by stage and reason). The hashes go into the run
+config under ``data/hashes`` at fit start, and ``data/offline_fallback`` when a source falls back.
+
+A source that runs dry is a warning naming the source, the step and its delivered vs target
+share (the datamodule warns when the worker's summary arrives; the callback logs the step).
 
 The data-stats protocol
 -----------------------
@@ -20,21 +30,27 @@ The datamodule provides the numbers; the callback only formats and ships them::
     datamodule.data_stats() -> {
         "realized": {source: {"tokens": int, "docs": int,
                               "target_weight": float, "realized_weight": float}},
-        "dropped":  {stage: {source: {reason: int}}},       # e.g. {"filter": {"web": {"too_short": 3}}}
-        "padding_fraction": float,                          # pad tokens / all tokens delivered
+        "delivered": {"batches": int, "positions": int, "tokens": int},
+        "dropped_docs":   {stage: {source: {reason: int}}},  # e.g. {"filter": {"web": {"too_short": 3}}}
+        "dropped_tokens": {source: {reason: int}},           # e.g. {"web": {"cut_by_budget": 812}}
+        "holdout_docs": {source: int},
+        "offline_fallback": [source, ...],
+        "ran_dry": {source: {"batch": int, "delivered_share": float, "target_share": float, ...}},
+        "doc_length_hist": {"edges": [int], "counts": {source: [int]}},
+        "padding_fraction": float,                          # pad positions / all positions delivered
         "hashes": {"tokenizer": str, "manifest": str | None, "data_config": str},
     }
 
-Counts are cumulative since the start of the run (a resumed run continues them) and cover
-what *this rank* has delivered (its loader workers merged). The callback calls
-``data_stats()`` on every rank at the same steps and, under DDP, sums tokens, docs and drops
-over ranks (``all_gather_object``), recomputes realized weights from the summed tokens and
-averages the padding fraction. Keep it cheap: it runs every ``log_every_n_steps`` steps.
-Any key may be missing; a datamodule without ``data_stats`` still gets loader throughput.
+``realized``, ``delivered``, ``doc_length_hist`` and ``padding_fraction`` count the batches that
+reached the training step (stream mode counts every batch's own per-source counts; a resumed
+run continues them); drops, holdout and dry sources are counted by the loader workers as
+they process documents. Counts cover *this rank*; the callback calls ``data_stats()`` on every
+rank at the same steps and, under DDP, sums them over ranks (``all_gather_object``) and
+recomputes the shares and the padding fraction from the sums. Any key may be missing; a
+datamodule without ``data_stats`` still gets loader throughput.
 
-Without a ``WandbLogger`` in ``trainer.loggers``, or with ``WANDB_MODE=disabled``, the
+Without any logger (``logger=False``), or when the only logger is a disabled W&B run, the
 callback prints one notice and does nothing else (``data_stats`` is never called).
-Offline runs (``WANDB_MODE=offline`` or ``WandbLogger(offline=True)``) log normally.
 """
 
 from __future__ import annotations
@@ -42,9 +58,11 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
@@ -59,34 +77,71 @@ def _is_disabled(run: Any) -> bool:
     return bool(getattr(run, "disabled", False)) or getattr(getattr(run, "settings", None), "mode", None) == "disabled"
 
 
+def _add(slot: dict, key: str, n: int) -> None:
+    slot[key] = slot.get(key, 0) + int(n)
+
+
 def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
-    """Sum the protocol dicts of several ranks (tokens, docs, drops; padding averaged)."""
+    """Sum the protocol dicts of several ranks (tokens, docs, positions, drops, holdout,
+    histograms); shares and padding recomputed from the sums; fallbacks and dry sources united."""
     realized: dict[str, dict[str, Any]] = {}
-    dropped: dict[str, dict[str, dict[str, int]]] = {}
+    dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
+    dropped_tokens: dict[str, dict[str, int]] = {}
+    holdout: dict[str, int] = {}
+    delivered: dict[str, int] = {}
+    fallback: set[str] = set()
+    ran_dry: dict[str, dict[str, Any]] = {}
+    hist: dict[str, Any] = {}
     paddings = []
     for stats in per_rank:
         for source, row in (stats.get("realized") or {}).items():
             out = realized.setdefault(source, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
             out["tokens"] += int(row.get("tokens", 0))
             out["docs"] += int(row.get("docs", 0))
-        for stage, by_source in (stats.get("dropped") or {}).items():
+        for stage, by_source in (stats.get("dropped_docs") or {}).items():
             for source, by_reason in by_source.items():
-                slot = dropped.setdefault(stage, {}).setdefault(source, {})
+                slot = dropped_docs.setdefault(stage, {}).setdefault(source, {})
                 for reason, count in by_reason.items():
-                    slot[reason] = slot.get(reason, 0) + int(count)
+                    _add(slot, reason, count)
+        for source, by_reason in (stats.get("dropped_tokens") or {}).items():
+            for reason, count in by_reason.items():
+                _add(dropped_tokens.setdefault(source, {}), reason, count)
+        for source, count in (stats.get("holdout_docs") or {}).items():
+            _add(holdout, source, count)
+        for key, count in (stats.get("delivered") or {}).items():
+            _add(delivered, key, count)
+        fallback |= set(stats.get("offline_fallback") or ())
+        for source, info in (stats.get("ran_dry") or {}).items():
+            if source not in ran_dry or info.get("batch", 0) < ran_dry[source].get("batch", 0):
+                ran_dry[source] = dict(info)
+        h = stats.get("doc_length_hist")
+        if h:
+            hist.setdefault("edges", list(h["edges"]))
+            counts = hist.setdefault("counts", {})
+            for source, c in h["counts"].items():
+                counts[source] = [a + b for a, b in zip(counts.get(source, [0] * len(c)), c)]
         if stats.get("padding_fraction") is not None:
             paddings.append(float(stats["padding_fraction"]))
     total = sum(row["tokens"] for row in realized.values())
     for row in realized.values():
         row["realized_weight"] = row["tokens"] / total if total else 0.0
-    merged = {"realized": realized, "dropped": dropped, "hashes": dict(per_rank[0].get("hashes") or {}) if per_rank else {}}
-    if paddings:
+    merged: dict[str, Any] = {"realized": realized, "hashes": dict(per_rank[0].get("hashes") or {}) if per_rank else {}}
+    for key, value, present in (("dropped_docs", dropped_docs, "dropped_docs"), ("dropped_tokens", dropped_tokens, "dropped_tokens"),
+                                ("holdout_docs", holdout, "holdout_docs"), ("delivered", delivered, "delivered"),
+                                ("ran_dry", ran_dry, "ran_dry"), ("doc_length_hist", hist, "doc_length_hist")):
+        if any(present in s for s in per_rank):
+            merged[key] = value
+    if any("offline_fallback" in s for s in per_rank):
+        merged["offline_fallback"] = sorted(fallback)
+    if delivered.get("positions"):
+        merged["padding_fraction"] = 1.0 - delivered.get("tokens", 0) / delivered["positions"]
+    elif paddings:
         merged["padding_fraction"] = sum(paddings) / len(paddings)
     return merged
 
 
 def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
-    """The protocol dict flattened into W&B scalar keys (see the module docstring)."""
+    """The protocol dict flattened into scalar keys (see the module docstring)."""
     out: dict[str, float] = {}
     for source, row in (stats.get("realized") or {}).items():
         for key in ("tokens", "docs", "target_weight", "realized_weight"):
@@ -94,24 +149,36 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
                 out[f"data/{key}/{source}"] = float(row[key])
         if row.get("target_weight") is not None and row.get("realized_weight") is not None:
             out[f"data/weight_gap/{source}"] = float(row["realized_weight"]) - float(row["target_weight"])
-    dropped_total = 0
-    for stage, by_source in (stats.get("dropped") or {}).items():
-        for source, by_reason in by_source.items():
+    if stats.get("dropped_docs") is not None:
+        total = 0
+        for stage, by_source in stats["dropped_docs"].items():
+            for source, by_reason in by_source.items():
+                for reason, count in by_reason.items():
+                    out[f"data/dropped_docs/{stage}/{source}/{reason}"] = float(count)
+                    total += int(count)
+        out["data/dropped_docs_total"] = float(total)
+    if stats.get("dropped_tokens") is not None:
+        total = 0
+        for source, by_reason in stats["dropped_tokens"].items():
             for reason, count in by_reason.items():
-                out[f"data/dropped/{stage}/{source}/{reason}"] = float(count)
-                dropped_total += int(count)
-    if stats.get("dropped") is not None:
-        out["data/dropped_total"] = float(dropped_total)
+                out[f"data/dropped_tokens/{source}/{reason}"] = float(count)
+                total += int(count)
+        out["data/dropped_tokens_total"] = float(total)
+    for source, count in (stats.get("holdout_docs") or {}).items():
+        out[f"data/holdout_docs/{source}"] = float(count)
+    if stats.get("offline_fallback") is not None:
+        out["data/offline_fallback"] = float(len(stats["offline_fallback"]))
     if stats.get("padding_fraction") is not None:
         out["data/padding_fraction"] = float(stats["padding_fraction"])
     return out
 
 
 class DataStatsCallback(Callback):
-    """Logs the datamodule's ``data_stats()`` and loader throughput to W&B (module docstring).
+    """Logs the datamodule's ``data_stats()`` and loader throughput through every logger of the
+    trainer, plus charts on W&B (module docstring).
 
     ``log_every_n_steps``: interval in optimizer steps for scalars; ``table_every_n_steps``:
-    interval for the mix table and bar chart (each one is a W&B artifact; default: same).
+    interval for the W&B tables and charts (each one is a W&B artifact; default: same).
     """
 
     def __init__(self, log_every_n_steps: int = 50, table_every_n_steps: int | None = None) -> None:
@@ -120,7 +187,11 @@ class DataStatsCallback(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.table_every_n_steps = table_every_n_steps or log_every_n_steps
         self.enabled = False
+        self.use_wandb = False
         self._last_logged_step = -1
+        self._share_history: list[tuple[int, dict[str, float], dict[str, float]]] = []  # (step, realized, target)
+        self._dry_logged: set[str] = set()
+        self._fallback_recorded: list[str] = []
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -132,17 +203,23 @@ class DataStatsCallback(Callback):
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        logger = _wandb_logger(trainer)
+        wandb_logger = _wandb_logger(trainer)
+        use_wandb = wandb_logger is not None and os.environ.get("WANDB_MODE", "").lower() != "disabled"
+        if use_wandb and trainer.is_global_zero and _is_disabled(wandb_logger.experiment):
+            use_wandb = False
+        others = [lg for lg in trainer.loggers if lg is not wandb_logger]
         reason = None
-        if logger is None:
-            reason = "no WandbLogger in trainer.loggers"
-        elif os.environ.get("WANDB_MODE", "").lower() == "disabled":
-            reason = "WANDB_MODE=disabled"
-        elif trainer.is_global_zero and _is_disabled(logger.experiment):
-            reason = "the wandb run is disabled"
-        # Rank 0 decides (only it holds the run); every rank must agree, since logging
+        if not (use_wandb or others):
+            if not trainer.loggers:
+                reason = "no logger in trainer.loggers"
+            elif os.environ.get("WANDB_MODE", "").lower() == "disabled":
+                reason = "WANDB_MODE=disabled and no other logger"
+            else:
+                reason = "the wandb run is disabled and there is no other logger"
+        # Rank 0 decides (only it holds the loggers); every rank must agree, since logging
         # gathers data_stats() from all ranks.
         self.enabled = bool(trainer.strategy.broadcast(reason is None, src=0))
+        self.use_wandb = bool(trainer.strategy.broadcast(use_wandb, src=0))
         if reason and trainer.is_global_zero:
             # The prefix is the module's old name (renamed: it shadowed the standard library's
             # `logging`); the notice keeps it so that filters on it keep matching.
@@ -154,7 +231,8 @@ class DataStatsCallback(Callback):
         stats = self._collect(trainer)
         hashes = stats.get("hashes") if stats else None
         if hashes and trainer.is_global_zero:
-            _wandb_logger(trainer).experiment.config.update({"data/hashes": dict(hashes)}, allow_val_change=True)
+            for logger in trainer.loggers:
+                logger.log_hyperparams({"data/hashes": dict(hashes)})
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset_window()
@@ -181,6 +259,9 @@ class DataStatsCallback(Callback):
         if self.enabled and trainer.global_step != self._last_logged_step:
             self._last_logged_step = trainer.global_step
             self._log(trainer, trainer.global_step, with_table=True)
+        if self.enabled and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.save()
 
     # ---------------------------------------------------------------- logging
     def _collect(self, trainer: Trainer) -> dict[str, Any] | None:
@@ -210,27 +291,86 @@ class DataStatsCallback(Callback):
         if not trainer.is_global_zero:
             self._throughput()
             return
-        logger = _wandb_logger(trainer)
         metrics = self._throughput()
         if stats:
             metrics.update(data_scalars(stats))
-        logger.log_metrics(metrics, step=step)
-        if with_table and stats and stats.get("realized"):
-            self._log_mix_table(logger, stats["realized"], step)
+            metrics.update(self._dry_sources(stats, step))
+            self._record_fallback(trainer, stats)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+        if stats and stats.get("realized"):
+            self._share_history.append((step, {s: r.get("realized_weight") or 0.0 for s, r in stats["realized"].items()},
+                                        {s: r.get("target_weight") or 0.0 for s, r in stats["realized"].items()}))
+        if self.use_wandb and with_table and stats and stats.get("realized"):
+            self._log_wandb_charts(_wandb_logger(trainer), stats, step)
 
-    @staticmethod
-    def _log_mix_table(logger, realized: Mapping[str, Mapping[str, Any]], step: int) -> None:
+    def _dry_sources(self, stats: Mapping[str, Any], step: int) -> dict[str, float]:
+        """``data/ran_dry/<source>`` = the step it was first seen dry, with a log warning then."""
+        out = {}
+        for source, info in (stats.get("ran_dry") or {}).items():
+            if source not in self._dry_logged:
+                self._dry_logged.add(source)
+                info = {**info, "step": step}
+                target = info.get("target_share")
+                warnings.warn(
+                    f"stacklm: source {source!r} ran dry (seen at step {step}, after {info.get('batch')} batches of rank "
+                    f"{info.get('rank', 0)}): delivered share {float(info.get('delivered_share') or 0):.4f} vs target "
+                    f"{'?' if target is None else f'{float(target):.4f}'}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                self._dry_steps = {**getattr(self, "_dry_steps", {}), source: step}
+            out[f"data/ran_dry/{source}"] = float(getattr(self, "_dry_steps", {}).get(source, step))
+        return out
+
+    def _record_fallback(self, trainer: Trainer, stats: Mapping[str, Any]) -> None:
+        """A source on the synthetic fallback goes into every logger's run config, once it shows."""
+        fallback = list(stats.get("offline_fallback") or ())
+        if fallback and fallback != self._fallback_recorded:
+            self._fallback_recorded = fallback
+            warnings.warn(f"stacklm: OFFLINE FALLBACK: source(s) {fallback} train on synthetic text, not the real data",
+                          RuntimeWarning, stacklevel=2)
+            for logger in trainer.loggers:
+                logger.log_hyperparams({"data/offline_fallback": fallback})
+
+    def _log_wandb_charts(self, logger, stats: Mapping[str, Any], step: int) -> None:
         from stacklm.optional import require
 
-        wandb = require("wandb", "wandb", "the W&B data-mix table")
+        wandb = require("wandb", "wandb", "the W&B data-mix charts")
 
+        realized = stats["realized"]
         columns = ["source", "target_weight", "realized_weight", "tokens", "docs"]
         rows = [[s, r.get("target_weight"), r.get("realized_weight"), r.get("tokens"), r.get("docs")] for s, r in realized.items()]
-        table = wandb.Table(columns=columns, data=rows)
+        payload: dict[str, Any] = {"data/mix": wandb.Table(columns=columns, data=rows)}
         # Long format so one bar chart shows realized next to target for every source.
         long = wandb.Table(columns=["label", "weight"])
         for s, r in realized.items():
             long.add_data(f"{s} target", float(r.get("target_weight") or 0.0))
             long.add_data(f"{s} realized", float(r.get("realized_weight") or 0.0))
-        bar = wandb.plot.bar(long, "label", "weight", title="data mix: target vs realized weight")
-        logger.experiment.log({"data/mix": table, "data/mix_bar": bar, "trainer/global_step": step})
+        payload["data/mix_bar"] = wandb.plot.bar(long, "label", "weight", title="data mix: target vs realized weight")
+        if self._share_history:
+            names = list(realized)
+            xs = [h[0] for h in self._share_history]
+            ys = [[h[1].get(s, 0.0) for h in self._share_history] for s in names]
+            ys += [[h[2].get(s, 0.0) for h in self._share_history] for s in names]
+            keys = [f"{s} realized" for s in names] + [f"{s} target" for s in names]
+            payload["data/share_over_time"] = wandb.plot.line_series(
+                xs=xs, ys=ys, keys=keys, title="data mix: realized vs target share", xname="step")
+        hist = stats.get("doc_length_hist")
+        if hist:
+            edges = np.asarray(hist["edges"], dtype=np.float64)
+            edges[-1] = max(edges[-2] * 2, 1.0)  # the open last bin, drawn as one more doubling
+            for source, counts in hist["counts"].items():
+                if sum(counts):
+                    payload[f"data/doc_length/{source}"] = wandb.Histogram(np_histogram=(list(counts), edges.tolist()))
+        drops = wandb.Table(columns=["reason", "docs"])
+        for stage, by_source in (stats.get("dropped_docs") or {}).items():
+            totals: dict[str, int] = {}
+            for by_reason in by_source.values():
+                for reason, count in by_reason.items():
+                    totals[reason] = totals.get(reason, 0) + int(count)
+            for reason, count in sorted(totals.items()):
+                drops.add_data(f"{stage}/{reason}", count)
+        if drops.data:
+            payload["data/drops_bar"] = wandb.plot.bar(drops, "reason", "docs", title="dropped documents by reason")
+        logger.experiment.log({**payload, "trainer/global_step": step})

@@ -68,7 +68,7 @@ class ChatFormatError(StackLMError, ValueError):
     """A conversation that cannot be trained on. ``reason`` is one of ``INVALID_REASONS`` (the
     counter it lands in when the pipes drop instead of raise); ``where`` locates it."""
 
-    def __init__(self, message: str, *, reason: str, where: str | None = None) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, where: str | None = None) -> None:
         super().__init__(f"{where}: {message}" if where else message)
         self.detail = message
         self.reason = reason

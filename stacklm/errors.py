@@ -14,7 +14,24 @@ from __future__ import annotations
 
 
 class StackLMError(Exception):
-    """An error the user can fix; the message names what is wrong and the fix."""
+    """An error the user can fix; the message names what is wrong and the fix.
+
+    Errors cross process boundaries (loader workers, prebuild workers), so every subclass must
+    survive pickling with its fields, and be constructible from the message alone: torch's
+    ``DataLoader`` re-raises a worker's error as ``type(err)(message)`` and falls back to a bare
+    ``RuntimeError`` (no longer a ``StackLMError``) when that fails. So a subclass's extra
+    ``__init__`` arguments take defaults, and pickling rebuilds from the message and then puts
+    the fields back.
+    """
+
+    def __reduce__(self):
+        return (_rebuild_error, (type(self), self.args, self.__dict__))
+
+
+def _rebuild_error(cls: type, args: tuple, state: dict) -> StackLMError:
+    err = cls(*args)
+    err.__dict__.update(state)
+    return err
 
 
 class ConfigError(StackLMError, ValueError):

@@ -18,7 +18,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from stacklm.datamodule import StackDataModule  # noqa: E402
-from tests.lightning_helpers import TinyLM, batch_hash  # noqa: E402
+from tests.lightning_helpers import DeliveredTokenTally, TinyLM, batch_hash  # noqa: E402
 
 
 class Record(L.Callback):
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--ckpt-every", type=int)
     ap.add_argument("--crash-after", type=int)
     ap.add_argument("--resume")
+    ap.add_argument("--stats", action="store_true", help="log data stats to a CSV logger and tally the batches' tokens")
     a = ap.parse_args()
     dm = StackDataModule(
         mode=a.mode, tokenizer=a.tokenizer, data_dir=a.data_dir,
@@ -63,9 +64,19 @@ def main() -> None:
     callbacks = [Record(Path(a.out), a.crash_after)]
     if a.ckpt_every:
         callbacks.append(ModelCheckpoint(dirpath=Path(a.out) / "ckpt", every_n_train_steps=a.ckpt_every, save_top_k=-1))
+    logger = False
+    if a.stats:
+        from lightning.pytorch.loggers import CSVLogger
+
+        from stacklm.callbacks import DataStatsCallback
+
+        logger = CSVLogger(a.out, name="csv")
+        tok = dm.tokenizer
+        callbacks += [DataStatsCallback(log_every_n_steps=2),
+                      DeliveredTokenTally(str(Path(a.out) / "tally{rank}.json"), tok.pad_id, tok.bos_id)]
     trainer = L.Trainer(
         accelerator="cpu", strategy="ddp", devices=2, max_steps=a.steps, max_epochs=a.epochs, callbacks=callbacks,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+        logger=logger, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, default_root_dir=a.out,
     )
     trainer.fit(TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=a.resume)

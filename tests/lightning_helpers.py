@@ -51,3 +51,33 @@ class BatchRecorder(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.crash_after_step is not None and trainer.global_step >= self.crash_after_step:
             raise KeyboardInterrupt("simulated crash")
+
+
+class DeliveredTokenTally(L.Callback):
+    """Counts, from the batches themselves, the non-pad input tokens and the ``<bos>`` tokens
+    the training step received, after every step: the independent count the data layer's
+    logged numbers are checked against. Its totals are in the checkpoint (callback state), so a
+    resumed run continues them; ``out`` gets ``{step: [tokens, bos]}`` as JSON after each step
+    (``{rank}`` in it is replaced by the rank, for DDP)."""
+
+    def __init__(self, out: str, pad_id: int, bos_id: int) -> None:
+        self.out, self.pad_id, self.bos_id = out, pad_id, bos_id
+        self.tokens = self.bos = 0
+        self.per_step: dict[int, list[int]] = {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.tokens += int((batch["input_ids"] != self.pad_id).sum())
+        self.bos += int((batch["input_ids"] == self.bos_id).sum())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        import json
+
+        self.per_step[int(trainer.global_step)] = [self.tokens, self.bos]
+        with open(self.out.replace("{rank}", str(trainer.global_rank)), "w") as f:
+            json.dump(self.per_step, f)
+
+    def state_dict(self) -> dict:
+        return {"tokens": self.tokens, "bos": self.bos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens, self.bos = int(state["tokens"]), int(state["bos"])

@@ -8,8 +8,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.configs import CONFIG_DIR
-from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, SUMMARY_EVERY_N_BATCHES, DataConfigError, StackDataModule
+from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, DataConfigError, StackDataModule
 from tests.lightning_helpers import BatchRecorder, TinyLM
+from tests.worker_probe import ThenProbe
 from tests.resume import check_save_load_state
 
 SEQ_LEN, BATCH = 64, 2
@@ -91,6 +92,28 @@ def test_stream_batches_follow_the_contract(tokenizer_dir):
     assert len(list(dm.val_dataloader())) == 2
 
 
+def test_stream_workers_start_clean_and_fast(tokenizer_dir, tmp_path, monkeypatch):
+    """Loader workers start from the forkserver: they never import Lightning or wandb (whose
+    threads and import hooks break a forked worker) even though this process has both."""
+    import json
+
+    import lightning  # noqa: F401  (in this process, as under a real fit)
+    import wandb  # noqa: F401
+
+    warm = _dm(tokenizer_dir, num_workers=2)
+    warm.setup("fit")
+    next(iter(warm.train_dataloader()))  # the forkserver runs before the variable below exists
+    monkeypatch.setenv("STACKLM_TEST_PROBE", str(tmp_path / "probe"))
+    dm = _dm(tokenizer_dir, num_workers=2)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.multiprocessing_context.get_start_method() == "forkserver"
+    loader.worker_init_fn = ThenProbe(loader.worker_init_fn)  # the variable set above reaches a warm forkserver's workers
+    next(iter(loader))
+    seen = [json.loads((tmp_path / f"probe{w}").read_text()) for w in range(2)]
+    assert all(s == {"lightning": False, "wandb": False, "lightning.pytorch": False} for s in seen), seen
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
     steps, k = 10, 4
@@ -113,7 +136,7 @@ def test_worker_snapshots_follow_the_checkpoint_interval(tokenizer_dir, tmp_path
     for step in (3, 6):
         state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)
         (loader,) = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-        assert loader["per_rank"][0]["_steps_since_snapshot"] == 0
+        assert loader["per_rank"][0]["loader"]["_steps_since_snapshot"] == 0
 
 
 def test_resume_refuses_other_data(tokenizer_dir, tmp_path):
@@ -135,24 +158,38 @@ def test_bad_set_ups_fail_before_training(tokenizer_dir):
         dm.train_dataloader()
 
 
-def test_data_stats_report_what_the_workers_delivered(tokenizer_dir):
-    dm = _dm(tokenizer_dir, num_workers=2)
+@pytest.mark.parametrize("num_workers, prefetch", [(0, None), (2, 2), (2, 6)])
+def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers, prefetch):
+    """Counted from the batches themselves at every step: per-source tokens sum to the non-pad
+    input tokens handed out so far, exactly, however far the workers read and prefetch ahead."""
+    dm = _dm(tokenizer_dir, num_workers=num_workers)
     dm.setup("fit")
     loader = dm.train_dataloader()
-    seen = []
+    if prefetch is not None:
+        loader.prefetch_factor = prefetch
+    pad, bos = dm.tokenizer.pad_id, dm.tokenizer.bos_id
+    tokens = positions = docs_at_least = 0
     for n, batch in enumerate(loader, 1):
-        assert set(batch) == {"input_ids", "position_ids", "seq_ids", "targets"}  # the summary was taken off
-        if n == 2 * SUMMARY_EVERY_N_BATCHES:  # fresh mid-epoch, long before any state snapshot
-            seen.append(sum(r["tokens"] for r in dm.data_stats()["realized"].values()))
-    assert loader.snapshot_every_n_steps == DEFAULT_SNAPSHOT_STEPS > n
-    assert seen[0] > 0  # a snapshot-only channel would still show the start-up state: nothing
-    stats = dm.data_stats()
-    real = stats["realized"]
-    # 12,000 tokens split over 2 workers, each meeting its 70/30 budget exactly
-    assert real["web"]["tokens"] == 2 * round(6000 * 0.7) and real["code"]["tokens"] == 2 * round(6000 * 0.3)
-    assert abs(real["web"]["realized_weight"] - 0.7) < 1e-9
-    assert stats["dropped"]["holdout"]["web"]["holdout_other_split"] > 0
-    assert 0 <= stats["padding_fraction"] < 0.2
+        assert set(batch) == {"input_ids", "position_ids", "seq_ids", "targets"}  # counts and summaries taken off
+        tokens += int((batch["input_ids"] != pad).sum())
+        positions += batch["input_ids"].numel()
+        docs_at_least += int((batch["input_ids"] == bos).sum())
+        stats = dm.data_stats()
+        real = stats["realized"]
+        assert sum(r["tokens"] for r in real.values()) == tokens, n
+        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+        assert abs(stats["padding_fraction"] - (1 - tokens / positions)) < 1e-12
+        assert sum(r["docs"] for r in real.values()) >= docs_at_least  # + those whose <bos> is a row's last token
+        if n == 1:  # the first numbers are there with the first batch, drops included
+            assert "dropped_docs" in stats and "holdout_docs" in stats
+    assert n == len(loader) >= 12_000 // (BATCH * SEQ_LEN) - 1
+    assert tokens <= 12_000 + 2 * sum(r["docs"] for r in real.values())  # never more than the budget delivered
+    assert real["web"]["tokens"] > real["code"]["tokens"] > 0 and real["web"]["target_weight"] == pytest.approx(0.7)
+    assert abs(sum(r["realized_weight"] for r in real.values()) - 1) < 1e-9
+    assert sum(stats["holdout_docs"].values()) > 0  # the other split's documents: holdout, not drops
+    assert "holdout" not in stats["dropped_docs"] and stats["offline_fallback"] == []
+    hist = stats["doc_length_hist"]
+    assert sum(sum(c) for c in hist["counts"].values()) == sum(r["docs"] for r in real.values())
     assert set(stats["hashes"]) == {"tokenizer", "manifest", "data_config"}
 
 
@@ -240,3 +277,52 @@ def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_d
 
     full = check_save_load_state(build, lambda n: (1, n // 2), state_round_trip="torch")
     assert len(full) >= 6
+
+
+def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir):
+    pipeline = stream_pipeline()
+    pipeline["mix"]["entries"][1]["num_docs"] = 3  # code: far too little for its 30%
+    dm = _dm(tokenizer_dir, pipeline=pipeline)
+    dm.setup("fit")
+    with pytest.warns(RuntimeWarning, match=r"source 'code' ran dry in rank 0 worker 0 at batch \d+ .*target 0\.3000"):
+        for _ in dm.train_dataloader():
+            pass
+    dry = dm.data_stats()["ran_dry"]
+    assert list(dry) == ["code"] and dry["code"]["target_share"] == pytest.approx(0.3)
+    assert 0 < dry["code"]["batch"] and dry["code"]["delivered_share"] < 0.3
+
+
+def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
+    from stacklm.datamodule.errors import BatchVocabError
+
+    dm = _dm(tokenizer_dir)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    assert loader.vocab_size == dm.vocab_size == 512
+    next(iter(loader))
+    loader.vocab_size = 300  # as if the data came from a bigger tokenizer than the model's
+    with pytest.raises(BatchVocabError, match=r"train stream: a batch holds token id \d+ outside the vocabulary \[0, 300\)"):
+        for _ in loader:
+            pass
+
+
+def test_an_opted_in_offline_fallback_is_recorded_in_data_stats(tokenizer_dir, monkeypatch):
+    import datasets.config
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    pipeline = stream_pipeline()
+    pipeline["mix"]["entries"][1] = {"name": "code", "kind": "hf", "path": "HuggingFaceTB/finemath", "config_name": "finemath-4plus",
+                                     "weight": 0.3, "domain": "math", "num_docs": 400}
+    dm = _dm(tokenizer_dir, pipeline=pipeline)  # fallback_offline not set: a broken hub source is an error
+    dm.setup("fit")
+    with pytest.raises(Exception, match="HuggingFaceTB/finemath") as err:
+        next(iter(dm.train_dataloader()))
+    assert "fallback" not in str(err.value)
+    dm = _dm(tokenizer_dir, pipeline={**pipeline, "fallback_offline": True})
+    dm.setup("fit")
+    with pytest.warns(RuntimeWarning, match="OFFLINE FALLBACK: source 'code'"):
+        next(iter(dm.train_dataloader()))
+    assert dm.data_stats()["offline_fallback"] == ["code"]

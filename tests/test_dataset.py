@@ -143,6 +143,17 @@ def test_distributed_sampler_with_dataloader_workers(tok, shard_set):
     assert sorted(set(seen)) == list(range(11))
 
 
+class _Batches(torch.utils.data.Dataset):
+    def __init__(self, ds, batches) -> None:
+        self.ds, self.batches = ds, batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, i):
+        return self.ds.get_batch(self.batches[i])
+
+
 def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
     from stacklm.tokenizer.bpe import StackTokenizer
 
@@ -186,7 +197,13 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
     d = fresh("overvocab", (bad[:20], bad[20:]))
     with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
         PackedMemmapDataset(d)
-    PackedMemmapDataset(d, sample_rows=0)  # the cheap check skipped: only `verify` finds it
+    unchecked = PackedMemmapDataset(d, sample_rows=0)  # the sample check skipped on open
+    unchecked.get_batch([0, 1, 32])  # rows without the bad id are served
+    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
+        unchecked.get_batch([4, 33, 2])  # every batch is checked before it reaches the model
+    loader = torch.utils.data.DataLoader(_Batches(unchecked, [[0, 1], [33, 3]]), batch_size=None, num_workers=1)
+    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13"):  # the same from a loader worker
+        list(loader)
     with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051"):
         verify_shard_set(d, progress=False)
 

@@ -67,6 +67,26 @@ def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
     assert rec.seen == []
 
 
+@pytest.mark.slow
+def test_stream_mode_ddp_logged_counts_are_the_sum_of_what_both_ranks_trained_on(tokenizer_dir, tmp_path):
+    """Two real gloo ranks, two loader workers each: the logged per-source tokens (summed over
+    ranks by the callback) equal the non-pad tokens both ranks' batches held, at every log step."""
+    import csv
+
+    pipe = json.dumps(stream_pipeline(total_tokens=16_000))
+    out = tmp_path / "stats"
+    run_ddp("--mode", "stream", "--tokenizer", str(tokenizer_dir), "--pipeline", pipe, "--out", str(out),
+            "--workers", "2", "--steps", "8", "--stats")
+    tallies = [{int(k): v for k, v in json.loads((out / f"tally{r}.json").read_text()).items()} for r in (0, 1)]
+    (metrics,) = out.glob("csv/version_*/metrics.csv")
+    rows = {int(r["step"]): r for r in csv.DictReader(open(metrics)) if r.get("data/tokens/web")}
+    assert sorted(rows) == [2, 4, 6, 8]
+    for step, row in rows.items():
+        both = tallies[0][step][0] + tallies[1][step][0]
+        assert float(row["data/tokens/web"]) + float(row["data/tokens/code"]) == both, step
+        assert float(row["data/padding_fraction"]) == pytest.approx(1 - both / (2 * step * 2 * 63))
+
+
 def _all_rows(shards_dir):
     import hashlib
 

@@ -58,7 +58,10 @@ class StatsDataModule(ContractDataModule):
                 s: {"tokens": tokens[s], "docs": docs[s], "target_weight": TARGET[s], "realized_weight": tokens[s] / all_tokens if all_tokens else 0.0}
                 for s in tokens
             },
-            "dropped": {"filter": {"web": {"too_short": 3 + len(self.delivered)}, "code": {"binary": 1}}, "near_dedup": {"web": {"near_dup": 2}}},
+            "dropped_docs": {"filter": {"web": {"too_short": 3 + len(self.delivered)}, "code": {"binary": 1}}, "near_dedup": {"web": {"near_dup": 2}}},
+            "dropped_tokens": {"web": {"cut_by_budget": 40}},
+            "holdout_docs": {"web": 5, "code": 2},
+            "doc_length_hist": {"edges": [0, 8, 16, 32, 1 << 62], "counts": {"web": [0, 2, 3, 1], "code": [1, 0, 0, 0]}},
             "padding_fraction": pad / total if total else 0.0,
             "hashes": dict(HASHES),
         }
@@ -127,9 +130,11 @@ def test_offline_run_holds_the_logged_data_stats(offline_wandb):
             assert row[f"data/target_weight/{source}"] == pytest.approx(TARGET[source])
             assert row[f"data/realized_weight/{source}"] == pytest.approx(expect["realized_weight"])
             assert row[f"data/weight_gap/{source}"] == pytest.approx(expect["realized_weight"] - TARGET[source])
-        assert row["data/dropped/filter/web/too_short"] == stats["dropped"]["filter"]["web"]["too_short"]
-        assert row["data/dropped/filter/code/binary"] == 1 and row["data/dropped/near_dedup/web/near_dup"] == 2
-        assert row["data/dropped_total"] == stats["dropped"]["filter"]["web"]["too_short"] + 3
+        assert row["data/dropped_docs/filter/web/too_short"] == stats["dropped_docs"]["filter"]["web"]["too_short"]
+        assert row["data/dropped_docs/filter/code/binary"] == 1 and row["data/dropped_docs/near_dedup/web/near_dup"] == 2
+        assert row["data/dropped_docs_total"] == stats["dropped_docs"]["filter"]["web"]["too_short"] + 3
+        assert row["data/dropped_tokens/web/cut_by_budget"] == row["data/dropped_tokens_total"] == 40
+        assert row["data/holdout_docs/web"] == 5 and "data/dropped_total" not in row
         assert row["data/padding_fraction"] == pytest.approx(stats["padding_fraction"])
         assert 0 < row["data/padding_fraction"] < 1
         assert row["loader/batches_per_s"] > 0 and row["loader/tokens_per_s"] > 0
@@ -150,6 +155,59 @@ def test_offline_run_holds_the_logged_data_stats(offline_wandb):
     bar = json.loads((run_dir / "files" / table_rows[0]["data/mix_bar_table.path"]).read_text())
     assert {label: w for label, w in bar["data"]}["web target"] == pytest.approx(0.7)
     assert config["_wandb.visualize.data/mix_bar"]["panel_config"]["fieldSettings"] == {"label": "label", "value": "weight"}
+    # The charts: share over time (one line per source and target), doc-length histograms, drops by reason.
+    chart = table_rows[0]
+    series = json.loads((run_dir / "files" / chart["data/share_over_time_table.path"]).read_text())
+    assert {r[1] for r in series["data"]} == {"web realized", "code realized", "web target", "code target"}
+    assert chart["data/doc_length/web._type"] == "histogram" and chart["data/doc_length/web.values"] == [0, 2, 3, 1]
+    drops = json.loads((run_dir / "files" / chart["data/drops_bar_table.path"]).read_text())
+    assert dict(map(tuple, drops["data"]))["near_dedup/near_dup"] == 2
+
+
+def test_offline_fallback_goes_into_the_run_config_loudly(offline_wandb):
+    tmp_path = offline_wandb
+
+    class FallbackDataModule(StatsDataModule):
+        def data_stats(self) -> dict:
+            return {**super().data_stats(), "offline_fallback": ["code"]}
+
+    logger = WandbLogger(project="stacklm-test", save_dir=str(tmp_path), offline=True)
+    with pytest.warns(RuntimeWarning, match=r"OFFLINE FALLBACK: source\(s\) \['code'\]"):
+        fit(FallbackDataModule(seq_len=64, batch_size=6, n_docs=60), DataStatsCallback(log_every_n_steps=2), logger, tmp_path, max_steps=2)
+    logger.experiment.finish()
+    _, records = read_offline_run(tmp_path)
+    config = {}
+    for r in records:
+        if r["type"] == "config":
+            config.update(r["config"]["update"])
+    assert config["data/offline_fallback"] == ["code"]
+    history = [r["history"]["item"] for r in records if r["type"] == "history"]
+    assert any(row.get("data/offline_fallback") == 1 for row in history)
+
+
+def test_scalars_reach_every_logger(offline_wandb):
+    """CSV and TensorBoard get the same data scalars as W&B (``logger.log_metrics`` on each)."""
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    tmp_path = offline_wandb
+    dm = StatsDataModule(seq_len=64, batch_size=6, n_docs=60)
+    csv, tb = CSVLogger(tmp_path, name="csv"), TensorBoardLogger(tmp_path, name="tb")
+    fit(dm, DataStatsCallback(log_every_n_steps=2), [csv, tb], tmp_path)
+    import csv as csvlib
+
+    rows = [r for r in csvlib.DictReader(open(csv.experiment.metrics_file_path)) if r.get("data/tokens/web")]
+    reported = dict(dm.reports)
+    assert [int(r["step"]) for r in rows] == [2, 4, 6]
+    for r in rows:
+        assert float(r["data/tokens/web"]) == reported[int(r["step"])]["realized"]["web"]["tokens"]
+        assert float(r["data/dropped_tokens_total"]) == 40
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb.log_dir))
+    acc.Reload()
+    events = acc.Scalars("data/tokens/code")
+    assert [e.step for e in events] == [2, 4, 6]
+    assert [e.value for e in events] == [reported[e.step]["realized"]["code"]["tokens"] for e in events]
 
 
 @pytest.mark.parametrize("mode", ["disabled", "disabled_run", "no_logger"])
@@ -165,7 +223,7 @@ def test_noop_with_one_line_notice(offline_wandb, monkeypatch, capsys, mode):
         expected = "the wandb run is disabled"
     else:
         logger = False
-        expected = "no WandbLogger"
+        expected = "no logger"
     fit(dm, DataStatsCallback(log_every_n_steps=1), logger, tmp_path, max_steps=2)
     notices = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stacklm.logging:")]
     assert len(notices) == 1 and expected in notices[0]
@@ -178,15 +236,28 @@ def test_noop_with_one_line_notice(offline_wandb, monkeypatch, capsys, mode):
 def test_merge_data_stats_sums_ranks():
     rank0 = {"realized": {"web": {"tokens": 300, "docs": 3, "target_weight": 0.5, "realized_weight": 0.75},
                           "code": {"tokens": 100, "docs": 1, "target_weight": 0.5, "realized_weight": 0.25}},
-             "dropped": {"filter": {"web": {"short": 2}}}, "padding_fraction": 0.1, "hashes": HASHES}
+             "delivered": {"batches": 2, "positions": 500, "tokens": 400},
+             "dropped_docs": {"filter": {"web": {"short": 2}}}, "dropped_tokens": {"web": {"cut_by_budget": 7}},
+             "holdout_docs": {"web": 1}, "offline_fallback": [], "ran_dry": {"code": {"batch": 9, "delivered_share": 0.2}},
+             "doc_length_hist": {"edges": [0, 8, 1 << 62], "counts": {"web": [1, 2], "code": [0, 1]}},
+             "padding_fraction": 0.2, "hashes": HASHES}
     rank1 = {"realized": {"web": {"tokens": 100, "docs": 1, "target_weight": 0.5, "realized_weight": 0.25},
                           "code": {"tokens": 300, "docs": 5, "target_weight": 0.5, "realized_weight": 0.75}},
-             "dropped": {"filter": {"web": {"short": 1, "long": 4}}}, "padding_fraction": 0.3, "hashes": HASHES}
+             "delivered": {"batches": 2, "positions": 500, "tokens": 400},
+             "dropped_docs": {"filter": {"web": {"short": 1, "long": 4}}}, "dropped_tokens": {"code": {"cut_by_budget": 3}},
+             "holdout_docs": {"web": 2, "code": 1}, "offline_fallback": ["code"], "ran_dry": {"code": {"batch": 4, "delivered_share": 0.7}},
+             "doc_length_hist": {"edges": [0, 8, 1 << 62], "counts": {"web": [0, 1], "code": [3, 0]}},
+             "padding_fraction": 0.2, "hashes": HASHES}
     merged = merge_data_stats([rank0, rank1])
     assert merged["realized"]["web"] == {"tokens": 400, "docs": 4, "target_weight": 0.5, "realized_weight": 0.5}
     assert merged["realized"]["code"]["docs"] == 6
-    assert merged["dropped"] == {"filter": {"web": {"short": 3, "long": 4}}}
+    assert merged["delivered"] == {"batches": 4, "positions": 1000, "tokens": 800}
     assert merged["padding_fraction"] == pytest.approx(0.2) and merged["hashes"] == HASHES
+    assert merged["dropped_docs"] == {"filter": {"web": {"short": 3, "long": 4}}}
+    assert merged["dropped_tokens"] == {"web": {"cut_by_budget": 7}, "code": {"cut_by_budget": 3}}
+    assert merged["holdout_docs"] == {"web": 3, "code": 1} and merged["offline_fallback"] == ["code"]
+    assert merged["ran_dry"]["code"]["batch"] == 4  # the earliest
+    assert merged["doc_length_hist"]["counts"] == {"web": [1, 3], "code": [3, 1]}
 
 
 class _RankDataModule:
@@ -195,7 +266,7 @@ class _RankDataModule:
 
     def data_stats(self) -> dict:
         return {"realized": {"web": {"tokens": 10 * (self.rank + 1), "docs": 1, "target_weight": 1.0, "realized_weight": 1.0}},
-                "dropped": {"filter": {"web": {"short": self.rank}}}, "padding_fraction": 0.5, "hashes": HASHES}
+                "dropped_docs": {"filter": {"web": {"short": self.rank}}}, "padding_fraction": 0.5, "hashes": HASHES}
 
 
 class _FakeTrainer:
@@ -217,5 +288,5 @@ def test_collect_gathers_over_a_real_process_group(tmp_path):
     for rank in range(2):
         stats = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert stats["realized"]["web"]["tokens"] == 30  # 10 + 20: every rank sees the global sum
-        assert stats["dropped"]["filter"]["web"]["short"] == 1
+        assert stats["dropped_docs"]["filter"]["web"]["short"] == 1
     assert os.environ.get("RANK") is None  # no distributed state leaked into this process

@@ -8,7 +8,9 @@ import numpy as np
 import pytest
 import torch
 
+from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pack import DELIVERY_KEY
 from stacklm.data.registry import DataMix, SourceConfig
 from tests.resume import check_save_load_state
 
@@ -43,14 +45,35 @@ def _take(node, k):
     return out
 
 
+@pytest.mark.parametrize("strategy", ["best_fit", "greedy"])
+def test_batches_count_what_they_deliver_per_source(tok, strategy):
+    """Each batch's delivery counts against the batch itself (non-pad input tokens) and, over the
+    drained stream, against the mixer's own per-source counts (documents, and their lengths:
+    every document's <bos> ids <eos> counted once, in the batch where its <bos> is)."""
+    p = build_pipeline(_config(total_tokens=40_000, strategy=strategy), tok)
+    names = ["web", "code", "math"]
+    tokens, docs, lengths = np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64)
+    for b in p.batches:
+        d = b[DELIVERY_KEY]
+        assert int(d["tokens"].sum()) == int((b["input_ids"] != tok.pad_id).sum())
+        assert int(d["docs"].sum()) == int((torch.cat([b["input_ids"], b["targets"][:, -1:]], 1) == tok.bos_id).sum())
+        tokens += d["tokens"].numpy()
+        docs += d["docs"].numpy()
+        np.add.at(lengths, d["doc_lengths"][:, 0].numpy(), d["doc_lengths"][:, 1].numpy())
+    real = p.realized()
+    assert docs.tolist() == [real[n]["docs"] for n in names]
+    assert lengths.tolist() == [real[n]["tokens"] + 2 * real[n]["docs"] for n in names]
+    assert all(tokens > 0) and tokens.sum() <= lengths.sum()
+
+
 def test_batches_follow_the_contract(tok):
     p = build_pipeline(_config(total_tokens=150_000), tok)
     batches = list(p.batches)
     assert batches
     for b in batches:
-        assert set(b) == {"input_ids", "position_ids", "seq_ids", "targets"}
-        for v in b.values():
-            assert v.dtype == torch.long and v.shape[1] == SEQ_LEN - 1
+        assert set(b) == set(BATCH_KEYS) | {DELIVERY_KEY}  # the loader takes the delivery counts off
+        for key in BATCH_KEYS:
+            assert b[key].dtype == torch.long and b[key].shape[1] == SEQ_LEN - 1
         assert int(b["position_ids"].min()) >= 0 and int(b["position_ids"].max()) < SEQ_LEN
         assert (b["targets"][:, :-1][b["targets"][:, :-1] != -100] == b["input_ids"][:, 1:][b["targets"][:, :-1] != -100]).all()
         assert (b["input_ids"] < tok.vocab_size).all()

@@ -23,6 +23,7 @@ from stacklm.data import manifest as mf
 from stacklm.data import shards as sh
 from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pack import DELIVERY_KEY
 from stacklm.prebuild import PrebuildError, load_config, prebuild
 
 REPO = Path(__file__).resolve().parents[1]
@@ -110,7 +111,8 @@ def test_shards_replay_the_stream_batch_for_batch(ref, tok, split):
     n = 0
     for k, batch in enumerate(stream):
         got = ds.get_batch(range(4 * k, min(4 * k + 4, len(ds))))  # drop_last=False: a short last batch
-        for key in batch:
+        assert set(batch) == set(got) | {DELIVERY_KEY}  # the stream's delivery counts ride along
+        for key in got:
             assert torch.equal(batch[key], got[key]), (k, key)
         n += 1
     assert n == -(-len(ds) // 4) > 0
@@ -271,3 +273,15 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     assert own.seq_len == SEQ_LEN and settings["tokenizer"] == "tok" and settings["out"] is None
     with pytest.raises(PrebuildError, match=r"'data\.pipeline\.dedup\.nera'; did you mean 'near'"):
         load_config(_own_config(tmp_path, "tok", dedup={"nera": False}))
+
+
+def test_a_dry_source_is_a_warning_in_the_manifest(tmp_path, tok_dir):
+    section = data_section(total=30_000)
+    section["mix"]["entries"][2]["num_docs"] = 6  # math: far too few documents for its 10%
+    with pytest.warns(RuntimeWarning, match="source 'math' ran dry in train job 0"):
+        top = prebuild(PipelineConfig.from_dict(section), tok_dir, tmp_path / "s", tokens_per_shard=TOKENS_PER_SHARD, progress=False)
+    dry = [w for w in top["warnings"] if w["kind"] == "ran_dry" and w["split"] == "train"]
+    assert [w["source"] for w in dry] == ["math"]
+    assert dry[0]["delivered_share"] < dry[0]["target_share"] == pytest.approx(0.1)
+    assert dry[0]["tokens"] < dry[0]["planned_tokens"]
+    assert top["offline_fallback"] == [] and mf.read_manifest(tmp_path / "s" / "train")["warnings"] == dry

@@ -204,8 +204,28 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         return out
 
     def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch contract for ``indices`` (tensors ``(len(indices), seq_len - 1)``)."""
-        return derive_batch(self.rows(indices), self.bos_id, self.eos_id, self.pad_id)
+        """The batch contract for ``indices`` (tensors ``(len(indices), seq_len - 1)``).
+
+        Every batch's ids are checked against the vocabulary (one max over the rows, cheap next
+        to deriving the batch): a corrupt row never reaches the model, and the error names the
+        shard file and row. Opening checks a sample, ``stacklm verify`` every row."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        rows = self.rows(idx)
+        if rows.size and int(rows.max()) >= self.vocab_size:
+            self._raise_out_of_vocab(idx, rows)
+        return derive_batch(rows, self.bos_id, self.eos_id, self.pad_id)
+
+    def _raise_out_of_vocab(self, idx: np.ndarray, rows: np.ndarray) -> None:
+        r = int(np.argmax((rows >= self.vocab_size).any(axis=1)))
+        global_row = int(idx[r]) + (self.num_rows if idx[r] < 0 else 0)
+        shard, local = self.locate(np.array([global_row]))
+        path = tokens_path(self.path, self.shard_names[int(shard[0])])
+        raise ShardError(
+            f"{path}: row {int(local[0])} holds token id {int(rows[r].max())} >= vocab_size {self.vocab_size} from the "
+            "manifest: the shard is corrupt or was built with a larger vocabulary; run `stacklm verify` on the directory "
+            "and rebuild with `stacklm prebuild`",
+            path=path,
+        )
 
     def __getitem__(self, index):
         if isinstance(index, (int, np.integer)):

@@ -136,7 +136,8 @@ def build_pipeline(
     mix = MixNode(tokenized, config.mix.weights, total, seed=epoch_seed(config.seed, epoch))
     shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=epoch_seed(config.seed + 1, epoch))
     windows = PackNode(
-        shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs
+        shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs,
+        sources=[entry.name for entry in config.mix.entries],  # batches count what they deliver per source
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
     return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,

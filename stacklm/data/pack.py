@@ -30,7 +30,7 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -41,6 +41,45 @@ from stacklm.data.stats import StageStats
 
 STRATEGIES = ("greedy", "best_fit")
 DEFAULT_BUFFER_DOCS = 1000
+
+
+# ---------------------------------------------------------------------------------------
+# Where each token of a window came from
+# ---------------------------------------------------------------------------------------
+class WindowOrigin(NamedTuple):
+    """Side data of one packed window (when the packer tracks sources): ``origin[i]`` is the
+    index of the source of token ``i`` (-1 for padding), and ``starts`` lists ``(source, length)``
+    of each document whose ``<bos>`` is in this window (length in tokens, ``<bos>``/``<eos>``
+    included). What lets a batch say exactly what it delivers (``delivery_counts``)."""
+
+    origin: np.ndarray
+    starts: list[tuple[int, int]]
+
+
+def origins_state(origins: Sequence[WindowOrigin], seq_len: int) -> dict[str, np.ndarray]:
+    """Windows' origins as three arrays (for a node's state)."""
+    planes = np.stack([o.origin for o in origins]) if origins else np.zeros((0, seq_len), dtype=np.int16)
+    starts = [(k, s, n) for k, o in enumerate(origins) for s, n in o.starts]
+    return {"origin": planes, "starts": np.array(starts, dtype=np.int64).reshape(-1, 3)}
+
+
+def load_origins(state: dict[str, np.ndarray]) -> deque[WindowOrigin]:
+    planes = np.asarray(state["origin"], dtype=np.int16)
+    per: list[list[tuple[int, int]]] = [[] for _ in range(len(planes))]
+    for k, s, n in np.asarray(state["starts"]).reshape(-1, 3).tolist():
+        per[k].append((int(s), int(n)))
+    return deque(WindowOrigin(planes[k].copy(), per[k]) for k in range(len(planes)))
+
+
+def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str, torch.Tensor]:
+    """What a batch of windows delivers to the step, per source: ``tokens`` (the non-pad
+    positions of ``input_ids``, i.e. each window but its last token), ``docs`` (documents whose
+    ``<bos>`` is in the batch) and ``doc_lengths`` (``(k, 2)``: source, length of each)."""
+    planes = np.stack([o.origin for o in origins])[:, :-1].astype(np.int64).ravel()
+    tokens = np.bincount(planes + 1, minlength=n_sources + 1)[1:]
+    starts = np.array([st for o in origins for st in o.starts], dtype=np.int64).reshape(-1, 2)
+    docs = np.bincount(starts[:, 0], minlength=n_sources) if len(starts) else np.zeros(n_sources, dtype=np.int64)
+    return {"tokens": torch.from_numpy(tokens), "docs": torch.from_numpy(docs), "doc_lengths": torch.from_numpy(starts)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -55,12 +94,16 @@ class _Packer:
 
     strategy = ""
 
-    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int) -> None:
+    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (a window of seq_len tokens gives seq_len-1 targets), got {seq_len}")
         if len({bos_id, eos_id, pad_id}) != 3:
             raise ValueError(f"bos_id, eos_id and pad_id must differ, got {bos_id}, {eos_id}, {pad_id}")
         self.seq_len, self.bos_id, self.eos_id, self.pad_id = int(seq_len), int(bos_id), int(eos_id), int(pad_id)
+        # Source tracking (``sources`` given): every emitted window gets its ``WindowOrigin`` in
+        # ``self.origins``, in emission order, for the consumer to pop next to the window.
+        self.track_sources = sources is not None
+        self._initial_sources = list(sources or [])
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -70,6 +113,21 @@ class _Packer:
         self.doc_tokens = 0  # tokens of the pieces, <bos>/<eos> included
         self.pad_tokens = 0
         self.stats = StageStats("pack")
+        self.sources = list(self._initial_sources)
+        self._source_index = {name: i for i, name in enumerate(self.sources)}
+        self.origins: deque[WindowOrigin] = deque()
+
+    def _source_of(self, doc: dict) -> int:
+        """Index of ``doc``'s source in ``self.sources`` (a source not named up front is appended)."""
+        name = doc.get("source", "?")
+        index = self._source_index.get(name)
+        if index is None:
+            index = self._source_index[name] = len(self.sources)
+            self.sources.append(name)
+        return index
+
+    def _new_origin(self, fill: int = -1) -> np.ndarray:
+        return np.full(self.seq_len, fill, dtype=np.int16)
 
     def _wrap(self, doc: dict) -> np.ndarray:
         ids = np.asarray(doc["ids"])
@@ -106,14 +164,22 @@ class _Packer:
         }
 
     def _counter_state(self) -> dict[str, Any]:
-        return {
+        out = {
             "counters": np.array([self.windows, self.docs, self.docs_cut, self.doc_tokens, self.pad_tokens], dtype=np.int64),
             "stats": self.stats.to_dict(),
         }
+        if self.track_sources:
+            out["sources"] = list(self.sources)
+            out["origins"] = origins_state(self.origins, self.seq_len)
+        return out
 
     def _load_counters(self, state: dict[str, Any]) -> None:
         self.windows, self.docs, self.docs_cut, self.doc_tokens, self.pad_tokens = (int(x) for x in state["counters"])
         self.stats.load_dict(state["stats"])
+        if self.track_sources:
+            self.sources = list(state.get("sources", self.sources))
+            self._source_index = {name: i for i, name in enumerate(self.sources)}
+            self.origins = load_origins(state["origins"]) if "origins" in state else deque()
 
     def __call__(self, docs: Iterable[dict]) -> Iterator[np.ndarray]:
         for doc in docs:
@@ -126,17 +192,30 @@ class GreedyPacker(_Packer):
 
     strategy = "greedy"
 
-    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int) -> None:
-        super().__init__(seq_len, bos_id, eos_id, pad_id)
+    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None) -> None:
+        super().__init__(seq_len, bos_id, eos_id, pad_id, sources)
         self.reset()
 
     def reset(self) -> None:
         self._reset_counters()
         self._window = np.full(self.seq_len, self.pad_id, dtype=np.int32)
         self._fill = 0
+        self._origin = self._new_origin()
+        self._starts: list[tuple[int, int]] = []
+
+    def _emit(self) -> np.ndarray:
+        window = self._window
+        if self.track_sources:
+            self.origins.append(WindowOrigin(self._origin, self._starts))
+            self._origin, self._starts = self._new_origin(), []
+        self._window = np.full(self.seq_len, self.pad_id, dtype=np.int32)
+        self._fill = 0
+        self.windows += 1
+        return window
 
     def push(self, doc: dict) -> list[np.ndarray]:
         piece = self._wrap(doc)
+        src = self._source_of(doc) if self.track_sources else -1
         if self._fill + len(piece) > self.seq_len:
             self._count_cut(doc)
         out = []
@@ -144,27 +223,28 @@ class GreedyPacker(_Packer):
         while pos < n:
             take = min(L - self._fill, n - pos)
             self._window[self._fill : self._fill + take] = piece[pos : pos + take]
+            if self.track_sources:
+                self._origin[self._fill : self._fill + take] = src
+                if pos == 0:
+                    self._starts.append((src, n))
             self._fill += take
             pos += take
             if self._fill == L:
-                out.append(self._window)
-                self.windows += 1
-                self._window = np.full(L, self.pad_id, dtype=np.int32)
-                self._fill = 0
+                out.append(self._emit())
         return out
 
     def finish(self) -> list[np.ndarray]:
         if self._fill == 0:
             return []
-        window = self._window  # already pad-filled past _fill
         self.pad_tokens += self.seq_len - self._fill
-        self.windows += 1
-        self._window = np.full(self.seq_len, self.pad_id, dtype=np.int32)
-        self._fill = 0
-        return [window]
+        return [self._emit()]  # already pad-filled past _fill
 
     def state(self) -> dict[str, Any]:
-        return {"partial": self._window[: self._fill].copy(), **self._counter_state()}
+        out = {"partial": self._window[: self._fill].copy(), **self._counter_state()}
+        if self.track_sources:
+            out["partial_origin"] = self._origin[: self._fill].copy()
+            out["partial_starts"] = np.array(self._starts, dtype=np.int64).reshape(-1, 2)
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -172,6 +252,9 @@ class GreedyPacker(_Packer):
         self._window[: len(partial)] = partial
         self._fill = len(partial)
         self._load_counters(state)
+        if self.track_sources and "partial_origin" in state:
+            self._origin[: self._fill] = np.asarray(state["partial_origin"], dtype=np.int16)
+            self._starts = [(int(a), int(b)) for a, b in np.asarray(state["partial_starts"]).reshape(-1, 2)]
 
 
 class BestFitPacker(_Packer):
@@ -185,8 +268,11 @@ class BestFitPacker(_Packer):
 
     strategy = "best_fit"
 
-    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS) -> None:
-        super().__init__(seq_len, bos_id, eos_id, pad_id)
+    def __init__(
+        self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS,
+        sources: Sequence[str] | None = None,
+    ) -> None:
+        super().__init__(seq_len, bos_id, eos_id, pad_id, sources)
         if buffer_docs < 1:
             raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
         self.buffer_docs = int(buffer_docs)
@@ -196,29 +282,37 @@ class BestFitPacker(_Packer):
         self._reset_counters()
         self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
         self._pieces: dict[int, np.ndarray] = {}
+        self._meta: dict[int, tuple[int, int]] = {}  # arrival -> (source, document length; 0 for a continuation)
         self._arrivals = 0
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _add_piece(self, piece: np.ndarray) -> None:
+    def _add_piece(self, piece: np.ndarray, source: int = -1, doc_len: int = 0) -> None:
         key = (len(piece), self._arrivals)
         self._arrivals += 1
         self._pieces[key[1]] = piece
+        if self.track_sources:
+            self._meta[key[1]] = (source, doc_len)
         insort(self._keys, key)
 
     def push(self, doc: dict) -> list[np.ndarray]:
         piece = self._wrap(doc)
+        src = self._source_of(doc) if self.track_sources else -1
+        doc_len = len(piece)
         out = []
         L = self.seq_len
         if len(piece) > L:
             self._count_cut(doc)
             n_full = len(piece) // L
             out.extend(piece[k * L : (k + 1) * L].copy() for k in range(n_full))
+            if self.track_sources:
+                self.origins.extend(WindowOrigin(self._new_origin(src), [(src, doc_len)] if k == 0 else []) for k in range(n_full))
             self.windows += n_full
             piece = piece[n_full * L :].copy()
+            doc_len = 0  # the tail continues a document already counted where it started
         if len(piece):
-            self._add_piece(piece)
+            self._add_piece(piece, src, doc_len)
         while len(self._keys) >= self.buffer_docs:
             out.append(self._build_window())
         return out
@@ -226,6 +320,8 @@ class BestFitPacker(_Packer):
     def _build_window(self) -> np.ndarray:
         L, keys = self.seq_len, self._keys
         window = np.full(L, self.pad_id, dtype=np.int32)
+        origin = self._new_origin() if self.track_sources else None
+        starts: list[tuple[int, int]] = []
         fill = 0
         while keys:
             idx = bisect_right(keys, (L - fill, 1 << 62)) - 1
@@ -235,11 +331,18 @@ class BestFitPacker(_Packer):
             idx = bisect_left(keys, (length, -1))  # oldest piece of that length
             _, arrival = keys.pop(idx)
             window[fill : fill + length] = self._pieces.pop(arrival)
+            if origin is not None:
+                src, doc_len = self._meta.pop(arrival)
+                origin[fill : fill + length] = src
+                if doc_len:
+                    starts.append((src, doc_len))
             fill += length
             if fill == L:
                 break
         self.pad_tokens += L - fill
         self.windows += 1
+        if origin is not None:
+            self.origins.append(WindowOrigin(origin, starts))
         return window
 
     def finish(self) -> list[np.ndarray]:
@@ -253,13 +356,16 @@ class BestFitPacker(_Packer):
         pieces = [self._pieces[a] for a in arrivals.tolist()]
         lengths = np.array([len(p) for p in pieces], dtype=np.int64)
         tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-        return {
+        out = {
             "tokens": tokens,
             "lengths": lengths,
             "arrivals": arrivals,
             "next_arrival": self._arrivals,
             **self._counter_state(),
         }
+        if self.track_sources:
+            out["piece_meta"] = np.array([self._meta[a] for a in arrivals.tolist()], dtype=np.int64).reshape(-1, 2)
+        return out
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -271,15 +377,19 @@ class BestFitPacker(_Packer):
         self._keys.sort()
         self._arrivals = int(state["next_arrival"])
         self._load_counters(state)
+        if self.track_sources and "piece_meta" in state:
+            for arrival, (src, doc_len) in zip(np.asarray(state["arrivals"]).tolist(), np.asarray(state["piece_meta"]).reshape(-1, 2).tolist()):
+                self._meta[arrival] = (int(src), int(doc_len))
 
 
 def make_packer(
-    strategy: str, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS
+    strategy: str, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS,
+    sources: Sequence[str] | None = None,
 ) -> GreedyPacker | BestFitPacker:
     if strategy == "greedy":
-        return GreedyPacker(seq_len, bos_id, eos_id, pad_id)
+        return GreedyPacker(seq_len, bos_id, eos_id, pad_id, sources)
     if strategy == "best_fit":
-        return BestFitPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs)
+        return BestFitPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources)
     raise ValueError(f"unknown packing strategy {strategy!r}; choose one of {STRATEGIES}")
 
 
@@ -373,12 +483,14 @@ class PackNode(BaseNode[np.ndarray]):
         eos_id: int,
         pad_id: int,
         buffer_docs: int = DEFAULT_BUFFER_DOCS,
+        sources: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.source = source
-        self.packer = make_packer(strategy, seq_len, bos_id, eos_id, pad_id, buffer_docs)
+        self.packer = make_packer(strategy, seq_len, bos_id, eos_id, pad_id, buffer_docs, sources)
         self._ready: deque[np.ndarray] = deque()
         self._source_done = False
+        self.last_origin: WindowOrigin | None = None  # of the window ``next`` returned last (tracking sources)
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -404,6 +516,8 @@ class PackNode(BaseNode[np.ndarray]):
                 self._ready.extend(self.packer.finish())
                 continue
             self._ready.extend(self.packer.push(doc))
+        if self.packer.track_sources:  # the packer's origins queue runs in step with _ready
+            self.last_origin = self.packer.origins.popleft()
         return self._ready.popleft()
 
     def get_state(self) -> dict[str, Any]:
@@ -419,7 +533,56 @@ class PackNode(BaseNode[np.ndarray]):
         return self.packer.summary()
 
 
+DELIVERY_KEY = "stacklm_delivery"  # rides on a stream batch to the main process's loader, which takes it off
+
+
+class PackBatchNode(BaseNode[dict]):
+    """Batches of ``batch_size`` windows from a source-tracking ``PackNode``, collated to the batch
+    contract, each carrying ``delivery_counts`` of its windows under ``DELIVERY_KEY``.
+
+    Why the counts ride on the batch: only the batch knows what it delivers. A worker's own
+    counters run ahead by its shuffle and pack buffers and the loader's prefetch, so the main
+    process counts these when the batch reaches the training step
+    (``stacklm.datamodule.delivery``), and takes the key off before the model sees the batch.
+    State: the pack node's (this node holds nothing between batches).
+    """
+
+    PACK_KEY = "pack"
+
+    def __init__(self, pack_node: PackNode, batch_size: int, drop_last: bool = True) -> None:
+        super().__init__()
+        if not pack_node.packer.track_sources:
+            raise ValueError("PackBatchNode needs a PackNode built with sources=[...] (it counts tokens per source)")
+        self.pack, self.batch_size, self.drop_last = pack_node, int(batch_size), bool(drop_last)
+        p = pack_node.packer
+        self.collate = Collate(p.bos_id, p.eos_id, p.pad_id)
+
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        self.pack.reset(initial_state[self.PACK_KEY] if initial_state is not None else None)
+
+    def next(self) -> dict:
+        windows, origins = [], []
+        while len(windows) < self.batch_size:
+            try:
+                windows.append(next(self.pack))
+            except StopIteration:
+                break
+            origins.append(self.pack.last_origin)
+        if not windows or (self.drop_last and len(windows) < self.batch_size):
+            raise StopIteration
+        batch = self.collate(windows)
+        batch[DELIVERY_KEY] = delivery_counts(origins, len(self.pack.packer.sources))
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        return {self.PACK_KEY: self.pack.state_dict()}
+
+
 def batch_node(pack_node: PackNode, batch_size: int, drop_last: bool = True) -> BaseNode[dict[str, torch.Tensor]]:
-    """``Batcher`` + ``collate``: a node of batch-contract dicts (state handled by the torchdata nodes)."""
+    """A node of batch-contract dicts: ``PackBatchNode`` (with delivery counts) over a
+    source-tracking pack node, else ``Batcher`` + ``collate`` (state handled by the torchdata nodes)."""
+    if pack_node.packer.track_sources:
+        return PackBatchNode(pack_node, batch_size, drop_last)
     p = pack_node.packer
     return Mapper(Batcher(pack_node, batch_size, drop_last=drop_last), Collate(p.bos_id, p.eos_id, p.pad_id))

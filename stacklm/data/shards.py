@@ -50,9 +50,6 @@ class ShardError(StackLMError, RuntimeError):
         super().__init__(message)
         self.path = str(path) if path is not None else None
 
-    def __reduce__(self):  # keep ``path`` across processes (prebuild workers)
-        return (self.__class__, (str(self),), {"path": self.path})
-
 
 class ShardWriteError(ShardError, OSError):
     """Writing a shard failed (typically: the disk is full); nothing partial is left visible."""

@@ -5,11 +5,14 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
-- ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes.
+- ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes;
+- ``workers``: how stream/sft loader workers start (a forkserver that preloads only the data side);
+- ``delivery``: per-source counts of what the batches delivered to the training step.
 
 Names load on first use (PEP 562): ``import stacklm.datamodule`` imports neither torch nor
 lightning (which pulls in transformers through torchmetrics), so a CLI or a config check
-that only names the package stays fast.
+that only names the package stays fast, and a loader worker that unpickles ``stream``'s classes
+(which imports this package) never imports Lightning or wandb.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.data.pack import DELIVERY_KEY
+from stacklm.datamodule.delivery import DeliveryCounter
+from stacklm.datamodule.errors import BatchVocabError, DataConfigError
 from stacklm.datamodule.stream import SUMMARY_KEY
 from stacklm.dist import rank_world
 
@@ -78,26 +80,58 @@ class StackDataLoader(StatefulDataLoader):
     different part of the stream) and each rank restores its own.
     """
 
-    def __init__(self, *args: Any, epoch_source: Callable[[], int | None] | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        epoch_source: Callable[[], int | None] | None = None,
+        vocab_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
+        self.vocab_size = vocab_size
         self.worker_summaries: dict[int, dict[str, Any]] = {}  # worker id -> its latest summary
         self.epoch = 0  # the pass over the data: each pass draws its own order (``StreamDataset.epoch``)
         self.epoch_source = epoch_source  # e.g. the trainer's current epoch, read at each pass
+        ds = self.dataset
+        self.delivered = DeliveryCounter(getattr(ds, "sources", []), getattr(ds, "target_weights", None))
 
     def __iter__(self) -> Iterator[Any]:
         if self.epoch_source is not None and (epoch := self.epoch_source()) is not None:
             self.epoch = int(epoch)
         self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
         for batch in super().__iter__():
-            if isinstance(batch, dict) and SUMMARY_KEY in batch:
-                batch = dict(batch)
-                summary = batch.pop(SUMMARY_KEY)
+            batch = dict(batch)
+            ids = batch["input_ids"]
+            check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
+            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None))
+            summary = batch.pop(SUMMARY_KEY, None)
+            if summary is not None:  # after counting: the batch that carries it is delivered too
                 self.worker_summaries[summary["worker"]] = summary
+                for source in summary.get("ran_dry", ()):
+                    self.delivered.note_dry(source, rank=int(summary.get("rank", 0)), worker=int(summary["worker"]))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        return {"per_rank": to_checkpoint_safe(gather_from_ranks(super().state_dict())), "epoch": self.epoch}
+        mine = {"loader": super().state_dict(), "delivered": self.delivered.state_dict()}
+        return {"per_rank": to_checkpoint_safe(gather_from_ranks(mine)), "epoch": self.epoch}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epoch = int(state_dict.get("epoch", 0))
-        super().load_state_dict(from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream")))
+        mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
+        super().load_state_dict(mine["loader"])
+        self.delivered.load_state_dict(mine["delivered"])
+
+
+def check_vocab(input_ids: torch.Tensor, vocab_size: int | None, where: str) -> None:
+    """Refuse a batch holding an id outside the vocabulary before it reaches the model (where it
+    would index past the embedding: a device-side assert on GPU, garbage or a crash on CPU).
+    One max over the batch on the CPU, before the transfer: cheap."""
+    if vocab_size is None or input_ids.numel() == 0:
+        return
+    top = int(input_ids.max())
+    if top >= vocab_size or int(input_ids.min()) < 0:
+        raise BatchVocabError(
+            f"{where}: a batch holds token id {top if top >= vocab_size else int(input_ids.min())} outside the vocabulary "
+            f"[0, {vocab_size}); the data was built with another tokenizer. Use the tokenizer the data was made with, "
+            "or rebuild the data (`stacklm verify` checks a shard directory in full)"
+        )

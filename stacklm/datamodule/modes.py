@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+from stacklm.datamodule.workers import WorkerEnv, worker_context
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule
@@ -50,6 +52,11 @@ class DataMode:
 
     def data_config_hash(self) -> str:
         raise NotImplementedError
+
+
+# The prebuild manifest's per-source drop counts that are whole documents (the others count
+# repaired bytes, truncated documents or cut tokens).
+_PREBUILD_DOC_DROPS = ("filtered", "exact_dup", "near_dup", "dropped_empty", "dropped_binary", "empty_after_tokenize")
 
 
 class ShardsMode(DataMode):
@@ -132,8 +139,13 @@ class ShardsMode(DataMode):
                         "target_weight": s["target_weight"], "realized_weight": s["realized_weight"]}
             for s in top["sources"]
         }
-        dropped = {"prebuild": {src: {k: v for k, v in per.items() if v} for src, per in top["drops"]["train"].items()}}
-        return {"realized": realized, "dropped": dropped, "padding_fraction": split["packing"]["pad_fraction"]}
+        drops = top["drops"]["train"]
+        dropped_docs = {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}}
+        dropped_tokens = {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
+                          if per.get("tokens_cut_by_budget")}
+        fallback = sorted(s["name"] for s in top["sources"] if s.get("offline_fallback"))
+        return {"realized": realized, "dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens,
+                "offline_fallback": fallback, "padding_fraction": split["packing"]["pad_fraction"]}
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:
@@ -167,13 +179,18 @@ class _WorkerStreamMode(DataMode):
         raise NotImplementedError
 
     def _loader(self, dataset: StreamDataset, epoch_source=None) -> StackDataLoader:
+        workers = self.dm.num_workers
+        context = worker_context(needs_datasets=self._needs_datasets()) if workers > 0 else None
         return StackDataLoader(
             dataset,
             batch_size=None,
-            num_workers=self.dm.num_workers,
+            num_workers=workers,
             persistent_workers=False,
+            multiprocessing_context=context,
+            worker_init_fn=WorkerEnv(os.environ) if workers > 0 else None,
             snapshot_every_n_steps=self.dm.snapshot_interval(),
             epoch_source=epoch_source,
+            vocab_size=self.dm.vocab_size,
         )
 
     def _trainer_epoch(self) -> int | None:
@@ -181,10 +198,35 @@ class _WorkerStreamMode(DataMode):
         trainer = getattr(self.dm, "trainer", None)
         return None if trainer is None else trainer.current_epoch
 
+    def _needs_datasets(self) -> bool:
+        """Does a source read through ``datasets`` (preloaded in the worker forkserver then)?"""
+        return False
+
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
-        if not loader.worker_summaries:
-            return {}
-        return merge_worker_summaries(list(loader.worker_summaries.values()))
+        """Delivered (counted in the main process as batches reach the step) plus the workers'
+        drops; a mode whose batches carry no delivery counts (sft) reports the workers' mix."""
+        out: dict[str, Any] = {}
+        if loader.worker_summaries:
+            out.update(merge_worker_summaries(list(loader.worker_summaries.values())))
+        if loader.delivered.sources:
+            out.update(loader.delivered.stats())
+        elif loader.worker_summaries:
+            out["realized"] = _mixed_realized(loader.worker_summaries.values())
+        return out
+
+
+def _mixed_realized(summaries) -> dict[str, dict[str, Any]]:
+    """The workers' mixer counts summed (sft mode, whose batches carry no delivery counts)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in summaries:
+        for src, row in (s.get("mixed") or {}).items():
+            slot = out.setdefault(src, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
+            slot["tokens"] += int(row["tokens"])
+            slot["docs"] += int(row["docs"])
+    total = sum(r["tokens"] for r in out.values())
+    for r in out.values():
+        r["realized_weight"] = r["tokens"] / total if total else 0.0
+    return out
 
 
 class StreamMode(_WorkerStreamMode):
@@ -216,7 +258,11 @@ class StreamMode(_WorkerStreamMode):
         return StreamDataset(
             build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+            sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
+
+    def _needs_datasets(self) -> bool:
+        return any(entry.kind == "hf" for entry in self.dm.pipeline_config().mix.entries)
 
     def data_config_hash(self) -> str:
         return self.dm.pipeline_config().config_hash()
@@ -251,6 +297,9 @@ class SFTMode(_WorkerStreamMode):
             build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
         )
+
+    def _needs_datasets(self) -> bool:
+        return any(source.kind == "hf" for source in self.dm.sft_config().sources)
 
     def data_config_hash(self) -> str:
         return self.dm.sft_config().config_hash()

@@ -1,9 +1,12 @@
 """Streams of batches built on the fly: a rank's share of a node graph (pre-training) or of
 the SFT pipeline, split across loader workers, each worker yielding a fixed batch count.
 
-Every ``SUMMARY_EVERY_N_BATCHES`` batches a worker's summary of what it delivered rides on a
-batch under ``SUMMARY_KEY`` (``StackDataLoader`` takes it off); ``merge_worker_summaries``
-turns the latest ones into the ``data_stats`` protocol (``stacklm.callbacks``).
+Every stream batch carries the per-source counts of what it delivers (``DELIVERY_KEY``), which
+``StackDataLoader`` takes off and counts in the main process (``delivery``). With the first
+batch, every ``SUMMARY_EVERY_N_BATCHES`` batches and when a source runs dry, a worker's summary
+of what it has processed (drops, holdout, fallback, dry sources) rides on a batch under
+``SUMMARY_KEY``; ``merge_worker_summaries`` turns the latest ones into the drop side of the
+``data_stats`` protocol (``stacklm.callbacks``).
 """
 
 from __future__ import annotations
@@ -24,31 +27,53 @@ SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader ta
 SUMMARY_EVERY_N_BATCHES = 8
 
 
+# Reasons of the source stage that drop a document (the others repair bytes or skip blank lines).
+_SOURCE_DROPS = ("dropped_empty", "dropped_binary")
+FALLBACK_REASON = "fallback_offline"  # stacklm.data.sources.FALLBACK_OFFLINE, without importing the sources here
+HOLDOUT_REASON = "holdout_other_split"
+
+
 def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
-    """Sum the per-worker summaries into the ``data_stats`` protocol (``stacklm.callbacks``)."""
-    realized: dict[str, dict[str, Any]] = {}
-    dropped: dict[str, dict[str, dict[str, int]]] = {}
-    pad = doc_tokens = 0
+    """Sum the workers' latest summaries into the drop side of the ``data_stats`` protocol.
+
+    Drops are counted where they happen, in the workers, so they cover the documents the
+    workers have processed (a summary is at most ``SUMMARY_EVERY_N_BATCHES`` batches old): in
+    documents (``dropped_docs``: stage -> source -> reason) and in tokens (``dropped_tokens``:
+    source -> reason, the tokens the mix budget cut). Holdout documents (the other split's
+    share) are ``holdout_docs``, not drops. What was *delivered* is counted in the main process
+    (``DeliveryCounter``), never here."""
+    dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
+    dropped_tokens: dict[str, dict[str, int]] = {}
+    holdout: dict[str, int] = {}
+    fallback: set[str] = set()
+
+    def add(stage: str, src: str, reason: str, n: int) -> None:
+        if n:
+            slot = dropped_docs.setdefault(stage, {}).setdefault(src, {})
+            slot[reason] = slot.get(reason, 0) + int(n)
+
     for s in summaries:
-        for src, row in s["realized"].items():
-            out = realized.setdefault(src, {"tokens": 0, "docs": 0, "target_weight": row["target_weight"]})
-            out["tokens"] += int(row["tokens"])
-            out["docs"] += int(row["docs"])
         for stage, per_src in s["stats"].items():
-            if stage == "tokenize":
-                continue  # counts read-ahead, not delivery; the mix counts what was delivered
             for src, per_reason in per_src.items():
                 for reason, n in per_reason.items():
-                    if reason != "kept":
-                        slot = dropped.setdefault(stage, {}).setdefault(src, {})
-                        slot[reason] = slot.get(reason, 0) + int(n)
-        pad += int(s["packing"].get("pad_tokens", 0))
-        doc_tokens += int(s["packing"].get("doc_tokens", 0))
-    total = sum(r["tokens"] for r in realized.values())
-    for r in realized.values():
-        r["realized_weight"] = r["tokens"] / total if total else 0.0
-    return {"realized": realized, "dropped": dropped,
-            "padding_fraction": pad / (pad + doc_tokens) if pad + doc_tokens else 0.0}
+                    if stage == "source":
+                        if reason in _SOURCE_DROPS:
+                            add(stage, src, reason, n)
+                        elif reason == FALLBACK_REASON and n:
+                            fallback.add(src)
+                    elif stage == "holdout":
+                        if reason == HOLDOUT_REASON:
+                            holdout[src] = holdout.get(src, 0) + int(n)
+                    elif stage in ("filter", "dedup") and reason != "kept":
+                        add(stage, src, reason, n)
+        for src, row in (s.get("mixed") or {}).items():
+            add("mix", src, "empty_after_tokenize", int(row.get("empty_docs", 0)))
+            cut = int(row.get("truncated_tokens", 0))
+            if cut:
+                slot = dropped_tokens.setdefault(src, {})
+                slot["cut_by_budget"] = slot.get("cut_by_budget", 0) + cut
+    return {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout,
+            "offline_fallback": sorted(fallback)}
 
 
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -78,6 +103,8 @@ class _StreamIterator:
         self.graph = None
         self.yielded = 0
         self.padded = 0
+        self.dry: list[str] = []
+        self.fresh = True  # no summary sent since this iterator started (not part of the state)
 
     def _graph(self):
         if self.graph is None:
@@ -104,15 +131,27 @@ class _StreamIterator:
             self.padded += 1
             batch = _padding_batch(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
         self.yielded += 1
-        if self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.ds.n_batches or self.padded == 1:
+        dry = self._dry_sources(graph)
+        if (self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.ds.n_batches or self.padded == 1
+                or dry != self.dry or self.fresh):
+            # also with the first batch of a start or a resume (numbers from the first logging step on)
+            # and when a source runs dry
+            self.dry, self.fresh = dry, False
             batch = {**batch, SUMMARY_KEY: self.summary()}
         return batch
 
+    @staticmethod
+    def _dry_sources(graph) -> list[str]:
+        realized = graph.realized() if hasattr(graph, "mix") else {}
+        return sorted(src for src, row in realized.items() if row.get("status") == "ran_dry")
+
     def summary(self) -> dict[str, Any]:
-        """What this worker delivered so far (cumulative; restored with the state on resume)."""
+        """What this worker has processed so far (cumulative; restored with the state on resume):
+        its drops, its mixer's counts (``mixed``: read ahead of delivery, for drops only) and
+        which sources ran dry."""
         graph = self._graph()
-        return {"worker": self.shard.worker, "realized": graph.realized(), "stats": graph.stats(),
-                "packing": graph.packing(), "padding_batches": self.padded}
+        return {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
+                "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
@@ -168,6 +207,8 @@ class StreamDataset(IterableDataset):
         batch_size: int,
         seq_len: int,
         pad_id: int,
+        sources: list[str] | None = None,
+        target_weights: dict[str, float] | None = None,
     ) -> None:
         self.build, self.split = build, split
         self.rank, self.world_size = rank, world_size
@@ -175,6 +216,8 @@ class StreamDataset(IterableDataset):
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.n_batches = n_batches_total
         self.epoch = 0  # the pass over the data; set by the loader before its workers start
+        # the order of the per-source delivery counts on every batch (the mix entries' order)
+        self.sources, self.target_weights = list(sources or []), dict(target_weights or {})
 
     def __len__(self) -> int:
         return self.n_batches_total

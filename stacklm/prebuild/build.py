@@ -8,6 +8,7 @@ import os
 import pickle
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ def prebuild(
     finally:
         bar.close()
         lock.close()
+    for w in top.get("warnings", ()):  # loud whatever the progress setting
+        warnings.warn(f"prebuild {plan.out}: {w['message']} (recorded in the manifest's 'warnings')", RuntimeWarning, stacklevel=2)
     if progress:
         secs = time.perf_counter() - t0
         done = bar.tokens - bar.resumed_tokens

@@ -107,6 +107,8 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
             "docs_skipped_for_the_other_split": sum(int(v.get("holdout_other_split", 0)) for v in holdout.values()),
         },
         "packing": mf.merge_packing(s["packing"] for s in summaries),
+        "offline_fallback": sorted(src for src, per in stats.get("source", {}).items() if per.get("fallback_offline")),
+        "warnings": build_warnings(split, summaries, stats),
         "tasks": [
             {
                 "worker": int(s["worker"]),
@@ -118,6 +120,29 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
             for s in summaries
         ],
     }
+
+
+def build_warnings(split: str, summaries: Sequence[Mapping[str, Any]], stats: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """What a reader of the manifest must not miss: sources that ran dry in a job (its budget
+    went to the others; its share is below target) and sources built from the offline fallback
+    (synthetic text, not the real data)."""
+    out: list[dict[str, Any]] = []
+    for s in summaries:
+        for src, r in s["realized"].items():
+            if r.get("status") == "ran_dry":
+                out.append({
+                    "kind": "ran_dry", "split": split, "source": src, "job": int(s["worker"]),
+                    "tokens": int(r["tokens"]), "planned_tokens": int(r.get("planned_budget", 0)),
+                    "delivered_share": float(r["realized_weight"]), "target_share": float(r["target_weight"]),
+                    "message": f"source {src!r} ran dry in {split} job {s['worker']}: {int(r['tokens']):,} of "
+                               f"{int(r.get('planned_budget', 0)):,} planned tokens, share {float(r['realized_weight']):.4f} "
+                               f"vs target {float(r['target_weight']):.4f}",
+                })
+    for src, per in sorted(stats.get("source", {}).items()):
+        if per.get("fallback_offline"):
+            out.append({"kind": "offline_fallback", "split": split, "source": src,
+                        "message": f"source {src!r} was built from the synthetic offline fallback, not the real data"})
+    return out
 
 
 def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -136,6 +161,8 @@ def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[s
         },
         "sources": splits[plan.splits[0]]["sources"],
         "drops": {name: m["drops"] for name, m in splits.items()},
+        "offline_fallback": sorted({src for m in splits.values() for src in m["offline_fallback"]}),
+        "warnings": [w for m in splits.values() for w in m["warnings"]],
         "holdout": {
             "fraction": plan.config.holdout_fraction,
             "val_sequences": val["n_seq"] if val else 0,

@@ -8,7 +8,7 @@ One module per stage of reading:
 
 - ``sharding``: which rows a (rank, worker) reader takes (``ShardSpec``, ``assign_parts``);
 - ``readers``: raw rows of one file or hub shard with an exact position (jsonl, txt, zstd,
-  ``datasets`` streams);
+  parquet through pyarrow, ``datasets`` streams);
 - ``parts``: the part-reading node every source shares (also ``sft``'s conversation source)
   and the text source of files and hub streams;
 - ``files``: local files (``LocalFileSource``, ``file_format``, ``glob_files``);
@@ -35,7 +35,9 @@ from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, 
 from stacklm.data.sources.readers import (
     DatasetsReader,
     JsonlReader,
+    ParquetReader,
     TextFileReader,
+    dataset_rows,
     import_datasets,
     loads_json_line,
     open_binary,
@@ -55,6 +57,7 @@ __all__ = [
     "HFStreamSource",
     "JsonlReader",
     "LocalFileSource",
+    "ParquetReader",
     "PartNode",
     "ShardSpec",
     "SourceError",
@@ -65,6 +68,7 @@ __all__ = [
     "TextPartSource",
     "assign_parts",
     "column_error",
+    "dataset_rows",
     "file_format",
     "glob_files",
     "hub_load_kwargs",

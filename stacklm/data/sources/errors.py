@@ -11,7 +11,7 @@ from stacklm.errors import StackLMError
 class SourceError(StackLMError, RuntimeError):
     """A source cannot be read; the message names the source and the file/part."""
 
-    def __init__(self, message: str, *, source: str, file: str | None = None) -> None:
+    def __init__(self, message: str, *, source: str | None = None, file: str | None = None) -> None:
         super().__init__(message)
         self.source = source
         self.file = file

@@ -6,9 +6,9 @@ import glob as globlib
 import os
 from collections.abc import Sequence
 
-from stacklm.data.sources.errors import SourceError, SourceNotFoundError, column_error
+from stacklm.data.sources.errors import SourceError, SourceNotFoundError
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
-from stacklm.data.sources.readers import DatasetsReader, JsonlReader, TextFileReader, import_datasets
+from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
@@ -85,10 +85,4 @@ class LocalFileSource(TextPartSource):
             return JsonlReader(path, self.text_column, self.name, position)
         if fmt == "txt":
             return TextFileReader(path, self.text_column, self.name, position)
-        import pyarrow.parquet as pq
-
-        columns = pq.read_schema(path).names
-        if self.text_column not in columns:
-            raise column_error(self.name, self.text_column, columns, path)
-        ds = import_datasets().load_dataset("parquet", data_files=[path], split="train", streaming=True, columns=[self.text_column])
-        return DatasetsReader(ds, self.text_column, self.name, path, position)
+        return ParquetReader(path, self.text_column, self.name, position)

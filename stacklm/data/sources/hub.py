@@ -11,7 +11,7 @@ from torchdata.nodes import BaseNode
 from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
 from stacklm.data.sources.errors import EmptySourceError, SourceError, column_error
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
-from stacklm.data.sources.readers import DatasetsReader, import_datasets
+from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
 
@@ -26,8 +26,11 @@ def hub_load_kwargs(split: str, **optional: Any) -> dict[str, Any]:
 
 class HFStreamSource(TextPartSource):
     """``datasets.load_dataset(path, name, split=..., streaming=True, ...)``; one part per
-    dataset shard. Only *opening* may fall back to the synthetic corpus
-    (``fallback_offline=True``); errors after that propagate.
+    dataset shard. Only *opening* may fall back to the synthetic corpus, only when the user
+    opted in (``fallback_offline=True``; off by default) and only for want of a network;
+    errors after that propagate. A fallback is a loud warning, and is counted
+    (``stats[name]["fallback_offline"]``), which ``data_stats()``, the W&B run config and the
+    prebuild manifest report as ``offline_fallback``.
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class HFStreamSource(TextPartSource):
         """Validate the opened stream (errors here never fall back) and split it into parts."""
         columns = list(ds.features) if ds.features is not None else None
         if columns is None:  # features unknown until read: look at the first row
-            first = next(iter(ds), None)
+            first = next(dataset_rows(ds), None)
             if first is None:
                 raise EmptySourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
             columns = list(first)
@@ -108,10 +111,11 @@ class HFStreamSource(TextPartSource):
                     ds = self._load()
                 except Exception as e:  # only *opening*, and only for want of a network, may fall back
                     if not (self.fallback_offline and _is_unreachable(e)):
+                        # The fix is the source (id, config, files, network); never the synthetic
+                        # corpus, which would train on other data than asked for.
                         raise SourceError(
                             f"source {self.name!r}: cannot open {self._describe()}: {type(e).__name__}: {e}. Check the "
-                            f"hub id, config and files"
-                            + ("" if self.fallback_offline else ", or pass fallback_offline=True to use the offline synthetic corpus"),
+                            f"hub id, config, data_files and the network (HF_HUB_OFFLINE=1 needs the dataset in the local cache)",
                             source=self.name,
                             file=self.path,
                         ) from e
@@ -147,8 +151,9 @@ class HFStreamSource(TextPartSource):
         )
         if reason is not None:
             warnings.warn(
-                f"source {self.name!r}: could not open {self._describe()} ({reason}); falling back to the offline "
-                f"synthetic {self.domain} corpus (fallback_offline=True). The run is NOT reading the real data.",
+                f"stacklm: OFFLINE FALLBACK: source {self.name!r}: could not open {self._describe()} ({reason}); "
+                f"training on the synthetic {self.domain} corpus instead, because fallback_offline=True. The run is NOT "
+                "reading the real data (recorded in data_stats()['offline_fallback'], the W&B config and the manifest).",
                 RuntimeWarning,
                 stacklevel=3,
             )

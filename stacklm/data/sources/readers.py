@@ -3,7 +3,8 @@
 Why jsonl and txt are read here rather than by the ``datasets`` json/text builders: those
 builders either raise on one invalid UTF-8 byte or replace it silently, so the audit could
 not count what was lost; decoding lines ourselves lets ``clean_text`` see the raw bytes.
-Parquet and hub datasets go through ``datasets.load_dataset(..., streaming=True)``.
+Local parquet files are read with pyarrow directly (``ParquetReader``: one column, batch by
+batch, position = row number); hub datasets go through ``datasets.load_dataset(..., streaming=True)``.
 """
 
 from __future__ import annotations
@@ -180,6 +181,58 @@ class TextFileReader:
         pass
 
 
+class ParquetReader:
+    """One local parquet file's ``text_column``, read with pyarrow in record batches.
+
+    Why not ``datasets``' parquet builder for a local file: importing ``datasets`` costs
+    seconds per loader worker and brings its own worker-sharding rules; pyarrow reads the one
+    column directly. Position = rows read; a resume skips whole row groups by their metadata
+    row counts, then slices into the group where it stopped.
+    """
+
+    BATCH_ROWS = 1024
+
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+        import pyarrow.parquet as pq
+
+        self.path, self.text_column, self.source = path, text_column, source
+        self.row = int(position["row"]) if position else 0
+        self._file = pq.ParquetFile(path)
+        columns = self._file.schema_arrow.names
+        if text_column not in columns:
+            raise column_error(source, text_column, columns, path)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip = self.row
+        meta = self._file.metadata
+        first = 0  # the row group where reading resumes: skip the whole ones before it
+        while first < meta.num_row_groups and skip >= meta.row_group(first).num_rows:
+            skip -= meta.row_group(first).num_rows
+            first += 1
+        groups = list(range(first, meta.num_row_groups))
+        if not groups:
+            return
+        for batch in self._file.iter_batches(batch_size=self.BATCH_ROWS, row_groups=groups, columns=[self.text_column]):
+            values = batch.column(0).to_pylist()
+            if skip:
+                values, skip = values[skip:], max(0, skip - len(values))
+            for value in values:
+                self.row += 1
+                yield value if value is not None else ""
+
+    def position(self) -> dict:
+        return {"row": self.row}
+
+    def where(self) -> str:
+        return f"{self.path}, row {self.row}"
+
+    def text_of(self, value: Any) -> Any:
+        return value
+
+    def close(self) -> None:
+        self._file.close()
+
+
 class DatasetsReader:
     """One ``datasets`` IterableDataset (a hub shard or a parquet file); its own
     ``state_dict()`` is the exact position."""
@@ -192,7 +245,7 @@ class DatasetsReader:
             self.dataset.load_state_dict(position)
 
     def __iter__(self) -> Iterator[dict]:
-        for row in self.dataset:
+        for row in dataset_rows(self.dataset):
             self.row += 1
             yield row
 
@@ -210,6 +263,19 @@ class DatasetsReader:
 
     def close(self) -> None:
         pass
+
+
+def dataset_rows(dataset) -> Iterator[dict]:
+    """The rows of a ``datasets`` IterableDataset, all of them, also inside a loader worker.
+
+    Why not ``iter(dataset)``: inside a torch ``DataLoader`` worker, ``IterableDataset.__iter__``
+    looks at ``torch.utils.data.get_worker_info()`` and keeps only shards ``worker::num_workers``
+    (none at all for a worker past ``n_shards``). stacklm already gives each (rank, worker) its own
+    parts (``sharding.assign_parts``), so that second split would lose rows. ``iter(batch_size=1)``
+    reads the same stream, from the same ``load_state_dict`` position, without the worker split.
+    """
+    for batch in dataset.iter(batch_size=1):
+        yield {key: values[0] for key, values in batch.items()}
 
 
 def import_datasets():

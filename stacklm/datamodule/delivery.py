@@ -1,0 +1,115 @@
+"""What the batches delivered to the training step, counted in the main process.
+
+A loader worker runs ahead of the step by its shuffle and pack buffers and by the loader's
+prefetch (``prefetch_factor x num_workers`` batches), so its own counters say what it *read*,
+not what was trained on (a toy fit showed 45x). Every stream batch therefore carries the
+counts of its own windows (``stacklm.data.pack.delivery_counts`` under ``DELIVERY_KEY``);
+``StackDataLoader`` takes them off each batch as it hands the batch to the training loop and
+adds them here. Lightning does not fetch ahead of a loader with a length, so "handed to the
+loop" is "reached the training step".
+
+The counter is part of the loader's checkpoint state (per rank), so a resumed run continues
+its totals; ``stacklm.callbacks`` sums the ranks when it logs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+# Document-length histogram bins (tokens, <bos>/<eos> included): powers of two up to 1M and beyond.
+HIST_EDGES = [0] + [2**k for k in range(3, 21)] + [2**62]
+
+
+class DeliveryCounter:
+    """Per-source tokens, documents and a document-length histogram of the delivered batches,
+    plus all token positions (so padding is ``1 - tokens / positions``), and the sources that ran
+    dry with where and how far off their target share they were."""
+
+    def __init__(self, sources: Sequence[str], target_weights: Mapping[str, float] | None = None) -> None:
+        self.sources = list(sources)
+        total = sum((target_weights or {}).values())
+        self.target = {s: (float(target_weights[s]) / total if total else 0.0) for s in self.sources} if target_weights else {}
+        self.reset()
+
+    def reset(self) -> None:
+        n = len(self.sources)
+        self.tokens = np.zeros(n, dtype=np.int64)
+        self.docs = np.zeros(n, dtype=np.int64)
+        self.hist = np.zeros((n, len(HIST_EDGES) - 1), dtype=np.int64)
+        self.positions = 0
+        self.batches = 0
+        self.ran_dry: dict[str, dict[str, Any]] = {}
+
+    def add(self, positions: int, delivery: Mapping[str, Any] | None) -> None:
+        """One batch handed to the step: ``positions`` = B x T of its ``input_ids``; ``delivery``
+        its counts (None for a batch that carries none, e.g. a padding batch of a dry stream)."""
+        self.batches += 1
+        self.positions += int(positions)
+        if delivery is None:
+            return
+        tokens = np.asarray(delivery["tokens"], dtype=np.int64)
+        if len(tokens) > len(self.sources):
+            raise ValueError(f"a batch counts {len(tokens)} sources but the loader knows {len(self.sources)}: {self.sources}")
+        self.tokens[: len(tokens)] += tokens
+        docs = np.asarray(delivery["docs"], dtype=np.int64)
+        self.docs[: len(docs)] += docs
+        lengths = np.asarray(delivery["doc_lengths"], dtype=np.int64).reshape(-1, 2)
+        if len(lengths):
+            bins = np.searchsorted(HIST_EDGES, lengths[:, 1], side="right") - 1
+            np.add.at(self.hist, (lengths[:, 0], bins), 1)
+
+    def shares(self) -> dict[str, float]:
+        total = int(self.tokens.sum())
+        return {s: (int(self.tokens[i]) / total if total else 0.0) for i, s in enumerate(self.sources)}
+
+    def note_dry(self, source: str, *, rank: int, worker: int) -> None:
+        """A worker's mix reports ``source`` ran dry: warn once per source, naming the batch and
+        the delivered vs target share at that point."""
+        if source in self.ran_dry:
+            return
+        share = self.shares().get(source, 0.0)
+        target = self.target.get(source)
+        self.ran_dry[source] = {"batch": self.batches, "rank": rank, "worker": worker, "delivered_share": share,
+                                "target_share": target}
+        warnings.warn(
+            f"stacklm: source {source!r} ran dry in rank {rank} worker {worker} at batch {self.batches} of this rank: "
+            f"delivered share so far {share:.4f} vs target {target if target is None else f'{target:.4f}'}; its unmet "
+            "budget goes to the other sources. Give it more data or lower its weight / the token budget.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """This rank's part of the ``data_stats`` protocol (``stacklm.callbacks``)."""
+        shares = self.shares()
+        total = int(self.tokens.sum())
+        return {
+            "realized": {
+                s: {"tokens": int(self.tokens[i]), "docs": int(self.docs[i]), "target_weight": self.target.get(s),
+                    "realized_weight": shares[s]}
+                for i, s in enumerate(self.sources)
+            },
+            "delivered": {"batches": self.batches, "positions": self.positions, "tokens": total},
+            "padding_fraction": 1.0 - total / self.positions if self.positions else 0.0,
+            "doc_length_hist": {"edges": list(HIST_EDGES),
+                                "counts": {s: self.hist[i].tolist() for i, s in enumerate(self.sources)}},
+            "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()},
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sources": list(self.sources), "tokens": self.tokens.tolist(), "docs": self.docs.tolist(),
+                "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches,
+                "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if list(state["sources"]) != self.sources:
+            raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
+        self.tokens[:] = state["tokens"]
+        self.docs[:] = state["docs"]
+        self.hist[:] = np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
+        self.positions, self.batches = int(state["positions"]), int(state["batches"])
+        self.ran_dry = {s: dict(v) for s, v in state.get("ran_dry", {}).items()}
