@@ -57,6 +57,7 @@ def main() -> None:
     ap.add_argument("--plant", type=int, default=100)
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--out", default="/tmp/dedup_workers")
+    ap.add_argument("--stream-readers", type=int, nargs="*", default=[1, 2, 4, 8], help="stream mode: readers to measure")
     args = ap.parse_args()
 
     from stacklm.corpus import iter_default_corpus as corpus
@@ -89,9 +90,41 @@ def main() -> None:
             rows.append((n, split, d.get("exact_dup", 0), d.get("near_dup", 0), d.get("kept", 0),
                          sum(r["tokens"] for r in m["realized"].values()), round(secs, 1)))
         del top
+    if args.stream_readers:
+        stream_cross_rate(cfg, tuple(args.stream_readers))
     print(f"{'workers':>7} {'split':>5} {'exact_dup':>9} {'near_dup':>8} {'kept':>6} {'doc_tokens':>10} {'secs':>6}")
     for r in rows:
         print(f"{r[0]:>7} {r[1]:>5} {r[2]:>9} {r[3]:>8} {r[4]:>6} {r[5]:>10} {r[6]:>6}")
+
+
+def stream_cross_rate(cfg, readers_list=(1, 2, 4, 8), split="train") -> list[tuple]:
+    """Stream mode's in-flight dedup with R readers (rank x worker slices): the documents it
+    delivers that the global pass removes (duplicates whose earlier copy another reader read)."""
+    from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
+    from stacklm.data.dedup.global_index import id_keys
+    from stacklm.data.nodes import document_chain
+    from stacklm.data.sources import ShardSpec
+    from stacklm.prebuild.dedup_pass import build_dedup_index
+
+    index = build_dedup_index(cfg, (split,), 1)
+    rows = []
+    for r in readers_list:
+        delivered, passed, removed = 0, 0, 0
+        for k in range(r):
+            for entry in cfg.mix.entries:
+                node = DedupNode(document_chain(cfg, entry, split, ShardSpec(0, 1, k, r))["filter"], ExactDeduper(), NearDeduper())
+                node.reset(None)
+                ids = [d["doc_id"] for d in node]
+                delivered += len(ids)
+                passed += int((index.lookup(split, id_keys(ids)) > 0).sum())
+                removed += node.stats.total("exact_dup") + node.stats.total("near_dup")
+        rows.append((r, removed, delivered, passed, passed / max(1, delivered)))
+    total = sum(index.counts()[split].values())
+    print(f"global pass removes {total} of {index.meta['docs'][split]} {split} documents")
+    print(f"{'readers':>7} {'in-flight removed':>17} {'delivered':>9} {'dups passed':>11} {'rate':>7}")
+    for row in rows:
+        print(f"{row[0]:>7} {row[1]:>17} {row[2]:>9} {row[3]:>11} {row[4]:>7.2%}")
+    return rows
 
 
 if __name__ == "__main__":
