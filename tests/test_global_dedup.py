@@ -209,3 +209,23 @@ def test_pool_workers_die_with_a_sigkilled_parent(corpus, tokenizer_512, saved_t
     files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
     time.sleep(1.0)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files  # nobody keeps writing
+
+
+def test_an_unfinished_build_with_shards_says_how_to_start_over(corpus, tokenizer_512, tmp_path, monkeypatch):
+    import stacklm.prebuild.build as build_mod
+
+    glob, _ = corpus
+    out = tmp_path / "half"
+
+    def boom(*a, **k):
+        raise RuntimeError("killed before the manifests")
+
+    monkeypatch.setattr(build_mod, "finalize", boom)
+    with pytest.raises(RuntimeError):
+        prebuild(_config(glob, near=False), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    monkeypatch.undo()
+    assert state_dir_of(out).exists()  # shards were written: the claim stays, so it can resume
+    with pytest.raises(PrebuildError, match=r"unfinished.*delete .*half"):
+        prebuild(_config(glob), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    top = prebuild(_config(glob, near=False), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    assert top["splits"]["train"]["n_seq"] > 0

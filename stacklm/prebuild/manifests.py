@@ -47,7 +47,12 @@ def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
     if problems:
         raise PrebuildError(
             f"{where} belongs to a different build, refusing to mix them:\n  - " + "\n  - ".join(problems)
-            + f"\nRe-run with the original settings to resume, or choose another --out (or delete {out}).",
+            + (
+                f"\nRe-run with the original settings to resume, or choose another --out (or delete {out})."
+                if top.exists()
+                else f"\nThat build stopped unfinished after writing shards. To resume it, re-run with its original settings; "
+                f"to start over with these settings (e.g. a fixed config), delete {out} (`rm -r {out}`) and re-run."
+            ),
             path=where,
         )
     return top.exists()
