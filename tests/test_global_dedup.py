@@ -229,3 +229,53 @@ def test_an_unfinished_build_with_shards_says_how_to_start_over(corpus, tokenize
         prebuild(_config(glob), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
     top = prebuild(_config(glob, near=False), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
     assert top["splits"]["train"]["n_seq"] > 0
+
+
+def test_dedup_index_cli_then_stream_config(corpus, tmp_path, capsys):
+    import yaml
+
+    from stacklm.cli import main as stacklm_main
+
+    glob, _ = corpus
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump({"data": json.loads(json.dumps(_config(glob).to_dict()))}))
+    out = tmp_path / "idx.npz"
+    assert stacklm_main(["dedup-index", "--config", str(cfg_file), "--out", str(out), "--splits", "train"]) == 0
+    printed = capsys.readouterr().out
+    index = DedupIndex.load(out)
+    c = index.counts()["train"]
+    assert f"{c['exact']:,} exact and {c['near']:,} near" in printed and "dedup.index" in printed
+    assert index.content_hash == build_dedup_index(_config(glob), ("train",), 2).content_hash
+    missing = _config(glob, index=str(tmp_path / "nope.npz"))
+    with pytest.raises(Exception, match="stacklm dedup-index"):
+        build_pipeline(missing, None, "train")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*ran dry:UserWarning")
+def test_stream_mode_with_a_real_trainer_drops_what_the_index_lists(corpus, tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """StackDataModule stream mode, 2 DataLoader workers, a real Trainer: each worker reads its
+    whole slice (the budget is larger than the corpus), and the copies dropped across both
+    workers are exactly the index's, though each copy sits in another worker's files."""
+    import lightning as L
+
+    from stacklm.datamodule import StackDataModule
+    from tests.lightning_helpers import TinyLM
+
+    glob, _ = corpus
+    path = tmp_path / "idx.npz"
+    index = build_dedup_index(_config(glob), ("train",), 1)
+    index.save(path)
+    pipeline = json.loads(json.dumps(_config(glob, exact=False, near=False, index=str(path)).to_dict()))
+    pipeline["mix"]["total_tokens"] = 400_000
+    for key in ("seq_len", "batch_size", "num_threads"):
+        pipeline.pop(key)
+    dm = StackDataModule(mode="stream", tokenizer=str(saved_tokenizer_dir(tokenizer_512)), pipeline=pipeline, seq_len=512,
+                         batch_size=8, num_workers=2, val_batches=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(TinyLM(512), datamodule=dm)
+    dropped = dm.data_stats()["dropped"]["dedup"]["std"]
+    c = index.counts()["train"]
+    assert (dropped.get("exact_dup", 0), dropped.get("near_dup", 0)) == (c["exact"], c["near"])
+    assert c["exact"] >= 6 and c["near"] >= 6
