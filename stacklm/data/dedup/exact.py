@@ -281,16 +281,17 @@ class ExactDeduper:
         if keys.size <= room:
             dup = ~self._seen.add(keys)
             full = np.zeros(keys.size, dtype=bool)
-        else:  # at the bound: check everything, remember only the first `room` new digests
+        else:  # at the bound: one-by-one semantics, only the first `room` new digests are remembered
             dup = self._seen.contains(keys)
             new = np.flatnonzero(~dup)
             _, first = np.unique(keys[new], return_index=True)
-            first = np.sort(new[first])
-            dup[new] = True
-            dup[first] = False  # a repeat inside the batch of an unremembered key still counts as a dup
-            self._seen.add(keys[first[: max(room, 0)]])
+            remembered = keys[np.sort(new[first])[: max(room, 0)]]
+            self._seen.add(remembered)
+            later = np.isin(keys[new], remembered)
+            later[np.searchsorted(new, np.sort(new[first])[: max(room, 0)])] = False  # the remembered copy itself
+            dup[new[later]] = True
             full = np.zeros(keys.size, dtype=bool)
-            full[first[max(room, 0):]] = True
+            full[new[~np.isin(keys[new], remembered)]] = True
         count_by_source(self.stats, srcs, ~dup, "kept")
         count_by_source(self.stats, srcs, dup, "exact_dup")
         if full.any():
