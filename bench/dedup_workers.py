@@ -45,8 +45,7 @@ def write_corpus(root: Path, n_docs: int, n_files: int, n_plant: int, seed: int 
     root.mkdir(parents=True, exist_ok=True)
     for f, rows in enumerate(files):
         with open(root / f"part-{f:02d}.jsonl", "w") as fh:
-            for r in rows:
-                fh.write(json.dumps({"text": r}) + "\n")
+            fh.writelines(json.dumps({"text": r}) + "\n" for r in rows)
     return {"docs": len(docs), "planted_exact": n_plant, "planted_near": n_plant}
 
 
