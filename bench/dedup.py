@@ -289,13 +289,89 @@ def print_table(r: dict[str, Any]) -> None:
     )
 
 
+def bench_state(n_docs: int = 1_000_000, dup_rate: float = 0.1, seed: int = 0) -> dict[str, Any]:
+    """Resume state of in-flight dedup at ``n_docs`` documents, and the global index.
+
+    The state size depends only on how many keys the tables hold, so the keys are drawn at
+    random (a digest per kept document for the exact table, 12 band keys for the near table)
+    and inserted through the same ``U64HashSet`` the dedupers use. Save = ``pickle.dumps`` of
+    both ``state_dict()`` (what a checkpoint carries), restore = ``pickle.loads`` +
+    ``load_state_dict``. The global ``DedupIndex`` holds 8 bytes per *removed* document
+    (``dup_rate`` of them) and is never part of a checkpoint."""
+    import pickle
+
+    from stacklm.data.dedup import DedupIndex, NearDeduper
+
+    rng = np.random.default_rng(seed)
+    exact, near = ExactDeduper(max_docs=n_docs), NearDeduper(max_docs=n_docs)
+    t0 = time.perf_counter()
+    for s in range(0, n_docs, 100_000):
+        m = min(100_000, n_docs - s)
+        exact._seen.add(rng.integers(1, 2**63, size=m, dtype=np.uint64))
+        near._index.add(rng.integers(1, 2**63, size=m * near.hasher.num_bands, dtype=np.uint64))
+        near.n_indexed += m
+    fill_s = time.perf_counter() - t0
+    state = {"exact": exact.state_dict(), "near": near.state_dict()}
+    t0 = time.perf_counter()
+    blob = pickle.dumps(state, protocol=5)
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    back = pickle.loads(blob)
+    e2, n2 = ExactDeduper(max_docs=n_docs), NearDeduper(max_docs=n_docs)
+    e2.load_state_dict(back["exact"])
+    n2.load_state_dict(back["near"])
+    restore_s = time.perf_counter() - t0
+    removed = rng.integers(1, 2**63, size=int(n_docs * dup_rate), dtype=np.uint64)
+    index = DedupIndex({"train": {"exact": removed[: removed.size // 2], "near": removed[removed.size // 2 :]}})
+    t0 = time.perf_counter()
+    hits = index.lookup("train", rng.integers(1, 2**63, size=n_docs, dtype=np.uint64))
+    lookup_s = time.perf_counter() - t0
+    assert not hits.any()
+    # the global decision over n_docs signature records (5% exact, 5% near copies planted)
+    from stacklm.data.dedup import decide
+
+    ids = [f"src/part-{i // 10000:04d}.jsonl/{i % 10000}" for i in range(n_docs)]
+    digest = rng.integers(1, 2**63, size=n_docs, dtype=np.uint64)
+    digest[rng.choice(n_docs, n_docs // 20, replace=False)] = digest[rng.choice(n_docs, n_docs // 20)]
+    bands = rng.integers(1, 2**63, size=(n_docs, 12), dtype=np.uint64)
+    bands[rng.choice(n_docs, n_docs // 20, replace=False), 3] = bands[rng.choice(n_docs, n_docs // 20), 3]
+    t0 = time.perf_counter()
+    decision = decide([{"ids": ids, "source": np.zeros(n_docs, np.int32), "digest": digest, "bands": bands}])
+    decide_s = time.perf_counter() - t0
+    return {
+        "decide_s": decide_s,
+        "decide_removed": len(decision["exact"]) + len(decision["near"]),
+        "docs": n_docs,
+        "exact_bytes_per_doc": exact.nbytes / n_docs,
+        "near_bytes_per_doc": near.nbytes / n_docs,
+        "state_bytes": len(blob),
+        "state_bytes_per_doc": len(blob) / n_docs,
+        "fill_s": fill_s,
+        "save_s": save_s,
+        "restore_s": restore_s,
+        "index_bytes_per_doc": index.nbytes / n_docs,
+        "index_lookup_s": lookup_s,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--state-docs", type=int, default=0, help="only measure the dedup resume state at this many documents (e.g. 1000000)")
     ap.add_argument("--docs", type=int, default=3000, help="documents from the default corpus")
     ap.add_argument("--eval-docs", type=int, default=600, help="base documents for the accuracy pairs (3 edited copies each)")
     ap.add_argument("--batch", type=int, default=512, help="stacklm batch size")
     ap.add_argument("--repeats", type=int, default=3, help="timing repeats (best kept; datasketch gets one fewer)")
     args = ap.parse_args()
+    if args.state_docs:
+        r = bench_state(args.state_docs)
+        print(
+            f"dedup state at {r['docs']:,} documents: exact {r['exact_bytes_per_doc']:.1f} B/doc, near {r['near_bytes_per_doc']:.1f} B/doc, "
+            f"checkpoint {r['state_bytes'] / 2**20:.0f} MiB ({r['state_bytes_per_doc']:.1f} B/doc); save {r['save_s']:.2f}s, "
+            f"restore {r['restore_s']:.2f}s; global index (10% removed) {r['index_bytes_per_doc']:.2f} B/doc, "
+            f"lookup of {r['docs']:,} ids {r['index_lookup_s']:.2f}s; global decision over {r['docs']:,} records "
+            f"{r['decide_s']:.1f}s ({r['decide_removed']:,} removed)"
+        )
+        return
     print_table(run(args.docs, args.eval_docs, args.batch, args.repeats))
 
 

@@ -43,6 +43,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_dedup_index(args: argparse.Namespace) -> int:
+    from stacklm.prebuild import PrebuildError, load_config
+    from stacklm.prebuild.build import _map_pool
+    from stacklm.prebuild.dedup_pass import build_dedup_index
+
+    config, settings = load_config(args.config)
+    if not (config.dedup.exact or config.dedup.near):
+        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off; nothing to index")
+    workers = max(1, args.workers)
+    splits = tuple(args.splits or settings["splits"])
+    index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs))
+    index.save(args.out)
+    for split, c in index.counts().items():
+        print(f"{args.out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates listed")
+    print(f"stream mode: set data.pipeline.dedup.index: {args.out} (sha256 {index.content_hash[:16]}...)")
+    return 0
+
+
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
@@ -86,6 +104,18 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    x = subparsers.add_parser(
+        "dedup-index",
+        help="list the duplicate documents of a config's sources once (global exact + near pass) for stream mode",
+        description="Global dedup over every source of the config (holdout and filters applied): the ids of the "
+        "documents to drop, per split. Stream mode drops them when the pipeline config sets dedup.index: FILE.",
+    )
+    x.add_argument("--config", required=True)
+    x.add_argument("--out", required=True, help="index file to write (.npz)")
+    x.add_argument("--workers", type=int, default=1, help="processes computing signatures (the result does not depend on it)")
+    x.add_argument("--splits", nargs="+", choices=SPLITS)
+    x.set_defaults(func=cmd_dedup_index)
 
     d = subparsers.add_parser(
         "prebuild-datatrove",

@@ -5,7 +5,9 @@ Then:         budgeted mix (over the sources) -> shuffle buffer -> pack -> batch
 
 Each source gets its own filter/dedup/tokenize chain, so the mixer can pull tokens from
 exactly the source whose budget it is filling; dedup indexes are therefore per source
-(cross-source duplicates are left to the offline prebuild, where one global pass is cheap).
+(cross-source duplicates and duplicates read by other readers are what the global pass,
+``stacklm.data.dedup.global_index``, removes: the prebuild always runs it, stream mode drops
+the ids of a ``stacklm dedup-index`` file given as ``dedup.index``).
 The loader's state is the root node's ``state_dict()``, which nests every stage's small
 state; a fresh graph ``reset`` with it continues bit for bit.
 """
@@ -19,7 +21,7 @@ from typing import Any, ClassVar
 from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
-from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
+from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.holdout import HoldoutNode
@@ -38,6 +40,11 @@ class DedupConfig(Config):
     exact: bool = True
     near: bool = True
     near_max_docs: int = 2_000_000  # per source; the index warns once and stops growing when full
+    exact_max_docs: int = 20_000_000  # per source; the same policy (160-320 MB of exact index at the bound)
+    # A global index (``stacklm dedup-index``): documents it lists are dropped and counted as
+    # exact_dup/near_dup, whatever reader sees them. With exact/near also on, in-flight dedup
+    # runs after it (catching only what the index does not list, inside this reader).
+    index: str | None = None
 
 
 @dataclass(frozen=True)
@@ -103,32 +110,50 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(hashlib.sha256(f"stacklm-epoch:{seed}:{epoch}".encode()).hexdigest()[:15], 16)
 
 
+def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec) -> dict[str, BaseNode]:
+    """One source's chain up to dedup (source -> holdout -> filter): the documents a deduper
+    sees. The global dedup pass (``stacklm.data.dedup.global_index``) reads the same."""
+    src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline)
+    node: BaseNode = src
+    chain: dict[str, BaseNode] = {"source": src}
+    if config.holdout_fraction > 0 or split == "val":
+        node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
+    chain["filter"] = FilterNode(node, config.filters)
+    return chain
+
+
 def build_pipeline(
-    config: PipelineConfig, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
+    config: PipelineConfig,
+    tokenizer,
+    split: str = "train",
+    shard: ShardSpec | None = None,
+    epoch: int = 0,
+    dedup_index: DedupIndex | None = None,
 ) -> Pipeline:
     """Build the whole graph for one split and one (rank, worker) shard of the sources.
 
     ``epoch`` (a pass over the data) reseeds the mix draws and the shuffle (``epoch_seed``);
     the holdout assignment keeps ``config.seed``, so a document stays in its split every epoch.
+    ``dedup_index``: removed ids of a global dedup pass (else ``config.dedup.index`` is loaded
+    when set); the prebuild passes its own and turns in-flight dedup off.
     """
     check_split(split)
     shard = shard or ShardSpec()
     total = config.mix.total_tokens
     if split == "val":
         total = max(1, round(total * config.holdout_fraction))
+    if dedup_index is None and config.dedup.index:
+        dedup_index = DedupIndex.load(config.dedup.index)
     sources: dict[str, BaseNode] = {}
     chains: dict[str, dict[str, BaseNode]] = {}
     tokenized: dict[str, BaseNode] = {}
     for entry in config.mix.entries:
-        src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline)
-        node: BaseNode = src
-        chain: dict[str, BaseNode] = {"source": src}
-        if config.holdout_fraction > 0 or split == "val":
-            node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
-        node = chain["filter"] = FilterNode(node, config.filters)
-        if config.dedup.exact or config.dedup.near:
-            exact = ExactDeduper() if config.dedup.exact else None
-            node = chain["dedup"] = DedupNode(node, exact, _near_deduper(config))
+        chain = document_chain(config, entry, split, shard)
+        src, node = chain["source"], chain["filter"]
+        if config.dedup.exact or config.dedup.near or dedup_index is not None:
+            exact = ExactDeduper(config.dedup.exact_max_docs) if config.dedup.exact else None
+            removed = (dedup_index, split) if dedup_index is not None else None
+            node = chain["dedup"] = DedupNode(node, exact, _near_deduper(config), removed=removed)
         node = chain["tokenize"] = TokenizeNode(node, tokenizer, config.tokenize_batch_docs, config.num_threads)
         sources[entry.name] = src
         chains[entry.name] = chain

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import shutil
 import sys
 import time
 import warnings
@@ -15,6 +16,7 @@ from typing import Any
 
 from stacklm.data import manifest as mf
 from stacklm.data.shards import remove_temp_files
+from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import run_job
 from stacklm.prebuild.manifests import finalize, prepare
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
@@ -38,12 +40,23 @@ def prebuild(
     """
     tokenizer = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits))
-    identity, complete = prepare(plan)
+    # The lock is taken before the directory is even checked and held to the end: a second
+    # prebuild of the same directory is refused at once, whatever phase the first is in.
+    created_state = not state_dir_of(plan.out).exists()
+    state_dir_of(plan.out).mkdir(parents=True, exist_ok=True)
+    lock = lock_out_dir(plan.out)
+    try:
+        identity, complete = prepare(plan)
+    except BaseException:
+        if created_state:  # refused: leave the directory as we found it
+            shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)
+        lock.close()
+        raise
     if complete:
+        lock.close()
         if progress:
             print(f"{plan.out}: already complete (same config, tokenizer and workers); nothing to do", file=sys.stderr)
         return mf.read_manifest(plan.out)
-    lock = lock_out_dir(plan.out)
     bar = BuildProgress(plan, progress)
     t0 = time.perf_counter()
     jobs = [(s, w) for s in plan.splits for w in range(plan.workers)]
@@ -52,11 +65,16 @@ def prebuild(
     for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
         remove_temp_files(folder)
     try:
+        if uses_global_dedup(plan.config):
+            load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
             summaries = [run_job(plan, s, w, bar) for s, w in jobs]
         else:
             summaries = _run_pool(plan, jobs, bar)
         top = finalize(plan, identity, summaries)
+    except BaseException:
+        release_if_empty(plan)
+        raise
     finally:
         bar.close()
         lock.close()
@@ -86,6 +104,52 @@ def lock_out_dir(out: Path):
         f.close()
         raise PrebuildError(f"another `stacklm prebuild` is writing {out} right now; wait for it (or stop it) and re-run", path=out) from None
     return f
+
+
+def release_if_empty(plan: PrebuildPlan) -> bool:
+    """After a failed build: when no job has finished or written a shard, drop the claim (the
+    state folder and empty split folders), so a re-run with a fixed config starts afresh
+    instead of being refused as "a different build". True when released."""
+    state = state_dir_of(plan.out)
+    progress_files = [p for p in state.glob("*") if p.name.endswith((".ckpt", ".done.json"))] if state.exists() else []
+    shards = [p for s in plan.splits if (plan.out / s).is_dir() for p in (plan.out / s).iterdir()]
+    if progress_files or shards:
+        return False
+    shutil.rmtree(state, ignore_errors=True)
+    for s in plan.splits:
+        if (plan.out / s).is_dir():
+            (plan.out / s).rmdir()
+    return True
+
+
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``), so pool
+    workers of a killed prebuild never keep writing shards; then check the parent is still
+    there (it may have died before the call). Elsewhere the pool's own broken-pipe handling
+    ends them when they next report."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # no prctl: fall back on the parent check below
+        pass
+    if os.getppid() == 1:
+        os._exit(1)
+
+
+def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
+    """``signature_slice`` over ``args`` in ``workers`` spawned processes, in order."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    from stacklm.prebuild.dedup_pass import pickle_slice
+
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent) as pool:
+        return [pickle.loads(b) for b in pool.map(pickle_slice, args)]
 
 
 def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress) -> list[dict[str, Any]]:
@@ -133,6 +197,7 @@ _QUEUE = None
 
 def _init_pool_worker(queue) -> None:
     global _QUEUE
+    die_with_parent()
     _QUEUE = queue
 
 

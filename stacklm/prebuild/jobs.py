@@ -39,8 +39,6 @@ def run_job(
 
     ``build`` defaults to ``stacklm.data.nodes.build_pipeline``.
     """
-    from stacklm.data.sources import ShardSpec
-
     if build is None:
         from stacklm.data.nodes import build_pipeline as build
     name = job_name(split, worker)
@@ -52,7 +50,7 @@ def run_job(
     split_dir = plan.out / split
     split_dir.mkdir(parents=True, exist_ok=True)
 
-    pipe = build(worker_config(plan.config, worker, plan.workers), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers))
+    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan))
     windows = pipe.windows
     ckpt = _load_pickle(ckpt_path)
     shards: list[dict] = list(ckpt["shards"]) if ckpt else []
@@ -83,6 +81,28 @@ def run_job(
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
+
+
+def job_pipeline_args(plan: PrebuildPlan, split: str, worker: int) -> tuple:
+    """``build_pipeline``'s arguments for job ``(split, worker)``: its budget share, and
+    in-flight dedup off when the global pass decides (``dedup_pass``)."""
+    from stacklm.data.sources import ShardSpec
+    from stacklm.prebuild.dedup_pass import packing_config
+
+    return packing_config(worker_config(plan.config, worker, plan.workers)), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers)
+
+
+def job_dedup_index(plan: PrebuildPlan):
+    """The build's global dedup index (saved before any packing job), or None without dedup."""
+    from stacklm.data.dedup.global_index import DedupIndex
+    from stacklm.prebuild.dedup_pass import INDEX_FILE, uses_global_dedup
+
+    if not uses_global_dedup(plan.config):
+        return None
+    path = state_dir_of(plan.out) / INDEX_FILE
+    if not path.exists():
+        raise PrebuildError(f"{path} is missing: the global dedup pass must run before the packing jobs; re-run the prebuild", path=path)
+    return DedupIndex.load(path)
 
 
 def write_job_shards(

@@ -47,7 +47,12 @@ def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
     if problems:
         raise PrebuildError(
             f"{where} belongs to a different build, refusing to mix them:\n  - " + "\n  - ".join(problems)
-            + f"\nRe-run with the original settings to resume, or choose another --out (or delete {out}).",
+            + (
+                f"\nRe-run with the original settings to resume, or choose another --out (or delete {out})."
+                if top.exists()
+                else f"\nThat build stopped unfinished after writing shards. To resume it, re-run with its original settings; "
+                f"to start over with these settings (e.g. a fixed config), delete {out} (`rm -r {out}`) and re-run."
+            ),
             path=where,
         )
     return top.exists()
@@ -184,6 +189,12 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
         per_split[split] = split_manifest(plan, identity, split, jobs)
         mf.write_manifest(plan.out / split, per_split[split])
     top = top_manifest(plan, identity, per_split)
+    index_path = state_dir_of(plan.out) / "dedup_index.npz"  # dedup_pass.INDEX_FILE
+    if index_path.exists():  # the global dedup pass that decided the exact_dup/near_dup drops
+        from stacklm.data.dedup.global_index import DedupIndex
+
+        index = DedupIndex.load(index_path)
+        top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
     mf.write_manifest(plan.out, top)
     shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)
     return top

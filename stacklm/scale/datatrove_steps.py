@@ -5,7 +5,11 @@
 
 Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``r`` builds split
 ``splits[r // T]`` as reader ``r % T`` of ``T`` (its ``ShardSpec``) with a ``1/T`` share of the
-budget, exactly like ``stacklm prebuild --workers T``. Three steps run in each task:
+budget, exactly like ``stacklm prebuild --workers T``. When dedup is on, two executors run
+first, as in ``stacklm prebuild`` (``stacklm.data.dedup.global_index``): ``StackDedupSignatures``
+(every task: its slice's signature records) then ``StackDedupDecision`` (one task: the
+removed-id index); the packing tasks drop the ids it lists, so what is removed does not depend
+on ``T``. Three steps run in each packing task:
 
 1. ``StackMixedDocuments`` (reader): source -> holdout -> filter -> dedup -> tokenize -> mix
    -> shuffle, yielding tokenized documents;
@@ -106,12 +110,11 @@ class StackMixedDocuments(_StackStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.nodes import build_pipeline
-        from stacklm.data.sources import ShardSpec
-        from stacklm.prebuild.plan import worker_config
+        from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
-        pipe = build_pipeline(worker_config(plan.config, worker, plan.workers), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers))
+        pipe = build_pipeline(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan))
         for doc in pipe.shuffle:
             self.stat_update("docs")
             self.stat_update("tokens", value=int(doc["ids"].size))
@@ -122,6 +125,54 @@ class StackMixedDocuments(_StackStep):
             "stats": pipe.stats(), "realized": pipe.realized(),
         }
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
+
+
+class StackDedupSignatures(_StackStep):
+    """Global dedup, step 1 (``T`` tasks per split): this task's slice of every source through
+    holdout and filter, as signature records saved to ``.prebuild/dedup-sig-<job>.pkl``."""
+
+    name = "stacklm dedup signatures"
+    type = "🫂 - DEDUP"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.shards import atomic_write_shard_file
+        from stacklm.prebuild.dedup_pass import pickle_slice
+        from stacklm.prebuild.jobs import job_name
+        from stacklm.prebuild.plan import STATE_DIR
+
+        split, worker = self.plan.job_of(rank, world_size)
+        blob = pickle_slice((self.plan.config, split, worker, self.plan.tasks_per_split))
+        atomic_write_shard_file(Path(self.plan.out) / STATE_DIR / f"dedup-sig-{job_name(split, worker)}.pkl", blob)
+        self.stat_update("slices")
+        return
+        yield
+
+
+class StackDedupDecision(_StackStep):
+    """Global dedup, step 2 (one task): all slices' signatures -> the removed-id index the
+    packing tasks drop (``.prebuild/dedup_index.npz``), exactly as ``stacklm prebuild`` makes it."""
+
+    name = "stacklm dedup decision"
+    type = "🫂 - DEDUP"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        import pickle
+
+        from stacklm.prebuild.dedup_pass import INDEX_FILE, decide_index
+        from stacklm.prebuild.jobs import job_name
+        from stacklm.prebuild.plan import STATE_DIR
+
+        plan = self.built()
+        state = plan.out / STATE_DIR
+        slices = {
+            split: [pickle.loads((state / f"dedup-sig-{job_name(split, w)}.pkl").read_bytes()) for w in range(plan.workers)]
+            for split in plan.splits
+        }
+        decide_index(plan.config, slices).save(state / INDEX_FILE)
+        for path in state.glob("dedup-sig-*.pkl"):
+            path.unlink()
+        return
+        yield
 
 
 class StackPacker(_StackStep):
@@ -238,23 +289,42 @@ def prebuild_executors(
         shutil.rmtree(logs)
     steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
     n_tasks = plan.workers * len(plan.splits)
+    from stacklm.prebuild.dedup_pass import uses_global_dedup
+
+    dedup = uses_global_dedup(plan.config)
     if executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
-        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", **executor_kwargs)
+        before = None
+        if dedup:  # global dedup first: signatures (all tasks) -> decision (one task)
+            sigs = LocalPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
+            before = LocalPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
+        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
         merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
     elif executor == "slurm":
         from datatrove.executor import SlurmPipelineExecutor
 
         merge_kwargs = {k: v for k, v in executor_kwargs.items() if k in ("partition", "time", "qos", "env_command", "condaenv", "venv_path", "sbatch_args")}
-        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", **executor_kwargs)
+        before = None
+        if dedup:
+            sigs = SlurmPipelineExecutor(
+                [StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", job_name="stacklm-dedup-sig", **executor_kwargs
+            )
+            before = SlurmPipelineExecutor(
+                [StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", job_name="stacklm-dedup-decide", depends=sigs, **merge_kwargs
+            )
+        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", depends=before, **executor_kwargs)
         merge = SlurmPipelineExecutor(
             [StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", job_name="stacklm-merge", depends=main, **merge_kwargs
         )
     elif executor == "ray":
         from datatrove.executor.ray import RayPipelineExecutor
 
-        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", **executor_kwargs)
+        before = None
+        if dedup:
+            sigs = RayPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
+            before = RayPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
+        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
         merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
     else:
         raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")

@@ -3,6 +3,8 @@
 - ``exact``: ``U64HashSet`` (the compact numpy hash set both indexes use) and ``ExactDeduper``;
 - ``minhash``: ``MinHasher`` and ``NearDeduper``;
 - ``node``: ``DedupNode``, the stage of the pipes;
+- ``global_index``: the global pass (signatures -> one decision -> ``DedupIndex`` of removed
+  ids) that makes the result independent of how many readers run;
 - ``synthetic_edits``: test/benchmark data generation (edited copies at a chosen Jaccard), not
   used by the pipeline.
 
@@ -10,17 +12,23 @@ What counts as the same text is ``stacklm.data.normalize.normalize_text``.
 """
 
 from stacklm.data.dedup.exact import ExactDeduper, U64HashSet, count_by_source, per_doc_sources, text_digest, text_digests
+from stacklm.data.dedup.global_index import DedupIndex, collect_signatures, decide, id_key, id_keys
 from stacklm.data.dedup.minhash import MinHasher, NearDeduper, candidate_probability, jaccard, share_a_band
 from stacklm.data.dedup.node import DedupNode
 from stacklm.data.normalize import normalize_text
 
 __all__ = [
+    "DedupIndex",
     "DedupNode",
     "ExactDeduper",
     "MinHasher",
     "NearDeduper",
     "U64HashSet",
     "candidate_probability",
+    "collect_signatures",
+    "decide",
+    "id_key",
+    "id_keys",
     "count_by_source",
     "jaccard",
     "normalize_text",

@@ -230,14 +230,26 @@ def count_by_source(stats: StageStats, sources: Sequence[str], mask: np.ndarray,
         stats.add(sources[i], reason)
 
 
+DEFAULT_EXACT_MAX_DOCS = 20_000_000  # at most 20M * 16 B = 320 MB of table per deduper
+
+
 class ExactDeduper:
     """Streaming exact dedup: a document is a duplicate when its normalised text was seen before.
 
-    ``stats`` (a ``StageStats("exact_dedup")``) counts ``kept`` and ``exact_dup`` per source.
+    ``stats`` (a ``StageStats("exact_dedup")``) counts ``kept`` and ``exact_dup`` per source,
+    and ``index_full``: kept documents not remembered because the table already held
+    ``max_docs`` digests. That is the policy at the bound, the same as ``NearDeduper``'s:
+    the state never exceeds ``max_docs`` x 16 bytes; past it, documents are still checked
+    against everything remembered, but a later copy of an unremembered one passes. It warns
+    once (``warnings`` + ``logging``) and every such document is counted.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_docs: int = DEFAULT_EXACT_MAX_DOCS) -> None:
+        if int(max_docs) < 1:
+            raise ValueError(f"ExactDeduper max_docs must be >= 1, got {max_docs}")
+        self.max_docs = int(max_docs)
         self._seen = U64HashSet()
+        self._warned_full = False
         self.stats = StageStats("exact_dedup")
 
     def __len__(self) -> int:
@@ -264,10 +276,43 @@ class ExactDeduper:
         the same batch is a duplicate). Returns a bool array. ``normalized=True``: the texts are
         already ``normalize_text``-ed."""
         srcs = per_doc_sources(sources, len(texts))
-        dup = ~self._seen.add(text_digests(texts, normalized))
+        keys = text_digests(texts, normalized)
+        room = self.max_docs - len(self._seen)
+        if keys.size <= room:
+            dup = ~self._seen.add(keys)
+            full = np.zeros(keys.size, dtype=bool)
+        else:  # at the bound: one-by-one semantics, only the first `room` new digests are remembered
+            dup = self._seen.contains(keys)
+            new = np.flatnonzero(~dup)
+            _, first = np.unique(keys[new], return_index=True)
+            remembered = keys[np.sort(new[first])[: max(room, 0)]]
+            self._seen.add(remembered)
+            later = np.isin(keys[new], remembered)
+            later[np.searchsorted(new, np.sort(new[first])[: max(room, 0)])] = False  # the remembered copy itself
+            dup[new[later]] = True
+            full = np.zeros(keys.size, dtype=bool)
+            full[new[~np.isin(keys[new], remembered)]] = True
         count_by_source(self.stats, srcs, ~dup, "kept")
         count_by_source(self.stats, srcs, dup, "exact_dup")
+        if full.any():
+            count_by_source(self.stats, srcs, full, "index_full")
+            self._warn_full()
         return dup
+
+    def _warn_full(self) -> None:
+        if self._warned_full:
+            return
+        self._warned_full = True
+        import logging
+        import warnings
+
+        msg = (
+            f"ExactDeduper index is full ({self.max_docs:,} documents, {self.nbytes / 2**20:.0f} MiB): later documents "
+            "are still checked against it but no longer added, so copies among them will pass (counted as "
+            "'index_full'). Raise dedup.exact_max_docs, or use a global index (`stacklm dedup-index`, dedup.index)."
+        )
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        logging.getLogger(__name__).warning(msg)
 
     def query_batch(self, texts: Sequence[str]) -> np.ndarray:
         """Which texts would be duplicates (nothing is added, nothing counted)."""
@@ -275,8 +320,9 @@ class ExactDeduper:
 
     def state_dict(self) -> dict[str, Any]:
         """The table (one ``uint64`` array), its size and the small per-source counters."""
-        return {**self._seen.state_dict(), "stats": self.stats.to_dict()}
+        return {**self._seen.state_dict(), "stats": self.stats.to_dict(), "warned_full": self._warned_full}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._seen.load_state_dict(state)
         self.stats.load_dict(state.get("stats", {}))
+        self._warned_full = bool(state.get("warned_full", False))

@@ -10,6 +10,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.data.dedup.exact import ExactDeduper
+from stacklm.data.dedup.global_index import DedupIndex, id_keys
 from stacklm.data.dedup.minhash import NearDeduper
 from stacklm.data.normalize import normalize_text
 from stacklm.data.stats import StageStats
@@ -29,11 +30,22 @@ class DedupNode(BaseNode[dict]):
     ``near_dup`` and ``kept`` (what passed the last index).
     """
 
-    def __init__(self, source: BaseNode[dict], exact: ExactDeduper | None, near: NearDeduper | None = None, batch_docs: int = 64) -> None:
+    def __init__(
+        self,
+        source: BaseNode[dict],
+        exact: ExactDeduper | None,
+        near: NearDeduper | None = None,
+        batch_docs: int = 64,
+        *,
+        removed: tuple[DedupIndex, str] | None = None,
+    ) -> None:
         super().__init__()
-        if exact is None and near is None:
-            raise ValueError("DedupNode needs an exact or a near deduper (or both); with neither, leave the stage out")
+        if exact is None and near is None and removed is None:
+            raise ValueError("DedupNode needs an exact or a near deduper or a global index; with none, leave the stage out")
         self.source, self.exact, self.near, self.batch_docs = source, exact, near, batch_docs
+        # (global index, split): documents it lists are dropped first, whatever reader reads them
+        self.removed = removed
+        self.index_stats = StageStats("global_dedup")
         self._fresh = (exact.state_dict() if exact is not None else None, near.state_dict() if near is not None else None)
         self._pending: deque[dict] = deque()
 
@@ -42,6 +54,10 @@ class DedupNode(BaseNode[dict]):
         """Per source ``exact_dup`` (exact index), ``near_dup`` and ``kept`` (the last index)."""
         out = StageStats("dedup")
         last = self.near if self.near is not None else self.exact
+        for src, per in self.index_stats.to_dict().items():
+            for reason in ("exact_dup", "near_dup") + (("kept",) if last is None else ()):
+                if reason in per:
+                    out.add(src, reason, per[reason])
         for deduper, reasons in ((self.exact, ("exact_dup",)), (self.near, ("near_dup",)), (last, ("kept",))):
             if deduper is None:
                 continue
@@ -60,6 +76,7 @@ class DedupNode(BaseNode[dict]):
         if self.near is not None:
             self.near.load_state_dict(st["near"] if initial_state else self._fresh[1])
         self._pending = deque(st.get("pending", []))
+        self.index_stats.load_dict(st.get("index_stats", {}))
 
     def _fill(self) -> bool:
         docs = list(islice(self.source, self.batch_docs))
@@ -68,8 +85,15 @@ class DedupNode(BaseNode[dict]):
         texts = [normalize_text(d["text"]) for d in docs]  # once, for both indexes
         sources = [d.get("source", "?") for d in docs]
         keep = np.ones(len(docs), dtype=bool)
-        if self.exact is not None:
-            keep &= ~self.exact.is_duplicate_batch(texts, sources, normalized=True)
+        if self.removed is not None:
+            index, split = self.removed
+            code = index.lookup(split, id_keys(d.get("doc_id", "") for d in docs))
+            for i, src in enumerate(sources):
+                self.index_stats.add(src, ("kept", "exact_dup", "near_dup")[code[i]])
+            keep &= code == 0
+        if self.exact is not None and keep.any():
+            idx = np.flatnonzero(keep)
+            keep[idx[self.exact.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)]] = False
         if self.near is not None and keep.any():
             idx = np.flatnonzero(keep)
             near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)
@@ -87,6 +111,8 @@ class DedupNode(BaseNode[dict]):
         # "stats" is derived from the indexes' own counters; it stays in the state so the
         # checkpoint layout is unchanged.
         st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict(), "pending": list(self._pending)}
+        if self.removed is not None:
+            st["index_stats"] = self.index_stats.to_dict()
         if self.exact is not None:
             st["exact"] = self.exact.state_dict()
         if self.near is not None:

@@ -1,0 +1,261 @@
+"""Dedup that does not depend on parallelism: signatures per slice, one global decision, and
+the list of removed document ids (``DedupIndex``) that the packing jobs and stream mode drop.
+
+Why: a streaming deduper only sees the documents of its own reader, so with N prebuild
+workers (or N datatrove tasks, or ranks x DataLoader workers) two copies read by two readers
+both survive and the removed count changes with N. The global pass follows datatrove's
+multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps:
+
+1. **signatures** (``collect_signatures``, parallel, one call per reader slice): every
+   document after holdout and quality filter gets a stable id (its ``doc_id``: source, part,
+   row), the 64-bit digest of its normalised text (exact dedup) and its MinHash band keys
+   (``MinHasher``, the same as the streaming near deduper). Pure functions of the text, so
+   the union over any slicing is the same set of records.
+2. **decision** (``decide``, one process): records are put in a canonical order that does not
+   depend on the slicing (mix entry, part label, row). Exact: sorted by (digest, canonical
+   position), the first of each digest is kept. Near, among the exact survivors: for every
+   band, documents with equal band keys form a bucket; buckets are merged into clusters
+   (connected components, by min-label propagation) and each cluster keeps its earliest
+   document. Like datatrove this is transitive: A~B and B~C remove B and C even when A and C
+   are not similar.
+3. **filter**: the ids removed are kept as sorted 64-bit xxh3 digests of the ``doc_id``
+   (8 bytes per *removed* document, read-only, never part of a checkpoint); ``DedupNode``
+   drops a document whose id digest is listed and counts it as ``exact_dup``/``near_dup``.
+
+A false drop needs a 64-bit collision between a kept document's id and a removed one's:
+about n_kept * n_removed / 2^64 (2e-6 at 20M x 2M).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from stacklm.data.dedup.exact import run_starts, text_digest
+from stacklm.data.dedup.minhash import MinHasher
+from stacklm.data.normalize import normalize_text
+
+INDEX_FORMAT = "stacklm-dedup-index"
+INDEX_VERSION = 1
+_BATCH = 256
+
+
+def id_key(doc_id: str) -> int:
+    """Nonzero 64-bit digest of a document id (what the index stores)."""
+    return xxhash.xxh3_64_intdigest(str(doc_id).encode("utf-8", "surrogatepass")) or 1
+
+
+def id_keys(doc_ids: Iterable[str]) -> np.ndarray:
+    return np.fromiter((id_key(d) for d in doc_ids), dtype=np.uint64)
+
+
+def _split_id(doc_id: str) -> tuple[str, int]:
+    """(part prefix, row) of ``source/part/row``; ids without a numeric row sort by the id."""
+    prefix, _, row = str(doc_id).rpartition("/")
+    try:
+        return prefix, int(row)
+    except ValueError:
+        return str(doc_id), -1
+
+
+def collect_signatures(docs: Iterable[dict], source_index: Mapping[str, int], hasher: MinHasher | None, exact: bool = True) -> dict[str, Any]:
+    """Step 1 over one reader slice: ``docs`` are the documents after holdout and filter.
+
+    Returns plain arrays (picklable, ``np.savez``-able): ``ids`` (the doc_id strings),
+    ``source`` (index in the mix), ``row``, ``digest`` (exact, 0 when off) and ``bands``
+    ((n, num_bands) MinHash band keys, (n, 0) when near dedup is off).
+    """
+    ids: list[str] = []
+    src: list[int] = []
+    digests: list[int] = []
+    bands: list[np.ndarray] = []
+    batch: list[str] = []
+
+    def flush() -> None:
+        if hasher is not None and batch:
+            bands.append(hasher.keys(batch, normalized=True))
+        batch.clear()
+
+    for doc in docs:
+        text = normalize_text(doc["text"])
+        ids.append(str(doc["doc_id"]))
+        src.append(int(source_index[doc["source"]]))
+        digests.append(text_digest(text, normalized=True) if exact else 0)
+        if hasher is not None:
+            batch.append(text)
+            if len(batch) >= _BATCH:
+                flush()
+    flush()
+    nb = hasher.num_bands if hasher is not None else 0
+    return {
+        "ids": np.array(ids, dtype=str),
+        "source": np.array(src, dtype=np.int32),
+        "digest": np.array(digests, dtype=np.uint64),
+        "bands": np.concatenate(bands) if bands else np.zeros((len(ids), nb), dtype=np.uint64),
+    }
+
+
+def _components(n: int, bands: np.ndarray) -> np.ndarray:
+    """Cluster label (smallest member position) of each of ``n`` documents that are in canonical
+    order, where documents sharing any band key are linked: min-label propagation over the
+    buckets until nothing changes (a few rounds: the longest chain of buckets)."""
+    label = np.arange(n, dtype=np.int64)
+    groups = []
+    for b in range(bands.shape[1]):
+        order = np.argsort(bands[:, b], kind="stable")
+        head = run_starts(bands[order, b])
+        starts = np.flatnonzero(head)
+        sizes = np.diff(np.append(starts, n))
+        multi = sizes > 1
+        if multi.any():
+            members = np.concatenate([order[s : s + k] for s, k in zip(starts[multi], sizes[multi])])
+            groups.append((members, np.repeat(np.arange(int(multi.sum())), sizes[multi]), np.cumsum(sizes[multi]) - sizes[multi]))
+    changed = True
+    while changed:
+        changed = False
+        for members, group_of, group_start in groups:
+            low = np.minimum.reduceat(label[members], group_start)[group_of]
+            if (low < label[members]).any():
+                np.minimum.at(label, members, low)
+                changed = True
+        label = label[label]  # path halving: follow labels to their own labels
+    return label
+
+
+def decide(parts: Sequence[Mapping[str, Any]], exact: bool = True, near: bool = True) -> dict[str, Any]:
+    """Step 2: one global decision over the signature records of all slices.
+
+    Returns ``{"exact": ids removed as exact copies, "near": ids removed as near copies,
+    "kept_of": {removed id: the id it duplicates}, "docs": records seen}`` (ids as strings).
+    """
+    ids = np.concatenate([np.asarray(p["ids"], dtype=str) for p in parts]) if parts else np.zeros(0, dtype=str)
+    n = ids.size
+    if n == 0:
+        return {"exact": [], "near": [], "kept_of": {}, "docs": 0}
+    source = np.concatenate([p["source"] for p in parts])
+    digest = np.concatenate([p["digest"] for p in parts])
+    bands = np.concatenate([p["bands"] for p in parts])
+    if len(set(ids.tolist())) != n:
+        raise ValueError("dedup signatures: a document id was recorded twice; the slices overlap (check the shard specs)")
+    split = [_split_id(d) for d in ids.tolist()]
+    prefixes = np.array([s[0] for s in split], dtype=str)
+    rows = np.array([s[1] for s in split], dtype=np.int64)
+    _, prefix_rank = np.unique(prefixes, return_inverse=True)
+    canon = np.lexsort((rows, prefix_rank, source))  # canonical order: mix entry, part, row
+    ids, digest, bands = ids[canon], digest[canon], bands[canon]
+    alive = np.ones(n, dtype=bool)
+    kept_of = np.arange(n)
+    removed_exact = np.zeros(n, dtype=bool)
+    if exact:
+        order = np.argsort(digest, kind="stable")  # stable: canonical order within a digest
+        head = run_starts(digest[order])
+        first = order[np.maximum.accumulate(np.where(head, np.arange(n), 0))]
+        dup = order[~head]
+        removed_exact[dup] = True
+        kept_of[order] = first
+        alive[dup] = False
+    removed_near = np.zeros(n, dtype=bool)
+    if near and bands.shape[1]:
+        live = np.flatnonzero(alive)
+        label = _components(live.size, bands[live])
+        removed_near[live[label != np.arange(live.size)]] = True
+        kept_of[live] = live[label]
+    return {
+        "exact": ids[removed_exact].tolist(),
+        "near": ids[removed_near].tolist(),
+        "kept_of": {ids[i]: ids[kept_of[i]] for i in np.flatnonzero(removed_exact | removed_near).tolist()},
+        "docs": int(n),
+    }
+
+
+class DedupIndex:
+    """The removed document ids of a global dedup pass, per split: sorted ``uint64`` digests of
+    the ids removed as exact and as near duplicates, plus what built them (``meta``).
+
+    Read-only at run time, so it never goes into a checkpoint; ``content_hash`` names it.
+    """
+
+    def __init__(self, splits: Mapping[str, Mapping[str, np.ndarray]], meta: Mapping[str, Any] | None = None) -> None:
+        self.splits = {
+            s: {r: np.sort(np.asarray(per.get(r, np.zeros(0, np.uint64)), dtype=np.uint64)) for r in ("exact", "near")}
+            for s, per in splits.items()
+        }
+        self.meta = dict(meta or {})
+
+    @classmethod
+    def from_decisions(cls, decisions: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> DedupIndex:
+        return cls({s: {r: id_keys(d[r]) for r in ("exact", "near")} for s, d in decisions.items()}, meta)
+
+    def lookup(self, split: str, keys: np.ndarray) -> np.ndarray:
+        """Per id digest: 0 kept, 1 removed as an exact copy, 2 as a near copy."""
+        keys = np.asarray(keys, dtype=np.uint64)
+        out = np.zeros(keys.size, dtype=np.int8)
+        per = self.splits.get(split)
+        if per is None:
+            raise KeyError(f"dedup index has no split {split!r} (it holds {sorted(self.splits)}); rebuild it with that split")
+        for code, reason in ((1, "exact"), (2, "near")):
+            table = per[reason]
+            if table.size:
+                pos = np.minimum(np.searchsorted(table, keys), table.size - 1)
+                out[table[pos] == keys] = code
+        return out
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {s: {r: int(a.size) for r, a in per.items()} for s, per in self.splits.items()}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for per in self.splits.values() for a in per.values())
+
+    def to_bytes(self) -> bytes:
+        import json
+
+        buf = io.BytesIO()
+        arrays = {f"{s}__{r}": a for s, per in sorted(self.splits.items()) for r, a in sorted(per.items())}
+        meta = {"format": INDEX_FORMAT, "version": INDEX_VERSION, **self.meta}
+        np.savez(buf, meta=np.frombuffer(json.dumps(meta, sort_keys=True).encode(), dtype=np.uint8), **arrays)
+        return buf.getvalue()
+
+    @property
+    def content_hash(self) -> str:
+        h = hashlib.sha256()
+        for s, per in sorted(self.splits.items()):
+            for r, a in sorted(per.items()):
+                h.update(f"{s}/{r}/{a.size};".encode())
+                h.update(a.tobytes())
+        return h.hexdigest()
+
+    def save(self, path: str | Path) -> None:
+        from stacklm.atomic import atomic_write_bytes
+
+        atomic_write_bytes(Path(path), self.to_bytes())
+
+    @classmethod
+    def load(cls, path: str | Path) -> DedupIndex:
+        import json
+
+        from stacklm.errors import ConfigError
+
+        path = Path(path)
+        try:
+            with np.load(path) as z:
+                meta = json.loads(bytes(z["meta"]).decode())
+                arrays = {k: z[k] for k in z.files if k != "meta"}
+        except FileNotFoundError:
+            raise ConfigError(f"dedup.index: {path} does not exist; build it with `stacklm dedup-index --config C.yaml --out {path}`") from None
+        except Exception as e:
+            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({type(e).__name__}: {e}); rebuild it with `stacklm dedup-index`") from None
+        if meta.get("format") != INDEX_FORMAT:
+            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index (format {meta.get('format')!r})")
+        splits: dict[str, dict[str, np.ndarray]] = {}
+        for key, a in arrays.items():
+            s, _, r = key.partition("__")
+            splits.setdefault(s, {})[r] = a
+        meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
+        return cls(splits, meta)

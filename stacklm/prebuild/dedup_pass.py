@@ -1,0 +1,98 @@
+"""The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision per
+split, saved as ``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
+
+The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
+documents removed (and the documents kept) are the same for every ``--workers N`` and every
+number of datatrove tasks (``stacklm.data.dedup.global_index`` explains the design). Also the
+engine of ``stacklm dedup-index`` (stream mode's offline index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+INDEX_FILE = "dedup_index.npz"
+
+
+def uses_global_dedup(config) -> bool:
+    return bool(config.dedup.exact or config.dedup.near)
+
+
+def packing_config(config):
+    """The config the packing jobs run: in-flight dedup off (the global index replaces it)."""
+    if not uses_global_dedup(config):
+        return config
+    return dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=False, near=False, index=None))
+
+
+def signature_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int) -> dict[str, Any]:
+    """Step 1 for reader ``reader`` of ``readers``: every source's documents after holdout and
+    filter, as signature records (``collect_signatures``). A plain function of plain
+    arguments, so it runs in a spawned process or a datatrove task alike."""
+    from stacklm.data.dedup.global_index import collect_signatures
+    from stacklm.data.dedup.minhash import MinHasher
+    from stacklm.data.nodes import PipelineConfig, document_chain
+    from stacklm.data.sources import ShardSpec
+
+    config = PipelineConfig.from_dict(config_dict)
+    hasher = MinHasher() if config.dedup.near else None
+    source_index = {e.name: i for i, e in enumerate(config.mix.entries)}
+
+    def docs():
+        for entry in config.mix.entries:
+            chain = document_chain(config, entry, split, ShardSpec(0, 1, reader, readers))
+            node = chain["filter"]
+            node.reset(None)
+            yield from node
+
+    return collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact)
+
+
+def decide_index(config, slices: dict[str, Sequence[dict[str, Any]]]):
+    """Step 2 per split; a ``DedupIndex`` of the removed ids with the counts in its meta."""
+    from stacklm.data.dedup.global_index import DedupIndex, decide
+
+    decisions = {split: decide(parts, exact=config.dedup.exact, near=config.dedup.near) for split, parts in slices.items()}
+    meta = {
+        "dedup": dataclasses.asdict(config.dedup),
+        "docs": {s: d["docs"] for s, d in decisions.items()},
+        "removed": {s: {"exact": len(d["exact"]), "near": len(d["near"])} for s, d in decisions.items()},
+    }
+    return DedupIndex.from_decisions(decisions, meta)
+
+
+def build_dedup_index(
+    config, splits: Sequence[str], readers: int, run_all: Callable[[list[tuple]], list[Any]] | None = None
+):
+    """Steps 1 and 2 over ``readers`` slices per split. ``run_all`` maps a list of
+    ``(config_dict, split, reader, readers)`` to results (e.g. in a process pool); default: here."""
+    cfg = config.to_dict()
+    jobs = [(cfg, split, r, readers) for split in splits for r in range(readers)]
+    results = run_all(jobs) if run_all is not None else [signature_slice(*j) for j in jobs]
+    slices: dict[str, list[dict[str, Any]]] = {s: [] for s in splits}
+    for (_, split, _, _), res in zip(jobs, results):
+        slices[split].append(res)
+    return decide_index(config, slices)
+
+
+def load_or_build(plan, run_all=None):
+    """The build's index: read back on a resume (it was saved before any packing job), else built
+    and saved atomically."""
+    from stacklm.data.dedup.global_index import DedupIndex
+    from stacklm.prebuild.plan import state_dir_of
+
+    path = state_dir_of(plan.out) / INDEX_FILE
+    if Path(path).exists():
+        return DedupIndex.load(path)
+    index = build_dedup_index(plan.config, plan.splits, plan.workers, run_all)
+    index.save(path)
+    return index
+
+
+def pickle_slice(args: tuple) -> bytes:
+    """``signature_slice`` for a pool: the result pickled once (numpy arrays travel compactly)."""
+    return pickle.dumps(signature_slice(*args), protocol=5)

@@ -1,0 +1,291 @@
+"""Global dedup (signatures -> decision -> removed ids): the same removals for any number of
+readers, in prebuild (--workers N, datatrove tasks) and in stream mode (dedup.index); the
+bounded exact index; prebuild process safety (lock, released claim, workers die with parent)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from stacklm.corpus import iter_default_corpus
+from stacklm.data import manifest as mf
+from stacklm.data.dedup import (
+    DedupIndex,
+    ExactDeduper,
+    MinHasher,
+    collect_signatures,
+    decide,
+)
+from stacklm.data.dedup.synthetic_edits import inject_edits
+from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.sources import ShardSpec
+from stacklm.prebuild import PrebuildError, lock_out_dir, prebuild, state_dir_of
+from stacklm.prebuild.dedup_pass import build_dedup_index
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _docs(n: int) -> list[str]:
+    out = []
+    for d in iter_default_corpus():
+        if 300 < len(d) < 6000 and d not in out:
+            out.append(d)
+        if len(out) == n:
+            return out
+    return out
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """Real stdlib text in 4 jsonl files; 6 exact (case/space changed) and 6 near copies
+    (few edits) planted in *other* files than their originals. Returns (glob, base docs)."""
+    root = tmp_path_factory.mktemp("corpus")
+    docs = _docs(80)
+    rng = np.random.default_rng(0)
+    files = [[] for _ in range(4)]
+    for i, d in enumerate(docs):
+        files[i % 4].append(d)
+    for k, i in enumerate(range(0, 24, 2)):
+        other = (i % 4 + 1 + k % 3) % 4
+        files[other].append(docs[i].upper().replace(" ", "  ") if k < 6 else inject_edits(docs[i], 2, rng))
+    for f, rows in enumerate(files):
+        (root / f"p{f}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
+    return str(root / "*.jsonl"), docs
+
+
+def _config(glob: str, **dedup) -> PipelineConfig:
+    return PipelineConfig.from_dict({
+        "seq_len": 128, "batch_size": 2, "seed": 0, "shuffle_buffer": 16, "pack_buffer_docs": 8, "holdout_fraction": 0.0,
+        "num_threads": 1, "dedup": dedup,
+        "mix": {"name": "t", "total_tokens": 10**9, "entries": [{"name": "std", "kind": "local", "path": glob, "weight": 1.0, "domain": "code"}]},
+    })
+
+
+def test_decision_does_not_depend_on_slicing(corpus):
+    glob, _ = corpus
+    cfg = _config(glob)
+    results = []
+    for readers in (1, 2, 3):
+        index = build_dedup_index(cfg, ("train",), readers)
+        results.append((index.content_hash, index.counts()))
+    assert len({h for h, _ in results}) == 1
+    counts = results[0][1]["train"]
+    assert counts["exact"] >= 6 and counts["near"] >= 6  # the planted copies (the stdlib may add its own)
+
+
+def test_decide_keeps_the_canonical_first_and_clusters_transitively():
+    hasher = MinHasher()
+    base = _docs(1)[0]
+    near = base[:100] + "#" + base[101:]  # one character changed: J > 0.95
+    docs = [
+        {"text": "something else entirely " * 30, "source": "a", "doc_id": "a/f1/0"},
+        {"text": base, "source": "a", "doc_id": "a/f1/1"},
+        {"text": base.upper(), "source": "a", "doc_id": "a/f0/5"},  # exact copy, earlier part
+        {"text": near, "source": "b", "doc_id": "b/g/0"},  # near copy in a later source
+    ]
+    src = {"a": 0, "b": 1}
+    one = decide([collect_signatures(docs, src, hasher)])
+    parts = decide([collect_signatures(docs[2:], src, hasher), collect_signatures(docs[:2], src, hasher)])
+    assert one == parts
+    assert one["exact"] == ["a/f1/1"] and one["near"] == ["b/g/0"]
+    assert one["kept_of"] == {"a/f1/1": "a/f0/5", "b/g/0": "a/f0/5"}
+
+
+@pytest.mark.slow
+def test_prebuild_removes_the_same_for_any_workers(corpus, tokenizer_512, tmp_path):
+    glob, _ = corpus
+    cfg = _config(glob)
+    seen = []
+    for workers in (1, 2, 4):
+        out = tmp_path / f"w{workers}"
+        prebuild(cfg, tokenizer_512, out, workers=workers, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+        m = mf.read_manifest(out / "train")
+        d = m["stats"]["dedup"]["std"]
+        read = m["stats"]["source"]["std"]["kept"]
+        tokens = sum(r["tokens"] for r in m["realized"].values())
+        assert d["kept"] + d["exact_dup"] + d["near_dup"] == read == 80 + 12
+        seen.append((d["exact_dup"], d["near_dup"], d["kept"], tokens))
+    assert len(set(seen)) == 1, seen
+    index = build_dedup_index(cfg, ("train",), 1)
+    assert seen[0][:2] == (index.counts()["train"]["exact"], index.counts()["train"]["near"])
+
+
+def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, tmp_path):
+    glob, _ = corpus
+    index = build_dedup_index(_config(glob), ("train",), 1)
+    path = tmp_path / "idx.npz"
+    index.save(path)
+    assert DedupIndex.load(path).content_hash == index.content_hash
+    decision = decide([collect_signatures(_iter_filtered(_config(glob), 0, 1), {"std": 0}, MinHasher())])
+    removed = set(decision["exact"]) | set(decision["near"])  # what the index lists, as ids
+    cfg = _config(glob, exact=False, near=False, index=str(path))
+    ids, dropped = [], 0
+    for k in range(4):  # 4 readers (2 ranks x 2 workers): the copies sit in other readers' files
+        pipe = build_pipeline(cfg, tokenizer_512, "train", ShardSpec(k // 2, 2, k % 2, 2))
+        node = pipe.chains["std"]["dedup"]
+        node.reset(None)
+        ids += [d["doc_id"] for d in node]
+        st = node.stats.to_dict()["std"]
+        dropped += st.get("exact_dup", 0) + st.get("near_dup", 0)
+    assert dropped == sum(index.counts()["train"].values())
+    assert not removed & set(ids) and len(ids) == 92 - dropped
+
+
+def _iter_filtered(cfg, reader, readers):
+    from stacklm.data.nodes import document_chain
+
+    node = document_chain(cfg, cfg.mix.entries[0], "train", ShardSpec(0, 1, reader, readers))["filter"]
+    node.reset(None)
+    yield from node
+
+
+def test_exact_index_is_bounded_and_counts_what_it_cannot_remember():
+    ded = ExactDeduper(max_docs=3)
+    with pytest.warns(RuntimeWarning, match="index is full"):
+        dup = ded.is_duplicate_batch(["a", "b", "a", "c", "d", "d", "e"])
+    # the same decisions as one document at a time: "d" is never remembered, so its copy passes
+    assert dup.tolist() == [False, False, True, False, False, False, False]
+    one = ExactDeduper(max_docs=3)
+    with pytest.warns(RuntimeWarning):
+        assert [one.is_duplicate(t) for t in ["a", "b", "a", "c", "d", "d", "e"]] == dup.tolist()
+    assert len(ded) == 3 and ded.stats.total("index_full") == 3 == one.stats.total("index_full")
+    assert ded.is_duplicate_batch(["d"]).tolist() == [False]  # not remembered: passes, counted
+    assert ded.stats.total("index_full") == 4
+    state = ded.state_dict()
+    again = ExactDeduper(max_docs=3)
+    again.load_state_dict(state)
+    assert again.is_duplicate_batch(["b", "zz"]).tolist() == [True, False] and len(again) == 3
+
+
+def test_second_prebuild_is_refused_and_a_failed_build_releases_its_dir(corpus, tokenizer_512, tmp_path):
+    glob, _ = corpus
+    out = tmp_path / "out"
+    state_dir_of(out).mkdir(parents=True)
+    held = lock_out_dir(out)  # another prebuild holds the directory
+    with pytest.raises(PrebuildError, match="another `stacklm prebuild`"):
+        prebuild(_config(glob), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    held.close()
+    bad = tmp_path / "bad"
+    with pytest.raises(Exception, match="matched no"):
+        prebuild(_config(str(tmp_path / "nothing*.jsonl")), tokenizer_512, bad, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    assert not state_dir_of(bad).exists()  # no claim left: the fixed config just runs
+    prebuild(_config(glob, near=False), tokenizer_512, bad, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    assert (bad / "manifest.json").exists()
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], check=False, capture_output=True, text=True).stdout
+    return [int(x) for x in out.split()]
+
+
+@pytest.mark.slow
+def test_pool_workers_die_with_a_sigkilled_parent(corpus, tokenizer_512, saved_tokenizer_dir, tmp_path):
+    glob, _ = corpus
+    tok_dir = saved_tokenizer_dir(tokenizer_512)
+    cfg_file = tmp_path / "c.yaml"
+    import yaml
+
+    data = json.loads(json.dumps(_config(glob).to_dict()))
+    cfg_file.write_text(yaml.safe_dump({"tokenizer": str(tok_dir), "data": data}))
+    out = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg_file), "--out", str(out), "--workers", "2",
+         "--tokens-per-shard", "128", "--no-progress"], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 120
+    kids: list[int] = []
+    while time.monotonic() < deadline and proc.poll() is None:
+        kids = _children(proc.pid)
+        writing = (out / "train").exists() and any((out / "train").glob("*"))
+        if len(kids) >= 2 and writing:
+            break
+        time.sleep(0.01)
+    assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+    workers = [k for c in kids for k in [c] + _children(c)]
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    time.sleep(2.0)
+    alive = [k for k in workers if Path(f"/proc/{k}").exists() and "Z" not in Path(f"/proc/{k}/stat").read_text().split()[2]]
+    assert alive == []
+    files = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    time.sleep(1.0)
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == files  # nobody keeps writing
+
+
+def test_an_unfinished_build_with_shards_says_how_to_start_over(corpus, tokenizer_512, tmp_path, monkeypatch):
+    import stacklm.prebuild.build as build_mod
+
+    glob, _ = corpus
+    out = tmp_path / "half"
+
+    def boom(*a, **k):
+        raise RuntimeError("killed before the manifests")
+
+    monkeypatch.setattr(build_mod, "finalize", boom)
+    with pytest.raises(RuntimeError):
+        prebuild(_config(glob, near=False), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    monkeypatch.undo()
+    assert state_dir_of(out).exists()  # shards were written: the claim stays, so it can resume
+    with pytest.raises(PrebuildError, match=r"unfinished.*delete .*half"):
+        prebuild(_config(glob), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    top = prebuild(_config(glob, near=False), tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    assert top["splits"]["train"]["n_seq"] > 0
+
+
+def test_dedup_index_cli_then_stream_config(corpus, tmp_path, capsys):
+    import yaml
+
+    from stacklm.cli import main as stacklm_main
+
+    glob, _ = corpus
+    cfg_file = tmp_path / "c.yaml"
+    cfg_file.write_text(yaml.safe_dump({"data": json.loads(json.dumps(_config(glob).to_dict()))}))
+    out = tmp_path / "idx.npz"
+    assert stacklm_main(["dedup-index", "--config", str(cfg_file), "--out", str(out), "--splits", "train"]) == 0
+    printed = capsys.readouterr().out
+    index = DedupIndex.load(out)
+    c = index.counts()["train"]
+    assert f"{c['exact']:,} exact and {c['near']:,} near" in printed and "dedup.index" in printed
+    assert index.content_hash == build_dedup_index(_config(glob), ("train",), 2).content_hash
+    missing = _config(glob, index=str(tmp_path / "nope.npz"))
+    with pytest.raises(Exception, match="stacklm dedup-index"):
+        build_pipeline(missing, None, "train")
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*ran dry:UserWarning")
+def test_stream_mode_with_a_real_trainer_drops_what_the_index_lists(corpus, tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """StackDataModule stream mode, 2 DataLoader workers, a real Trainer: each worker reads its
+    whole slice (the budget is larger than the corpus), and the copies dropped across both
+    workers are exactly the index's, though each copy sits in another worker's files."""
+    import lightning as L
+
+    from stacklm.datamodule import StackDataModule
+    from tests.lightning_helpers import TinyLM
+
+    glob, _ = corpus
+    path = tmp_path / "idx.npz"
+    index = build_dedup_index(_config(glob), ("train",), 1)
+    index.save(path)
+    pipeline = json.loads(json.dumps(_config(glob, exact=False, near=False, index=str(path)).to_dict()))
+    pipeline["mix"]["total_tokens"] = 400_000
+    for key in ("seq_len", "batch_size", "num_threads"):
+        pipeline.pop(key)
+    dm = StackDataModule(mode="stream", tokenizer=str(saved_tokenizer_dir(tokenizer_512)), pipeline=pipeline, seq_len=512,
+                         batch_size=8, num_workers=2, val_batches=1)
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
+    trainer.fit(TinyLM(512), datamodule=dm)
+    dropped = dm.data_stats()["dropped"]["dedup"]["std"]
+    c = index.counts()["train"]
+    assert (dropped.get("exact_dup", 0), dropped.get("near_dup", 0)) == (c["exact"], c["near"])
+    assert c["exact"] >= 6 and c["near"] >= 6
