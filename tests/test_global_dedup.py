@@ -194,7 +194,7 @@ def test_pool_workers_die_with_a_sigkilled_parent(corpus, tokenizer_512, saved_t
     import yaml
 
     data = json.loads(json.dumps(_config(glob).to_dict()))
-    cfg_file.write_text(yaml.safe_dump({"tokenizer": str(tok_dir), "data": data}))
+    cfg_file.write_text(yaml.safe_dump({"data": {"tokenizer": str(tok_dir), "pipeline": data}}))
     out = tmp_path / "killed"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.Popen(
@@ -248,7 +248,7 @@ def test_dedup_index_cli_then_stream_config(corpus, tmp_path, capsys):
 
     glob, _ = corpus
     cfg_file = tmp_path / "c.yaml"
-    cfg_file.write_text(yaml.safe_dump({"data": json.loads(json.dumps(_config(glob).to_dict()))}))
+    cfg_file.write_text(yaml.safe_dump({"data": {"pipeline": json.loads(json.dumps(_config(glob).to_dict()))}}))
     out = tmp_path / "idx.npz"
     assert stacklm_main(["dedup-index", "--config", str(cfg_file), "--out", str(out), "--splits", "train"]) == 0
     printed = capsys.readouterr().out
@@ -285,7 +285,7 @@ def test_stream_mode_with_a_real_trainer_drops_what_the_index_lists(corpus, toke
     trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=tmp_path)
     trainer.fit(TinyLM(512), datamodule=dm)
-    dropped = dm.data_stats()["dropped"]["dedup"]["std"]
+    dropped = dm.data_stats()["dropped_docs"]["dedup"]["std"]
     c = index.counts()["train"]
     assert (dropped.get("exact_dup", 0), dropped.get("near_dup", 0)) == (c["exact"], c["near"])
     assert c["exact"] >= 6 and c["near"] >= 6
