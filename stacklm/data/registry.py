@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stacklm.data.audit import ON_INVALID
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
@@ -54,6 +55,7 @@ class DataMixEntry:
     revision: str | None = None  # a commit sha pins the data; None follows the default branch
     seed: int = 0  # synthetic corpus (also the offline fallback of an hf entry)
     num_docs: int | None = None  # synthetic corpus length; None = its default
+    on_invalid: str = "skip"  # a row with no document (bad JSON, no/null/non-string text): skip and count | raise
 
     def __post_init__(self) -> None:
         if isinstance(self.data_files, str):
@@ -88,6 +90,8 @@ class DataMixEntry:
             raise self._fail("num_docs", f"must be an int >= 0 or null, got {self.num_docs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise self._fail("seed", f"must be an int, got {self.seed!r}")
+        if self.on_invalid not in ON_INVALID:
+            raise self._fail("on_invalid", f"must be one of {ON_INVALID} (skip: count and go on; raise: stop), got {self.on_invalid!r}")
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -12,7 +12,7 @@ from typing import Any
 from stacklm.chat import DEFAULT_ROLE_ALIASES
 
 OVERLONG_RULES = ("truncate", "drop")
-ON_INVALID = ("drop", "raise")
+ON_INVALID = ("skip", "raise", "drop")  # "drop": the earlier spelling of "skip"
 
 
 def _unknown_keys(what: str, data: Mapping[str, Any], cls) -> None:
@@ -45,6 +45,7 @@ class SFTSourceConfig:
     column: str | None = None
     domain: str = "chat"
     weight: float = 1.0
+    on_invalid: str | None = None  # skip | raise for this dataset; None: the stream's ``on_invalid``
 
     def __post_init__(self) -> None:
         where = f"sft source {self.name!r}"
@@ -56,6 +57,8 @@ class SFTSourceConfig:
             raise ValueError(f"{where}: field 'path' (hub id or builder like 'json') is required for kind 'hf'")
         if not self.weight > 0:
             raise ValueError(f"{where}: field 'weight' must be > 0, got {self.weight}")
+        if self.on_invalid is not None and self.on_invalid not in ON_INVALID:
+            raise ValueError(f"{where}: field 'on_invalid' must be one of {ON_INVALID} or null, got {self.on_invalid!r}")
         for f in ("files", "data_files"):
             v = getattr(self, f)
             if isinstance(v, str):
@@ -84,9 +87,10 @@ class SFTConfig:
     ``pack_buffer``: conversations held by the best-fit packer (1 = one conversation per row,
     padded). ``overlong``: a conversation longer than ``seq_len`` is cut after the last
     assistant turn that fits (``truncate``) or dropped (``drop``); both counted.
-    ``on_invalid``: ``drop`` counts a malformed line / unknown role / empty message / no
+    ``on_invalid``: ``skip`` counts a malformed line / unknown role / empty message / no
     assistant turn and goes on (the first location of each reason is logged and kept);
-    ``raise`` stops at the first one.
+    ``raise`` stops at the first one (``drop`` is the earlier spelling of ``skip``). A source's
+    own ``on_invalid`` overrides it.
     """
 
     sources: tuple[SFTSourceConfig, ...]
@@ -96,7 +100,7 @@ class SFTConfig:
     shuffle_buffer: int = 1000
     pack_buffer: int = 128
     overlong: str = "truncate"
-    on_invalid: str = "drop"
+    on_invalid: str = "skip"
     holdout_fraction: float = 0.01
     role_aliases: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_ALIASES))
     drop_last: bool = False

@@ -16,5 +16,6 @@ def open_source(entry: DataMixEntry, *, shard: ShardSpec | None = None, fallback
     if entry.kind == "hf":
         return HFStreamSource.from_entry(entry, shard=shard, fallback_offline=fallback_offline)
     if entry.kind == "local":
-        return LocalFileSource(entry.name, list(entry.data_files or [entry.path]), entry.domain, text_column=entry.text_column, shard=shard)
+        return LocalFileSource(entry.name, list(entry.data_files or [entry.path]), entry.domain, text_column=entry.text_column, shard=shard,
+                               on_invalid=entry.on_invalid)
     return SyntheticSource(entry.name, entry.domain, seed=entry.seed, num_docs=entry.num_docs, shard=shard)
