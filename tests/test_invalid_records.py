@@ -16,7 +16,14 @@ import pytest
 
 from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.registry import DataMixEntry, DataMixError
-from stacklm.data.sources import HFStreamSource, LocalFileSource, ShardSpec, SourceError, TextColumnError, open_source
+from stacklm.data.sources import (
+    HFStreamSource,
+    LocalFileSource,
+    ShardSpec,
+    SourceError,
+    TextColumnError,
+    open_source,
+)
 from stacklm.data.sources.errors import InvalidRecordError
 from tests.resume import check_save_load_state
 

@@ -13,8 +13,20 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from stacklm.data.audit import MISSING_TEXT, NON_STRING_TEXT, NULL_TEXT, ON_INVALID, clean_text, record_audit
-from stacklm.data.sources.errors import EmptySourceError, InvalidRecordError, SourceError, column_error
+from stacklm.data.audit import (
+    MISSING_TEXT,
+    NON_STRING_TEXT,
+    NULL_TEXT,
+    ON_INVALID,
+    clean_text,
+    record_audit,
+)
+from stacklm.data.sources.errors import (
+    EmptySourceError,
+    InvalidRecordError,
+    SourceError,
+    column_error,
+)
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
 from stacklm.data.stats import StageStats
 from stacklm.errors import ConfigError
