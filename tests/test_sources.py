@@ -272,7 +272,7 @@ def test_local_audit_counts_bad_bytes_empties_and_blank_lines(tmp_path):
     assert docs[3]["text"] == "lone \ufffd surrogate " + good
     assert node.stats.to_dict()["audit"] == {
         "kept": 4, "invalid_utf8_replaced": 2, "nul_removed": 1, "surrogates_replaced": 1,
-        "docs_repaired": 3, "dropped_empty": 2, "blank_lines_skipped": 1,
+        "docs_repaired": 3, "dropped_empty": 1, "null_text": 1, "blank_lines_skipped": 1,
     }
 
 

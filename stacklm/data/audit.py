@@ -34,6 +34,16 @@ NUL_REMOVED = "nul_removed"
 SURROGATES = "surrogates_replaced"
 DOCS_REPAIRED = "docs_repaired"
 
+# Records that hold no document at all; a source with ``on_invalid: skip`` (the default) skips
+# each one and counts it under its reason, ``raise`` stops at the first.
+MALFORMED_JSON = "malformed_json"  # a JSON-lines row that does not parse
+NOT_AN_OBJECT = "not_an_object"  # a JSON-lines row that parses to a list, number, string, ...
+MISSING_TEXT = "missing_text"  # a JSON object without the text column
+NULL_TEXT = "null_text"  # the text column holds null
+NON_STRING_TEXT = "non_string_text"  # the text column holds a number, list, object, ...
+INVALID_RECORDS = (MALFORMED_JSON, NOT_AN_OBJECT, MISSING_TEXT, NULL_TEXT, NON_STRING_TEXT)
+ON_INVALID = ("skip", "raise")
+
 
 class ByteAudit(NamedTuple):
     """What ``clean_text`` changed in one document."""

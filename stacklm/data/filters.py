@@ -83,7 +83,13 @@ class FilterConfig(Config):
 # ---------------------------------------------------------------------------------------
 # Per-document measurements.
 
-_ALPHA, _DIGIT, _SPACE = 1, 2, 4
+_ALPHA, _DIGIT, _SPACE, _UNSPACED = 1, 2, 4, 8
+# Scripts written without spaces between words (Han, kana, Thai, Lao, Khmer, Myanmar, Tibetan):
+# a "word" split on spaces there is a whole clause, so word rules count each such letter as one.
+_UNSPACED_RANGES = (
+    (0x0E00, 0x0EFF), (0x0F00, 0x0FFF), (0x1000, 0x109F), (0x1780, 0x17FF), (0x3040, 0x30FF),
+    (0x3400, 0x4DBF), (0x4E00, 0x9FFF), (0xF900, 0xFAFF), (0x20000, 0x3134F),
+)
 
 
 @lru_cache(maxsize=1)
@@ -96,6 +102,8 @@ def _char_classes() -> np.ndarray:
     table[np.char.isalpha(arr)] |= _ALPHA
     table[np.char.isnumeric(arr)] |= _DIGIT
     table[np.char.isspace(arr)] |= _SPACE
+    for lo, hi in _UNSPACED_RANGES:
+        table[lo : hi + 1] |= np.where(table[lo : hi + 1] & _ALPHA, _UNSPACED, 0).astype(np.uint8)
     return table
 
 
@@ -106,6 +114,7 @@ class TextStats(NamedTuple):
     spaces: int
     words: int
     replacement: int
+    unspaced: int = 0  # letters of scripts written without spaces (each counts as a word)
 
 
 def text_stats(text: str) -> TextStats:
@@ -126,6 +135,7 @@ def text_stats(text: str) -> TextStats:
         spaces=n_space,
         words=words,
         replacement=text.count("\ufffd"),
+        unspaced=int(np.count_nonzero(cls & _UNSPACED)),
     )
 
 
@@ -154,13 +164,18 @@ def _prose_reason(text: str, r: ProseRules) -> str | None:
     st = text_stats(text)
     if st.replacement > r.max_replacement_frac * st.chars:
         return "replacement_chars"
-    if st.words < r.min_words:
+    # Script-aware: in text mostly written without spaces (Chinese, Japanese, Thai, ...) each
+    # such letter is a word and the mean-word-length rule, which assumes spaces, is skipped.
+    # Other text (a few such letters included) meets exactly the rules as before.
+    unspaced = st.unspaced > 0.3 * st.alpha
+    words = st.words + st.unspaced if unspaced else st.words
+    if words < r.min_words:
         return "too_few_words"
-    if st.words > r.max_words:
+    if words > r.max_words:
         return "too_many_words"
     non_space = st.chars - st.spaces
-    mean_word = non_space / st.words
-    if not (r.min_mean_word_len <= mean_word <= r.max_mean_word_len):
+    mean_word = non_space / words
+    if not unspaced and not (r.min_mean_word_len <= mean_word <= r.max_mean_word_len):
         return "mean_word_length"
     if st.alpha < r.min_alpha_frac * non_space:
         return "low_alpha_fraction"

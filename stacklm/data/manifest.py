@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.shards import ShardError, atomic_write_shard_file
 
 MANIFEST_NAME = "manifest.json"
@@ -150,7 +151,8 @@ _BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
 
 def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
     """Per source: documents dropped by the filters, exact and near duplicates, empty/binary
-    records, bytes replaced by the audit, and what the mix budget cut."""
+    records, invalid records skipped (``invalid_records`` and one count per reason), bytes
+    replaced by the audit, and what the mix budget cut."""
     sources = set(realized)
     for per in stats.values():
         sources |= set(per)
@@ -168,6 +170,8 @@ def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized:
             "nul_removed": int(audit.get("nul_removed", 0)),
             "dropped_empty": int(audit.get("dropped_empty", 0)),
             "dropped_binary": int(audit.get("dropped_binary", 0)),
+            "invalid_records": sum(int(audit.get(r, 0)) for r in INVALID_RECORDS),
+            **{r: int(audit.get(r, 0)) for r in INVALID_RECORDS},
             "empty_after_tokenize": int(mix.get("empty_docs", 0)),
             "truncated_to_budget": int(mix.get("truncated_docs", 0)),
             "tokens_cut_by_budget": int(mix.get("truncated_tokens", 0)),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from stacklm.config import Config, did_you_mean
+from stacklm.data.audit import ON_INVALID
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
@@ -77,12 +78,15 @@ class SourceConfig(Config):
     train_stop_token: bool = True
     reasoning_loss: str = "train"
     overlong: str | None = None
+    # A row with no document (bad JSON, no/null/non-string text): skip and count | raise.
+    # None: skip for a pre-training source; the stream's ``on_invalid`` for an SFT source.
+    on_invalid: str | None = None
 
     # Fields added after configs were hashed: left out of to_dict() at their default, so an
     # existing config keeps its config_hash (a resume is not refused by an upgrade).
     _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {
         "format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
-        "reasoning_loss": "train", "overlong": None,
+        "reasoning_loss": "train", "overlong": None, "on_invalid": None,
     }
 
     @classmethod
@@ -133,6 +137,8 @@ class SourceConfig(Config):
             raise self._fail("num_docs", f"must be an int >= 0 or null, got {self.num_docs!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise self._fail("seed", f"must be an int, got {self.seed!r}")
+        if self.on_invalid is not None and self.on_invalid not in (*ON_INVALID, "drop"):
+            raise self._fail("on_invalid", f"must be one of {ON_INVALID} (skip: count and go on; raise: stop) or null, got {self.on_invalid!r}")
         self._validate_sft_fields()
 
     def _validate_sft_fields(self) -> None:
@@ -147,6 +153,12 @@ class SourceConfig(Config):
             self.loss_policy()
         except ValueError as e:
             raise DataMixError(f"source {self.name!r}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
+
+    def invalid_policy(self, default: str = "skip") -> str:
+        """``skip`` or ``raise`` for rows that hold no document (``default`` when unset; ``drop``
+        is the earlier SFT spelling of ``skip``)."""
+        policy = self.on_invalid or default
+        return "skip" if policy == "drop" else policy
 
     def loss_policy(self):
         """The ``stacklm.chat_policy.LossPolicy`` of an SFT source's fields."""

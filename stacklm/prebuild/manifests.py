@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.data import manifest as mf
+from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.shards import atomic_write_shard_file, dtype_name
 from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
 
@@ -78,8 +79,8 @@ def _common_fields(plan: PrebuildPlan, identity: dict[str, Any]) -> dict[str, An
     }
 
 
-# Source-stage reasons that each count one document read (the others count bytes or repairs).
-_DOCS_READ = ("kept", "dropped_empty", "dropped_binary")
+# Source-stage reasons that each count one row read (the others count bytes or repairs).
+_DOCS_READ = ("kept", "dropped_empty", "dropped_binary", *INVALID_RECORDS)
 
 
 def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from stacklm.config import Config
 from stacklm.data.registry import SourceConfig
 from stacklm.errors import ConfigError
 
-ON_INVALID = ("drop", "raise")
+ON_INVALID = ("skip", "raise", "drop")  # "drop": the earlier spelling of "skip"
 SFT_KINDS = ("local", "hf")
 SFT_DOMAIN = "chat"
 
@@ -34,9 +34,10 @@ class SFTConfig(Config):
     trained turn that fits (``truncate``), cut to its system turn(s) plus the longest tail that
     starts at a user turn and fits (``keep_end``), or dropped (``drop``); all counted. A
     source's own ``overlong`` overrides it.
-    ``on_invalid``: ``drop`` counts a malformed line / unknown role / empty message / no
+    ``on_invalid``: ``skip`` counts a malformed line / unknown role / empty message / no
     assistant turn and goes on (the first location of each reason is logged and kept);
-    ``raise`` stops at the first one.
+    ``raise`` stops at the first one (``drop`` is the earlier spelling of ``skip``). A source's
+    own ``on_invalid`` overrides it.
     """
 
     sources: tuple[SourceConfig, ...] = field(metadata={"help": "a list of {name, kind, path, ...}"})
@@ -46,7 +47,7 @@ class SFTConfig(Config):
     shuffle_buffer: int = 1000
     pack_buffer_docs: int = 128
     overlong: str = "truncate"
-    on_invalid: str = "drop"
+    on_invalid: str = "skip"
     holdout_fraction: float = 0.01
     role_aliases: Mapping[str, str] = field(default_factory=lambda: dict(DEFAULT_ROLE_ALIASES))
     drop_last: bool = False

@@ -64,7 +64,7 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
     chains: dict[str, dict[str, BaseNode]] = {}
     rendered: dict[str, BaseNode] = {}
     for spec in config.sources:
-        src = ConversationSource(spec, shard=shard, role_aliases=config.role_aliases, on_invalid=config.on_invalid)
+        src = ConversationSource(spec, shard=shard, role_aliases=config.role_aliases, on_invalid=spec.on_invalid or config.on_invalid)
         chain: dict[str, BaseNode] = {"source": src}
         node: BaseNode = src
         if config.holdout_fraction > 0:

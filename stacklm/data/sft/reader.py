@@ -78,7 +78,7 @@ class ConversationSource(PartNode):
         *,
         shard: ShardSpec | None = None,
         role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
-        on_invalid: str = "drop",
+        on_invalid: str = "skip",
     ) -> None:
         if on_invalid not in ON_INVALID:
             raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
@@ -156,7 +156,7 @@ class ConversationSource(PartNode):
         self.stats.add(self.name, err.reason)
         if err.reason not in self.first_where:
             self.first_where[err.reason] = str(err)
-            if self.on_invalid == "drop":
+            if self.on_invalid != "raise":
                 logger.warning("sft source %r: dropping conversations (%s); first: %s", self.name, err.reason, err)
         if self.on_invalid == "raise":
             raise err

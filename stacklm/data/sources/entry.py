@@ -17,5 +17,5 @@ def open_source(entry: SourceConfig, *, shard: ShardSpec | None = None, fallback
         return HFStreamSource.from_entry(entry, shard=shard, fallback_offline=fallback_offline)
     if entry.kind == "local":
         return LocalFileSource(entry.name, entry.paths, entry.domain, text_column=entry.text_column or DEFAULT_TEXT_COLUMN,
-                               shard=shard)
+                               shard=shard, on_invalid=entry.invalid_policy())
     return SyntheticSource(entry.name, entry.domain, seed=entry.seed, num_docs=entry.num_docs, shard=shard)

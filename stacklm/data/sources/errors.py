@@ -16,9 +16,28 @@ class SourceError(StackLMError, RuntimeError):
         self.source = source
         self.file = file
 
+    def __reduce__(self):  # keyword-only fields: rebuilt by hand when a prebuild worker raises
+        return (_rebuild, (self.__class__, str(self), dict(self.__dict__)))
+
+
+def _rebuild(cls: type, message: str, fields: dict) -> SourceError:
+    err = (OSError if issubclass(cls, OSError) else Exception).__new__(cls)  # the base owning the layout
+    Exception.__init__(err, message)
+    err.__dict__.update(fields)
+    return err
+
 
 class TextColumnError(SourceError, ValueError):
     """The configured text column is not among the dataset's columns."""
+
+
+class InvalidRecordError(SourceError):
+    """One record holds no document (malformed JSON line, not an object, no/null/non-string
+    text): skipped and counted under ``reason`` with ``on_invalid: skip``, raised with ``raise``."""
+
+    def __init__(self, message: str, *, reason: str, source: str, file: str | None = None) -> None:
+        super().__init__(message, source=source, file=file)
+        self.reason = reason
 
 
 class EmptySourceError(SourceError):

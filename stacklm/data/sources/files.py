@@ -48,8 +48,11 @@ class LocalFileSource(TextPartSource):
         text_column: str = "text",
         shard: ShardSpec | None = None,
         first_rows_check: int = FIRST_ROWS_CHECK,
+        on_invalid: str = "skip",
     ) -> None:
-        super().__init__(name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check)
+        super().__init__(
+            name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check, on_invalid=on_invalid
+        )
         self.patterns = [files] if isinstance(files, str) else list(files)
 
     def _describe(self) -> str:

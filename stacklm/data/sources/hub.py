@@ -50,8 +50,11 @@ class HFStreamSource(TextPartSource):
         fallback_seed: int = 0,
         fallback_docs: int | None = None,
         first_rows_check: int = FIRST_ROWS_CHECK,
+        on_invalid: str = "skip",
     ) -> None:
-        super().__init__(name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check)
+        super().__init__(
+            name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check, on_invalid=on_invalid
+        )
         self.path, self.config_name, self.split = path, config_name, split
         self.data_dir, self.revision = data_dir, revision
         self.data_files = [data_files] if isinstance(data_files, str) else (list(data_files) if data_files else None)
@@ -65,6 +68,7 @@ class HFStreamSource(TextPartSource):
             data_dir=entry.data_dir, data_files=entry.data_files, revision=entry.revision,
             text_column=entry.text_column or DEFAULT_TEXT_COLUMN, shard=shard, fallback_offline=fallback_offline,
             fallback_seed=entry.seed, fallback_docs=entry.num_docs,
+            on_invalid=entry.invalid_policy(),
         )
 
     def _describe(self) -> str:
@@ -157,6 +161,11 @@ class HFStreamSource(TextPartSource):
                 RuntimeWarning,
                 stacklevel=3,
             )
+
+    @property
+    def bytes_read(self) -> int:
+        """UTF-8 bytes of the records read by this process, the fallback's included."""
+        return self.text_bytes + (self._fallback.text_bytes if self._fallback is not None else 0)
 
     @property
     def is_fallback(self) -> bool:

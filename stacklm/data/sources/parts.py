@@ -8,18 +8,35 @@ many rows into it, the reader's own position (a byte offset, or the ``datasets``
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from stacklm.data.audit import clean_text, record_audit
-from stacklm.data.sources.errors import EmptySourceError, SourceError
+from stacklm.data.audit import (
+    MISSING_TEXT,
+    NON_STRING_TEXT,
+    NULL_TEXT,
+    ON_INVALID,
+    clean_text,
+    record_audit,
+)
+from stacklm.data.sources.errors import (
+    EmptySourceError,
+    InvalidRecordError,
+    SourceError,
+    column_error,
+)
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
 from stacklm.data.stats import StageStats
+from stacklm.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 # A stream whose first rows are all empty almost always reads the wrong column or files.
 FIRST_ROWS_CHECK = 100
 BLANK_LINES = "blank_lines_skipped"
+LOGGED_INVALID = 5  # invalid rows logged (with file and line) per reader; the rest are counted
 
 
 class PartNode(BaseNode[dict]):
@@ -61,6 +78,12 @@ class PartNode(BaseNode[dict]):
 
     def _part_path(self, part: int) -> str:
         return self._parts[part]
+
+    def _skip_unowned(self, raw: Any) -> None:
+        """A row another (strided) reader owns; nothing to do by default."""
+
+    def _end_part(self) -> None:
+        """The current part has no rows left (before it is closed)."""
 
     def _where(self) -> str:
         return self._reader.where() if self._reader is not None else self._describe()
@@ -124,6 +147,7 @@ class PartNode(BaseNode[dict]):
             try:
                 raw = next(self._rows)
             except StopIteration:
+                self._end_part()
                 self._close()
                 self._k, self._row, self._pos = self._k + 1, 0, None
                 continue
@@ -142,6 +166,7 @@ class PartNode(BaseNode[dict]):
             self._row += 1
             self._global_row += 1
             if self._strided and not owns_row(global_row, self.shard):
+                self._skip_unowned(raw)
                 continue
             self._owned_rows += 1
             doc = self._document(raw, row)
@@ -152,16 +177,122 @@ class PartNode(BaseNode[dict]):
 
 
 class TextPartSource(PartNode):
-    """Text documents from the ``text_column`` of each row, after the byte-loss audit."""
+    """Text documents from the ``text_column`` of each row, after the byte-loss audit.
 
-    def __init__(self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int) -> None:
+    A row that holds no document (``audit.INVALID_RECORDS``: a malformed JSON line, not an
+    object, no / null / non-string text) is skipped and counted under its reason with
+    ``on_invalid="skip"``, the first ``LOGGED_INVALID`` logged with file and line; with
+    ``"raise"`` the first one stops the read. A part (file, hub shard) none of whose rows is a
+    record is still an error, raised as soon as its first ``first_rows_check`` rows are all
+    invalid or at its end: that is a wrong format or a wrong ``text_column``, not bad rows.
+    """
+
+    def __init__(
+        self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int,
+        on_invalid: str = "skip",
+    ) -> None:
+        if on_invalid not in ON_INVALID:
+            raise ConfigError(f"source {name!r}: field 'on_invalid' must be one of {ON_INVALID}, got {on_invalid!r}")
         super().__init__(name, domain, shard=shard)
         self.text_column = text_column
         self.first_rows_check = first_rows_check
+        self.on_invalid = on_invalid
+        # UTF-8 bytes of the records read by this process (progress: MB/s); not in the state.
+        self.text_bytes = 0
+
+    @property
+    def bytes_read(self) -> int:
+        return self.text_bytes
+
+    # state: the current part's valid/invalid rows (for the whole-part check) and its first
+    # invalid row's message, plus how many invalid rows were logged.
+    def reset(self, initial_state: dict | None = None) -> None:
+        super().reset(initial_state)
+        inv = (initial_state or {}).get("invalid", {})
+        self._part_valid = int(inv.get("part_valid", 0))
+        self._part_invalid: dict[str, int] = {k: int(v) for k, v in inv.get("part_invalid", {}).items()}
+        self._part_first = inv.get("part_first")
+        self._part_keys = list(inv.get("part_keys", []))
+        self._logged = int(inv.get("logged", 0))
+
+    def get_state(self) -> dict:
+        return {
+            **super().get_state(),
+            "invalid": {
+                "part_valid": self._part_valid, "part_invalid": dict(self._part_invalid), "part_first": self._part_first,
+                "part_keys": list(self._part_keys), "logged": self._logged,
+            },
+        }
+
+    def _text(self, raw: Any) -> str | bytes:
+        value = self._reader.text_of(raw)
+        if value is None:
+            raise InvalidRecordError(
+                f"source {self.name!r}: {self._reader.where()}: column {self.text_column!r} is null",
+                reason=NULL_TEXT, source=self.name, file=getattr(self._reader, "path", None),
+            )
+        if isinstance(value, (str, bytes)):
+            return value
+        raise InvalidRecordError(
+            f"source {self.name!r}: {self._reader.where()}: column {self.text_column!r} holds "
+            f"{type(value).__name__}, not text; point text_column at a string column",
+            reason=NON_STRING_TEXT, source=self.name, file=getattr(self._reader, "path", None),
+        )
+
+    def _skip_unowned(self, raw: Any) -> None:
+        # Strided readers share parts: a part is "all invalid" only if the rows other readers
+        # own are too, so look at them until the part has shown one valid record.
+        if self._part_valid == 0:
+            try:
+                self._text(raw)
+            except InvalidRecordError:
+                return
+            self._part_valid += 1
+
+    def _end_part(self) -> None:
+        if self._part_invalid and not self._part_valid:
+            self._raise_all_invalid()
+        self._part_valid, self._part_invalid, self._part_first, self._part_keys = 0, {}, None, []
+
+    def _raise_all_invalid(self) -> None:
+        where = self._part_path(self._assigned[self._k])
+        if set(self._part_invalid) == {MISSING_TEXT}:
+            raise column_error(self.name, self.text_column, self._part_keys, where)
+        n = sum(self._part_invalid.values())
+        raise SourceError(
+            f"source {self.name!r}: none of the {n} rows read from {where} is a valid record "
+            f"({', '.join(f'{k}={v}' for k, v in sorted(self._part_invalid.items()))}); first: {self._part_first}. "
+            f"Check the file's format and text_column (or drop the file from the source)",
+            source=self.name,
+            file=where,
+        )
+
+    def _invalid(self, err: InvalidRecordError) -> None:
+        if self.on_invalid == "raise":
+            raise err
+        self.stats.add(self.name, err.reason)
+        self._part_invalid[err.reason] = self._part_invalid.get(err.reason, 0) + 1
+        if self._part_first is None:
+            self._part_first = str(err)
+            self._part_keys = list(getattr(self._reader, "keys", []))
+        if not self._part_valid and sum(self._part_invalid.values()) >= self.first_rows_check:
+            self._raise_all_invalid()
+        if self._logged < LOGGED_INVALID:
+            self._logged += 1
+            logger.warning(
+                "%s -- skipped, counted as %s (on_invalid: raise would stop here)%s", err, err.reason,
+                "; further invalid rows of this reader are counted, not logged" if self._logged == LOGGED_INVALID else "",
+            )
 
     def _document(self, raw: Any, row: int) -> dict | None:
-        value = self._reader.text_of(raw)
-        text, audit = clean_text(self._as_text(value))
+        try:
+            value = self._text(raw)
+        except InvalidRecordError as err:
+            self._invalid(err)
+            return None
+        self._part_valid += 1
+        text, audit = clean_text(value)
+        self.text_bytes += len(value) if isinstance(value, bytes) else (len(text) if text.isascii() else len(text.encode()))
         if not record_audit(self.stats, self.name, audit):
             if self._emitted == 0 and self._owned_rows >= self.first_rows_check:
                 raise EmptySourceError(
@@ -177,18 +308,6 @@ class TextPartSource(PartNode):
             "domain": self.domain,
             "doc_id": f"{self.name}/{self._parts[self._assigned[self._k]]}/{row}",
         }
-
-    def _as_text(self, value: Any) -> str | bytes:
-        if value is None:
-            return ""
-        if isinstance(value, (str, bytes)):
-            return value
-        raise SourceError(
-            f"source {self.name!r}: {self._reader.where()}: column {self.text_column!r} holds "
-            f"{type(value).__name__}, not text; point text_column at a string column",
-            source=self.name,
-            file=self._reader.where(),
-        )
 
     def _check_exhausted(self) -> None:
         if self._emitted:

@@ -15,7 +15,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from stacklm.data.sources.errors import SourceError, column_error
+from stacklm.data.audit import MALFORMED_JSON, MISSING_TEXT, NOT_AN_OBJECT
+from stacklm.data.sources.errors import InvalidRecordError, column_error
 
 
 def open_binary(path: str) -> io.BufferedIOBase:
@@ -101,6 +102,7 @@ class JsonlReader:
 
     def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
         self.path, self.text_column, self.source = path, text_column, source
+        self.keys: list[str] = []
         self.offset = int(position["offset"]) if position else 0
         self.line = int(position["line"]) if position else 0
         self._stream = open_binary(path)
@@ -122,25 +124,20 @@ class JsonlReader:
         return f"{self.path}, line {self.line}"
 
     def text_of(self, raw: bytes) -> Any:
+        """The text column's value; an ``InvalidRecordError`` (with its reason) for a line that
+        is not JSON, not an object, or has no text column."""
         try:
             # Invalid UTF-8: parse with the bad bytes escaped; the text field goes back to its
             # original bytes below so the audit counts them exactly.
             obj, lenient = loads_json_line(raw, invalid_utf8="surrogateescape")
         except (json.JSONDecodeError, RecursionError) as e:
             detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
-            raise SourceError(
-                f"source {self.source!r}: {self.where()}: not valid JSON ({detail}); is this a JSON-lines file?",
-                source=self.source,
-                file=self.path,
-            ) from e
+            raise self._invalid(MALFORMED_JSON, f"not valid JSON ({detail}); is this a JSON-lines file?") from None
         if not isinstance(obj, dict):
-            raise SourceError(
-                f"source {self.source!r}: {self.where()}: expected a JSON object per line, got {type(obj).__name__}",
-                source=self.source,
-                file=self.path,
-            )
+            raise self._invalid(NOT_AN_OBJECT, f"expected a JSON object per line, got {type(obj).__name__}")
         if self.text_column not in obj:
-            raise column_error(self.source, self.text_column, list(obj), self.where())
+            self.keys = list(obj)  # for the missing-column error if no row of the file has it
+            raise self._invalid(MISSING_TEXT, f"no field {self.text_column!r} (fields: {sorted(map(str, obj))})")
         value = obj[self.text_column]
         if lenient and isinstance(value, str):
             try:
@@ -148,6 +145,11 @@ class JsonlReader:
             except UnicodeEncodeError:
                 pass  # also holds JSON-escaped surrogates: counted as surrogates instead
         return value
+
+    def _invalid(self, reason: str, problem: str) -> InvalidRecordError:
+        return InvalidRecordError(
+            f"source {self.source!r}: {self.where()}: {problem}", reason=reason, source=self.source, file=self.path
+        )
 
     def close(self) -> None:
         self._stream.close()
@@ -218,7 +220,9 @@ class ParquetReader:
                 values, skip = values[skip:], max(0, skip - len(values))
             for value in values:
                 self.row += 1
-                yield value if value is not None else ""
+                # A 1-tuple, because a bare None means "blank line" to ``PartNode``; a null or
+                # non-text value is counted by reason in ``TextPartSource``.
+                yield (value,)
 
     def position(self) -> dict:
         return {"row": self.row}
@@ -226,8 +230,8 @@ class ParquetReader:
     def where(self) -> str:
         return f"{self.path}, row {self.row}"
 
-    def text_of(self, value: Any) -> Any:
-        return value
+    def text_of(self, raw: tuple[Any]) -> Any:
+        return raw[0]
 
     def close(self) -> None:
         self._file.close()
