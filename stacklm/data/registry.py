@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from stacklm.data.schedule import MixScheduleConfig
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
@@ -110,14 +111,19 @@ class DataMixEntry:
 
 @dataclass(frozen=True)
 class DataMix:
-    """Entries whose weights sum to 1, plus the run's total token budget."""
+    """Entries whose weights sum to 1, plus the run's total token budget, and optionally a
+    mixture ``schedule`` (``stacklm.data.schedule``: phases, temperature, caps) that makes the
+    target mix a function of the tokens consumed; the entries' weights are its default."""
 
     name: str
     total_tokens: int
     entries: tuple[DataMixEntry, ...] = field(default_factory=tuple)
+    schedule: MixScheduleConfig | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", tuple(self.entries))
+        if isinstance(self.schedule, Mapping):
+            object.__setattr__(self, "schedule", MixScheduleConfig.from_dict(self.schedule))
         self.validate()
 
     def validate(self) -> None:
@@ -136,6 +142,8 @@ class DataMix:
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             listed = ", ".join(f"{e.name}={e.weight}" for e in self.entries)
             raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
+        if self.schedule is not None:
+            self.schedule.check_sources([e.name for e in self.entries])
 
     def __getitem__(self, name: str) -> DataMixEntry:
         for entry in self.entries:
@@ -156,6 +164,19 @@ class DataMix:
         shares = split_budget(self.total_tokens, np.array([e.weight for e in self.entries]))
         return {e.name: int(s) for e, s in zip(self.entries, shares)}
 
+    def target_weights(self) -> dict[str, float]:
+        """The run's planned token share per source: the entries' weights, or with a schedule
+        its average over the whole budget (phases, temperature and caps applied)."""
+        if self.schedule is None:
+            return self.weights
+        import numpy as np
+
+        from stacklm.data.schedule import compile_schedule
+
+        names = [e.name for e in self.entries]
+        final = compile_schedule(self.schedule, names, np.array([e.weight for e in self.entries]), self.total_tokens).budgets[-1]
+        return {n: float(x) / float(final.sum()) for n, x in zip(names, final)}
+
     def pinned(self, revisions: Mapping[str, str]) -> DataMix:
         """A copy with hub revisions pinned (e.g. commit shas recorded by a previous run)."""
         unknown = sorted(set(revisions) - {e.name for e in self.entries})
@@ -167,21 +188,28 @@ class DataMix:
         return dataclasses.replace(self, entries=entries)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "total_tokens": self.total_tokens, "entries": [e.to_dict() for e in self.entries]}
+        out = {"name": self.name, "total_tokens": self.total_tokens, "entries": [e.to_dict() for e in self.entries]}
+        if self.schedule is not None:  # absent, not null: configs without a schedule hash as before
+            out["schedule"] = self.schedule.to_dict()
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> DataMix:
         name = data.get("name", "<unnamed>")
-        unknown = sorted(set(data) - {"name", "total_tokens", "entries"})
+        unknown = sorted(set(data) - {"name", "total_tokens", "entries", "schedule"})
         if unknown:
-            raise DataMixError(f"data mix {name!r}: unknown field(s) {unknown}; known: ['entries', 'name', 'total_tokens']")
+            raise DataMixError(f"data mix {name!r}: unknown field(s) {unknown}; known: ['entries', 'name', 'schedule', 'total_tokens']")
         entries = data.get("entries")
         if not isinstance(entries, Sequence) or isinstance(entries, (str, bytes)):
             raise DataMixError(f"data mix {name!r}: field 'entries' must be a list of entries, got {type(entries).__name__}")
         total = data.get("total_tokens")
         if isinstance(total, float) and total.is_integer():  # YAML "2.0e10" parses as float
             total = int(total)
-        return cls(name=name, total_tokens=total, entries=tuple(DataMixEntry.from_dict(e) for e in entries))
+        schedule = data.get("schedule")
+        if schedule is not None and not isinstance(schedule, Mapping):
+            raise DataMixError(f"data mix {name!r}: field 'schedule' must be a mapping (phases, temperature, sizes, max_epochs), got {schedule!r}")
+        return cls(name=name, total_tokens=total, entries=tuple(DataMixEntry.from_dict(e) for e in entries),
+                   schedule=MixScheduleConfig.from_dict(schedule) if schedule is not None else None)
 
 
 STACK_100M = DataMix(
