@@ -9,6 +9,7 @@ it logs, to the run's ``WandbLogger``:
                                                     target weight per source)
   ``data/dropped/<stage>/<source>/<reason>``, ``data/dropped_total``   documents dropped, by reason
   ``data/padding_fraction``
+  ``data/phase/<phase>/{realized,target}_share/<source>``  per mixture phase (``mix_phases``)
   ``loader/batches_per_s``, ``loader/tokens_per_s``     rate of batches through the train loop
   ``loader/wait_fraction``                             share of wall time spent waiting on the loader
 and, once at fit start, the hashes into the run config under ``data/hashes``.
@@ -23,6 +24,8 @@ The datamodule provides the numbers; the callback only formats and ships them::
         "dropped":  {stage: {source: {reason: int}}},       # e.g. {"filter": {"web": {"too_short": 3}}}
         "padding_fraction": float,                          # pad tokens / all tokens delivered
         "hashes": {"tokenizer": str, "manifest": str | None, "data_config": str},
+        "mix_phases": [ {"name", "planned_tokens", "tokens", "docs", "target_share",
+                         "realized_share", ...} ],              # stream mode, stacklm.data.schedule
     }
 
 Counts are cumulative since the start of the run (a resumed run continues them) and cover
@@ -80,6 +83,11 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
     for row in realized.values():
         row["realized_weight"] = row["tokens"] / total if total else 0.0
     merged = {"realized": realized, "dropped": dropped, "hashes": dict(per_rank[0].get("hashes") or {}) if per_rank else {}}
+    phases = [stats["mix_phases"] for stats in per_rank if stats.get("mix_phases")]
+    if phases:
+        from stacklm.data.schedule import merge_phase_reports
+
+        merged["mix_phases"] = merge_phase_reports(phases)
     if paddings:
         merged["padding_fraction"] = sum(paddings) / len(paddings)
     return merged
@@ -104,6 +112,10 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
         out["data/dropped_total"] = float(dropped_total)
     if stats.get("padding_fraction") is not None:
         out["data/padding_fraction"] = float(stats["padding_fraction"])
+    for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
+        for source, share in phase["realized_share"].items():
+            out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
+            out[f"data/phase/{phase['name']}/target_share/{source}"] = float(phase["target_share"][source])
     return out
 
 

@@ -18,6 +18,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.schedule import merge_phase_reports
 from stacklm.data.sources import ShardSpec
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
@@ -47,8 +48,12 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     total = sum(r["tokens"] for r in realized.values())
     for r in realized.values():
         r["realized_weight"] = r["tokens"] / total if total else 0.0
-    return {"realized": realized, "dropped": dropped,
-            "padding_fraction": pad / (pad + doc_tokens) if pad + doc_tokens else 0.0}
+    out = {"realized": realized, "dropped": dropped,
+           "padding_fraction": pad / (pad + doc_tokens) if pad + doc_tokens else 0.0}
+    phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
+    if phases:
+        out["mix_phases"] = merge_phase_reports(phases)
+    return out
 
 
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -111,8 +116,11 @@ class _StreamIterator:
     def summary(self) -> dict[str, Any]:
         """What this worker delivered so far (cumulative; restored with the state on resume)."""
         graph = self._graph()
-        return {"worker": self.shard.worker, "realized": graph.realized(), "stats": graph.stats(),
-                "packing": graph.packing(), "padding_batches": self.padded}
+        out = {"worker": self.shard.worker, "realized": graph.realized(), "stats": graph.stats(),
+               "packing": graph.packing(), "padding_batches": self.padded}
+        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.schedule)
+            out["mix_phases"] = graph.phases()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
