@@ -169,10 +169,13 @@ class StreamMode(_WorkerStreamMode):
         workers = max(1, dm.num_workers)
         n_total = max(workers, n_total // workers * workers)  # equal share per worker
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
-        return StreamDataset(
+        ds = StreamDataset(
             build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
         )
+        if split == "train":
+            ds.mix_changes = dm.resolved_mix_changes()
+        return ds
 
     def data_config_hash(self) -> str:
         return self.dm.pipeline_config().config_hash()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +100,8 @@ class StackDataModule(L.LightningDataModule):
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self._tok = None
         self._train_loader = None
+        # Online re-weighting (set_mix_weights): [{"step", "batch" or None, "weights"}], in the checkpoint.
+        self.mix_changes: list[dict[str, Any]] = []
         self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
         self._mode = MODE_CLASSES[mode](self)
 
@@ -181,6 +184,58 @@ class StackDataModule(L.LightningDataModule):
         d.setdefault("seed", self.seed)
         return SFTConfig.from_dict(d)
 
+    # ------------------------------------------------------------------ online re-weighting
+    def set_mix_weights(self, weights: Mapping[str, float], at_step: int | None = None) -> None:
+        """From optimizer step ``at_step`` (default: the next one) on, mix the rest of the token
+        budget by ``weights`` (one number >= 0 per source of the mix, not all 0; normalised).
+
+        For DoReMi/ODM-style methods: call it from a callback (e.g. ``on_train_batch_end``),
+        on every rank with the same arguments (checked under DDP). Every (rank, worker) reader
+        re-weights its own remaining budget before the first batch it deals at that step, so the
+        change takes effect at the same step boundary everywhere; documents already in the
+        shuffle and packing buffers were drawn before it. Loader workers run ahead of the step by
+        the prefetch, so registering a change rebuilds them from the loader state at the current
+        batch (exact, like a resume; it replays at most ``snapshot_every_n_steps`` batches, so set
+        that to the re-weighting interval when re-weighting often). The changes are stored in
+        the checkpoint (``state_dict``) and replay exactly on resume. Stream mode, first epoch.
+        """
+        if self.mode != "stream":
+            raise DataConfigError(f"StackDataModule.set_mix_weights: only stream mode mixes on the fly, this module is in {self.mode!r} mode")
+        names = [e.name for e in self.pipeline_config().mix.entries]
+        if set(weights) != set(names) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf") for v in weights.values()
+        ) or sum(weights.values()) <= 0:
+            raise DataConfigError(
+                f"StackDataModule.set_mix_weights: weights must give a number >= 0 for exactly the sources {names} "
+                f"(not all 0), got {dict(weights)}"
+            )
+        trainer = getattr(self, "trainer", None)
+        now = int(trainer.global_step) if trainer is not None else 0
+        step = now if at_step is None else int(at_step)
+        if step < now:
+            raise DataConfigError(f"StackDataModule.set_mix_weights: at_step={step} is before the current step {now}; give a step >= {now}")
+        if trainer is not None and trainer.current_epoch > 0:
+            raise DataConfigError("StackDataModule.set_mix_weights: a stream is one pass; re-weighting after the first epoch is not supported")
+        change = {"step": step, "batch": None, "weights": {n: float(weights[n]) for n in names}}
+        _check_same_on_ranks(change)
+        loader = self._train_loader
+        if loader is not None and trainer is not None:
+            change["batch"] = loader.batches_yielded + (step - now) * int(trainer.accumulate_grad_batches)
+        self.mix_changes.append(change)
+        if loader is not None:
+            loader.dataset.mix_changes = self.resolved_mix_changes()
+            loader.restart_from_state()
+
+    def resolved_mix_changes(self) -> list[dict[str, Any]]:
+        """The changes with their per-rank loader batch index (a change registered before the
+        loader existed starts at ``step x accumulate_grad_batches``), sorted by it."""
+        trainer = getattr(self, "trainer", None)
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        for c in self.mix_changes:
+            if c["batch"] is None:
+                c["batch"] = int(c["step"]) * accumulate
+        return sorted((dict(c) for c in self.mix_changes), key=lambda c: c["batch"])
+
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:
         """This rank's cumulative data numbers for ``stacklm.callbacks.DataStatsCallback``."""
@@ -202,13 +257,40 @@ class StackDataModule(L.LightningDataModule):
     def state_dict(self) -> dict[str, Any]:
         """Stored in the checkpoint: what the data was, so a resume with other data refuses."""
         return {"mode": self.mode, "data_config_hash": self.hashes["data_config"], "tokenizer_hash": self.hashes["tokenizer"],
-                "seq_len": self.seq_len, "batch_size": self.batch_size}
+                "seq_len": self.seq_len, "batch_size": self.batch_size,
+                "mix_changes": [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = self.state_dict()
+        mine.pop("mix_changes")
         diffs = [f"{k}: checkpoint {state.get(k)!r} vs now {mine[k]!r}" for k in mine if state.get(k) != mine[k]]
         if diffs:
             raise DataConfigError(
                 "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + "). "
                 "Resume with the same data config, or start a new run."
             )
+        # the re-weightings made before the checkpoint replay at the same batches
+        self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in state.get("mix_changes", [])]
+        if self._train_loader is not None:
+            self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
+
+
+def _check_same_on_ranks(change: dict[str, Any]) -> None:
+    """Under DDP every rank must register the same change at the same step (each rank's
+    readers re-weight their own share), else the ranks' mixes drift apart silently."""
+    from stacklm.dist import rank_world
+
+    rank, world = rank_world()
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, (change["step"], sorted(change["weights"].items())))
+    if any(s != seen[0] for s in seen):
+        raise DataConfigError(
+            f"StackDataModule.set_mix_weights: the ranks registered different changes {seen}; call it on every rank "
+            "with the same weights and at_step (e.g. broadcast them from rank 0 first)"
+        )

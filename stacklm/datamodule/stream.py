@@ -56,6 +56,13 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def first_local_batch(batch: int, worker: int, workers: int) -> int:
+    """The first batch of worker ``worker``'s own stream that the loader deals at (per-rank)
+    batch index ``batch`` or later: the loader deals round-robin, worker ``w``'s ``j``-th batch
+    is the rank's batch ``j * workers + w``."""
+    return max(0, -(-(batch - worker) // workers))
+
+
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
     """A batch of padding rows that carries no loss (every target ``IGNORE_INDEX``)."""
     out = contract_buffer(batch_size, seq_len - 1)
@@ -83,6 +90,7 @@ class _StreamIterator:
         self.graph = None
         self.yielded = 0
         self.padded = 0
+        self.mix_changes_applied = 0  # of ``dataset.mix_changes`` (online re-weighting)
 
     def _graph(self):
         if self.graph is None:
@@ -96,6 +104,7 @@ class _StreamIterator:
         if self.yielded >= self.ds.n_batches:
             raise StopIteration
         graph = self._graph()
+        self._apply_mix_changes(graph)
         try:
             batch = next(graph.batches)
         except StopIteration:
@@ -113,6 +122,19 @@ class _StreamIterator:
             batch = {**batch, SUMMARY_KEY: self.summary()}
         return batch
 
+    def _apply_mix_changes(self, graph) -> None:
+        """Re-weight the mix before this worker's first batch at or after each change's
+        per-rank batch index (``StackDataModule.set_mix_weights``): documents drawn for this
+        batch on follow the new weights, in every worker at the same step boundary. Counted in
+        the state, so a restored worker neither repeats nor skips one."""
+        changes = self.ds.mix_changes
+        while self.mix_changes_applied < len(changes):
+            change = changes[self.mix_changes_applied]
+            if first_local_batch(int(change["batch"]), self.shard.worker, self.shard.num_workers) > self.yielded:
+                return
+            graph.mix.set_weights(change["weights"], f"step{int(change['step'])}")
+            self.mix_changes_applied += 1
+
     def summary(self) -> dict[str, Any]:
         """What this worker delivered so far (cumulative; restored with the state on resume)."""
         graph = self._graph()
@@ -123,12 +145,14 @@ class _StreamIterator:
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
+        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded,
+                "mix_changes_applied": self.mix_changes_applied}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._graph().batches.reset(state["graph"])
         self.yielded = int(state["yielded"])
         self.padded = int(state["padded"])
+        self.mix_changes_applied = int(state.get("mix_changes_applied", 0))
 
 
 class PipelineBuilder:
@@ -182,6 +206,9 @@ class StreamDataset(IterableDataset):
         self.n_batches_total = n_batches_total
         self.batch_size, self.seq_len, self.pad_id = batch_size, seq_len, pad_id
         self.n_batches = n_batches_total
+        # Online re-weighting, sorted by batch: [{"step", "batch" (per-rank loader index), "weights"}].
+        # Workers read it when they start, so a change made later restarts them (StackDataLoader).
+        self.mix_changes: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
         return self.n_batches_total
