@@ -29,8 +29,8 @@ def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
 
 def _dm(tokenizer_dir, **kw) -> StackDataModule:
     pipeline = {**stream_pipeline(total_tokens=40_000), "shuffle_buffer": 2, "pack_buffer_docs": 2}
-    args = dict(mode="stream", tokenizer=str(tokenizer_dir), pipeline=pipeline, seq_len=SEQ_LEN,
-                batch_size=BATCH, num_workers=2, val_batches=0)
+    args = {"mode": "stream", "tokenizer": str(tokenizer_dir), "pipeline": pipeline, "seq_len": SEQ_LEN,
+            "batch_size": BATCH, "num_workers": 2, "val_batches": 0}
     args.update(kw)
     return StackDataModule(**args)
 

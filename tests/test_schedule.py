@@ -398,3 +398,18 @@ def test_prebuild_follows_the_same_schedule_and_logs_phases(tmp_path, tokenizer_
         _assert_phases_track_the_plan(readers[-1], longest)
     assert merge_phase_reports(readers) == phases
     _assert_phases_track_the_plan(phases, 2 * longest)
+
+
+def test_phase_shares_reach_the_logged_scalars():
+    from stacklm.callbacks import data_scalars, merge_data_stats
+
+    mixer = TokenBudgetMixer(NAMES, dict(zip(NAMES, BASE)), 30_000, seed=2, schedule=_anneal_schedule())
+    list(mixer(_sources()))
+    rank = {"realized": {}, "mix_phases": mixer.phases()}
+    merged = merge_data_stats([rank, rank])  # two ranks
+    assert merged["mix_phases"][0]["tokens"]["web"] == 2 * mixer.phases()[0]["tokens"]["web"]
+    scalars = data_scalars(merged)
+    for p in mixer.phases():
+        for n in NAMES:
+            assert scalars[f"data/phase/{p['name']}/realized_share/{n}"] == p["realized_share"][n]
+            assert scalars[f"data/phase/{p['name']}/target_share/{n}"] == p["target_share"][n]

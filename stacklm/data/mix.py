@@ -31,7 +31,13 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.data.schedule import MixPlan, MixScheduleConfig, compile_schedule, phase_report, split_budget
+from stacklm.data.schedule import (
+    MixPlan,
+    MixScheduleConfig,
+    compile_schedule,
+    phase_report,
+    split_budget,
+)
 from stacklm.data.stats import StageStats
 
 __all__ = ["MixNode", "TokenBudgetMixer", "mix_budgeted", "split_budget"]

@@ -279,11 +279,11 @@ def compile_schedule(
     seg_phase: list[int] = []
     start, prev_w = 0, None
     for p_idx, p in enumerate(phases):
-        end = total_tokens if p.until == 1.0 else int(round(p.until * total_tokens))
+        end = total_tokens if p.until == 1.0 else round(p.until * total_tokens)
         w = phase_weights(p.weights, p.temperature if p.temperature is not None else config.temperature if p.weights is None else None)
         steps = config.ramp_steps if p.ramp else 1
         for j in range(steps):
-            seg_end = start + int(round((end - start) * (j + 1) / steps))
+            seg_end = start + round((end - start) * (j + 1) / steps)
             if p.ramp:
                 mid = (j + 0.5) / steps
                 row = (1.0 - mid) * prev_w + mid * w

@@ -280,7 +280,7 @@ def _check_same_on_ranks(change: dict[str, Any]) -> None:
     readers re-weight their own share), else the ranks' mixes drift apart silently."""
     from stacklm.dist import rank_world
 
-    rank, world = rank_world()
+    _, world = rank_world()
     if world == 1:
         return
     import torch.distributed as dist
