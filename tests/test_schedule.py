@@ -413,3 +413,20 @@ def test_phase_shares_reach_the_logged_scalars():
         for n in NAMES:
             assert scalars[f"data/phase/{p['name']}/realized_share/{n}"] == p["realized_share"][n]
             assert scalars[f"data/phase/{p['name']}/target_share/{n}"] == p["target_share"][n]
+
+
+def test_a_mix_state_saved_before_schedules_still_resumes():
+    srcs = _sources()
+    full = list(mix_budgeted(srcs, dict(zip(NAMES, BASE)), 20_000, seed=3))
+    mixer = TokenBudgetMixer(NAMES, dict(zip(NAMES, BASE)), 20_000, seed=3)
+    its = [iter(srcs[n]) for n in NAMES]
+    head = [mixer.draw(its) for _ in range(100)]
+    consumed = [sum(1 for d in head if d["source"] == n) for n in NAMES]
+    old = {k: v for k, v in mixer.state().items() if k not in TokenBudgetMixer._PLAN + ("segment", "phase_names")}
+    old["budgets"] = mixer.budgets.copy()
+    again = TokenBudgetMixer(NAMES, dict(zip(NAMES, BASE)), 20_000, seed=3)
+    again.load_state(old)
+    rest = list(again({n: iter(srcs[n][c:]) for n, c in zip(NAMES, consumed)}))
+    assert [d["doc_id"] for d in head + rest] == [d["doc_id"] for d in full]
+    with pytest.raises(ValueError, match="schedule"):
+        TokenBudgetMixer(NAMES, dict(zip(NAMES, BASE)), 20_000, seed=3, schedule=_anneal_schedule()).load_state(old)

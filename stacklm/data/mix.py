@@ -145,8 +145,12 @@ class TokenBudgetMixer:
             if arr.shape != (n,):
                 raise ValueError(f"mix state field {key!r} has shape {arr.shape}, expected ({n},): the state belongs to a different source list")
             getattr(self, key)[:] = arr
-        if "plan" not in state:
-            raise ValueError("mix state has no 'plan': it was saved by a stacklm without mixture schedules; start the run afresh")
+        if "plan" not in state:  # saved before mixture schedules: one segment, the saved budgets
+            if self.schedule is not None:
+                raise ValueError("mix state has no schedule plan (saved before mixture schedules); it cannot resume a scheduled mix")
+            self.plan = np.asarray(state["budgets"], dtype=np.int64)[None, :].copy()
+            self.phase_tokens[0], self.phase_docs[0] = self.tokens, self.docs
+            return
         for key in self._PLAN:
             arr = np.array(state[key], dtype=getattr(self, key).dtype)
             if arr.ndim == 2 and arr.shape[1] != n:
