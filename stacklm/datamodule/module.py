@@ -198,6 +198,8 @@ class StackDataModule(L.LightningDataModule):
         batch (exact, like a resume; it replays at most ``snapshot_every_n_steps`` batches, so set
         that to the re-weighting interval when re-weighting often). The changes are stored in
         the checkpoint (``state_dict``) and replay exactly on resume. Stream mode, first epoch.
+        With gradient accumulation, call it at an optimizer-step boundary (``on_train_batch_end``
+        after the step): the batch index is counted from the batches handed out so far.
         """
         if self.mode != "stream":
             raise DataConfigError(f"StackDataModule.set_mix_weights: only stream mode mixes on the fly, this module is in {self.mode!r} mode")
