@@ -11,6 +11,7 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
   ``data/padding_fraction``                            pad positions / all positions delivered
   ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
   ``data/ran_dry/<source>``                            the step at which a source ran dry (once it has)
+  ``data/phase/<phase>/{realized,target}_share/<source>``  per mixture phase (``mix_phases``: what the mixer drew)
   ``loader/batches_per_s``, ``loader/tokens_per_s``     rate of batches through the train loop
   ``loader/wait_fraction``                             share of wall time spent waiting on the loader
 
@@ -39,6 +40,8 @@ The datamodule provides the numbers; the callback only formats and ships them::
         "doc_length_hist": {"edges": [int], "counts": {source: [int]}},
         "padding_fraction": float,                          # pad positions / all positions delivered
         "hashes": {"tokenizer": str, "manifest": str | None, "data_config": str},
+        "mix_phases": [ {"name", "planned_tokens", "tokens", "docs", "target_share",
+                         "realized_share", ...} ],              # stream mode, stacklm.data.schedule
     }
 
 ``realized``, ``delivered``, ``doc_length_hist`` and ``padding_fraction`` count the batches that
@@ -133,6 +136,11 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
             merged[key] = value
     if any("offline_fallback" in s for s in per_rank):
         merged["offline_fallback"] = sorted(fallback)
+    phases = [stats["mix_phases"] for stats in per_rank if stats.get("mix_phases")]
+    if phases:
+        from stacklm.data.schedule import merge_phase_reports
+
+        merged["mix_phases"] = merge_phase_reports(phases)
     if delivered.get("positions"):
         merged["padding_fraction"] = 1.0 - delivered.get("tokens", 0) / delivered["positions"]
     elif paddings:
@@ -170,6 +178,10 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
         out["data/offline_fallback"] = float(len(stats["offline_fallback"]))
     if stats.get("padding_fraction") is not None:
         out["data/padding_fraction"] = float(stats["padding_fraction"])
+    for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
+        for source, share in phase["realized_share"].items():
+            out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
+            out[f"data/phase/{phase['name']}/target_share/{source}"] = float(phase["target_share"][source])
     return out
 
 

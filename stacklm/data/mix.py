@@ -31,29 +31,20 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from stacklm.data.schedule import (
+    MixPlan,
+    MixScheduleConfig,
+    compile_schedule,
+    phase_report,
+    split_budget,
+)
 from stacklm.data.stats import StageStats
+
+__all__ = ["MixNode", "TokenBudgetMixer", "mix_budgeted", "split_budget"]
 
 # Per-source status codes (kept as a small int array in the state).
 ACTIVE, DONE, DRY = 0, 1, 2
 _STATUS_NAMES = {ACTIVE: "active", DONE: "budget_met", DRY: "ran_dry"}
-
-
-def split_budget(total: int, weights: np.ndarray) -> np.ndarray:
-    """Integer shares of ``total`` proportional to ``weights`` that sum to ``total`` exactly.
-
-    Largest remainder (ties to the earlier source), so the split is deterministic and no token
-    is lost to rounding.
-    """
-    weights = np.asarray(weights, dtype=np.float64)
-    if total <= 0 or weights.sum() <= 0:
-        return np.zeros(len(weights), dtype=np.int64)
-    exact = weights / weights.sum() * total
-    shares = np.floor(exact).astype(np.int64)
-    short = int(total - shares.sum())
-    if short > 0:
-        order = np.argsort(-(exact - shares), kind="stable")
-        shares[order[:short]] += 1
-    return shares
 
 
 def _validate_weights(names: list[str], weights: Mapping[str, float]) -> np.ndarray:
@@ -76,9 +67,24 @@ class TokenBudgetMixer:
     (truncating it to the budget if needed) and returns the document to emit or ``None`` when
     it was dropped (empty). ``mark_dry(index)`` is called when a source runs out. ``__iter__``
     drives all three over plain iterators; ``MixNode`` drives them over nodes.
+
+    With a ``schedule`` (``stacklm.data.schedule``) the budgets are cumulative per segment of
+    the schedule: ``pick`` draws among the sources still short of the current segment's budget
+    and moves to the next segment once every source met it (a document may overshoot a
+    segment's budget, the next segment simply needs that much less; only the final budget
+    truncates). Without one there is a single segment and the mix is the plain one above.
+    ``set_weights`` replaces the weights for the rest of the budget (online re-weighting).
     """
 
-    def __init__(self, names: list[str], weights: Mapping[str, float], total_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        weights: Mapping[str, float],
+        total_tokens: int,
+        seed: int = 0,
+        schedule: MixScheduleConfig | None = None,
+        size_scale: float = 1.0,
+    ) -> None:
         if not names:
             raise ValueError("TokenBudgetMixer needs at least one source")
         if int(total_tokens) <= 0:
@@ -87,13 +93,29 @@ class TokenBudgetMixer:
         self.weights = _validate_weights(self.names, weights)
         self.total_tokens = int(total_tokens)
         self.seed = int(seed)
+        self.schedule = schedule
+        self.initial_plan: MixPlan = compile_schedule(schedule, self.names, self.weights, self.total_tokens, size_scale)
         self.reset()
 
     # -- state ---------------------------------------------------------------------------
+    _COUNTERS = ("tokens", "docs", "truncated_docs", "truncated_tokens", "empty_docs", "status")
+    _PLAN = ("plan", "seg_weights", "seg_phase", "phase_plan", "phase_tokens", "phase_docs", "phase_entered")
+
     def reset(self) -> None:
         n = len(self.names)
+        plan = self.initial_plan
         self.rng = np.random.Generator(np.random.PCG64(self.seed))
-        self.budgets = split_budget(self.total_tokens, self.weights)
+        self.plan = plan.budgets.copy()  # (segments, sources) cumulative budgets
+        self.seg_weights = plan.weights.copy()
+        self.seg_phase = plan.phase.copy()
+        self.segment = 0
+        inc = np.diff(np.vstack([np.zeros((1, n), np.int64), plan.budgets]), axis=0)
+        self.phase_names = list(plan.phase_names)
+        self.phase_plan = np.stack([inc[plan.phase == p].sum(axis=0) for p in range(len(self.phase_names))])
+        self.phase_tokens = np.zeros_like(self.phase_plan)
+        self.phase_docs = np.zeros_like(self.phase_plan)
+        self.phase_entered = np.full(len(self.phase_names), -1, dtype=np.int64)  # tokens mixed when entered
+        self.phase_entered[0] = 0
         self.tokens = np.zeros(n, dtype=np.int64)
         self.docs = np.zeros(n, dtype=np.int64)
         self.truncated_docs = np.zeros(n, dtype=np.int64)
@@ -103,41 +125,67 @@ class TokenBudgetMixer:
         # A source whose budget rounds to 0 has nothing to give.
         self.status[self.budgets == 0] = DONE
 
+    @property
+    def budgets(self) -> np.ndarray:
+        """Each source's final budget (after dry sources' shares and re-weightings moved)."""
+        return self.plan[-1]
+
     def state(self) -> dict[str, Any]:
-        return {
-            "rng": self.rng.bit_generator.state,
-            "budgets": self.budgets.copy(),
-            "tokens": self.tokens.copy(),
-            "docs": self.docs.copy(),
-            "truncated_docs": self.truncated_docs.copy(),
-            "truncated_tokens": self.truncated_tokens.copy(),
-            "empty_docs": self.empty_docs.copy(),
-            "status": self.status.copy(),
-        }
+        out: dict[str, Any] = {"rng": self.rng.bit_generator.state, "segment": self.segment, "phase_names": list(self.phase_names)}
+        for key in self._COUNTERS + self._PLAN:
+            out[key] = getattr(self, key).copy()
+        return out
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         self.reset()
+        n = len(self.names)
         self.rng.bit_generator.state = state["rng"]
-        for key in ("budgets", "tokens", "docs", "truncated_docs", "truncated_tokens", "empty_docs", "status"):
+        for key in self._COUNTERS:
             arr = np.asarray(state[key])
-            if arr.shape != (len(self.names),):
-                raise ValueError(f"mix state field {key!r} has shape {arr.shape}, expected ({len(self.names)},): the state belongs to a different source list")
+            if arr.shape != (n,):
+                raise ValueError(f"mix state field {key!r} has shape {arr.shape}, expected ({n},): the state belongs to a different source list")
             getattr(self, key)[:] = arr
+        if "plan" not in state:  # saved before mixture schedules: one segment, the saved budgets
+            if self.schedule is not None:
+                raise ValueError("mix state has no schedule plan (saved before mixture schedules); it cannot resume a scheduled mix")
+            self.plan = np.asarray(state["budgets"], dtype=np.int64)[None, :].copy()
+            self.phase_tokens[0], self.phase_docs[0] = self.tokens, self.docs
+            return
+        for key in self._PLAN:
+            arr = np.array(state[key], dtype=getattr(self, key).dtype)
+            if arr.ndim == 2 and arr.shape[1] != n:
+                raise ValueError(f"mix state field {key!r} has {arr.shape[1]} sources, expected {n}: the state belongs to a different source list")
+            setattr(self, key, arr)
+        self.segment = int(state["segment"])
+        self.phase_names = [str(x) for x in state["phase_names"]]
 
     # -- mixing --------------------------------------------------------------------------
     @property
     def finished(self) -> bool:
         return not bool((self.status == ACTIVE).any())
 
+    def _candidates(self) -> np.ndarray:
+        """Active sources short of the current segment's budget, moving to the next segment
+        (and phase) once there are none; on the last segment these are all active sources."""
+        active = np.flatnonzero(self.status == ACTIVE)
+        while True:
+            short = active[self.tokens[active] < self.plan[self.segment, active]]
+            if len(short) or self.segment == len(self.plan) - 1:
+                return short
+            self.segment += 1
+            phase = int(self.seg_phase[self.segment])
+            if self.phase_entered[phase] < 0:
+                self.phase_entered[phase] = int(self.tokens.sum())
+
     def pick(self) -> int:
         """Index of the source that gives the next document (``finished`` must be False)."""
-        active = np.flatnonzero(self.status == ACTIVE)
+        active = self._candidates()
         # First pass: every active source gives one document before lengths are estimated,
         # in seeded order.
         unseen = active[self.docs[active] + self.empty_docs[active] == 0]
         if len(unseen):
             return int(unseen[self.rng.integers(len(unseen))])
-        remaining = (self.budgets[active] - self.tokens[active]).astype(np.float64)
+        remaining = (self.plan[self.segment, active] - self.tokens[active]).astype(np.float64)
         mean_len = np.maximum(self.tokens[active] / np.maximum(self.docs[active], 1), 1.0)
         p = np.cumsum(remaining / mean_len)
         return int(active[np.searchsorted(p, self.rng.random() * p[-1], side="right").clip(max=len(active) - 1)])
@@ -158,20 +206,58 @@ class TokenBudgetMixer:
             self.status[index] = DONE
         self.tokens[index] += n
         self.docs[index] += 1
+        phase = int(self.seg_phase[self.segment])
+        self.phase_tokens[phase, index] += n
+        self.phase_docs[phase, index] += 1
         return doc
+
+    def _share(self, segment: int, amount: int, among: np.ndarray) -> np.ndarray:
+        """``amount`` tokens split among sources ``among`` by segment ``segment``'s weights
+        (the base weights where those are all 0 there)."""
+        w = self.seg_weights[segment, among]
+        return split_budget(amount, w if w.sum() > 0 else self.weights[among])
 
     def mark_dry(self, index: int) -> None:
         """Source ``index`` has no more documents: share its unmet budget among every source
-        that still has data, by their renormalised weights. A source that had already met its
-        budget and receives a share becomes active again, so the total is met while any source
-        has data, whenever the dry one runs out."""
+        that still has data, segment by segment by the segments' weights. A source that had
+        already met its budget and receives a share becomes active again, so the total is met
+        while any source has data, whenever the dry one runs out."""
         self.status[index] = DRY
-        deficit = int(self.budgets[index] - self.tokens[index])
-        self.budgets[index] = self.tokens[index]
+        seg, have = self.segment, int(self.tokens[index])
+        cum = np.maximum(self.plan[seg:, index], have)
+        deficit = np.diff(np.concatenate([[have], cum]))  # per remaining segment
+        self.plan[seg:, index] = have
         alive = np.flatnonzero(self.status != DRY)
-        if deficit > 0 and len(alive):
-            self.budgets[alive] += split_budget(deficit, self.weights[alive])
+        if deficit.sum() > 0 and len(alive):
+            add = np.stack([self._share(seg + j, int(d), alive) for j, d in enumerate(deficit)])
+            self.plan[seg:, alive] += np.cumsum(add, axis=0)
             self.status[alive[self.budgets[alive] > self.tokens[alive]]] = ACTIVE
+
+    def set_weights(self, weights: Mapping[str, float], name: str) -> None:
+        """From here on, mix the rest of the budget by ``weights`` (replacing the schedule's
+        remaining phases) as a new phase ``name``. Sources already dry stay out; weights may
+        be 0 but not all of the live ones."""
+        w = np.array([float(weights[n]) if n in weights else -1.0 for n in self.names])
+        if set(weights) != set(self.names) or not np.isfinite(w).all() or (w < 0).any():
+            raise ValueError(f"mix weights must give a number >= 0 for exactly the sources {self.names}, got {dict(weights)}")
+        alive = np.flatnonzero(self.status != DRY)
+        if not len(alive) or w[alive].sum() <= 0:
+            raise ValueError(f"mix weights {dict(weights)} give no weight to any source that still has data")
+        w = w / w.sum()
+        remaining = int(max(0, int(self.budgets[alive].sum() - self.tokens[alive].sum())))
+        final = self.tokens.copy()
+        final[alive] += split_budget(remaining, w[alive])
+        phase = len(self.phase_names)
+        self.phase_names.append(str(name))
+        self.phase_plan = np.vstack([self.phase_plan, final - self.tokens])
+        self.phase_tokens = np.vstack([self.phase_tokens, np.zeros(len(self.names), np.int64)])
+        self.phase_docs = np.vstack([self.phase_docs, np.zeros(len(self.names), np.int64)])
+        self.phase_entered = np.append(self.phase_entered, int(self.tokens.sum()))
+        self.plan, self.seg_weights = final[None, :], w[None, :]
+        self.seg_phase, self.segment = np.array([phase], np.int64), 0
+        done = self.status != DRY
+        self.status[done & (final > self.tokens)] = ACTIVE
+        self.status[done & (final <= self.tokens)] = DONE
 
     def draw(self, streams: Sequence[Iterator[dict]]) -> dict:
         """The next admitted document, pulled from ``streams[i]`` (in ``names`` order) for
@@ -200,17 +286,18 @@ class TokenBudgetMixer:
     # -- reporting -----------------------------------------------------------------------
     def realized(self) -> dict[str, dict[str, Any]]:
         """Per source: tokens/docs emitted, planned and current budget (after dry sources' shares
-        moved), target and realized token share, truncation/empty counts, status."""
+        moved), target and realized token share, truncation/empty counts, status. The target
+        share is the planned budget's (the schedule's average over the run, caps applied)."""
         total = max(int(self.tokens.sum()), 1)
-        wsum = self.weights.sum()
-        planned = split_budget(self.total_tokens, self.weights)
+        planned = self.initial_plan.budgets[-1]
+        target = self.weights / self.weights.sum() if self.schedule is None else planned / max(int(planned.sum()), 1)
         return {
             name: {
                 "tokens": int(self.tokens[i]),
                 "docs": int(self.docs[i]),
                 "planned_budget": int(planned[i]),
                 "budget": int(self.budgets[i]),
-                "target_weight": float(self.weights[i] / wsum),
+                "target_weight": float(target[i]),
                 "realized_weight": float(self.tokens[i] / total),
                 "truncated_docs": int(self.truncated_docs[i]),
                 "truncated_tokens": int(self.truncated_tokens[i]),
@@ -219,6 +306,16 @@ class TokenBudgetMixer:
             }
             for i, name in enumerate(self.names)
         }
+
+    def phases(self) -> list[dict[str, Any]]:
+        """Per phase (schedule phases, then re-weightings): planned and mixed tokens and docs per
+        source, target and realized token shares, and the tokens mixed when it began (``None``
+        if not reached). ``stacklm.data.schedule.merge_phase_reports`` sums them over readers."""
+        return [
+            phase_report(name, self.names, self.phase_plan[p], self.phase_tokens[p], self.phase_docs[p],
+                         None if self.phase_entered[p] < 0 else int(self.phase_entered[p]))
+            for p, name in enumerate(self.phase_names)
+        ]
 
     def stats(self) -> StageStats:
         """Kept/dropped counts in the shared ``StageStats`` shape (documents, plus cut tokens)."""
@@ -232,10 +329,11 @@ class TokenBudgetMixer:
 
 
 def mix_budgeted(
-    sources: Mapping[str, Iterator[dict]], weights: Mapping[str, float], total_tokens: int, seed: int = 0
+    sources: Mapping[str, Iterator[dict]], weights: Mapping[str, float], total_tokens: int, seed: int = 0,
+    schedule: MixScheduleConfig | None = None,
 ) -> Iterator[dict]:
     """Convenience: mix plain iterators of tokenized documents to exact token budgets."""
-    return TokenBudgetMixer(list(sources), weights, total_tokens, seed)(sources)
+    return TokenBudgetMixer(list(sources), weights, total_tokens, seed, schedule)(sources)
 
 
 class MixNode(BaseNode[dict]):
@@ -249,10 +347,18 @@ class MixNode(BaseNode[dict]):
     SOURCES_KEY = "sources"
     MIXER_KEY = "mixer"
 
-    def __init__(self, sources: Mapping[str, BaseNode], weights: Mapping[str, float], total_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self,
+        sources: Mapping[str, BaseNode],
+        weights: Mapping[str, float],
+        total_tokens: int,
+        seed: int = 0,
+        schedule: MixScheduleConfig | None = None,
+        size_scale: float = 1.0,
+    ) -> None:
         super().__init__()
         self.sources = dict(sources)
-        self.mixer = TokenBudgetMixer(list(self.sources), weights, total_tokens, seed)
+        self.mixer = TokenBudgetMixer(list(self.sources), weights, total_tokens, seed, schedule, size_scale)
         self._streams = [self.sources[n] for n in self.mixer.names]
 
     def reset(self, initial_state: dict | None = None) -> None:
@@ -280,3 +386,10 @@ class MixNode(BaseNode[dict]):
 
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mixer.realized()
+
+    def phases(self) -> list[dict[str, Any]]:
+        return self.mixer.phases()
+
+    def set_weights(self, weights: Mapping[str, float], name: str) -> None:
+        """Re-weight the rest of the budget from the next document on (``TokenBudgetMixer.set_weights``)."""
+        self.mixer.set_weights(weights, name)

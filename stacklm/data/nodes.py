@@ -94,6 +94,10 @@ class Pipeline(BuiltPipeline):
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mix.realized()
 
+    def phases(self) -> list[dict[str, Any]]:
+        """Per mixture phase: planned vs mixed tokens per source (``TokenBudgetMixer.phases``)."""
+        return self.mix.phases()
+
 
 def _near_deduper(config: PipelineConfig):
     if not config.dedup.near:
@@ -158,7 +162,11 @@ def build_pipeline(
         sources[entry.name] = src
         chains[entry.name] = chain
         tokenized[entry.name] = node
-    mix = MixNode(tokenized, config.mix.weights, total, seed=epoch_seed(config.seed, epoch))
+    # A reader mixes its own slice of the budget from its own shard of every source: the
+    # schedule's caps see the sources' sizes scaled the same way (sizes are of the whole source).
+    split_share = config.holdout_fraction if split == "val" else 1.0 - config.holdout_fraction
+    mix = MixNode(tokenized, config.mix.weights, total, seed=epoch_seed(config.seed, epoch), schedule=config.mix.schedule,
+                  size_scale=split_share / max(1, shard.count))
     shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=epoch_seed(config.seed + 1, epoch))
     windows = PackNode(
         shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs,

@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 
 from stacklm.config import Config, did_you_mean
 from stacklm.data.audit import ON_INVALID
+from stacklm.data.schedule import MixScheduleConfig
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
@@ -182,7 +183,10 @@ class SourceConfig(Config):
 
 @dataclass(frozen=True)
 class DataMix(Config):
-    """Pre-training sources whose weights sum to 1, plus the run's total token budget.
+    """Pre-training sources whose weights sum to 1, plus the run's total token budget, and
+    optionally a mixture ``schedule`` (``stacklm.data.schedule``: phases, temperature, caps)
+    that makes the target mix a function of the tokens consumed; the entries' weights are its
+    default.
 
     A pre-training source needs a ``domain`` of ``prose``/``code``/``math`` (it picks the
     quality filter) and reads ``text_column`` ``"text"`` unless told otherwise (filled in here,
@@ -194,6 +198,7 @@ class DataMix(Config):
     name: str
     total_tokens: int
     entries: tuple[SourceConfig, ...] = field(default_factory=tuple)
+    schedule: MixScheduleConfig | None = None
 
     @classmethod
     def label(cls, data: Mapping[str, Any] | None) -> str:
@@ -216,6 +221,8 @@ class DataMix(Config):
             dataclasses.replace(e, text_column=DEFAULT_TEXT_COLUMN) if isinstance(e, SourceConfig) and e.text_column is None else e
             for e in self.entries
         ))
+        if isinstance(self.schedule, Mapping):
+            object.__setattr__(self, "schedule", MixScheduleConfig.from_dict(self.schedule, "schedule"))
         self.validate()
 
     def validate(self) -> None:
@@ -236,6 +243,8 @@ class DataMix(Config):
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             listed = ", ".join(f"{e.name}={e.weight}" for e in self.entries)
             raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
+        if self.schedule is not None:
+            self.schedule.check_sources([e.name for e in self.entries])
 
     def __getitem__(self, name: str) -> SourceConfig:
         for entry in self.entries:
@@ -256,6 +265,19 @@ class DataMix(Config):
         shares = split_budget(self.total_tokens, np.array([e.weight for e in self.entries]))
         return {e.name: int(s) for e, s in zip(self.entries, shares)}
 
+    def target_weights(self) -> dict[str, float]:
+        """The run's planned token share per source: the entries' weights, or with a schedule
+        its average over the whole budget (phases, temperature and caps applied)."""
+        if self.schedule is None:
+            return self.weights
+        import numpy as np
+
+        from stacklm.data.schedule import compile_schedule
+
+        names = [e.name for e in self.entries]
+        final = compile_schedule(self.schedule, names, np.array([e.weight for e in self.entries]), self.total_tokens).budgets[-1]
+        return {n: float(x) / float(final.sum()) for n, x in zip(names, final)}
+
     def pinned(self, revisions: Mapping[str, str]) -> DataMix:
         """A copy with hub revisions pinned (e.g. commit shas recorded by a previous run)."""
         unknown = sorted(set(revisions) - {e.name for e in self.entries})
@@ -265,6 +287,12 @@ class DataMix(Config):
             dataclasses.replace(e, revision=revisions[e.name]) if e.name in revisions else e for e in self.entries
         )
         return dataclasses.replace(self, entries=entries)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        if self.schedule is None:  # absent, not null: configs without a schedule hash as before
+            del out["schedule"]
+        return out
 
 
 STACK_100M = DataMix(

@@ -94,12 +94,44 @@ class StackDataLoader(StatefulDataLoader):
         self.epoch_source = epoch_source  # e.g. the trainer's current epoch, read at each pass
         ds = self.dataset
         self.delivered = DeliveryCounter(getattr(ds, "sources", []), getattr(ds, "target_weights", None))
+        self._restart_pending = False
+        self.restarts = 0  # worker restarts for online re-weighting (restart_from_state)
+
+    @property
+    def batches_yielded(self) -> int:
+        """Batches this loader has handed out in the current pass (restored on resume)."""
+        return int(getattr(self._iterator, "_num_yielded", 0) or 0) if self._iterator is not None else 0
+
+    def restart_from_state(self) -> None:
+        """Before the next batch, rebuild the workers from the state after the batches handed
+        out so far (as a resume would): workers run ahead by the prefetch, and a change of their
+        dataset (``StreamDataset.mix_changes``) reaches them only when they start. Exact: the
+        rebuilt workers continue the same stream, replaying from their last snapshot."""
+        self._restart_pending = True
+
+    def _restart(self) -> Iterator[Any]:
+        self._restart_pending = False
+        old = self._iterator
+        state = StatefulDataLoader.state_dict(self)
+        StatefulDataLoader.load_state_dict(self, state)
+        shutdown = getattr(old, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self.restarts += 1
+        return StatefulDataLoader.__iter__(self)
 
     def __iter__(self) -> Iterator[Any]:
         if self.epoch_source is not None and (epoch := self.epoch_source()) is not None:
             self.epoch = int(epoch)
         self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
-        for batch in super().__iter__():
+        it = super().__iter__()
+        while True:
+            if self._restart_pending:
+                it = self._restart()
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
             batch = dict(batch)
             ids = batch["input_ids"]
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")

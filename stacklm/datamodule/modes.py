@@ -255,11 +255,14 @@ class StreamMode(_WorkerStreamMode):
         workers = max(1, dm.num_workers)
         n_total = max(workers, n_total // workers * workers)  # equal share per worker
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
-        return StreamDataset(
+        ds = StreamDataset(
             build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
             sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
+        if split == "train":
+            ds.mix_changes = dm.resolved_mix_changes()
+        return ds
 
     def _needs_datasets(self) -> bool:
         return any(entry.kind == "hf" for entry in self.dm.pipeline_config().mix.entries)

@@ -134,6 +134,8 @@ class StackDataModule(L.LightningDataModule):
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
+        # Online re-weighting (set_mix_weights): [{"step", "batch" or None, "weights"}], in the checkpoint.
+        self.mix_changes: list[dict[str, Any]] = []
         self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
         self._mode = MODE_CLASSES[mode](self)
 
@@ -216,6 +218,60 @@ class StackDataModule(L.LightningDataModule):
         d.setdefault("seed", self.seed)
         return SFTConfig.from_dict(d, path=PIPELINE_PATH)
 
+    # ------------------------------------------------------------------ online re-weighting
+    def set_mix_weights(self, weights: Mapping[str, float], at_step: int | None = None) -> None:
+        """From optimizer step ``at_step`` (default: the next one) on, mix the rest of the token
+        budget by ``weights`` (one number >= 0 per source of the mix, not all 0; normalised).
+
+        For DoReMi/ODM-style methods: call it from a callback (e.g. ``on_train_batch_end``),
+        on every rank with the same arguments (checked under DDP). Every (rank, worker) reader
+        re-weights its own remaining budget before the first batch it deals at that step, so the
+        change takes effect at the same step boundary everywhere; documents already in the
+        shuffle and packing buffers were drawn before it. Loader workers run ahead of the step by
+        the prefetch, so registering a change rebuilds them from the loader state at the current
+        batch (exact, like a resume; it replays at most ``snapshot_every_n_steps`` batches, so set
+        that to the re-weighting interval when re-weighting often). The changes are stored in
+        the checkpoint (``state_dict``) and replay exactly on resume. Stream mode, first epoch.
+        With gradient accumulation, call it at an optimizer-step boundary (``on_train_batch_end``
+        after the step): the batch index is counted from the batches handed out so far.
+        """
+        if self.mode != "stream":
+            raise DataConfigError(f"StackDataModule.set_mix_weights: only stream mode mixes on the fly, this module is in {self.mode!r} mode")
+        names = [e.name for e in self.pipeline_config().mix.entries]
+        if set(weights) != set(names) or any(
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or v == float("inf") for v in weights.values()
+        ) or sum(weights.values()) <= 0:
+            raise DataConfigError(
+                f"StackDataModule.set_mix_weights: weights must give a number >= 0 for exactly the sources {names} "
+                f"(not all 0), got {dict(weights)}"
+            )
+        trainer = getattr(self, "trainer", None)
+        now = int(trainer.global_step) if trainer is not None else 0
+        step = now if at_step is None else int(at_step)
+        if step < now:
+            raise DataConfigError(f"StackDataModule.set_mix_weights: at_step={step} is before the current step {now}; give a step >= {now}")
+        if trainer is not None and trainer.current_epoch > 0:
+            raise DataConfigError("StackDataModule.set_mix_weights: a stream is one pass; re-weighting after the first epoch is not supported")
+        change = {"step": step, "batch": None, "weights": {n: float(weights[n]) for n in names}}
+        _check_same_on_ranks(change)
+        loader = self._train_loader
+        if loader is not None and trainer is not None:
+            change["batch"] = loader.batches_yielded + (step - now) * int(trainer.accumulate_grad_batches)
+        self.mix_changes.append(change)
+        if loader is not None:
+            loader.dataset.mix_changes = self.resolved_mix_changes()
+            loader.restart_from_state()
+
+    def resolved_mix_changes(self) -> list[dict[str, Any]]:
+        """The changes with their per-rank loader batch index (a change registered before the
+        loader existed starts at ``step x accumulate_grad_batches``), sorted by it."""
+        trainer = getattr(self, "trainer", None)
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        for c in self.mix_changes:
+            if c["batch"] is None:
+                c["batch"] = int(c["step"]) * accumulate
+        return sorted((dict(c) for c in self.mix_changes), key=lambda c: c["batch"])
+
     # ------------------------------------------------------------------ logging protocol
     def data_stats(self) -> dict[str, Any]:
         """This rank's cumulative data numbers for ``stacklm.callbacks.DataStatsCallback``."""
@@ -240,7 +296,8 @@ class StackDataModule(L.LightningDataModule):
 
     def state_dict(self) -> dict[str, Any]:
         """Stored in the checkpoint: what the data is (``identity``, content hashes), the shape
-        that read it, and in shards mode the shape-free position (``ShardsLoader``)."""
+        that read it, in shards mode the shape-free position (``ShardsLoader``), and the online
+        re-weightings (``set_mix_weights``)."""
         from stacklm.datamodule.identity import data_identity
 
         if self._identity is None:
@@ -248,6 +305,7 @@ class StackDataModule(L.LightningDataModule):
         state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
         if self.mode == "shards":
             state["position"] = self._mode.position()
+        state["mix_changes"] = [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -278,3 +336,28 @@ class StackDataModule(L.LightningDataModule):
                 "resume with the checkpoint's devices x nodes, num_workers and batch_size (or use shards mode, "
                 "`stacklm prebuild`, which resumes on any shape)."
             )
+        # the re-weightings made before the checkpoint replay at the same batches
+        self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in state.get("mix_changes", [])]
+        if self._train_loader is not None:
+            self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
+
+
+def _check_same_on_ranks(change: dict[str, Any]) -> None:
+    """Under DDP every rank must register the same change at the same step (each rank's
+    readers re-weight their own share), else the ranks' mixes drift apart silently."""
+    from stacklm.dist import rank_world
+
+    _, world = rank_world()
+    if world == 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    seen: list[Any] = [None] * world
+    dist.all_gather_object(seen, (change["step"], sorted(change["weights"].items())))
+    if any(s != seen[0] for s in seen):
+        raise DataConfigError(
+            f"StackDataModule.set_mix_weights: the ranks registered different changes {seen}; call it on every rank "
+            "with the same weights and at_step (e.g. broadcast them from rank 0 first)"
+        )

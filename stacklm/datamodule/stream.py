@@ -21,6 +21,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig
+from stacklm.data.schedule import merge_phase_reports
 from stacklm.data.sources import ShardSpec
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
@@ -72,8 +73,19 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             if cut:
                 slot = dropped_tokens.setdefault(src, {})
                 slot["cut_by_budget"] = slot.get("cut_by_budget", 0) + cut
-    return {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout,
-            "offline_fallback": sorted(fallback)}
+    out = {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout,
+           "offline_fallback": sorted(fallback)}
+    phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
+    if phases:
+        out["mix_phases"] = merge_phase_reports(phases)
+    return out
+
+
+def first_local_batch(batch: int, worker: int, workers: int) -> int:
+    """The first batch of worker ``worker``'s own stream that the loader deals at (per-rank)
+    batch index ``batch`` or later: the loader deals round-robin, worker ``w``'s ``j``-th batch
+    is the rank's batch ``j * workers + w``."""
+    return max(0, -(-(batch - worker) // workers))
 
 
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -105,6 +117,7 @@ class _StreamIterator:
         self.padded = 0
         self.dry: list[str] = []
         self.fresh = True  # no summary sent since this iterator started (not part of the state)
+        self.mix_changes_applied = 0  # of ``dataset.mix_changes`` (online re-weighting)
 
     def _graph(self):
         if self.graph is None:
@@ -118,6 +131,7 @@ class _StreamIterator:
         if self.yielded >= self.ds.n_batches:
             raise StopIteration
         graph = self._graph()
+        self._apply_mix_changes(graph)
         try:
             batch = next(graph.batches)
         except StopIteration:
@@ -145,21 +159,39 @@ class _StreamIterator:
         realized = graph.realized() if hasattr(graph, "mix") else {}
         return sorted(src for src, row in realized.items() if row.get("status") == "ran_dry")
 
+    def _apply_mix_changes(self, graph) -> None:
+        """Re-weight the mix before this worker's first batch at or after each change's
+        per-rank batch index (``StackDataModule.set_mix_weights``): documents drawn for this
+        batch on follow the new weights, in every worker at the same step boundary. Counted in
+        the state, so a restored worker neither repeats nor skips one."""
+        changes = self.ds.mix_changes
+        while self.mix_changes_applied < len(changes):
+            change = changes[self.mix_changes_applied]
+            if first_local_batch(int(change["batch"]), self.shard.worker, self.shard.num_workers) > self.yielded:
+                return
+            graph.mix.set_weights(change["weights"], f"step{int(change['step'])}")
+            self.mix_changes_applied += 1
+
     def summary(self) -> dict[str, Any]:
         """What this worker has processed so far (cumulative; restored with the state on resume):
         its drops, its mixer's counts (``mixed``: read ahead of delivery, for drops only) and
         which sources ran dry."""
         graph = self._graph()
-        return {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
-                "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
+        out = {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
+               "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
+        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.schedule)
+            out["mix_phases"] = graph.phases()
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded}
+        return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded,
+                "mix_changes_applied": self.mix_changes_applied}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._graph().batches.reset(state["graph"])
         self.yielded = int(state["yielded"])
         self.padded = int(state["padded"])
+        self.mix_changes_applied = int(state.get("mix_changes_applied", 0))
 
 
 class PipelineBuilder:
@@ -218,6 +250,9 @@ class StreamDataset(IterableDataset):
         self.epoch = 0  # the pass over the data; set by the loader before its workers start
         # the order of the per-source delivery counts on every batch (the mix entries' order)
         self.sources, self.target_weights = list(sources or []), dict(target_weights or {})
+        # Online re-weighting, sorted by batch: [{"step", "batch" (per-rank loader index), "weights"}].
+        # Workers read it when they start, so a change made later restarts them (StackDataLoader).
+        self.mix_changes: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
         return self.n_batches_total

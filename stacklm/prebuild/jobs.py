@@ -76,6 +76,7 @@ def run_job(
         "shards": shards,
         "stats": pipe.stats(),
         "realized": pipe.realized(),
+        "mix_phases": pipe.phases(),
         "packing": pipe.packing(),
     }
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())

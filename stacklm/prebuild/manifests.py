@@ -12,6 +12,7 @@ from typing import Any
 
 from stacklm.data import manifest as mf
 from stacklm.data.audit import INVALID_RECORDS
+from stacklm.data.schedule import merge_phase_reports
 from stacklm.data.shards import atomic_write_shard_file, dtype_name
 from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
 
@@ -93,7 +94,7 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
     for d in shards:
         del d["index"]
     stats = mf.sum_counts(s["stats"] for s in summaries)
-    realized = mf.merge_realized((s["realized"] for s in summaries), plan.config.mix.weights)
+    realized = mf.merge_realized((s["realized"] for s in summaries), plan.config.mix.target_weights())
     n_seq = sum(int(d["n_seq"]) for d in shards)
     holdout = stats.get("holdout", {})
     return {
@@ -105,6 +106,7 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
         "shards": shards,
         "sources": mf.source_list(plan.config.mix.to_dict(), realized, stats, _resolved_revisions(plan.out)),
         "realized": realized,
+        "mix_phases": merge_phase_reports([s.get("mix_phases") or [] for s in summaries]),
         "drops": mf.drop_summary(stats, realized),
         "stats": stats,
         "holdout": {
@@ -166,6 +168,7 @@ def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[s
             for name, m in splits.items()
         },
         "sources": splits[plan.splits[0]]["sources"],
+        "mix_phases": splits[plan.splits[0]].get("mix_phases", []),
         "drops": {name: m["drops"] for name, m in splits.items()},
         "offline_fallback": sorted({src for m in splits.values() for src in m["offline_fallback"]}),
         "warnings": [w for m in splits.values() for w in m["warnings"]],

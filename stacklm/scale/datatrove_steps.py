@@ -122,7 +122,7 @@ class StackMixedDocuments(_StackStep):
             yield Document(text="", id=str(doc.get("doc_id", "")), metadata=meta)
         summary = {
             "split": split, "worker": worker, "workers": plan.workers, "budget": int(pipe.mix.mixer.total_tokens),
-            "stats": pipe.stats(), "realized": pipe.realized(),
+            "stats": pipe.stats(), "realized": pipe.realized(), "mix_phases": pipe.phases(),
         }
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
 
