@@ -8,6 +8,7 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
   ``data/dropped_docs/<stage>/<source>/<reason>``, ``data/dropped_docs_total``   documents dropped
   ``data/dropped_tokens/<source>/<reason>``, ``data/dropped_tokens_total``      tokens dropped (cut by the budget)
   ``data/holdout_docs/<source>``                       documents set aside for the other split (not drops)
+  ``data/cut_docs/<source>/<reason>``                  SFT conversations kept but cut to fit (truncated, turns_cut, ...)
   ``data/padding_fraction``                            pad positions / all positions delivered
   ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
   ``data/ran_dry/<source>``                            the step at which a source ran dry (once it has)
@@ -35,6 +36,7 @@ The datamodule provides the numbers; the callback only formats and ships them::
         "dropped_docs":   {stage: {source: {reason: int}}},  # e.g. {"filter": {"web": {"too_short": 3}}}
         "dropped_tokens": {source: {reason: int}},           # e.g. {"web": {"cut_by_budget": 812}}
         "holdout_docs": {source: int},
+        "cut_docs": {source: {reason: int}},                # SFT: conversations cut to fit seq_len
         "offline_fallback": [source, ...],
         "ran_dry": {source: {"batch": int, "delivered_share": float, "target_share": float, ...}},
         "doc_length_hist": {"edges": [int], "counts": {source: [int]}},
@@ -90,6 +92,7 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
     realized: dict[str, dict[str, Any]] = {}
     dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
     dropped_tokens: dict[str, dict[str, int]] = {}
+    cut_docs: dict[str, dict[str, int]] = {}
     holdout: dict[str, int] = {}
     delivered: dict[str, int] = {}
     fallback: set[str] = set()
@@ -109,6 +112,9 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         for source, by_reason in (stats.get("dropped_tokens") or {}).items():
             for reason, count in by_reason.items():
                 _add(dropped_tokens.setdefault(source, {}), reason, count)
+        for source, by_reason in (stats.get("cut_docs") or {}).items():
+            for reason, count in by_reason.items():
+                _add(cut_docs.setdefault(source, {}), reason, count)
         for source, count in (stats.get("holdout_docs") or {}).items():
             _add(holdout, source, count)
         for key, count in (stats.get("delivered") or {}).items():
@@ -130,7 +136,7 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         row["realized_weight"] = row["tokens"] / total if total else 0.0
     merged: dict[str, Any] = {"realized": realized, "hashes": dict(per_rank[0].get("hashes") or {}) if per_rank else {}}
     for key, value, present in (("dropped_docs", dropped_docs, "dropped_docs"), ("dropped_tokens", dropped_tokens, "dropped_tokens"),
-                                ("holdout_docs", holdout, "holdout_docs"), ("delivered", delivered, "delivered"),
+                                ("holdout_docs", holdout, "holdout_docs"), ("delivered", delivered, "delivered"), ("cut_docs", cut_docs, "cut_docs"),
                                 ("ran_dry", ran_dry, "ran_dry"), ("doc_length_hist", hist, "doc_length_hist")):
         if any(present in s for s in per_rank):
             merged[key] = value
@@ -174,6 +180,9 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
         out["data/dropped_tokens_total"] = float(total)
     for source, count in (stats.get("holdout_docs") or {}).items():
         out[f"data/holdout_docs/{source}"] = float(count)
+    for source, by_reason in (stats.get("cut_docs") or {}).items():
+        for reason, count in by_reason.items():
+            out[f"data/cut_docs/{source}/{reason}"] = float(count)
     if stats.get("offline_fallback") is not None:
         out["data/offline_fallback"] = float(len(stats["offline_fallback"]))
     if stats.get("padding_fraction") is not None:

@@ -222,6 +222,38 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
     assert resumed == full[3:]
 
 
+def test_sft_mode_data_stats_count_what_the_batches_delivered(tokenizer_dir, tmp_path):
+    """SFT batches carry their per-source counts too: with 2 workers, two weighted sources and
+    padding batches of a reader that ran dry, the delivered tokens are the batches' own."""
+    from tests.test_sft import make_conversations, write_jsonl
+
+    convs = make_conversations(90)
+    a = write_jsonl(tmp_path / "a.jsonl", [{"messages": m} for m in convs[:60]])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"messages": m} for m in convs[60:]])
+    pipeline = {"sources": [{"name": "a", "kind": "local", "path": [str(a)], "weight": 2.0},
+                            {"name": "b", "kind": "local", "path": [str(b)], "weight": 1.0}],
+                "shuffle_buffer": 8, "pack_buffer_docs": 4, "holdout_fraction": 0.0}
+    dm = _dm(tokenizer_dir, mode="sft", pipeline=pipeline, seq_len=128, batch_size=2, num_workers=2)
+    dm.setup("fit")
+    pad = dm.tokenizer.pad_id
+    tokens = positions = 0
+    for n, batch in enumerate(dm.train_dataloader(), 1):
+        assert set(batch) == {"input_ids", "position_ids", "seq_ids", "targets"}
+        tokens += int((batch["input_ids"] != pad).sum())
+        positions += batch["input_ids"].numel()
+        stats = dm.data_stats()
+        assert sum(r["tokens"] for r in stats["realized"].values()) == tokens, n
+        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+    real = stats["realized"]
+    assert set(real) == {"a", "b"} and real["a"]["tokens"] > real["b"]["tokens"] > 0
+    assert real["a"]["target_weight"] == pytest.approx(2 / 3)
+    # every conversation is delivered once or counted as dropped (most of these are too long for 128)
+    dropped = sum(n for by_src in stats["dropped_docs"].values() for by_reason in by_src.values() for n in by_reason.values())
+    assert stats["dropped_docs"]["render"]["a"]["dropped_too_long"] > 0
+    assert sum(r["docs"] for r in real.values()) + dropped == 90
+    assert sum(stats["cut_docs"]["a"].get(k, 0) for k in ("truncated", "truncated_start")) > 0
+
+
 def test_stack_100m_config_data_section_builds():
     import yaml
 

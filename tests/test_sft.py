@@ -14,7 +14,9 @@ import torch
 from stacklm.chat import IGNORE_INDEX, ChatFormatError, as_turns, render_conversation, sft_targets
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_code, iter_default_corpus, iter_prose
+from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.masks import dense_mask
+from stacklm.data.pack import DELIVERY_KEY
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import (
     ConversationPacker,
@@ -238,8 +240,10 @@ def test_pipeline_counts_every_rejection_with_its_location(tok, convs, tmp_path)
     assert realized["loss_tokens"] == sum(int((b["targets"] != IGNORE_INDEX).sum()) for b in batches)
     assert realized["docs"] == render["kept"] + render.get("truncated", 0) and realized["target_weight"] == 1.0
     assert pipe.packing()["docs"] == render["kept"] + render.get("truncated", 0)
-    merged = {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+    merged = {k: torch.cat([b[k] for b in batches]) for k in BATCH_KEYS}  # not the delivery counts riding along
     assert_isolated_and_correct(merged, tok, convs)
+    delivered = sum(b[DELIVERY_KEY]["tokens"] for b in batches)
+    assert int(delivered.sum()) == sum(int((b["input_ids"] != tok.pad_id).sum()) for b in batches)  # counted by the batch itself
 
     strict = SFTConfig(sources=cfg.sources, seq_len=SEQ, on_invalid="raise", holdout_fraction=0.0)
     pipe = build_sft_pipeline(strict, tok)
@@ -275,7 +279,7 @@ def test_jsonl_parquet_and_hf_datasets_sources_agree(tok, convs, tmp_path):
     for other in results[1:]:
         assert len(other) == len(results[0])
         for a, b in zip(results[0], other):
-            assert all(torch.equal(a[k], b[k]) for k in a)
+            assert all(torch.equal(a[k], b[k]) for k in BATCH_KEYS)
 
 
 def _resume_config(tmp_path, convs):

@@ -549,13 +549,14 @@ class PackBatchNode(BaseNode[dict]):
 
     PACK_KEY = "pack"
 
-    def __init__(self, pack_node: PackNode, batch_size: int, drop_last: bool = True) -> None:
+    def __init__(self, pack_node: PackNode, batch_size: int, drop_last: bool = True, collate=None) -> None:
         super().__init__()
         if not pack_node.packer.track_sources:
             raise ValueError("PackBatchNode needs a PackNode built with sources=[...] (it counts tokens per source)")
         self.pack, self.batch_size, self.drop_last = pack_node, int(batch_size), bool(drop_last)
         p = pack_node.packer
-        self.collate = Collate(p.bos_id, p.eos_id, p.pad_id)
+        # ``collate``: windows -> batch contract (the SFT graph passes its loss-aware one)
+        self.collate = collate if collate is not None else Collate(p.bos_id, p.eos_id, p.pad_id)
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)

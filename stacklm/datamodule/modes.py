@@ -203,30 +203,13 @@ class _WorkerStreamMode(DataMode):
         return False
 
     def loader_stats(self, loader: StackDataLoader) -> dict[str, Any]:
-        """Delivered (counted in the main process as batches reach the step) plus the workers'
-        drops; a mode whose batches carry no delivery counts (sft) reports the workers' mix."""
+        """Delivered (counted in the main process as batches reach the step, from the counts
+        each stream and SFT batch carries) plus the workers' drops."""
         out: dict[str, Any] = {}
         if loader.worker_summaries:
             out.update(merge_worker_summaries(list(loader.worker_summaries.values())))
-        if loader.delivered.sources:
-            out.update(loader.delivered.stats())
-        elif loader.worker_summaries:
-            out["realized"] = _mixed_realized(loader.worker_summaries.values())
+        out.update(loader.delivered.stats())
         return out
-
-
-def _mixed_realized(summaries) -> dict[str, dict[str, Any]]:
-    """The workers' mixer counts summed (sft mode, whose batches carry no delivery counts)."""
-    out: dict[str, dict[str, Any]] = {}
-    for s in summaries:
-        for src, row in (s.get("mixed") or {}).items():
-            slot = out.setdefault(src, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
-            slot["tokens"] += int(row["tokens"])
-            slot["docs"] += int(row["docs"])
-    total = sum(r["tokens"] for r in out.values())
-    for r in out.values():
-        r["realized_weight"] = r["tokens"] / total if total else 0.0
-    return out
 
 
 class StreamMode(_WorkerStreamMode):
@@ -271,6 +254,11 @@ class StreamMode(_WorkerStreamMode):
         return self.dm.pipeline_config().config_hash()
 
 
+def _sft_target_weights(cfg) -> dict[str, float]:
+    total = sum(s.weight for s in cfg.sources)
+    return {s.name: s.weight / total for s in cfg.sources}
+
+
 class SFTMode(_WorkerStreamMode):
     """Chat conversations rendered and packed by ``stacklm.data.sft``."""
 
@@ -299,6 +287,7 @@ class SFTMode(_WorkerStreamMode):
         return StreamDataset(
             build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
+            sources=[s.name for s in cfg.sources], target_weights=_sft_target_weights(cfg),
         )
 
     def _needs_datasets(self) -> bool:

@@ -19,17 +19,25 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from stacklm.chat import INVALID_REASONS as CHAT_INVALID_REASONS
+from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig
 from stacklm.data.schedule import merge_phase_reports
+from stacklm.data.sft.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
 SUMMARY_EVERY_N_BATCHES = 8
 
 
-# Reasons of the source stage that drop a document (the others repair bytes or skip blank lines).
-_SOURCE_DROPS = ("dropped_empty", "dropped_binary")
+# Reasons of the source stage that drop a document (the others repair bytes or skip blank
+# lines): empty/binary text, records that hold no document (``on_invalid: skip``), and
+# conversations that cannot be trained on (SFT).
+_SOURCE_DROPS = (DROPPED_EMPTY, DROPPED_BINARY, *INVALID_RECORDS, *CHAT_INVALID_REASONS)
+# SFT rendering: conversations dropped, and conversations kept but cut to fit ``seq_len``.
+_RENDER_DROPS = (DROPPED_TOO_LONG, NOTHING_TO_TRAIN)
+_RENDER_CUTS = (TRUNCATED, TRUNCATED_START, TURNS_CUT)
 FALLBACK_REASON = "fallback_offline"  # stacklm.data.sources.FALLBACK_OFFLINE, without importing the sources here
 HOLDOUT_REASON = "holdout_other_split"
 
@@ -41,9 +49,11 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     workers have processed (a summary is at most ``SUMMARY_EVERY_N_BATCHES`` batches old): in
     documents (``dropped_docs``: stage -> source -> reason) and in tokens (``dropped_tokens``:
     source -> reason, the tokens the mix budget cut). Holdout documents (the other split's
-    share) are ``holdout_docs``, not drops. What was *delivered* is counted in the main process
+    share) are ``holdout_docs``, not drops; SFT conversations cut to fit are ``cut_docs``
+    (source -> reason). What was *delivered* is counted in the main process
     (``DeliveryCounter``), never here."""
     dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
+    cut_docs: dict[str, dict[str, int]] = {}
     dropped_tokens: dict[str, dict[str, int]] = {}
     holdout: dict[str, int] = {}
     fallback: set[str] = set()
@@ -67,6 +77,12 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                             holdout[src] = holdout.get(src, 0) + int(n)
                     elif stage in ("filter", "dedup") and reason != "kept":
                         add(stage, src, reason, n)
+                    elif stage == "render":
+                        if reason in _RENDER_DROPS:
+                            add(stage, src, reason, n)
+                        elif reason in _RENDER_CUTS and n:
+                            slot = cut_docs.setdefault(src, {})
+                            slot[reason] = slot.get(reason, 0) + int(n)
         for src, row in (s.get("mixed") or {}).items():
             add("mix", src, "empty_after_tokenize", int(row.get("empty_docs", 0)))
             cut = int(row.get("truncated_tokens", 0))
@@ -75,6 +91,8 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                 slot["cut_by_budget"] = slot.get("cut_by_budget", 0) + cut
     out = {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout,
            "offline_fallback": sorted(fallback)}
+    if cut_docs:
+        out["cut_docs"] = cut_docs
     phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
     if phases:
         out["mix_phases"] = merge_phase_reports(phases)

@@ -125,6 +125,10 @@ def sft_batch(
 class SFTPackNode(PackNode):
     """``PackNode`` (same buffering and exact state) over a ``ConversationPacker``."""
 
-    def __init__(self, source: BaseNode[dict], seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = 128) -> None:
+    def __init__(
+        self, source: BaseNode[dict], seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = 128,
+        sources: Sequence[str] | None = None,
+    ) -> None:
         super().__init__(source, seq_len, "best_fit", bos_id, eos_id, pad_id, buffer_docs)
-        self.packer = ConversationPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs)
+        # ``sources``: track each token's source, so batches carry what they deliver (``PackBatchNode``)
+        self.packer = ConversationPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources=sources)

@@ -5,12 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from torchdata.nodes import BaseNode, Batcher, Mapper, MultiNodeWeightedSampler, StopCriteria
+from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import chat_tokens
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
+from stacklm.data.pack import PackBatchNode
 from stacklm.data.sft.pack import CollateSFT, SFTPackNode
 from stacklm.data.sft.reader import ConversationSource
 from stacklm.data.sft.render import RenderNode
@@ -84,6 +85,7 @@ def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", 
         )
     if config.shuffle_buffer > 1:
         stream = ShuffleNode(stream, config.shuffle_buffer, seed=config.seed + 1)
-    windows = SFTPackNode(stream, config.seq_len, ct.bos, ct.eos, ct.pad, config.pack_buffer_docs)
-    batches = Mapper(Batcher(windows, config.batch_size, drop_last=config.drop_last), CollateSFT(ct.bos, ct.eos, ct.pad))
+    windows = SFTPackNode(stream, config.seq_len, ct.bos, ct.eos, ct.pad, config.pack_buffer_docs,
+                          sources=[s.name for s in config.sources])  # batches count what they deliver per source
+    batches = PackBatchNode(windows, config.batch_size, drop_last=config.drop_last, collate=CollateSFT(ct.bos, ct.eos, ct.pad))
     return SFTPipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches)
