@@ -219,3 +219,13 @@ def test_tokenize_node_carries_pathological_docs(tokenizer_1024):
         assert tok.decode_bytes(doc["ids"].tolist()) == _utf8(text)
     for text, doc in zip(texts[1 : 1 + len(moderate)], out[1 : 1 + len(moderate)]):
         assert doc["ids"].tolist() == tok.encode_reference(text)
+
+
+def test_chat_rendering_survives_a_megabyte_whitespace_message(tokenizer_1024):
+    from stacklm.chat import render_conversation
+
+    tok = tokenizer_1024
+    content = "look:" + " " * MB + "done"
+    ids, mask = render_conversation([{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}], tok)
+    assert len(ids) == len(mask)
+    assert content.encode() in tok.decode_bytes(ids.tolist())
