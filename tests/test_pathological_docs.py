@@ -229,3 +229,21 @@ def test_chat_rendering_survives_a_megabyte_whitespace_message(tokenizer_1024):
     ids, mask = render_conversation([{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}], tok)
     assert len(ids) == len(mask)
     assert content.encode() in tok.decode_bytes(ids.tolist())
+
+
+def test_train_tokenizer_cli_on_a_file_with_megabyte_runs(tmp_path, real_docs, capsys):
+    """The command users run: a text file with a 2M-space run (the sampler hands the trainer
+    1 MiB chunks of pure spaces, which crashed rustbpe), a 1 MB base64 line and, past the
+    sniffed head, binary-ish text trains, and the tokenizer encodes the file back exactly."""
+    from stacklm.cli import main
+
+    text = "\n".join(real_docs[:60]) + "\n" + " " * (2 * MB) + "x\n" + base64.b64encode(random.Random(5).randbytes(3 * MB // 4)).decode()
+    text += "\n" + _binaryish(100_000, 6).replace("\x00", "")
+    path = tmp_path / "big.txt"
+    path.write_text(text, encoding="utf-8", errors="surrogatepass")
+    rc = main(["train-tokenizer", "--input", str(path), "--vocab-size", "300", "--no-progress", "--out", str(tmp_path / "tok")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    tok = StackTokenizer.load(tmp_path / "tok")
+    assert tok.metadata["sample_audit"]["bytes_yielded"] == len(path.read_bytes())
+    assert tok.decode_bytes(tok.encode(path.read_bytes().decode())) == path.read_bytes()
