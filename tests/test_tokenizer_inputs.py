@@ -248,3 +248,12 @@ def test_compare_takes_plain_tiktoken_files_with_a_pattern(tmp_path, capsys, tok
         assert rows["plain.tiktoken"]["n_tokens"] > 0
     # same ranks and the same pattern: exactly our token count
     assert rows["plain.tiktoken"]["n_tokens"] == rows["stacklm"]["n_tokens"]
+
+
+def test_library_domain_texts_read_records(tmp_path):
+    from stacklm.tokenizer.evaluate import domain_texts_from_files
+
+    jsonl = _write_jsonl(tmp_path / "d.jsonl", DOCS, column="body")
+    texts, audits = domain_texts_from_files({"records": jsonl}, None, text_column="body")
+    assert texts["records"] == DOCS  # one chunk per (short) document, in order
+    assert audits["records"].per_file[jsonl]["documents"] == len(DOCS)

@@ -57,6 +57,10 @@ class TextInputError(StackLMError, ValueError):
     and the fix."""
 
 
+class TextInputNotFoundError(TextInputError, FileNotFoundError):
+    """An input path or glob that matches no file."""
+
+
 def input_format(path: str, fmt: str = "auto") -> str:
     """``txt`` / ``jsonl`` / ``parquet`` for ``path``: from the name when ``fmt`` is ``auto``
     (``stacklm.data.sources.file_format``; any other name, ``.py``, ``.c`` or none, is text);
@@ -193,7 +197,7 @@ def open_text_input(
     try:
         files, duplicates = resolve_inputs(inputs)
     except FileNotFoundError as e:
-        raise TextInputError(f"{e}; check the path (cwd {os.getcwd()})") from None
+        raise TextInputNotFoundError(f"{e}; check the path (cwd {os.getcwd()})") from None
     except (IsADirectoryError, ValueError) as e:
         raise TextInputError(str(e)) from None
     formats = {path: input_format(path, fmt) for path in files}
@@ -223,4 +227,4 @@ def open_text_input(
     return TextSample(gen_files(), audit)
 
 
-__all__ = ["FORMATS", "TextInputError", "check_text_head", "input_format", "open_text_input"]
+__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "input_format", "open_text_input"]
