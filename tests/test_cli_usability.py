@@ -118,3 +118,6 @@ def test_inspect_takes_a_prebuild_output_directory(built, capsys):
     code = main(["inspect", str(out), "--tokenizer", str(tok_dir), "--split", "test"])
     err = capsys.readouterr().err
     assert code == 2 and "no split 'test'" in err and "train, val" in err
+    code = main(["inspect", str(out / "train"), "--tokenizer", str(tok_dir), "--split", "val"])
+    err = capsys.readouterr().err
+    assert code == 2 and "not 'val'" in err  # never silently the other split

@@ -157,7 +157,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
     from stacklm.tokenizer import evaluate
 
     tokenizers = {}
-    main_tok = _load_for_eval(args.tokenizer, None)
+    main_tok = _load_for_eval(args.tokenizer, args.pattern)
     tokenizers["stacklm"] = main_tok
     for spec in args.compare or []:
         name = Path(spec).name
@@ -273,7 +273,7 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--compare", nargs="+", metavar="PATH",
                    help="other tokenizers: our artifacts, HF tokenizer dirs or tokenizer.json, tiktoken ranks files")
     e.add_argument("--pattern", metavar="NAME_OR_REGEX",
-                   help="pre-tokenizer of plain tiktoken ranks files in --compare: gpt2, cl100k, o200k or a regex")
+                   help="pre-tokenizer of plain tiktoken ranks files (--tokenizer, --compare): gpt2, cl100k, o200k or a regex")
     e.add_argument("--input", nargs="+", metavar="GLOB", help="evaluate on these files as one domain, 'input'")
     e.add_argument("--domain-file", nargs="+", metavar="DOMAIN=GLOB", help="evaluate on your files per domain")
     _add_reading_options(e, "evaluate on")

@@ -231,6 +231,9 @@ def split_directory(directory: Path, split: str | None = None) -> Path:
     """The shard directory to read: ``directory`` itself when it holds shards, else its
     ``split`` sub-directory (a prebuild's output holds ``train/`` and ``val/``)."""
     if any(directory.glob("shard_*.tokens.bin")):
+        if split is not None and directory.name != split:
+            raise InspectError(f"{directory}: this is one split's shard directory, not {split!r}; pass the prebuild "
+                               f"output directory (its parent) with --split {split}, or this directory without --split")
         return directory
     splits = sorted(d.name for d in directory.iterdir() if d.is_dir() and any(d.glob("shard_*.tokens.bin")))
     if not splits:
