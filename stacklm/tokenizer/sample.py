@@ -347,7 +347,8 @@ def _check_sizes(max_bytes: int | None, chunk_bytes: int) -> None:
 def _file_pieces(path: str, budget: _Budget, read_bytes: int, counts: dict[str, int]) -> Iterator[str]:
     """Cleaned text of one file, block by block. Near the end of the budget reads shrink so
     the audit does not count bytes far beyond what the sample uses."""
-    from stacklm.data.sources.readers import open_binary  # .gz / .zst decompressed on the fly
+    # .gz / .zst decompressed on the fly
+    from stacklm.data.sources.readers import open_binary
 
     carry = b""
     with open_binary(path) as f:
