@@ -1,6 +1,6 @@
 """Training input for the tokenizer: a byte-budgeted, streamed, audited text sample.
 
-``stream_sample(paths_or_globs, max_bytes)`` reads files block by block (never a whole file,
+``stream_sample(paths_or_globs, max_bytes)`` reads files (plain, .gz or .zst) block by block (never a whole file,
 so a 100 MB single line costs a few MB of memory), decodes them as UTF-8 and yields text
 chunks of at most ``chunk_bytes`` UTF-8 bytes. ``sample_texts(texts, max_bytes)`` applies the
 same rules to in-memory strings (e.g. ``stacklm.corpus.iter_default_corpus()``).
