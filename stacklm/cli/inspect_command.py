@@ -6,6 +6,16 @@ import argparse
 import json
 from pathlib import Path
 
+from stacklm.cli.arg_types import int_at_least, non_negative_int, positive_int
+
+EXAMPLES = """examples:
+  stacklm inspect chats.jsonl --tokenizer tok/                  # render, mask and check conversations
+  stacklm inspect chats.jsonl --tokenizer tok/ --seq-len 2048   # also count what SFT would cut or drop
+  stacklm inspect shards/ --tokenizer tok/                      # a prebuild output: its train split
+  stacklm inspect shards/ --tokenizer tok/ --split val --json findings.json
+  stacklm inspect batch.pt --tokenizer tok/                     # a batch saved with torch.save
+"""
+
 
 def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``stacklm inspect`` on the CLI's subparsers (``parser.build_parser``)."""
@@ -13,19 +23,23 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
         "inspect",
         help="decode, show the loss mask and run the SFT checks on conversations, shards or a saved batch",
         description="Decode and check chat/SFT data. Exit status 1 when an error-level finding is present, 2 on bad input.",
+        epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("input", help="conversations .jsonl/.parquet, a shard directory, or a saved batch (.pt)")
+    p.add_argument("input", help="conversations .jsonl/.parquet, a prebuild output directory (its --split is read), "
+                   "one split's shard directory, or a saved batch (.pt)")
     p.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json) or a Hugging Face tokenizer dir")
+    p.add_argument("--split", help="for a prebuild output directory: the split to read (default: train)")
     p.add_argument("--hf", action="store_true", help="use the HF files of a directory that also holds our artifact")
-    p.add_argument("--limit", type=int, help="conversations (default 200) or rows (default 64) to check")
-    p.add_argument("--tokens", type=int, default=48, help="rows of the per-token table")
-    p.add_argument("--max-chars", type=int, default=1500, help="decoded text shown")
+    p.add_argument("--limit", type=positive_int, help="conversations (default 200) or rows (default 64) to check")
+    p.add_argument("--tokens", type=non_negative_int, default=48, help="rows of the per-token table (default 48)")
+    p.add_argument("--max-chars", type=non_negative_int, default=1500, help="decoded text shown (default 1500)")
     p.add_argument("--json", help="also write the findings (each once, with count and first locations) and numbers as JSON "
                    "here; '-' prints only the JSON, to stdout")
     p.add_argument("--allow-template-text", action="store_true",
                    help="chat-format markers (ours or another family's) inside message content are warnings, not errors "
                    "(for data that legitimately discusses chat templates)")
-    p.add_argument("--seq-len", type=int, help="count the conversations the SFT pipes would truncate or drop at this length")
+    p.add_argument("--seq-len", type=int_at_least(2), help="count the conversations the SFT pipes would truncate or drop at this length")
     p.add_argument("--overlong", choices=("truncate", "keep_end", "drop"), default="truncate",
                    help="the SFT overlong policy --seq-len counts with (default truncate)")
     p.set_defaults(func=cmd_inspect)
@@ -37,7 +51,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
     report = inspect_input(args.input, tok, limit=args.limit, allow_template_text=args.allow_template_text,
-                           seq_len=args.seq_len, overlong=args.overlong)
+                           seq_len=args.seq_len, overlong=args.overlong, split=args.split)
     if args.json == "-":
         print(json.dumps(report.to_dict(), indent=1))
     else:

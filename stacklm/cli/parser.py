@@ -10,9 +10,23 @@ from stacklm.cli.tokenizer_commands import add_tokenizer_subcommands
 
 DEBUG_HELP = "on an error, show the full traceback instead of one line"
 
+EXAMPLES = """examples (each command has its own: stacklm COMMAND --help):
+  stacklm train-tokenizer --input 'data/**/*.txt' --out tok/      # or .jsonl / .parquet with --text-column
+  stacklm tok-eval --tokenizer tok/ --input data.jsonl --hf-baseline
+  stacklm prebuild --config my.yaml --tokenizer tok/ --out shards/
+  stacklm verify shards/
+  stacklm inspect shards/ --tokenizer tok/
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stacklm", description="stacklm: the training-data layer of a small-LM stack")
+    from stacklm import __version__
+
+    p = argparse.ArgumentParser(
+        prog="stacklm", description="stacklm: the training-data layer of a small-LM stack",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--version", action="version", version=f"stacklm {__version__}", help="print the version and exit")
     p.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = p.add_subparsers(dest="command", required=True)
     add_tokenizer_subcommands(sub)

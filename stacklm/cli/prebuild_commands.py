@@ -7,7 +7,30 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from stacklm.cli.arg_types import int_at_least, positive_int
 from stacklm.cli.errors import CliError
+
+PREBUILD_EXAMPLES = """examples:
+  stacklm prebuild --config demo --out shards/                  # the packaged demo config
+  stacklm prebuild --config my.yaml --tokenizer tok/ --out shards/ --workers 4
+  stacklm prebuild --config my.yaml --out shards/ --splits val  # one split only
+  (re-run the same command to resume an interrupted build)
+"""
+
+VERIFY_EXAMPLES = """examples:
+  stacklm verify shards/                   # every split of a prebuild output
+  stacklm verify shards/train --tokenizer tok/
+"""
+
+DEDUP_INDEX_EXAMPLES = """examples:
+  stacklm dedup-index --config my.yaml --out dedup.npz            # then set data.pipeline.dedup.index: dedup.npz
+  stacklm dedup-index --config my.yaml --out dedup.npz --workers 4 --splits train
+"""
+
+DATATROVE_EXAMPLES = """examples:
+  stacklm prebuild-datatrove --config my.yaml --out shards/ --tasks 8 --workers 4
+  stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu
+"""
 
 
 def cmd_prebuild(args: argparse.Namespace) -> int:
@@ -89,20 +112,29 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``prebuild``, ``verify`` and ``prebuild-datatrove`` on the CLI's subparsers."""
     from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
-    p = subparsers.add_parser("prebuild", help="run the data pipes once and write train/val token shards")
+    p = subparsers.add_parser(
+        "prebuild", help="run the data pipes once and write train/val token shards",
+        description="Run the data pipes of a config once and write train/val token shards (OUT/train, OUT/val), "
+        "resumable and identical for the same --workers.",
+        epilog=PREBUILD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="YAML config in the trainer's layout (data.pipeline), or a packaged config by name: demo, stack-100m")
     p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
     p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
-    p.add_argument("--workers", type=int, help="parallel jobs; the output is identical for the same N (default 1)")
-    p.add_argument("--tokens-per-shard", type=int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
+    p.add_argument("--workers", type=positive_int, help="parallel jobs (>= 1); the output is identical for the same N (default 1)")
+    p.add_argument("--tokens-per-shard", type=positive_int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
     p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_prebuild)
 
-    v = subparsers.add_parser("verify", help="check every shard and every token id of a prebuilt directory")
+    v = subparsers.add_parser(
+        "verify", help="check every shard and every token id of a prebuilt directory",
+        description="Check every shard's size and content hash and every token id of a prebuilt directory.",
+        epilog=VERIFY_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     v.add_argument("dir", help="a prebuilt directory (top level or one split)")
     v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
-    v.add_argument("--no-progress", action="store_true")
+    v.add_argument("--no-progress", action="store_true", help="no progress bar")
     v.set_defaults(func=cmd_verify)
 
     x = subparsers.add_parser(
@@ -110,11 +142,12 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         help="list the duplicate documents of a config's sources once (global exact + near pass) for stream mode",
         description="Global dedup over every source of the config (holdout and filters applied): the ids of the "
         "documents to drop, per split. Stream mode drops them when the pipeline config sets dedup.index: FILE.",
+        epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    x.add_argument("--config", required=True)
+    x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
     x.add_argument("--out", required=True, help="index file to write (.npz)")
-    x.add_argument("--workers", type=int, default=1, help="processes computing signatures (the result does not depend on it)")
-    x.add_argument("--splits", nargs="+", choices=SPLITS)
+    x.add_argument("--workers", type=positive_int, default=1, help="processes computing signatures (>= 1; the result does not depend on it)")
+    x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
     x.set_defaults(func=cmd_dedup_index)
 
     d = subparsers.add_parser(
@@ -122,17 +155,19 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         help="`prebuild` as datatrove pipeline steps on a local, Slurm or Ray executor",
         description="The same shard set as `stacklm prebuild --workers TASKS`, built by datatrove tasks "
         "(stacklm.scale.datatrove_steps); needs `pip install 'stacklm[scale]'`.",
+        epilog=DATATROVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument("--config", required=True, help="as for `prebuild`: a YAML path or a packaged config name")
     d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
     d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
-    d.add_argument("--tasks", type=int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
-    d.add_argument("--tokens-per-shard", type=int)
-    d.add_argument("--executor", choices=("local", "slurm", "ray"), default="local")
-    d.add_argument("--workers", type=int, default=-1, help="local: tasks run at once (-1: all)")
+    d.add_argument("--tasks", type=positive_int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
+    d.add_argument("--tokens-per-shard", type=positive_int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
+    d.add_argument("--executor", choices=("local", "slurm", "ray"), default="local", help="where the tasks run (default: local)")
+    d.add_argument("--workers", type=int_at_least(1, also=(-1,), what=" (all)"), default=-1,
+                   help="local: tasks run at once (default -1: all)")
     d.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
     d.add_argument("--partition", help="slurm partition")
-    d.add_argument("--time", default="04:00:00", help="slurm time limit per task")
-    d.add_argument("--cpus-per-task", type=int, default=2)
-    d.add_argument("--mem-per-cpu-gb", type=int, default=4)
+    d.add_argument("--time", default="04:00:00", help="slurm time limit per task (default 04:00:00)")
+    d.add_argument("--cpus-per-task", type=positive_int, default=2, help="slurm/ray: CPUs per task (default 2)")
+    d.add_argument("--mem-per-cpu-gb", type=positive_int, default=4, help="slurm/ray: memory per CPU in GB (default 4)")
     d.set_defaults(func=cmd_prebuild_datatrove)

@@ -1,4 +1,9 @@
-"""``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer."""
+"""``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer.
+
+Both read text the same way (``stacklm.tokenizer.inputs.open_text_input``): text files, JSON
+lines or parquet with ``--text-column``, or a ``datasets`` dataset (``--dataset``); with no
+input they use the embedded corpus. ``tok-eval``'s baselines train on the data it evaluates.
+"""
 
 from __future__ import annotations
 
@@ -7,19 +12,36 @@ import json
 import time
 from pathlib import Path
 
+from stacklm.cli.arg_types import int_at_least, int_pair, positive_int
 from stacklm.cli.errors import CliError
+from stacklm.errors import StackLMError
 from stacklm.tokenizer import ARTIFACT_NAME
+from stacklm.tokenizer.specials import N_BYTES, SPECIAL_TOKENS
+
+MIN_VOCAB = N_BYTES + len(SPECIAL_TOKENS) + 1  # the bytes, the specials and one merge
 
 
-# ---------------------------------------------------------------------- train-tokenizer
-def _training_texts(inputs: list[str] | None, max_bytes: int | None):
-    from stacklm.tokenizer.sample import sample_texts, stream_sample
+# ---------------------------------------------------------------------- reading text
+def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset: str | None = None):
+    """``open_text_input`` with the command's reading options (column, raw text, dataset)."""
+    from stacklm.tokenizer.inputs import open_text_input
 
-    if inputs:
-        try:
-            return stream_sample(inputs, max_bytes)
-        except (FileNotFoundError, IsADirectoryError, ValueError) as e:
-            raise CliError(str(e)) from None
+    return open_text_input(
+        inputs, max_bytes, text_column=args.text_column, fmt="txt" if args.raw_text else "auto",
+        dataset=dataset, dataset_config=args.dataset_config if dataset else None, split=args.split,
+        data_files=args.data_files if dataset else None,
+    )
+
+
+def _training_texts(args: argparse.Namespace, max_bytes: int | None):
+    from stacklm.tokenizer.sample import sample_texts
+
+    if args.input and args.dataset:
+        raise CliError("pass --input or --dataset, not both (train on one input; concatenate files with globs)")
+    if args.input:
+        return _open(args, max_bytes, inputs=args.input)
+    if args.dataset:
+        return _open(args, max_bytes, dataset=args.dataset)
     from stacklm.corpus import iter_default_corpus
 
     return sample_texts(iter_default_corpus(), max_bytes, source="embedded default corpus (Python stdlib)")
@@ -30,17 +52,26 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from stacklm.tokenizer.export import export_all
 
     out = Path(args.out)
-    sample = _training_texts(args.input, args.max_bytes)
-    res = train_from_iterable(
-        sample,
-        args.vocab_size,
-        backend=args.backend,
-        progress=not args.no_progress,
-        total_bytes=args.max_bytes,
-    )
+    sample = _training_texts(args, args.max_bytes)
+    try:
+        res = train_from_iterable(
+            sample,
+            args.vocab_size,
+            backend=args.backend,
+            progress=not args.no_progress,
+            total_bytes=args.max_bytes,
+        )
+    except ValueError as e:
+        if isinstance(e, StackLMError) or sample.audit.bytes_yielded:
+            raise
+        try:
+            sample.audit.raise_if_empty()
+        except ValueError as empty:
+            raise CliError(str(empty)) from e
+        raise
     audit = sample.audit
     res.tokenizer.metadata["sample_audit"] = audit.to_dict()
-    res.tokenizer.metadata["inputs"] = args.input or ["<embedded default corpus>"]
+    res.tokenizer.metadata["inputs"] = args.input or ([f"dataset:{args.dataset}"] if args.dataset else ["<embedded default corpus>"])
     path = res.tokenizer.save(out / ARTIFACT_NAME)
     exports = export_all(res.tokenizer, out)
     print("\n".join(audit.summary()))
@@ -55,66 +86,120 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- tok-eval
-def _load_for_eval(spec: str):
-    """A tokenizer from a path: our artifact (file or dir), a tiktoken ranks file, or an HF dir."""
+def _load_for_eval(spec: str, pattern: str | None):
+    """A tokenizer from a path: our artifact (file or dir), an HF dir or tokenizer.json, or a
+    tiktoken ranks file (ours with its sidecar, or a plain one with ``--pattern``)."""
     from stacklm.tokenizer import imports
     from stacklm.tokenizer.bpe import StackTokenizer
+    from stacklm.tokenizer.export import tiktoken_sidecar_path
 
     p = Path(spec)
     if not p.exists():
         raise CliError(f"{spec}: no such tokenizer file or directory")
     if (p.is_dir() and (p / ARTIFACT_NAME).exists()) or p.name.endswith(".stacklm.json"):
         return StackTokenizer.load(p)
+    if p.is_file() and p.suffix != ".json" and not tiktoken_sidecar_path(p).exists():
+        if pattern is None:
+            raise CliError(
+                f"{spec}: a plain tiktoken ranks file carries no pre-tokenizer pattern; pass --pattern with a name "
+                f"({', '.join(imports.TIKTOKEN_PATTERNS)}) or a regex, e.g. --pattern cl100k"
+            )
+        return imports.from_tiktoken(p, pattern=imports.resolve_pattern(pattern))
     return imports.load_foreign(p)
+
+
+def _eval_sources(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """``(domain, open_text_input arguments)`` for every input given to ``tok-eval``."""
+    sources: list[tuple[str, dict]] = []
+    if args.input:
+        sources.append(("input", {"inputs": args.input}))
+    by_domain: dict[str, list[str]] = {}
+    for item in args.domain_file or []:
+        domain, sep, glob = item.partition("=")
+        if not sep or not domain or not glob:
+            raise CliError(f"--domain-file {item!r}: expected DOMAIN=GLOB, e.g. prose='data/*.txt'")
+        by_domain.setdefault(domain, []).append(glob)
+    sources += [(domain, {"inputs": globs}) for domain, globs in by_domain.items()]
+    if args.dataset:
+        sources.append((args.dataset_domain or Path(args.dataset).name or "dataset", {"dataset": args.dataset}))
+    names = [d for d, _ in sources]
+    if len(set(names)) != len(names):
+        raise CliError(f"two inputs share the domain name {min(n for n in names if names.count(n) > 1)!r}; rename one")
+    return sources
+
+
+def _baseline_texts(args: argparse.Namespace, sources: list[tuple[str, dict]], max_bytes: int):
+    """Training text for a baseline: ``max_bytes`` of the data given, split equally among its
+    domains (the built-in corpus when none was given). Returns ``(texts, description)``."""
+    if not sources:
+        from stacklm.corpus import iter_default_corpus
+        from stacklm.tokenizer.sample import sample_texts
+
+        return sample_texts(iter_default_corpus(), max_bytes), "the embedded corpus"
+    share = max(1, max_bytes // len(sources))
+    samples = [_open(args, share, **kw) for _, kw in sources]
+    return (chunk for s in samples for chunk in s), f"{', '.join(d for d, _ in sources)} ({share:,} B each at most)"
+
+
+class _Metered:
+    """Counts the UTF-8 bytes of the texts that pass through (what a baseline really saw)."""
+
+    def __init__(self, texts) -> None:
+        self.texts, self.bytes = texts, 0
+
+    def __iter__(self):
+        for t in self.texts:
+            self.bytes += len(t.encode("utf-8", "surrogatepass"))
+            yield t
 
 
 def cmd_tok_eval(args: argparse.Namespace) -> int:
     from stacklm.tokenizer import evaluate
 
     tokenizers = {}
-    main_tok = _load_for_eval(args.tokenizer)
+    main_tok = _load_for_eval(args.tokenizer, args.pattern)
     tokenizers["stacklm"] = main_tok
     for spec in args.compare or []:
         name = Path(spec).name
         while name in tokenizers:
             name = f"{Path(spec).parent.name}/{name}"
-        tokenizers[name] = _load_for_eval(spec)
-    if args.domain_file:
-        files = {}
-        for item in args.domain_file:
-            if "=" not in item:
-                raise CliError(f"--domain-file {item!r}: expected DOMAIN=GLOB, e.g. prose='data/*.txt'")
-            domain, glob = item.split("=", 1)
-            files.setdefault(domain, []).append(glob)
-        texts, audits = evaluate.domain_texts_from_files(files, args.max_bytes_per_domain)
+        tokenizers[name] = _load_for_eval(spec, args.pattern)
+    sources = _eval_sources(args)
+    if sources:
+        texts = {}
+        for domain, kw in sources:
+            sample = _open(args, args.max_bytes_per_domain, **kw)
+            texts[domain] = list(sample)
+            if not texts[domain]:
+                raise CliError(f"domain {domain!r}: {sample.audit.summary()[0]}; no text to evaluate")
     else:
         texts = evaluate.domain_texts_from_corpus(max_bytes=args.max_bytes_per_domain)
     if args.hf_baseline:
         from stacklm.tokenizer.hf_baseline import train_hf_bpe
-        from stacklm.tokenizer.sample import sample_texts
-        from stacklm.corpus import iter_default_corpus
 
         t = time.perf_counter()
-        sample = sample_texts(iter_default_corpus(), args.hf_baseline_bytes)
-        tokenizers[f"hf-bpe@{main_tok.vocab_size}"] = train_hf_bpe(sample, main_tok.vocab_size, pattern=main_tok.pattern)
-        print(f"trained the HF BpeTrainer baseline on {args.hf_baseline_bytes:,} bytes in {time.perf_counter() - t:.1f}s")
+        sample, described = _baseline_texts(args, sources, args.hf_baseline_bytes)
+        metered = _Metered(sample)
+        tokenizers[f"hf-bpe@{main_tok.vocab_size}"] = train_hf_bpe(metered, main_tok.vocab_size, pattern=main_tok.pattern)
+        print(f"trained the HF BpeTrainer baseline on {metered.bytes:,} bytes of {described} in {time.perf_counter() - t:.1f}s")
     rows = evaluate.compression_report(tokenizers, texts, progress=not args.no_progress)
     overlaps = []
     if args.overlap_sizes:
-        from stacklm.tokenizer.bpe import train_from_iterable
-        from stacklm.tokenizer.sample import sample_texts
-        from stacklm.corpus import iter_default_corpus
         import warnings
 
-        small, large = (int(x) for x in args.overlap_sizes.split(","))
-        merges = {}
+        from stacklm.tokenizer.bpe import train_from_iterable
+
+        small, large = args.overlap_sizes
+        merges, seen = {}, {}
         for size in (small, large):
+            sample, described = _baseline_texts(args, sources, size)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                res = train_from_iterable(sample_texts(iter_default_corpus(), size), main_tok.vocab_size, pattern=main_tok.pattern)
-            merges[size] = res.tokenizer.merged_tokens
+                res = train_from_iterable(sample, main_tok.vocab_size, pattern=main_tok.pattern)
+            merges[size], seen[size] = res.tokenizer.merged_tokens, res.bytes_seen
+            print(f"overlap: trained on {res.bytes_seen:,} bytes of {described}")
         overlaps = evaluate.merge_overlap_rows(
-            merges[small], merges[large], names=(f"{small:,} B sample", f"{large:,} B sample")
+            merges[small], merges[large], names=(f"{seen[small]:,} B sample", f"{seen[large]:,} B sample")
         )
     print(evaluate.format_report(rows, overlaps, title=f"tokenizer evaluation: {args.tokenizer}"))
     if args.json:
@@ -123,25 +208,84 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- parser
+TRAIN_EXAMPLES = """examples:
+  stacklm train-tokenizer --out tok/                                   # the embedded corpus
+  stacklm train-tokenizer --input 'books/**/*.txt' --vocab-size 16384 --out tok/
+  stacklm train-tokenizer --input data.jsonl.zst --text-column text --out tok/
+  stacklm train-tokenizer --input shards/*.parquet --text-column content --max-bytes 500000000 --out tok/
+  stacklm train-tokenizer --dataset json --data-files a.jsonl b.jsonl --out tok/   # a datasets builder
+  stacklm train-tokenizer --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT --out tok/
+"""
+
+EVAL_EXAMPLES = """examples:
+  stacklm tok-eval --tokenizer tok/                                    # on the embedded corpus
+  stacklm tok-eval --tokenizer tok/ --domain-file prose='books/*.txt' code='src/**/*.py'
+  stacklm tok-eval --tokenizer tok/ --input data.jsonl --hf-baseline --overlap-sizes 1000000,5000000
+  stacklm tok-eval --tokenizer tok/ --compare cl100k_base.tiktoken --pattern cl100k
+  stacklm tok-eval --tokenizer tok/ --compare other-tok/ --json report.json
+"""
+
+
+def _add_reading_options(p: argparse.ArgumentParser, what: str) -> None:
+    """The text-reading options shared by ``train-tokenizer`` and ``tok-eval``."""
+    p.add_argument("--text-column", default="text", metavar="NAME",
+                   help="the text field of .jsonl/.parquet inputs and --dataset rows (default: text)")
+    p.add_argument("--raw-text", action="store_true",
+                   help="read every --input file as plain text, even JSON (otherwise refused as a likely mistake)")
+    p.add_argument("--dataset", metavar="PATH_OR_ID",
+                   help=f"{what} a `datasets` dataset: a hub id, a local dataset directory, or a builder "
+                   "(json, parquet, text) with --data-files")
+    p.add_argument("--dataset-config", metavar="NAME", help="the dataset's config (subset) name")
+    p.add_argument("--split", default="train", help="the dataset split to read (default: train)")
+    p.add_argument("--data-files", nargs="+", metavar="FILE", help="files for a --dataset builder such as json or parquet")
+
+
 def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     """Register ``train-tokenizer`` and ``tok-eval`` on the ``stacklm`` CLI's subparsers."""
-    t = sub.add_parser("train-tokenizer", help="train the byte-level BPE tokenizer and write it plus its exports")
-    t.add_argument("--input", nargs="+", metavar="GLOB", help="text files/globs (default: the embedded corpus)")
-    t.add_argument("--max-bytes", type=int, default=100_000_000, help="training sample size in UTF-8 bytes")
-    t.add_argument("--vocab-size", type=int, default=32768)
-    t.add_argument("--backend", choices=("fast", "python"), default="fast")
+    fmt = argparse.RawDescriptionHelpFormatter
+    t = sub.add_parser(
+        "train-tokenizer", help="train the byte-level BPE tokenizer and write it plus its exports",
+        description="Train a byte-level BPE tokenizer on your text (or the embedded corpus) and write the artifact, "
+        "a tiktoken ranks file and a Hugging Face tokenizer directory.",
+        epilog=TRAIN_EXAMPLES, formatter_class=fmt,
+    )
+    t.add_argument("--input", nargs="+", metavar="GLOB",
+                   help="files/globs: text (.txt, code, ...), JSON lines (.jsonl, .gz/.zst too) or .parquet "
+                   "(default: the embedded corpus)")
+    _add_reading_options(t, "train on")
+    t.add_argument("--max-bytes", type=positive_int, default=100_000_000,
+                   help="training sample size in UTF-8 bytes (default: 100,000,000)")
+    t.add_argument("--vocab-size", type=int_at_least(MIN_VOCAB), default=32768,
+                   help=f"ids in all: 256 bytes + merges + {len(SPECIAL_TOKENS)} specials (default: 32768, at least {MIN_VOCAB})")
+    t.add_argument("--backend", choices=("fast", "python"), default="fast",
+                   help="fast: rustbpe (default); python: the from-scratch reference trainer (same merges, slower)")
     t.add_argument("--out", required=True, help="output directory")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=cmd_train_tokenizer)
 
-    e = sub.add_parser("tok-eval", help="bytes/chars per token per domain, vs other tokenizers")
+    e = sub.add_parser(
+        "tok-eval", help="bytes/chars per token per domain, vs other tokenizers",
+        description="Compression (bytes and characters per token) per domain of your data or the embedded corpus, "
+        "against other tokenizers and optional baselines trained on the same data.",
+        epilog=EVAL_EXAMPLES, formatter_class=fmt,
+    )
     e.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json)")
-    e.add_argument("--compare", nargs="+", metavar="PATH", help="tiktoken ranks files or HF tokenizer dirs")
+    e.add_argument("--compare", nargs="+", metavar="PATH",
+                   help="other tokenizers: our artifacts, HF tokenizer dirs or tokenizer.json, tiktoken ranks files")
+    e.add_argument("--pattern", metavar="NAME_OR_REGEX",
+                   help="pre-tokenizer of plain tiktoken ranks files (--tokenizer, --compare): gpt2, cl100k, o200k or a regex")
+    e.add_argument("--input", nargs="+", metavar="GLOB", help="evaluate on these files as one domain, 'input'")
     e.add_argument("--domain-file", nargs="+", metavar="DOMAIN=GLOB", help="evaluate on your files per domain")
-    e.add_argument("--max-bytes-per-domain", type=int, default=1_000_000)
-    e.add_argument("--hf-baseline", action="store_true", help="also train HF's BpeTrainer at the same vocab")
-    e.add_argument("--hf-baseline-bytes", type=int, default=20_000_000)
-    e.add_argument("--overlap-sizes", metavar="SMALL,LARGE", help="train on two sample sizes; report merge overlap")
-    e.add_argument("--json", help="also write the rows as JSON here")
-    e.add_argument("--no-progress", action="store_true")
+    _add_reading_options(e, "evaluate on")
+    e.add_argument("--dataset-domain", metavar="NAME", help="the domain name of --dataset in the report (default: its name)")
+    e.add_argument("--max-bytes-per-domain", type=positive_int, default=1_000_000,
+                   help="UTF-8 bytes read per domain (default: 1,000,000)")
+    e.add_argument("--hf-baseline", action="store_true",
+                   help="also train HF's BpeTrainer at the same vocab, on the data given (default: the embedded corpus)")
+    e.add_argument("--hf-baseline-bytes", type=positive_int, default=20_000_000,
+                   help="bytes the HF baseline trains on, split equally among the domains (default: 20,000,000)")
+    e.add_argument("--overlap-sizes", type=int_pair, metavar="SMALL,LARGE",
+                   help="train on SMALL and LARGE bytes of the data given; report how many merges both learn")
+    e.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_tok_eval)

@@ -227,6 +227,25 @@ def _check_vocab(ids: np.ndarray, tok: InspectTokenizer, where: str) -> None:
                            "inspect with the tokenizer the data was built with")
 
 
+def split_directory(directory: Path, split: str | None = None) -> Path:
+    """The shard directory to read: ``directory`` itself when it holds shards, else its
+    ``split`` sub-directory (a prebuild's output holds ``train/`` and ``val/``)."""
+    if any(directory.glob("shard_*.tokens.bin")):
+        if split is not None and directory.name != split:
+            raise InspectError(f"{directory}: this is one split's shard directory, not {split!r}; pass the prebuild "
+                               f"output directory (its parent) with --split {split}, or this directory without --split")
+        return directory
+    splits = sorted(d.name for d in directory.iterdir() if d.is_dir() and any(d.glob("shard_*.tokens.bin")))
+    if not splits:
+        raise InspectError(f"{directory}: no shard_*.tokens.bin files here or in a split directory (train/, val/); "
+                           "is this a prebuilt shard directory?")
+    if split is None:
+        split = "train" if "train" in splits else splits[0]
+    if split not in splits:
+        raise InspectError(f"{directory}: no split {split!r}; it has {', '.join(splits)}: pass --split with one of them")
+    return directory / split
+
+
 def inspect_shards(directory: Path, tok: InspectTokenizer, limit: int = 64) -> Report:
     windows, manifest = read_shard_windows(directory, limit)
     if manifest.get("vocab_size") not in (None, tok.vocab_size):
@@ -245,9 +264,12 @@ def inspect_input(
     allow_template_text: bool = False,
     seq_len: int | None = None,
     overlong: str = "truncate",
+    split: str | None = None,
 ) -> Report:
     """Inspect a conversations file, a shard directory or a saved batch (chosen by what it is).
-    ``allow_template_text``, ``seq_len`` and ``overlong`` apply to conversations files."""
+    A shard directory is one split's (``OUT/train``) or a prebuild's output ``OUT`` itself, whose
+    ``split`` is read (default: ``train``, else the first there is). ``allow_template_text``,
+    ``seq_len`` and ``overlong`` apply to conversations files."""
     tok = tokenizer if isinstance(tokenizer, InspectTokenizer) else load_tokenizer(tokenizer, prefer_hf)
     p = Path(path)
     if not p.exists():
@@ -255,7 +277,7 @@ def inspect_input(
     if p.is_file() and p.name.startswith("shard_") and p.name.endswith(".tokens.bin"):
         p = p.parent  # a shard file: read it with its manifest
     if p.is_dir():
-        return inspect_shards(p, tok, limit or 64)
+        return inspect_shards(split_directory(p, split), tok, limit or 64)
     if p.suffix in (".pt", ".pth", ".bin") or p.name.endswith(".batch"):
         return inspect_batch_file(p, tok, limit or 64)
     return inspect_conversations(p, tok, limit or 200, allow_template_text=allow_template_text, seq_len=seq_len, overlong=overlong)

@@ -3,8 +3,13 @@ and ``train_from_iterable``, the one entry point to both training backends.
 
 Encoding is rank-priority merging over token bytes (tiktoken's rule: repeatedly merge the
 adjacent pair whose concatenation has the lowest id, leftmost first; a chunk that is itself a
-token maps to it directly). The pure-Python encoder here is the reference; ``encode_batch``
-runs the same ranks through tiktoken's Rust core for speed and must agree with it.
+token maps to it directly). Every public encoder (``encode``, ``encode_ordinary``,
+``encode_batch``, ``encode_batch_numpy``) runs the ranks through tiktoken's Rust core; the
+pure-Python ``encode_reference`` is the specification they are tested against (~50x slower).
+All of them first cut text inside very long whitespace runs (``segments.split_long_runs``),
+which the Rust regex cannot match; if the core still fails on a text, that text is encoded by
+the reference encoder instead, with a warning and a count (``core_fallbacks``): no document
+can take a run down.
 """
 
 from __future__ import annotations
@@ -31,6 +36,10 @@ from stacklm.tokenizer.artifact import (
 )
 from stacklm.tokenizer.backends import BACKENDS, get_backend
 from stacklm.tokenizer.rules import merge, replace_lone_surrogates
+from stacklm.tokenizer.segments import core_failure as _core_failure
+from stacklm.tokenizer.segments import pieces_of as _pieces_of
+from stacklm.tokenizer.segments import regroup_lists as _regroup_lists
+from stacklm.tokenizer.segments import split_long_runs
 from stacklm.tokenizer.specials import (
     DEFAULT_VOCAB_SIZE,
     GPT4_PATTERN,
@@ -112,6 +121,7 @@ class StackTokenizer:
         self.duplicate_ids = [i for i, b in enumerate(self._id_bytes[:n_base]) if self._ranks[b] != i]
         self._cache = _BoundedCache(self.MAX_CACHE_ENTRIES)
         self._tiktoken = None
+        self.core_fallbacks = 0  # texts the Rust core failed on, encoded by the reference instead
         self._pool = None
         self._pool_threads = 0  # the pool's size (executors do not expose theirs publicly)
         self._special_regex_cache: dict[frozenset[str], Any] = {}
@@ -186,12 +196,8 @@ class StackTokenizer:
         return ids
 
     def encode_ordinary(self, text: str) -> list[int]:
-        """Encode untrusted text: special-token strings in it are ordinary bytes."""
-        text = replace_lone_surrogates(text)
-        out: list[int] = []
-        for chunk in self._compiled.findall(text):
-            out.extend(self._encode_chunk(chunk))
-        return out
+        """Encode untrusted text: special-token strings in it are ordinary bytes (fast path)."""
+        return self._encode_fast(text, frozenset())
 
     def encode(
         self,
@@ -199,24 +205,79 @@ class StackTokenizer:
         allowed_special: AllowedSpecial = frozenset(),
         add_special_tokens: bool = False,
     ) -> list[int]:
-        """Encode ``text``. By default special strings are ordinary bytes (untrusted text);
-        a trusted call site opts in with ``allowed_special`` (a set of names or ``"all"``) and/or
-        ``add_special_tokens=True`` (wraps the result in ``<|bos|> ... <|eos|>``)."""
+        """Encode ``text`` through the Rust core. By default special strings are ordinary bytes
+        (untrusted text); a trusted call site opts in with ``allowed_special`` (a set of names
+        or ``"all"``) and/or ``add_special_tokens=True`` (wraps the result in
+        ``<|bos|> ... <|eos|>``). Same ids as ``encode_reference``."""
+        ids = self._encode_fast(text, self._resolve_allowed(allowed_special))
+        if add_special_tokens:
+            ids = [self.bos_id, *ids, self.eos_id]
+        return ids
+
+    def encode_reference(
+        self,
+        text: str,
+        allowed_special: AllowedSpecial = frozenset(),
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """``encode`` in pure Python: the obviously-right reference the fast paths are tested
+        against (and fall back to), ~2.5 MB/s. Not for bulk work."""
         allowed = self._resolve_allowed(allowed_special)
         if not allowed:
-            ids = self.encode_ordinary(text)
+            ids = self.encode_ordinary_reference(text)
         else:
             ids = []
             splitter = self._special_splitter(allowed)
             pos = 0
             for m in splitter.finditer(text):
-                ids.extend(self.encode_ordinary(text[pos : m.start()]))
+                ids.extend(self.encode_ordinary_reference(text[pos : m.start()]))
                 ids.append(self.named_tokens[m.group()])
                 pos = m.end()
-            ids.extend(self.encode_ordinary(text[pos:]))
+            ids.extend(self.encode_ordinary_reference(text[pos:]))
         if add_special_tokens:
             ids = [self.bos_id, *ids, self.eos_id]
         return ids
+
+    def encode_ordinary_reference(self, text: str) -> list[int]:
+        """``encode_ordinary`` in pure Python (see ``encode_reference``)."""
+        text = replace_lone_surrogates(text)
+        out: list[int] = []
+        for piece in split_long_runs(text):
+            for chunk in self._compiled.findall(piece):
+                out.extend(self._encode_chunk(chunk))
+        return out
+
+    def _core(self):
+        """The tiktoken ``Encoding`` of these ranks, built once (thread-safe)."""
+        if self._tiktoken is None:
+            with _LAZY_INIT:
+                if self._tiktoken is None:
+                    self._tiktoken = self.to_tiktoken()
+        return self._tiktoken
+
+    def _encode_fast(self, text: str, allowed: frozenset[str]) -> list[int]:
+        """One text through the Rust core, piece by piece (``split_long_runs``)."""
+        core = self._core()
+        try:
+            if allowed:
+                special = set(allowed)
+                return [i for piece in split_long_runs(text) for i in core.encode(piece, allowed_special=special, disallowed_special=())]
+            return [i for piece in split_long_runs(text) for i in core.encode_ordinary(piece)]
+        except BaseException as e:
+            if not _core_failure(e):
+                raise
+            self._note_fallback(e, text)
+            return self.encode_reference(text, allowed)
+
+    def _note_fallback(self, error: BaseException, text: str) -> None:
+        """Count and log one text the Rust core failed on (encoded by the reference instead)."""
+        with _LAZY_INIT:
+            self.core_fallbacks += 1
+        logger.warning(
+            "tokenizer: the Rust core failed on a text of %d characters (%s: %s); encoded it with the "
+            "reference encoder instead (%d such text(s) so far)",
+            len(text), type(error).__name__, str(error)[:200], self.core_fallbacks,
+        )
 
     def _special_splitter(self, allowed: frozenset[str]):
         rx = self._special_regex_cache.get(allowed)
@@ -244,17 +305,23 @@ class StackTokenizer:
         add_special_tokens: bool = False,
     ) -> list[list[int]]:
         """Encode many texts through tiktoken's Rust core (threads release the GIL)."""
-        if self._tiktoken is None:
-            self._tiktoken = self.to_tiktoken()
+        core = self._core()
         allowed = self._resolve_allowed(allowed_special)
         if not isinstance(texts, list):
             texts = list(texts)
-        if allowed:
-            out = self._tiktoken.encode_batch(
-                texts, num_threads=num_threads, allowed_special=set(allowed), disallowed_special=()
-            )
+        pieces, owners = _pieces_of(texts)
+        try:
+            if allowed:
+                out = core.encode_batch(pieces, num_threads=num_threads, allowed_special=set(allowed), disallowed_special=())
+            else:
+                out = core.encode_ordinary_batch(pieces, num_threads=num_threads)
+        except BaseException as e:
+            if not _core_failure(e):
+                raise
+            out = [self._encode_fast(t, allowed) for t in texts]  # one by one: only the failing one falls back
         else:
-            out = self._tiktoken.encode_ordinary_batch(texts, num_threads=num_threads)
+            if owners is not None:
+                out = _regroup_lists(out, owners, len(texts))
         if add_special_tokens:
             out = [[self.bos_id, *ids, self.eos_id] for ids in out]
         return out
@@ -272,7 +339,9 @@ class StackTokenizer:
         The separator is the pad token, allowed only in that call; a text that contains its
         string (or lone surrogates) is encoded on its own, as untrusted text. Both go through
         tiktoken's public ``Encoding.encode_to_numpy`` (tiktoken >= 0.11: before, it ignored
-        ``allowed_special`` and allowed every special).
+        ``allowed_special`` and allowed every special). A text with a very long whitespace run
+        goes in as its ``split_long_runs`` pieces, re-joined after; a chunk the core fails on is
+        retried text by text, and a failing text falls back to the reference encoder.
         """
         with _LAZY_INIT:  # the data pipes call this from several threads at once
             if self._tiktoken is None:
@@ -285,10 +354,18 @@ class StackTokenizer:
                 self._pool_threads = num_threads
         if not isinstance(texts, list):
             texts = list(texts)
-        chunks = _balanced_chunks(texts, 1 if num_threads <= 1 else 4 * num_threads)
+        pieces, owners = _pieces_of(texts)
+        chunks = _balanced_chunks(pieces, 1 if num_threads <= 1 else 4 * num_threads)
         if num_threads <= 1 or len(chunks) < 2:
-            return [ids for lo, hi in chunks for ids in self._encode_joined(texts[lo:hi])]
-        return [ids for part in pool.map(lambda span: self._encode_joined(texts[span[0] : span[1]]), chunks) for ids in part]
+            out = [ids for lo, hi in chunks for ids in self._encode_joined(pieces[lo:hi])]
+        else:
+            out = [ids for part in pool.map(lambda span: self._encode_joined(pieces[span[0] : span[1]]), chunks) for ids in part]
+        if owners is None:
+            return out
+        grouped: list[list[np.ndarray]] = [[] for _ in texts]
+        for i, ids in zip(owners, out):
+            grouped[i].append(ids)
+        return [g[0] if len(g) == 1 else np.concatenate(g) for g in grouped]
 
     def _encode_joined(self, texts: list[str]) -> list[np.ndarray]:
         """``texts`` encoded in one core call (see ``encode_batch_numpy``)."""
@@ -303,6 +380,10 @@ class StackTokenizer:
             ids = self._tiktoken.encode_to_numpy(sep.join(texts), allowed_special={sep}, disallowed_special=()).view(np.int32)
         except UnicodeEncodeError:  # a lone surrogate somewhere: each text on its own
             return [self._encode_one(t) for t in texts]
+        except BaseException as e:
+            if not _core_failure(e):
+                raise
+            return [self._encode_one(t) for t in texts]  # only the failing text falls back
         cuts = np.flatnonzero(ids == self.pad_id)
         starts = np.concatenate(([0], cuts + 1)).tolist()
         ends = np.concatenate((cuts, [ids.size])).tolist()
@@ -312,9 +393,15 @@ class StackTokenizer:
         """One untrusted text (special strings are ordinary bytes), lone surrogates repaired."""
         encode = self._tiktoken.encode_to_numpy
         try:
-            ids = encode(text, disallowed_special=())
-        except UnicodeEncodeError:  # tiktoken's numpy path does not repair surrogates itself
-            ids = encode(replace_lone_surrogates(text), disallowed_special=())
+            try:
+                ids = encode(text, disallowed_special=())
+            except UnicodeEncodeError:  # tiktoken's numpy path does not repair surrogates itself
+                ids = encode(replace_lone_surrogates(text), disallowed_special=())
+        except BaseException as e:
+            if not _core_failure(e):
+                raise
+            self._note_fallback(e, text)
+            return np.asarray(self.encode_ordinary_reference(text), dtype=np.int32)
         return ids.view(np.int32)
 
     # ------------------------------------------------------------------ decode
@@ -437,6 +524,7 @@ def train_from_iterable(
     regex.compile(pattern)
 
     surrogates = 0
+    docs_seen = [0]
 
     def clean(stream: Iterable[str]):
         nonlocal surrogates
@@ -448,7 +536,8 @@ def train_from_iterable(
                 surrogates += fixed.count("\ufffd") - doc.count("\ufffd")
                 doc = fixed
             if doc:
-                yield doc
+                docs_seen[0] += 1
+                yield from split_long_runs(doc)  # as encoding does; the Rust regex fails on ~1M runs
 
     bar = bar2 = None
     if progress:
@@ -479,7 +568,7 @@ def train_from_iterable(
     meta = {
         "backend": backend,
         "bytes_seen": meter.bytes,
-        "docs_seen": meter.docs,
+        "docs_seen": docs_seen[0],
         "surrogates_replaced": surrogates,
         "shortfall": shortfall,
         "train_seconds": round(seconds, 3),
@@ -493,4 +582,4 @@ def train_from_iterable(
         merge_pairs=out.merges,
         metadata=meta,
     )
-    return TrainResult(tok, len(out.token_bytes), shortfall, backend, seconds, meter.bytes, meter.docs, surrogates)
+    return TrainResult(tok, len(out.token_bytes), shortfall, backend, seconds, meter.bytes, docs_seen[0], surrogates)

@@ -189,18 +189,19 @@ def domain_texts_from_corpus(
 
 
 def domain_texts_from_files(
-    files_by_domain: Mapping[str, Any], max_bytes: int = DEFAULT_DOMAIN_BYTES
+    files_by_domain: Mapping[str, Any], max_bytes: int = DEFAULT_DOMAIN_BYTES, *, text_column: str = "text"
 ) -> tuple[dict[str, list[str]], dict[str, Any]]:
-    """Read user files per domain (paths or globs) through ``stream_sample``.
+    """Read user files per domain (paths or globs: text, JSON lines or parquet with
+    ``text_column``) through ``inputs.open_text_input``.
 
     Returns ``(texts, audits)``: the byte-budgeted chunks per domain and each domain's
     ``SampleAudit`` so the caller can print what was replaced or removed.
     """
-    from stacklm.tokenizer.sample import stream_sample
+    from stacklm.tokenizer.inputs import open_text_input
 
     texts, audits = {}, {}
     for domain, spec in files_by_domain.items():
-        sample = stream_sample(spec, max_bytes)
+        sample = open_text_input(spec, max_bytes, text_column=text_column)
         texts[domain] = list(sample)
         audits[domain] = sample.audit
     return texts, audits

@@ -14,6 +14,7 @@ builds these from tiktoken and Hugging Face files.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -23,6 +24,9 @@ import regex
 
 from stacklm.tokenizer.artifact import TokenizerImportError
 from stacklm.tokenizer.rules import merge, replace_lone_surrogates
+from stacklm.tokenizer.segments import core_failure
+
+logger = logging.getLogger(__name__)
 
 
 class ForeignBPETokenizer:
@@ -204,10 +208,17 @@ class ForeignBPETokenizer:
         if self._library is None:
             self._library = self._library_factory()
         lib = self._library
-        if hasattr(lib, "encode_ordinary_batch"):  # tiktoken
-            out = lib.encode_ordinary_batch(list(texts), num_threads=num_threads)
-        else:  # tokenizers.Tokenizer with encode_special_tokens=True
-            out = [e.ids for e in lib.encode_batch(list(texts), add_special_tokens=False)]
+        try:
+            if hasattr(lib, "encode_ordinary_batch"):  # tiktoken
+                out = lib.encode_ordinary_batch(list(texts), num_threads=num_threads)
+            else:  # tokenizers.Tokenizer with encode_special_tokens=True
+                out = [e.ids for e in lib.encode_batch(list(texts), add_special_tokens=False)]
+        except BaseException as e:  # the Rust regex fails on megabyte whitespace runs: our encoder does not
+            if not core_failure(e):
+                raise
+            logger.warning("%s: the source library failed on this batch (%s: %s); encoding it in Python instead",
+                           self.source, type(e).__name__, str(e)[:200])
+            return [self.encode(t, allowed, add_special_tokens) for t in texts]
         if add_special_tokens:
             bos, eos = self.named_tokens["<|bos|>"], self.named_tokens["<|eos|>"]
             out = [[bos, *ids, eos] for ids in out]

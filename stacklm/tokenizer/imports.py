@@ -44,6 +44,41 @@ from stacklm.tokenizer.specials import N_BYTES, unused_token
 # tokenizers' ByteLevel(use_regex=True) split: GPT-2's pattern
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 
+# The pre-tokenizer patterns of OpenAI's tiktoken encodings (tiktoken_ext/openai_public.py),
+# by name: a plain ``.tiktoken`` ranks file carries none, so ``from_tiktoken`` needs one.
+TIKTOKEN_PATTERNS = {
+    "gpt2": r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s""",
+    "cl100k": r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}++|\p{N}{1,3}+| ?[^\s\p{L}\p{N}]++[\r\n]*+|\s++$|\s*[\r\n]|\s+(?!\S)|\s""",
+    "o200k": "|".join(  # noqa: FLY002 - as tiktoken writes it, so the two compare line by line
+        [
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+            r"""\p{N}{1,3}""",
+            r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+            r"""\s*[\r\n]+""",
+            r"""\s+(?!\S)""",
+            r"""\s+""",
+        ]
+    ),
+}
+_PATTERN_ALIASES = {"r50k": "gpt2", "r50k_base": "gpt2", "p50k": "gpt2", "p50k_base": "gpt2",
+                    "cl100k_base": "cl100k", "o200k_base": "o200k"}
+
+
+def resolve_pattern(spec: str) -> str:
+    """A pre-tokenizer pattern from a name (``gpt2``, ``cl100k``, ``o200k``; also their
+    ``*_base`` names) or a regex, checked to compile."""
+    name = _PATTERN_ALIASES.get(spec, spec)
+    if name in TIKTOKEN_PATTERNS:
+        return TIKTOKEN_PATTERNS[name]
+    try:
+        regex.compile(spec)
+    except regex.error as e:
+        raise TokenizerImportError(
+            f"pattern {spec!r} is neither a known name ({', '.join(TIKTOKEN_PATTERNS)}) nor a valid regex ({e})"
+        ) from None
+    return spec
+
 
 # ---------------------------------------------------------------------- layout check
 def _stack_layout(ranks: Mapping[bytes, int], named: Mapping[str, int],

@@ -1,6 +1,6 @@
 """Training input for the tokenizer: a byte-budgeted, streamed, audited text sample.
 
-``stream_sample(paths_or_globs, max_bytes)`` reads files block by block (never a whole file,
+``stream_sample(paths_or_globs, max_bytes)`` reads files (plain, .gz or .zst) block by block (never a whole file,
 so a 100 MB single line costs a few MB of memory), decodes them as UTF-8 and yields text
 chunks of at most ``chunk_bytes`` UTF-8 bytes. ``sample_texts(texts, max_bytes)`` applies the
 same rules to in-memory strings (e.g. ``stacklm.corpus.iter_default_corpus()``).
@@ -54,6 +54,8 @@ COUNTERS = (
     "forced_cuts",
 )
 _LOSS_COUNTERS = ("invalid_utf8_replaced", "nul_bytes_removed", "lone_surrogates_replaced")
+# records (JSON lines, parquet, datasets rows) skipped by the source node, by reason
+RECORD_COUNTERS = ("records_empty", "records_binary", "records_invalid", "blank_lines")
 
 _REPLACEMENT = "\ufffd"
 _REPLACEMENT_UTF8 = _REPLACEMENT.encode("utf-8")
@@ -131,6 +133,13 @@ class SampleAudit:
         lines.append(f"  byte loss: {loss}; forced_cuts={self.total('forced_cuts'):,}")
         if self.duplicate_paths:
             lines.append(f"  skipped {len(self.duplicate_paths)} path(s) matched twice: {self.duplicate_paths[:5]}")
+        records = [c for c in self.per_file.values() if "records_empty" in c]
+        if records:  # JSON lines / parquet / datasets inputs (stacklm.tokenizer.inputs)
+            skipped = {k: sum(c.get(k, 0) for c in records) for k in RECORD_COUNTERS}
+            lines.append(
+                f"  records: {sum(c['documents'] for c in records):,} documents read; skipped: "
+                + ", ".join(f"{k}={v:,}" for k, v in skipped.items())
+            )
         lossy = [(n, c) for n, c in self.per_file.items() if any(c[k] for k in _LOSS_COUNTERS)]
         for name, c in lossy[:max_files]:
             detail = ", ".join(f"{k}={c[k]:,}" for k in _LOSS_COUNTERS if c[k])
@@ -338,8 +347,11 @@ def _check_sizes(max_bytes: int | None, chunk_bytes: int) -> None:
 def _file_pieces(path: str, budget: _Budget, read_bytes: int, counts: dict[str, int]) -> Iterator[str]:
     """Cleaned text of one file, block by block. Near the end of the budget reads shrink so
     the audit does not count bytes far beyond what the sample uses."""
+    # .gz / .zst decompressed on the fly
+    from stacklm.data.sources.readers import open_binary
+
     carry = b""
-    with open(path, "rb") as f:
+    with open_binary(path) as f:
         while True:
             want = read_bytes
             if budget.left is not None:

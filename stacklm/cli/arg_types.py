@@ -1,0 +1,47 @@
+"""argparse ``type=`` functions that refuse out-of-range values with the allowed range.
+
+Why here and not in the library: argparse reports a ``type`` function's ``ArgumentTypeError``
+as ``stacklm CMD: error: argument --workers: must be an integer >= 1, got 0`` with exit
+status 2, before any work starts; ``--workers 0`` no longer silently becomes 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def int_at_least(lo: int, *, also: tuple[int, ...] = (), what: str = "") -> Callable[[str], int]:
+    """A type accepting integers >= ``lo`` (and the special values in ``also``)."""
+
+    def parse(text: str) -> int:
+        extra = "".join(f" or {v}{what}" for v in also)
+        try:
+            value = int(text.replace("_", ""))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}{extra}, got {text!r}") from None
+        if value < lo and value not in also:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {lo}{extra}, got {value}")
+        return value
+
+    parse.__name__ = f"int>={lo}"
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def int_pair(text: str) -> tuple[int, int]:
+    """``SMALL,LARGE``: two positive integers, the first smaller."""
+    parts = text.replace("_", "").split(",")
+    try:
+        small, large = (int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected SMALL,LARGE (two positive integers, e.g. 1000000,5000000), got {text!r}") from None
+    if not 0 < small < large:
+        raise argparse.ArgumentTypeError(f"expected 0 < SMALL < LARGE, got {small},{large}")
+    return small, large
+
+
+__all__ = ["int_at_least", "int_pair", "non_negative_int", "positive_int"]

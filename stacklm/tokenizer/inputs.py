@@ -1,0 +1,232 @@
+"""Tokenizer input from any text a user has: text files, JSON lines, parquet, ``datasets``.
+
+``open_text_input`` is what ``stacklm train-tokenizer`` and ``stacklm tok-eval`` read: plain
+text files (``.txt``, source code, ..., optionally ``.gz``/``.zst``) streamed block by block
+through ``sample.stream_sample``'s rules, and *records* -- JSON lines (``.jsonl``/``.json``/
+``.ndjson``, optionally compressed), parquet, or a ``datasets`` dataset (hub id or local
+builder such as ``json``/``parquet`` with ``data_files``) -- whose ``text_column`` is read by
+the same source nodes the data pipes use (``stacklm.data.sources``: JSON errors naming the
+line, the missing-column error with the nearest name, the byte-loss audit). Each record is a
+document: chunks never span two.
+
+Why refuse instead of read: a JSON-lines file read as raw text trains a tokenizer on JSON
+quoting and ``\\n`` escapes, and a binary file trains it on noise, and both "succeed". So a
+file read as text is sniffed first (its first 64 KiB): mostly NUL/control bytes or invalid
+UTF-8 is refused as binary, and lines that are JSON objects are refused with the fix (name
+it ``.jsonl``; ``fmt="txt"``, the CLI's ``--raw-text``, reads it as raw text on purpose).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+
+from stacklm.data.audit import BINARY_INVALID_FRACTION, INVALID_RECORDS
+from stacklm.errors import StackLMError
+from stacklm.tokenizer.sample import (
+    DEFAULT_CHUNK_BYTES,
+    RECORD_COUNTERS,
+    SampleAudit,
+    TextSample,
+    _Budget,
+    _check_sizes,
+    _chunk_pieces,
+    _file_pieces,
+    _safe_split,
+    resolve_inputs,
+)
+
+FORMATS = ("auto", "txt")  # txt: every file is plain text (JSON too, on purpose)
+SNIFF_BYTES = 64 * 1024
+# Source-node counters (stacklm.data.audit / sources) -> this sample's audit counters.
+_NODE_COUNTERS = {
+    "invalid_utf8_replaced": "invalid_utf8_replaced",
+    "nul_removed": "nul_bytes_removed",
+    "surrogates_replaced": "lone_surrogates_replaced",
+    "dropped_empty": "records_empty",
+    "dropped_binary": "records_binary",
+    "blank_lines_skipped": "blank_lines",
+    # records that hold no document (``on_invalid: skip``): malformed JSON, null / non-string text, ...
+    **{reason: "records_invalid" for reason in INVALID_RECORDS},
+}
+# C0 controls that never occur in text (tab, newline, CR, form feed, vertical tab and escape do)
+_CONTROL = frozenset(chr(c) for c in range(32)) - set("\t\n\r\f\v\x1b")
+
+
+class TextInputError(StackLMError, ValueError):
+    """An input that cannot be tokenizer training/evaluation text; the message names the file
+    and the fix."""
+
+
+class TextInputNotFoundError(TextInputError, FileNotFoundError):
+    """An input path or glob that matches no file."""
+
+
+def input_format(path: str, fmt: str = "auto") -> str:
+    """``txt`` / ``jsonl`` / ``parquet`` for ``path``: from the name when ``fmt`` is ``auto``
+    (``stacklm.data.sources.file_format``; any other name, ``.py``, ``.c`` or none, is text);
+    ``txt`` reads every file as plain text."""
+    if fmt not in FORMATS:
+        raise TextInputError(f"unknown input format {fmt!r}; choose one of {', '.join(FORMATS)}")
+    if fmt != "auto":
+        return fmt
+    from stacklm.data.sources.files import file_format
+
+    try:
+        return file_format(path)
+    except ValueError:
+        return "txt"
+
+
+def check_text_head(path: str, head: bytes, *, complete: bool, json_ok: bool) -> None:
+    """Refuse ``path`` (whose first bytes are ``head``; ``complete`` when that is the whole
+    file) if it is binary or, unless ``json_ok``, JSON (see the module docstring)."""
+    if not head:
+        return
+    body, _ = _safe_split(head) if not complete else (head, b"")
+    text = (body or head).decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") + sum(1 for ch in text if ch in _CONTROL)
+    if bad > BINARY_INVALID_FRACTION * len(text):
+        raise TextInputError(
+            f"{path}: does not look like text ({bad / len(text):.0%} of its first {len(head):,} bytes are NUL/control "
+            f"bytes or invalid UTF-8). Pass text files (.txt, .md, code; .gz/.zst need their suffix), JSON lines "
+            f"(.jsonl) or parquet with --text-column"
+        )
+    if json_ok:
+        return
+    lines = text.splitlines()
+    if not complete and len(lines) > 1:
+        lines = lines[:-1]  # the last line of a partial head may be cut
+    lines = [ln.strip() for ln in lines if ln.strip()][:3]
+    if not lines:
+        return
+    if lines[0] in ("{", "[", "[{"):
+        kind = "JSON (a document starting with " + repr(lines[0]) + ")"
+    else:
+        try:
+            objs = [json.loads(ln) for ln in lines]
+        except (json.JSONDecodeError, RecursionError):
+            return
+        if not all(isinstance(o, dict) for o in objs):
+            return
+        keys = sorted({k for o in objs for k in o})[:8]
+        kind = f"JSON lines (each line an object with keys {keys})"
+    raise TextInputError(
+        f"{path}: looks like {kind}; read as raw text it would teach the tokenizer JSON quoting and escapes. "
+        f"Name it .jsonl and choose the field with --text-column (default 'text'); "
+        f"--raw-text reads it as raw text on purpose"
+    )
+
+
+def _sniff(path: str, fmt: str) -> None:
+    from stacklm.data.sources.readers import open_binary
+
+    with open_binary(path) as f:
+        head = f.read(SNIFF_BYTES + 1)
+    check_text_head(path, head[:SNIFF_BYTES], complete=len(head) <= SNIFF_BYTES, json_ok=fmt == "txt")
+
+
+def _record_node(path: str, text_column: str):
+    """The data pipes' source node for one JSON-lines or parquet file."""
+    from stacklm.data.sources.files import LocalFileSource
+
+    return LocalFileSource(path, [path], "tokenizer", text_column=text_column)
+
+
+def _dataset_node(path: str, config: str | None, split: str, data_files: Sequence[str] | None, text_column: str):
+    from stacklm.data.sources.hub import HFStreamSource
+
+    return HFStreamSource(path, path, "tokenizer", config_name=config, split=split, data_files=data_files,
+                          text_column=text_column)
+
+
+def _records(node, name: str, audit: SampleAudit, budget: _Budget, chunk_bytes: int) -> Iterator[str]:
+    """Chunks of every document of ``node``, counted in ``audit.per_file[name]``."""
+    counts = audit._counts(name)
+    for key in ("documents", *RECORD_COUNTERS):
+        counts.setdefault(key, 0)
+    node.reset()
+    try:
+        while not budget.done:
+            try:
+                doc = node.next()
+            except StopIteration:
+                break
+            text = doc["text"]
+            counts["documents"] += 1
+            counts["bytes_read"] += len(text) if text.isascii() else len(text.encode("utf-8"))
+            yield from _chunk_pieces((text,), budget, chunk_bytes, counts, audit)
+    finally:
+        for stats in node.stats.to_dict().values():
+            for reason, n in stats.items():
+                if reason in _NODE_COUNTERS:
+                    key = _NODE_COUNTERS[reason]
+                    counts[key] = counts.get(key, 0) + n
+        node._close()
+
+
+def open_text_input(
+    inputs: str | os.PathLike | Iterable[str | os.PathLike] | None = None,
+    max_bytes: int | None = None,
+    *,
+    text_column: str = "text",
+    fmt: str = "auto",
+    dataset: str | None = None,
+    dataset_config: str | None = None,
+    split: str = "train",
+    data_files: Sequence[str] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> TextSample:
+    """Text chunks (each <= ``chunk_bytes``) from files/globs ``inputs`` or a ``datasets``
+    ``dataset``, the first ``max_bytes`` UTF-8 bytes of them (``None``: all), with an audit.
+
+    Files are resolved and every text file sniffed up front, so a missing file, a binary file
+    or JSON read as text fails here, naming the file, before any training starts.
+    """
+    _check_sizes(max_bytes, chunk_bytes)
+    if (inputs is None) == (dataset is None):
+        raise TextInputError("pass either input files/globs or a dataset (--input or --dataset), not both or neither")
+    if dataset is not None:
+        label = f"{dataset}" + (f" ({dataset_config})" if dataset_config else "") + f" [{split}]"
+        audit = SampleAudit([label], max_bytes, chunk_bytes)
+        node = _dataset_node(dataset, dataset_config, split, list(data_files) if data_files else None, text_column)
+
+        def gen_dataset() -> Iterator[str]:
+            yield from _records(node, label, audit, _Budget(max_bytes), chunk_bytes)
+
+        return TextSample(gen_dataset(), audit)
+    try:
+        files, duplicates = resolve_inputs(inputs)
+    except FileNotFoundError as e:
+        raise TextInputNotFoundError(f"{e}; check the path (cwd {os.getcwd()})") from None
+    except (IsADirectoryError, ValueError) as e:
+        raise TextInputError(str(e)) from None
+    formats = {path: input_format(path, fmt) for path in files}
+    for path, f in formats.items():
+        if f == "txt":
+            _sniff(path, fmt)
+    specs = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
+    audit = SampleAudit(specs, max_bytes, chunk_bytes)
+    audit.duplicate_paths = duplicates
+    block = max(chunk_bytes, 64 * 1024)
+
+    def gen_files() -> Iterator[str]:
+        budget = _Budget(max_bytes)
+        for path in files:
+            if budget.done:
+                break
+            if formats[path] == "txt":
+                counts = audit._counts(path)
+                pieces = _file_pieces(path, budget, block, counts)
+                try:
+                    yield from _chunk_pieces(pieces, budget, chunk_bytes, counts, audit)
+                finally:
+                    pieces.close()
+            else:
+                yield from _records(_record_node(path, text_column), path, audit, budget, chunk_bytes)
+
+    return TextSample(gen_files(), audit)
+
+
+__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "input_format", "open_text_input"]
