@@ -490,6 +490,12 @@ class PairBatchNode(BaseNode[dict]):
 class PreferencePipeline(SFTPipeline):
     """The built preference graph (``BuiltPipeline``); ``windows`` is the ``PairBatchNode``."""
 
+    @staticmethod
+    def padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
+        """A batch of filler rows only (no loss): what a loader worker that ran dry yields so
+        every rank takes the same number of steps (``datamodule.stream``)."""
+        return collate_preference([], seq_len, pad_id, batch_size)
+
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         out = super(SFTPipeline, self).stats()
         batch = self.windows.stats.to_dict()
@@ -529,12 +535,6 @@ def build_preference_pipeline(config: SFTConfig, tokenizer: Any, split: str = "t
         stream = ShuffleNode(stream, config.shuffle_buffer, seed=config.seed + 1)
     batches = PairBatchNode(stream, config.batch_size, config.seq_len, ct.pad, config.drop_last)
     return PreferencePipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=batches, batches=batches)
-
-
-def padding_preference_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """A preference batch of filler rows only (no loss): what a worker that ran dry yields so
-    every rank takes the same number of steps (``datamodule.stream``)."""
-    return collate_preference([], seq_len, pad_id, batch_size)
 
 
 class PreferenceBuilder:
