@@ -338,7 +338,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
     records = pairs[:30] + [{**pairs[0], "tools": tools}, {"prompt": "Plain <|end|> q", "chosen": "A", "rejected": "B"}]
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to=[], max_length=None, dataset_num_proc=None, use_cpu=True,
                      bf16=False, gradient_checkpointing=False)
-    trainer = DPOTrainer(model=_tiny_model(len(hf_tok)), args=args, train_dataset=dpo_dataset(records), processing_class=hf_tok)
+    trainer = DPOTrainer(model=_tiny_model(len(hf_tok)), ref_model=_tiny_model(len(hf_tok)), args=args, train_dataset=dpo_dataset(records), processing_class=hf_tok)
     rows = list(trainer.train_dataset)
     assert len(rows) == len(records)
     for rec, row in zip(records, rows, strict=True):
