@@ -285,7 +285,6 @@ def _trainer(root, callbacks, steps):
                      num_sanity_val_steps=0)
 
 
-@pytest.mark.slow
 def test_preference_mode_trains_and_resumes_exactly_with_a_worker(tokenizer_512, saved_tokenizer_dir, tmp_path):
     from stacklm.datamodule import StackDataModule
 
