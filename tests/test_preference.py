@@ -30,7 +30,7 @@ from stacklm.data.sft.preference import (
 )
 from stacklm.data.sources import ShardSpec
 from stacklm.data.stats import StageStats
-from tests.lightning_helpers import BatchRecorder
+from tests.lightning_helpers import BatchRecorder, TinyDPO
 from tests.resume import check_save_load_state
 from tests.test_sft import make_conversations, write_jsonl
 
@@ -256,29 +256,6 @@ def test_rank_and_worker_shares_are_disjoint_and_complete(tok, pairs, tmp_path, 
 # ---------------------------------------------------------------------------------------
 # StackDataModule(mode="preference") under a real Trainer
 # ---------------------------------------------------------------------------------------
-class TinyDPO(L.LightningModule):
-    """Embedding + head; the reference-free DPO loss -log sigmoid(logp(chosen) - logp(rejected))
-    over each side's trained tokens, so a batch's pairing and targets drive real steps."""
-
-    def __init__(self, vocab_size: int, dim: int = 16) -> None:
-        super().__init__()
-        self.emb, self.head = torch.nn.Embedding(vocab_size, dim), torch.nn.Linear(dim, vocab_size)
-
-    def _logp(self, side):
-        logits = self.head(self.emb(side["input_ids"])).log_softmax(-1)
-        t = side["targets"]
-        lp = logits.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        return (lp * (t != -100)).sum(-1)
-
-    def training_step(self, batch, batch_idx):
-        chosen, rejected = preference_sides(batch)
-        real = batch["pair_ids"] >= 0
-        return -torch.nn.functional.logsigmoid(self._logp(chosen) - self._logp(rejected))[real].sum() / real.sum().clamp(min=1)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def _trainer(root, callbacks, steps):
     return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, max_epochs=1, callbacks=callbacks, logger=False,
                      enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
@@ -348,3 +325,36 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
             assert row[f"{side}_ids"] == ids[out.n_prompt :].tolist(), rec
             assert np.flatnonzero(mask).tolist() == list(range(out.n_prompt, len(ids)))  # TRL's loss tokens are ours
     assert json.loads(dpo_dataset(records[-2:])[0]["tools"]) == tools
+
+
+@pytest.mark.slow
+def test_preference_mode_under_real_ddp_is_disjoint_complete_and_resumes(tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """Two gloo processes (``tests/ddp_fit.py``): equal step counts, disjoint pairs that together
+    are the whole train split, and a crash resumed from a checkpoint on both ranks exactly."""
+    from tests.test_ddp import run_ddp, seen
+
+    path = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(36))
+    pipeline = {"sources": [{"name": "p", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 4, "holdout_fraction": 0.1}
+    tok_dir = str(saved_tokenizer_dir(tokenizer_512))
+    common = ["--mode", "preference", "--tokenizer", tok_dir, "--pipeline", json.dumps(pipeline), "--seq-len", str(SEQ),
+              "--workers", "1"]
+    run_ddp(*common, "--out", str(tmp_path / "full"))
+    full = seen(tmp_path / "full")
+    assert len(full[0]) == len(full[1]) >= 4
+    ids = [[int(i) for s in rank for i in s[2] if int(i) >= 0] for rank in full]
+    assert not set(ids[0]) & set(ids[1]) and len(ids[0]) == len(set(ids[0]))
+    from stacklm.tokenizer.bpe import StackTokenizer
+
+    whole = _pair_ids(build_preference_pipeline(SFTConfig.from_dict({**pipeline, "seq_len": SEQ, "batch_size": 2}),
+                                                StackTokenizer.load(tok_dir)))
+    assert sorted(ids[0] + ids[1]) == sorted(whole)
+
+    k = 2
+    run_ddp(*common, "--out", str(tmp_path / "run1"), "--ckpt-every", str(k), "--crash-after", str(k + 1), expect_crash=True)
+    ckpt = tmp_path / "run1" / "ckpt" / f"epoch=0-step={k}.ckpt"
+    assert ckpt.exists()
+    run_ddp(*common, "--out", str(tmp_path / "run2"), "--resume", str(ckpt))
+    resumed = seen(tmp_path / "run2")
+    for r in (0, 1):
+        assert [s[1] for s in resumed[r]] == [s[1] for s in full[r][k:]]
+
