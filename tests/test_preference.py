@@ -197,8 +197,8 @@ def test_collate_keeps_each_pair_on_its_row_index(tok, pairs):
 def _config(tmp_path, pairs, **kw) -> SFTConfig:
     a = write_jsonl(tmp_path / "a.jsonl", pairs[: len(pairs) // 2] + ["{not json", {"prompt": "q", "chosen": "s", "rejected": "s"}])
     b = write_jsonl(tmp_path / "b.jsonl", pairs[len(pairs) // 2 :])
-    args = dict(sources=(SourceConfig("a", path=(str(a),), weight=2.0), SourceConfig("b", path=(str(b),))), seq_len=SEQ,
-                batch_size=3, shuffle_buffer=8, holdout_fraction=0.1, seed=3)
+    args = {"sources": (SourceConfig("a", path=(str(a),), weight=2.0), SourceConfig("b", path=(str(b),))), "seq_len": SEQ,
+            "batch_size": 3, "shuffle_buffer": 8, "holdout_fraction": 0.1, "seed": 3}
     args.update(kw)
     return SFTConfig(**args)
 
@@ -207,18 +207,34 @@ def _pair_ids(pipe) -> list[int]:
     return [i for b in pipe.batches for i in b["pair_ids"].tolist() if i >= 0]
 
 
+def count_batches(batches) -> dict[str, int]:
+    """Pairs, tokens and loss tokens in preference batches, counted from the tensors alone: a
+    side's tokens are its non-padding inputs plus the one lost to the shift."""
+    out = {"docs": 0, "tokens": 0, "loss_tokens": 0}
+    for b in batches:
+        real = b["pair_ids"] >= 0
+        out["docs"] += int(real.sum())
+        for side in ("chosen", "rejected"):
+            out["tokens"] += int(((b[f"{side}_seq_ids"] == 0) & real[:, None]).sum() + real.sum())
+            out["loss_tokens"] += int((b[f"{side}_targets"] != -100).sum())
+    return out
+
+
 def test_pipeline_counts_every_pair(tok, pairs, tmp_path):
     cfg = _config(tmp_path, pairs)
     delivered, lost = {}, 0
     for split in ("train", "val"):
         pipe = build_preference_pipeline(cfg, tok, split)
-        delivered[split] = _pair_ids(pipe)
+        batches = list(pipe.batches)
+        delivered[split] = [i for b in batches for i in b["pair_ids"].tolist() if i >= 0]
+        realized = pipe.realized()
+        assert {k: sum(r[k] for r in realized.values()) for k in ("docs", "tokens", "loss_tokens")} == count_batches(batches)
         st = pipe.stats()
         assert st["source"]["a"]["malformed_json"] == 1 and st["source"]["a"]["identical_pair"] == 1
         assert sum(per["kept"] for per in st["source"].values()) == len(pairs)  # every valid record read, on both splits
         render = st["render"]
         emitted = sum(per.get(k, 0) for per in render.values() for k in ("kept", "truncated", "truncated_start"))
-        assert emitted == len(delivered[split]) == sum(c["docs"] for c in pipe.realized().values())
+        assert emitted == len(delivered[split])
         lost += sum(per.get(k, 0) for per in render.values() for k in ("dropped_too_long", "nothing_to_train"))
         summary = pipe.packing()
         assert summary["pairs"] == len(delivered[split])
@@ -281,6 +297,10 @@ def test_preference_mode_trains_and_resumes_exactly_with_a_worker(tokenizer_512,
         batches = list(m.train_dataloader())
         per_rank.append(batches)
         assert all(tuple(b) == PREFERENCE_KEYS for b in batches)
+        # what the module logs is what the batches hold
+        stats = m.data_stats()
+        counted = count_batches(batches)
+        assert {k: stats["realized"]["p"][k] for k in ("docs", "tokens")} == {k: counted[k] for k in ("docs", "tokens")}
     assert len(per_rank[0]) == len(per_rank[1])
     ids = [[i for b in bs for i in b["pair_ids"].tolist() if i >= 0] for bs in per_rank]
     assert ids[0] and ids[1] and not set(ids[0]) & set(ids[1])

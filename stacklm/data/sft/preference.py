@@ -83,8 +83,23 @@ from stacklm.data.contract import IGNORE_INDEX
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.sft.pipeline import SFTPipeline
-from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
-from stacklm.data.sft.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT, tag_loss, truncation_point, untag_loss
+from stacklm.data.sft.reader import (
+    CONTENT_REPAIRED,
+    INVALID_UTF8_LINES,
+    ConversationSource,
+    conversation_text,
+    parse_json_line,
+)
+from stacklm.data.sft.render import (
+    DROPPED_TOO_LONG,
+    NOTHING_TO_TRAIN,
+    TRUNCATED,
+    TRUNCATED_START,
+    TURNS_CUT,
+    tag_loss,
+    truncation_point,
+    untag_loss,
+)
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
@@ -195,9 +210,9 @@ def pair_id(key: str) -> int:
 # ---------------------------------------------------------------------------------------
 @dataclass
 class RenderedPair:
-    """Both sides' ``(ids, mask)`` (int32 / int8, ``<|bos|> ... <|eos|>``) and the prompt length
-    (``<|bos|>``, the prompt turns and, when the completion opens with an assistant turn, the
-    generation prompt ``<|assistant|>``; no loss there)."""
+    """Both sides' ``(ids, mask)`` (int32 / int8, ``<|bos|> ... <|eos|>``) and the shared prompt's
+    length (``<|bos|>``, the prompt turns and, when both completions open with an assistant
+    turn, the generation prompt ``<|assistant|>``; no loss there)."""
 
     chosen: tuple[np.ndarray, np.ndarray]
     rejected: tuple[np.ndarray, np.ndarray]
@@ -258,8 +273,8 @@ def render_pair(
                 return None, DROPPED_TOO_LONG, 0
             prompt, p_segs, cut = [*prompt[:n_sys], *prompt[start:]], [*p_segs[:n_sys], *p_segs[start:]], start - n_sys
             outcome = TRUNCATED_START
-    (c_ids, c_mask, n_prompt), (r_ids, r_mask, _) = (_side(prompt, p_segs, comp, segs, tokenizer, policy) for comp, segs in sides)
-    return RenderedPair((c_ids, c_mask), (r_ids, r_mask), n_prompt), outcome, cut
+    (c_ids, c_mask, n_c), (r_ids, r_mask, n_r) = (_side(prompt, p_segs, comp, segs, tokenizer, policy) for comp, segs in sides)
+    return RenderedPair((c_ids, c_mask), (r_ids, r_mask), min(n_c, n_r)), outcome, cut
 
 
 def render_preference_record(record: Mapping[str, Any], tokenizer: Any, *, policy: LossPolicy = DEFAULT_POLICY,
@@ -269,7 +284,7 @@ def render_preference_record(record: Mapping[str, Any], tokenizer: Any, *, polic
     prompt, chosen, rejected = pair.turns()
     validate_conversation([*prompt, *chosen], require_assistant=False, where=pair.where)
     validate_conversation([*prompt, *rejected], require_assistant=False, where=pair.where)
-    out, outcome, _ = render_pair(prompt, chosen, rejected, tokenizer, policy=policy)
+    out, _, _ = render_pair(prompt, chosen, rejected, tokenizer, policy=policy)
     if out is None:
         raise ChatFormatError("a completion has no trained turn under the loss policy", reason=NOTHING_TO_TRAIN, where=pair.where)
     return out
@@ -439,8 +454,10 @@ class PairRenderNode(BaseNode[dict]):
 class PairBatchNode(BaseNode[dict]):
     """``batch_size`` rendered pairs -> one preference batch. A short last batch is filled with
     filler rows (``drop_last=False``, counted as ``pad_rows``) or its pairs dropped and counted
-    (``dropped_last_batch``), so every batch has the same shape. State: the source's and the
-    counters (batches, pairs, pair tokens, pad tokens, pad rows)."""
+    (``dropped_last_batch``), so every batch has the same shape. ``delivered()``: per source, the
+    pairs, tokens and loss tokens in the batches handed out -- counted here, after the shuffle
+    buffer, because the render stage's counts include the pairs still buffered. State: the
+    source's and the counters."""
 
     SOURCE_KEY = "source"
 
@@ -449,6 +466,7 @@ class PairBatchNode(BaseNode[dict]):
         self.source, self.batch_size, self.seq_len, self.pad_id, self.drop_last = source, int(batch_size), int(seq_len), pad_id, drop_last
         self.stats = StageStats("batch")
         self._counts = np.zeros(5, dtype=np.int64)
+        self._delivered: dict[str, list[int]] = {}
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -456,6 +474,10 @@ class PairBatchNode(BaseNode[dict]):
         self.source.reset(st.get(self.SOURCE_KEY))
         self.stats.load_dict(st.get("stats", {}))
         self._counts = np.array(st.get("counts", np.zeros(5)), dtype=np.int64)
+        self._delivered = {src: [int(x) for x in v] for src, v in st.get("delivered", {}).items()}
+
+    def delivered(self) -> dict[str, dict[str, int]]:
+        return {src: {"docs": v[0], "tokens": v[1], "loss_tokens": v[2]} for src, v in self._delivered.items()}
 
     def next(self) -> dict[str, torch.Tensor]:
         pairs = []
@@ -474,6 +496,9 @@ class PairBatchNode(BaseNode[dict]):
         real = sum(len(p["ids"]) - 2 for p in pairs)  # input positions of both sides (each loses one to the shift)
         total = 2 * self.batch_size * (self.seq_len - 1)
         self._counts += (1, len(pairs), real, total - real, self.batch_size - len(pairs))
+        for p in pairs:
+            d = self._delivered.setdefault(p.get("source", "?"), [0, 0, 0])
+            d[0], d[1], d[2] = d[0] + 1, d[1] + len(p["ids"]), d[2] + int((p["ids"] < 0).sum())
         return batch
 
     def summary(self) -> dict[str, Any]:
@@ -483,7 +508,8 @@ class PairBatchNode(BaseNode[dict]):
                 "pad_fraction": pad / total if total else 0.0}
 
     def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(), "stats": self.stats.to_dict(), "counts": self._counts.copy()}
+        return {self.SOURCE_KEY: self.source.state_dict(), "stats": self.stats.to_dict(), "counts": self._counts.copy(),
+                "delivered": {src: list(v) for src, v in self._delivered.items()}}
 
 
 @dataclass
@@ -495,6 +521,15 @@ class PreferencePipeline(SFTPipeline):
         """A batch of filler rows only (no loss): what a loader worker that ran dry yields so
         every rank takes the same number of steps (``datamodule.stream``)."""
         return collate_preference([], seq_len, pad_id, batch_size)
+
+    def realized(self) -> dict[str, dict[str, Any]]:
+        """Per source: pairs, tokens (both sides) and loss tokens delivered in batches, with the
+        target and realized token share (the shape ``StackDataModule.data_stats`` logs)."""
+        counts = self.windows.delivered()
+        total = max(sum(c["tokens"] for c in counts.values()), 1)
+        wsum = sum(s.weight for s in self.config.sources)
+        return {s.name: {**counts.get(s.name, {"docs": 0, "tokens": 0, "loss_tokens": 0}), "target_weight": s.weight / wsum,
+                         "realized_weight": counts.get(s.name, {}).get("tokens", 0) / total} for s in self.config.sources}
 
     def stats(self) -> dict[str, dict[str, dict[str, int]]]:
         out = super(SFTPipeline, self).stats()
