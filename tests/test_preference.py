@@ -179,14 +179,22 @@ def test_collate_keeps_each_pair_on_its_row_index(tok, pairs):
     for row, rec in enumerate(pairs[:6]):
         out = render_preference_record(rec, tok)
         for side, (ids, mask) in ((chosen, out.chosen), (rejected, out.rejected)):
-            n = len(ids) - 1
-            assert side["input_ids"][row, :n].tolist() == ids[:-1].tolist()
+            n = len(ids)  # the whole side is input (it is shorter than the row), then padding
+            assert side["input_ids"][row, :n].tolist() == ids.tolist()
             want_t = np.where(mask[1:].astype(bool), ids[1:], -100)
-            assert side["targets"][row, :n].tolist() == want_t.tolist()
-            assert (side["targets"][row, n:] == -100).all() and (side["input_ids"][row, n:] == tok.pad_id).all()
+            assert side["targets"][row, : n - 1].tolist() == want_t.tolist()
+            assert (side["targets"][row, n - 1 :] == -100).all() and (side["input_ids"][row, n:] == tok.pad_id).all()
             assert side["position_ids"][row, :n].tolist() == list(range(n))
             assert side["seq_ids"][row, :n].eq(0).all() and side["seq_ids"][row, n:].eq(1).all()
             assert (side["targets"][row] != -100).sum() == int(mask.sum())
+    # a side of exactly seq_len tokens fills the row: its <|eos|> is only a target, as in collate_sft
+    out = render_preference_record(pairs[0], tok)
+    longer = max((out.chosen, out.rejected), key=lambda s: len(s[0]))
+    full = preference_batch([pairs[0]], tok, len(longer[0]))
+    side = preference_sides(full)[0 if longer is out.chosen else 1]
+    assert side["input_ids"][0].tolist() == longer[0][:-1].tolist() and side["seq_ids"][0].eq(0).all()
+    assert side["targets"][0, -1] == tok.eos_id
+    assert count_batches([full], tok.eos_id)["tokens"] == len(out.chosen[0]) + len(out.rejected[0])
     fill = collate_preference([], 16, tok.pad_id, batch_size=3)
     assert fill["pair_ids"].tolist() == [-1, -1, -1] and (fill["chosen_targets"] == -100).all()
 
@@ -207,15 +215,17 @@ def _pair_ids(pipe) -> list[int]:
     return [i for b in pipe.batches for i in b["pair_ids"].tolist() if i >= 0]
 
 
-def count_batches(batches) -> dict[str, int]:
+def count_batches(batches, eos_id: int) -> dict[str, int]:
     """Pairs, tokens and loss tokens in preference batches, counted from the tensors alone: a
-    side's tokens are its non-padding inputs plus the one lost to the shift."""
+    side's tokens are its non-padding inputs, plus its final <|eos|> when it filled the row (then
+    that token is only a target)."""
     out = {"docs": 0, "tokens": 0, "loss_tokens": 0}
     for b in batches:
         real = b["pair_ids"] >= 0
         out["docs"] += int(real.sum())
         for side in ("chosen", "rejected"):
-            out["tokens"] += int(((b[f"{side}_seq_ids"] == 0) & real[:, None]).sum() + real.sum())
+            seq, inp = b[f"{side}_seq_ids"][real], b[f"{side}_input_ids"][real]
+            out["tokens"] += int((seq == 0).sum() + ((seq[:, -1] == 0) & (inp[:, -1] != eos_id)).sum())
             out["loss_tokens"] += int((b[f"{side}_targets"] != -100).sum())
     return out
 
@@ -228,7 +238,7 @@ def test_pipeline_counts_every_pair(tok, pairs, tmp_path):
         batches = list(pipe.batches)
         delivered[split] = [i for b in batches for i in b["pair_ids"].tolist() if i >= 0]
         realized = pipe.realized()
-        assert {k: sum(r[k] for r in realized.values()) for k in ("docs", "tokens", "loss_tokens")} == count_batches(batches)
+        assert {k: sum(r[k] for r in realized.values()) for k in ("docs", "tokens", "loss_tokens")} == count_batches(batches, tok.eos_id)
         st = pipe.stats()
         assert st["source"]["a"]["malformed_json"] == 1 and st["source"]["a"]["identical_pair"] == 1
         assert sum(per["kept"] for per in st["source"].values()) == len(pairs)  # every valid record read, on both splits
@@ -299,7 +309,7 @@ def test_preference_mode_trains_and_resumes_exactly_with_a_worker(tokenizer_512,
         assert all(tuple(b) == PREFERENCE_KEYS for b in batches)
         # what the module logs is what the batches hold
         stats = m.data_stats()
-        counted = count_batches(batches)
+        counted = count_batches(batches, m.tokenizer.eos_id)
         assert {k: stats["realized"]["p"][k] for k in ("docs", "tokens")} == {k: counted[k] for k in ("docs", "tokens")}
     assert len(per_rank[0]) == len(per_rank[1])
     ids = [[i for b in bs for i in b["pair_ids"].tolist() if i >= 0] for bs in per_rank]
@@ -377,4 +387,20 @@ def test_preference_mode_under_real_ddp_is_disjoint_complete_and_resumes(tokeniz
     resumed = seen(tmp_path / "run2")
     for r in (0, 1):
         assert [s[1] for s in resumed[r]] == [s[1] for s in full[r][k:]]
+
+
+def test_inspect_reads_a_saved_preference_batch(tok, saved_tokenizer_dir, pairs, tmp_path):
+    """``stacklm inspect`` checks both sides of every pair: all clean with the default policy
+    (stop tokens counted: each side's <|end|> and <|eos|>), an error without trained stop tokens."""
+    from stacklm.inspector import inspect_input
+
+    tok_dir = saved_tokenizer_dir(tok)
+    records = [p for p in pairs if isinstance(p.get("prompt"), str)][:5]  # plain pairs: one assistant turn a side
+    torch.save(preference_batch(records, tok, 512), tmp_path / "ok.pt")
+    ok = inspect_input(tmp_path / "ok.pt", tok_dir)
+    assert not ok.errors and ok.sequences == 2 * len(records) and ok.trained_stop_tokens == 4 * len(records)
+    batch = preference_batch(records, tok, 512, policy=LossPolicy(train_stop_token=False))
+    torch.save(batch, tmp_path / "bad.pt")
+    bad = inspect_input(tmp_path / "bad.pt", tok_dir)
+    assert {f.check for f in bad.errors} == {"stop_token_never_trained"}
 

@@ -37,8 +37,9 @@ pair the rule cannot fit is dropped (``dropped_too_long``).
 
 Batches (``collate_preference``, key order ``PREFERENCE_KEYS``): for each side ``chosen_*`` and
 ``rejected_*`` -- ``input_ids``, ``position_ids``, ``seq_ids``, ``targets`` -- ``(B, seq_len - 1)``
-long tensors, one pair per row index, each side's row padded after its sequence (padding is its
-own segment, ``seq_ids`` 1, positions restarting at 0, targets ``-100``); ``pair_ids`` ``(B,)``,
+long tensors, one pair per row index, each side laid out as ``collate_sft`` lays out a window
+(the side, then padding, less the last token; padding is its own segment, ``seq_ids`` 1,
+positions restarting at 0, targets ``-100``); ``pair_ids`` ``(B,)``,
 a stable 63-bit id of each pair from its source location (``-1`` on a filler row of the last,
 short batch). ``preference_sides`` splits a batch into two batch-contract dicts.
 
@@ -293,19 +294,21 @@ def render_preference_record(record: Mapping[str, Any], tokenizer: Any, *, polic
 # ---------------------------------------------------------------------------------------
 # Batches
 # ---------------------------------------------------------------------------------------
-def _fill_side(planes: np.ndarray, row: int, tagged: np.ndarray, pad_id: int) -> int:
-    """One side of one row: inputs, positions, segments, targets; returns its token count."""
+def _fill_side(planes: np.ndarray, row: int, tagged: np.ndarray, pad_id: int) -> None:
+    """One side of one row, as ``collate_sft`` lays out a window of ``seq_len`` tokens (the side,
+    then padding): inputs are the window less its last token, targets the window shifted by one
+    where it bears loss, so ``targets[i] == input_ids[i + 1]`` wherever both exist."""
     ids, loss = untag_loss(tagged.astype(np.int64))
-    n = len(ids) - 1
     width = planes.shape[2]
-    if n > width:
+    if len(ids) > width + 1:
         raise ValueError(f"a rendered side of {len(ids)} tokens does not fit rows of {width + 1}; render it with render_pair(seq_len=...)")
+    m = min(len(ids), width)
     inp, pos, seg, tgt = planes[:, row]
-    inp[:n], inp[n:] = ids[:-1], pad_id
-    pos[:n], pos[n:] = np.arange(n), np.arange(width - n)
-    seg[:n], seg[n:] = 0, 1
-    tgt[:n], tgt[n:] = np.where(loss[1:], ids[1:], IGNORE_INDEX), IGNORE_INDEX
-    return len(ids)
+    inp[:m], inp[m:] = ids[:m], pad_id
+    pos[:m], pos[m:] = np.arange(m), np.arange(width - m)
+    seg[:m], seg[m:] = 0, 1
+    tgt[:] = IGNORE_INDEX
+    tgt[: len(ids) - 1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)
 
 
 def collate_preference(pairs: Sequence[Mapping[str, Any]], seq_len: int, pad_id: int, batch_size: int | None = None) -> dict[str, torch.Tensor]:
@@ -493,8 +496,8 @@ class PairBatchNode(BaseNode[dict]):
                 self.stats.add(p.get("source", "?"), DROPPED_LAST_BATCH)
             raise StopIteration
         batch = collate_preference(pairs, self.seq_len, self.pad_id, self.batch_size)
-        real = sum(len(p["ids"]) - 2 for p in pairs)  # input positions of both sides (each loses one to the shift)
-        total = 2 * self.batch_size * (self.seq_len - 1)
+        real = sum(len(p["ids"]) for p in pairs)  # both sides' tokens, over windows of seq_len (as the SFT packer counts)
+        total = 2 * self.batch_size * self.seq_len
         self._counts += (1, len(pairs), real, total - real, self.batch_size - len(pairs))
         for p in pairs:
             d = self._delivered.setdefault(p.get("source", "?"), [0, 0, 0])
