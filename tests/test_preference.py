@@ -404,3 +404,20 @@ def test_inspect_reads_a_saved_preference_batch(tok, saved_tokenizer_dir, pairs,
     bad = inspect_input(tmp_path / "bad.pt", tok_dir)
     assert {f.check for f in bad.errors} == {"stop_token_never_trained"}
 
+
+def test_the_packaged_preference_config_builds_a_datamodule(tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """``--config preference``'s data section, pointed at local pairs, is a working datamodule."""
+    import yaml
+
+    from stacklm.configs import resolve_config
+    from stacklm.datamodule import StackDataModule
+
+    data = yaml.safe_load(resolve_config("preference").read_text())["data"]
+    assert data["mode"] == "preference"
+    path = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(12))
+    data["pipeline"]["sources"] = [{"name": "local", "kind": "local", "path": [str(path)]}]
+    data.update(tokenizer=str(saved_tokenizer_dir(tokenizer_512)), seq_len=SEQ, batch_size=2)
+    dm = StackDataModule(**data)
+    batches = list(dm.train_dataloader())
+    assert batches and all(tuple(b) == PREFERENCE_KEYS and b["chosen_input_ids"].shape == (2, SEQ - 1) for b in batches)
+
