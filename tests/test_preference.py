@@ -96,6 +96,11 @@ def test_the_three_formats_render_the_same_pair(tok):
         assert ids[: want.n_prompt].tolist() == p_ids.tolist() and not mask[: want.n_prompt].any()
     assert read_pair(explicit).format == "conversational" and read_pair(implicit).format == "implicit"
     assert read_pair(plain).format == "plain"
+    # lists stored as JSON text (parquet / hub) are messages; a reply that only looks like JSON is text
+    as_json = {k: json.dumps(v) for k, v in explicit.items()}
+    assert read_pair(as_json).chosen == read_pair(explicit).chosen
+    jsonish = read_pair({"prompt": "List?", "chosen": '[{"a": 1}]', "rejected": "[1, 2]"})
+    assert jsonish.format == "plain" and jsonish.chosen == [{"role": "assistant", "content": '[{"a": 1}]'}]
 
 
 def test_a_multi_turn_prompt_is_never_trained_and_the_stop_token_is(tok):

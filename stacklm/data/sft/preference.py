@@ -152,7 +152,18 @@ class PreferencePair:
 
 
 def _is_conversational(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) or (isinstance(value, str) and value.lstrip().startswith("[{"))
+    """A list of messages, or (parquet / hub data often store one so) a JSON string of one: a
+    list of objects each with ``role`` or ``from``. Any other string is plain text, so a reply
+    that merely looks like JSON is never read as messages."""
+    if isinstance(value, (list, tuple)):
+        return True
+    if not isinstance(value, str) or not value.lstrip().startswith("["):
+        return False
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        return False
+    return isinstance(parsed, list) and bool(parsed) and all(isinstance(m, Mapping) and ("role" in m or "from" in m) for m in parsed)
 
 
 def read_pair(record: Mapping[str, Any], *, role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES, where: str = "pair") -> PreferencePair:
