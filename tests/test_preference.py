@@ -299,9 +299,9 @@ def test_preference_mode_trains_and_resumes_exactly_with_a_worker(tokenizer_512,
     path = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(40))
     pipeline = {"sources": [{"name": "p", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 8, "holdout_fraction": 0.1}
 
-    def dm(rank=0, world=1):
+    def dm(rank=0, world=1, **kw):
         m = StackDataModule(mode="preference", tokenizer=str(saved_tokenizer_dir(tokenizer_512)), pipeline=pipeline, seq_len=SEQ,
-                            batch_size=2, num_workers=1, val_batches=0)
+                            batch_size=2, num_workers=1, val_batches=0, **kw)
         m.rank, m.world_size = rank, world
         return m
 
@@ -319,6 +319,16 @@ def test_preference_mode_trains_and_resumes_exactly_with_a_worker(tokenizer_512,
     assert len(per_rank[0]) == len(per_rank[1])
     ids = [[i for b in bs for i in b["pair_ids"].tolist() if i >= 0] for bs in per_rank]
     assert ids[0] and ids[1] and not set(ids[0]) & set(ids[1])
+    # a stream that runs dry is padded with filler batches of the same keys and shape, no loss
+    # (the worker warns, in its own process, and counts them in its summary)
+    n = len(list(dm().train_dataloader()))
+    m = dm(train_batches=n + 3)
+    long = list(m.train_dataloader())
+    assert next(iter(m._train_loader.worker_summaries.values()))["padding_batches"] == 3
+    fillers = [b for b in long if (b["pair_ids"] < 0).all()]
+    assert len(long) == n + 3 and len(fillers) == 3
+    assert all(tuple(b) == PREFERENCE_KEYS and b["chosen_input_ids"].shape == (2, SEQ - 1) for b in fillers)
+    assert all((b["chosen_targets"] == -100).all() and (b["rejected_targets"] == -100).all() for b in fillers)
 
     steps, k = 8, 3
     full = BatchRecorder()
