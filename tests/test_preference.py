@@ -19,7 +19,6 @@ from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.data.sft.preference import (
     PREFERENCE_KEYS,
-    build_preference_pipeline,
     collate_preference,
     dpo_dataset,
     preference_batch,
@@ -28,6 +27,7 @@ from stacklm.data.sft.preference import (
     render_pair,
     render_preference_record,
 )
+from stacklm.data.sft.preference_pipeline import build_preference_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.data.stats import StageStats
 from tests.lightning_helpers import BatchRecorder, TinyDPO

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stacklm.data.sft.preference import PreferenceBuilder
+from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
