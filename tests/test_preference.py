@@ -370,6 +370,19 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
             assert row[f"{side}_ids"] == ids[out.n_prompt :].tolist(), rec
             assert np.flatnonzero(mask).tolist() == list(range(out.n_prompt, len(ids)))  # TRL's loss tokens are ours
     assert json.loads(dpo_dataset(records[-2:])[0]["tools"]) == tools
+    # TRL's own reading of the raw conversational records, implicit prompts included (its
+    # extract_prompt), agrees with ours too
+    from datasets import Dataset
+
+    for kind in (0, 1):
+        raw = [r for i, r in enumerate(pairs[:30]) if i % 3 == kind]
+        trainer = DPOTrainer(model=_tiny_model(len(hf_tok)), ref_model=_tiny_model(len(hf_tok)), args=args,
+                             train_dataset=Dataset.from_list(raw), processing_class=hf_tok)
+        for rec, row in zip(raw, trainer.train_dataset, strict=True):
+            out = render_preference_record(rec, tok)
+            assert row["prompt_ids"] == out.chosen[0][: out.n_prompt].tolist()
+            assert row["chosen_ids"] == out.chosen[0][out.n_prompt :].tolist()
+            assert row["rejected_ids"] == out.rejected[0][out.n_prompt :].tolist()
 
 
 @pytest.mark.slow
