@@ -18,7 +18,7 @@ import lightning as L  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from stacklm.datamodule import StackDataModule  # noqa: E402
-from tests.lightning_helpers import DeliveredTokenTally, TinyLM, batch_hash  # noqa: E402
+from tests.lightning_helpers import DeliveredTokenTally, TinyDPO, TinyLM, batch_hash  # noqa: E402
 
 
 class Record(L.Callback):
@@ -26,7 +26,10 @@ class Record(L.Callback):
         self.out, self.crash_after, self.seen = out, crash_after, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        rows = [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in batch["input_ids"]]
+        if "pair_ids" in batch:  # preference batches: the pairs by id (-1: a filler row)
+            rows = [str(i) for i in batch["pair_ids"].tolist()]
+        else:
+            rows = [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in batch["input_ids"]]
         self.seen.append([trainer.global_step, batch_hash(batch), rows])
         self._dump(trainer)
 
@@ -79,7 +82,7 @@ def main() -> None:
         logger=logger, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, default_root_dir=a.out,
     )
-    trainer.fit(TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=a.resume)
+    trainer.fit((TinyDPO if a.mode == "preference" else TinyLM)(dm.vocab_size), datamodule=dm, ckpt_path=a.resume)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Small real Lightning pieces shared by the datamodule tests: a tiny model that trains on
-the batch contract and a callback that fingerprints every batch it sees."""
+"""Small real Lightning pieces shared by the datamodule tests: tiny models that train on the
+batch contract and on preference batches, and a callback that fingerprints every batch it sees."""
 
 from __future__ import annotations
 
@@ -25,6 +25,32 @@ class TinyLM(L.LightningModule):
         logits = self.head(self.emb(batch["input_ids"]))
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["targets"].flatten(), ignore_index=-100)
         self.log("val_loss", loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class TinyDPO(L.LightningModule):
+    """Embedding + head for preference batches (``mode="preference"``) with the reference-free
+    DPO loss -log sigmoid(logp(chosen) - logp(rejected)) over each side's trained tokens, so a
+    batch's pairing and targets drive real steps (filler rows, ``pair_ids`` -1, take no loss)."""
+
+    def __init__(self, vocab_size: int, dim: int = 16) -> None:
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(vocab_size, dim), torch.nn.Linear(dim, vocab_size)
+
+    def _logp(self, side):
+        logits = self.head(self.emb(side["input_ids"])).log_softmax(-1)
+        t = side["targets"]
+        lp = logits.gather(-1, t.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (lp * (t != -100)).sum(-1)
+
+    def training_step(self, batch, batch_idx):
+        from stacklm.data.sft.preference import preference_sides
+
+        chosen, rejected = preference_sides(batch)
+        real = batch["pair_ids"] >= 0
+        return -torch.nn.functional.logsigmoid(self._logp(chosen) - self._logp(rejected))[real].sum() / real.sum().clamp(min=1)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)

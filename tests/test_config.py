@@ -128,7 +128,7 @@ def test_packaged_configs_resolve_by_name_and_share_one_layout(tmp_path):
 
     for name in packaged_configs():  # one layout: data.pipeline is a config of its mode
         data = yaml.safe_load(resolve_config(name).read_text())["data"]
-        cls = SFTConfig if data["mode"] == "sft" else PipelineConfig
+        cls = SFTConfig if data["mode"] in ("sft", "preference") else PipelineConfig
         cfg = cls.from_dict(data["pipeline"], path="data.pipeline")
         assert cls.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
 

@@ -1,5 +1,5 @@
 """The example configs, shipped in the package: ``demo`` (offline CPU demo), ``stack-100m``
-(the 20B-token run), ``sft`` (chat fine-tuning data). One layout for all of them and for every
+(the 20B-token run), ``sft`` (chat fine-tuning data), ``preference`` (DPO pairs). One layout for all of them and for every
 tool: ``python -m trainer fit --config demo`` and ``stacklm prebuild --config demo`` find them
 by name; any other value is a path to a YAML file.
 """

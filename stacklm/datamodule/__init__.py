@@ -1,6 +1,6 @@
 """The Lightning side of stacklm: ``StackDataModule`` and its loaders.
 
-- ``module``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft``);
+- ``module``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft`` / ``preference``);
 - ``modes``: one class per mode, chosen once by the module, with what differs between them;
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
@@ -25,7 +25,7 @@ from stacklm.datamodule.errors import DataConfigError as DataConfigError  # eage
 _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
     "pick_rank_state": "loader", "to_checkpoint_safe": "loader",
-    "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
+    "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "PreferenceMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
     "DEFAULT_SNAPSHOT_STEPS": "module", "PipelineSpec": "module", "StackDataModule": "module", "check_pipeline": "module",
     "ShardsLoader": "shards_loader",
     "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",

@@ -133,7 +133,7 @@ class StackDataLoader(StatefulDataLoader):
             except StopIteration:
                 return
             batch = dict(batch)
-            ids = batch["input_ids"]
+            ids = batch_input_ids(batch)
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
             self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None))
             summary = batch.pop(SUMMARY_KEY, None)
@@ -152,6 +152,17 @@ class StackDataLoader(StatefulDataLoader):
         mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
         super().load_state_dict(mine["loader"])
         self.delivered.load_state_dict(mine["delivered"])
+
+
+def batch_input_ids(batch: dict[str, Any]) -> torch.Tensor:
+    """A batch's token ids: ``input_ids``, or both sides' rows of a preference batch
+    (``chosen_input_ids`` then ``rejected_input_ids``, ``stacklm.data.sft.preference``)."""
+    if "input_ids" in batch:
+        return batch["input_ids"]
+    sides = [batch[k] for k in ("chosen_input_ids", "rejected_input_ids") if k in batch]
+    if not sides:
+        raise KeyError(f"a stream batch has no input_ids; keys: {sorted(batch)}")
+    return torch.cat(sides)
 
 
 def check_vocab(input_ids: torch.Tensor, vocab_size: int | None, where: str) -> None:

@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
@@ -263,6 +264,7 @@ class SFTMode(_WorkerStreamMode):
     """Chat conversations rendered and packed by ``stacklm.data.sft``."""
 
     name = "sft"
+    builder = SFTBuilder
 
     def _dataset(self, split: str) -> StreamDataset:
         """Conversations have no token budget, so the per-worker batch count comes from a
@@ -270,7 +272,7 @@ class SFTMode(_WorkerStreamMode):
         that run dry earlier pad with fully masked batches so all ranks step together."""
         dm = self.dm
         cfg = dm.sft_config()
-        build = SFTBuilder(cfg.to_dict(), dm.tokenizer_path, split)
+        build = self.builder(cfg.to_dict(), dm.tokenizer_path, split)
         workers = max(1, dm.num_workers)
         fixed = dm.train_batches if split == "train" else dm.val_batches
         if fixed is not None:
@@ -283,7 +285,7 @@ class SFTMode(_WorkerStreamMode):
             ]
             per_worker = max(counts)
             if per_worker == 0:
-                raise DataConfigError(f"StackDataModule(mode='sft'): the {split} split yields no batches; check the sources")
+                raise DataConfigError(f"StackDataModule(mode={self.name!r}): the {split} split yields no batches; check the sources")
         return StreamDataset(
             build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
             batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
@@ -297,5 +299,13 @@ class SFTMode(_WorkerStreamMode):
         return self.dm.sft_config().config_hash()
 
 
-MODE_CLASSES: dict[str, type[DataMode]] = {mode.name: mode for mode in (ShardsMode, StreamMode, SFTMode)}
+class PreferenceMode(SFTMode):
+    """Chosen/rejected pairs (``stacklm.data.sft.preference``) on the SFT config and loaders:
+    batches of ``chosen_*``/``rejected_*`` tensors and ``pair_ids``."""
+
+    name = "preference"
+    builder = PreferenceBuilder
+
+
+MODE_CLASSES: dict[str, type[DataMode]] = {mode.name: mode for mode in (ShardsMode, StreamMode, SFTMode, PreferenceMode)}
 MODES = tuple(MODE_CLASSES)

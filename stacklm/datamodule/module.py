@@ -8,6 +8,8 @@ Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targe
 - ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
   each (rank, worker) builds its own graph over its shard of the documents.
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
+- ``preference``: chosen/rejected pairs (``stacklm.data.sft.preference``) on the SFT config;
+  batches of ``chosen_*``/``rejected_*`` tensors and ``pair_ids``.
 Each mode is one class in ``modes`` (its loaders, logging numbers and config hash), chosen
 once from ``mode``; the module keeps what they share.
 
@@ -71,7 +73,7 @@ class StackDataModule(L.LightningDataModule):
     """Lightning data module over stacklm's shards, streams or SFT conversations.
 
     Args:
-        mode: ``"shards"``, ``"stream"`` or ``"sft"``.
+        mode: ``"shards"``, ``"stream"``, ``"sft"`` or ``"preference"``.
         tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
         data_dir: prebuilt shard directory (``shards`` mode).
         pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),

@@ -161,7 +161,8 @@ class _StreamIterator:
                     stacklevel=2,
                 )
             self.padded += 1
-            batch = _padding_batch(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
+            pad = getattr(graph, "padding_batch", _padding_batch)  # a graph with its own batch keys pads with its own
+            batch = pad(self.ds.batch_size, self.ds.seq_len, self.ds.pad_id)
         self.yielded += 1
         dry = self._dry_sources(graph)
         if (self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.ds.n_batches or self.padded == 1

@@ -180,10 +180,18 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
         raise InspectError(f"{path}: cannot load a saved batch ({type(e).__name__}: {e}); save one with torch.save(batch_dict, path)") from None
     if not isinstance(batch, Mapping):
         raise InspectError(f"{path}: expected a dict of tensors (a batch), got {type(batch).__name__}")
+    kind = "batch"
+    if "chosen_input_ids" in batch:  # a preference batch: every side's row is a sequence to check
+        from stacklm.data.contract import BATCH_KEYS
+
+        real = batch["pair_ids"] >= 0 if "pair_ids" in batch else slice(None)  # filler rows hold no pair
+        batch = {k: torch.cat([batch[f"{side}_{k}"][real] for side in ("chosen", "rejected")])
+                 for k in BATCH_KEYS if f"chosen_{k}" in batch}
+        kind = "preference batch (chosen rows, then rejected)"
     batch = {k: (v[:limit] if hasattr(v, "ndim") and v.ndim == 2 else v) for k, v in batch.items()}
     view = view_batch(batch, tok.pad_id, str(path))
     _check_vocab(view.ids, tok, str(path))
-    return _inspect_view(Report(str(path), f"batch ({view.layout} layout)", tok.name, eos_id=tok.eos_id), view, tok, str(path))
+    return _inspect_view(Report(str(path), f"{kind} ({view.layout} layout)", tok.name, eos_id=tok.eos_id), view, tok, str(path))
 
 
 def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[str, Any]]:

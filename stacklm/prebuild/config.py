@@ -57,8 +57,8 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
             "see the packaged demo config (`stacklm prebuild --config demo`)",
             path=path,
         )
-    if data.get("mode") == "sft":
-        raise PrebuildError(f"{path}: data.mode is 'sft'; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
+    if data.get("mode") in ("sft", "preference"):
+        raise PrebuildError(f"{path}: data.mode is {data['mode']!r}; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
     fields = dict(data["pipeline"])
     for key in MODULE_DEFAULTS:
         if key in data:
