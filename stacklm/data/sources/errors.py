@@ -35,7 +35,9 @@ class InvalidRecordError(SourceError):
     """One record holds no document (malformed JSON line, not an object, no/null/non-string
     text): skipped and counted under ``reason`` with ``on_invalid: skip``, raised with ``raise``."""
 
-    def __init__(self, message: str, *, reason: str, source: str, file: str | None = None) -> None:
+    def __init__(self, message: str, *, reason: str | None = None, source: str | None = None, file: str | None = None) -> None:
+        # defaults: every StackLMError is constructible from its message alone (torch re-raises
+        # a loader worker's error as ``type(err)(msg)``)
         super().__init__(message, source=source, file=file)
         self.reason = reason
 
