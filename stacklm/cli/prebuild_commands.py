@@ -61,6 +61,31 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """Print a prebuild's token ledger per split and source; exit 1 when an identity fails."""
+    import json
+
+    from stacklm.data import ledger
+
+    top = Path(args.dir) / "manifest.json"
+    if not top.exists():
+        raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
+    m = json.loads(top.read_text())
+    per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
+    if not per_split:
+        raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+    failed = False
+    for split, entry in per_split.items():
+        if args.json:
+            continue
+        print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]"))
+        failed |= bool(ledger.check(entry["sources"]))
+    if args.json:
+        print(json.dumps(per_split, indent=1))
+        failed = any(ledger.check(e["sources"]) for e in per_split.values())
+    return 1 if failed else 0
+
+
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
@@ -104,6 +129,15 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
     v.add_argument("--no-progress", action="store_true")
     v.set_defaults(func=cmd_verify)
+
+    g = subparsers.add_parser(
+        "ledger", help="print a prebuild's token ledger (read = dropped + holdout + buffered + kept; kept = delivered + remainder)",
+        description="The token ledger of a prebuilt directory, per split and source, in documents and tokens. "
+        "Exit status 1 when an identity does not hold.",
+    )
+    g.add_argument("dir", help="a prebuilt directory (top level or one split)")
+    g.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    g.set_defaults(func=cmd_ledger)
 
     x = subparsers.add_parser(
         "dedup-index",

@@ -105,6 +105,12 @@ class TokenizeNode(BaseNode):
         self.stats.add(src, "tokens", int(doc["ids"].size))
         return doc
 
+    def buffered(self) -> list[int]:
+        """``[docs, tokens]`` read and encoded but not yet emitted (the rest of the current batch
+        and the read-ahead batch): the token ledger's "in buffers before the mix"."""
+        pending = self._batch[self._pos :] + (self._ahead.result() if self._ahead is not None else [])
+        return [len(pending), sum(int(d["ids"].size) for d in pending)]
+
     def get_state(self) -> dict[str, Any]:
         pending = self._batch[self._pos :]
         if self._ahead is not None:
