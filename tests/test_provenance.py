@@ -103,6 +103,11 @@ def test_side_files_are_small_and_round_trip(built):
     ptr2, pieces2 = decode_rows(encode_rows(rows))
     assert np.array_equal(ptr, ptr2) and np.array_equal(pieces, pieces2)
     assert token_bytes > 0  # (the <= 2% budget is measured at realistic sizes by bench/provenance.py)
+    # the side files sit beside the shards without disturbing the readers
+    from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
+
+    assert len(PackedMemmapDataset(out, "train")) == int(m["n_seq"])
+    assert verify_shard_set(out, progress=False)["train"]["rows"] == int(m["n_seq"])
 
 
 def test_killed_prebuild_resumes_to_the_same_side_files(corpus, tokenizer_512, tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
         splits=tuple(args.splits or settings["splits"]),
         progress=not args.no_progress,
+        provenance=not args.no_provenance,
     )
     return 0
 
@@ -122,6 +123,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-shard", type=int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
     p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-provenance", action="store_true",
+                   help="do not write the per-shard provenance side files (`stacklm inspect OUT --row N` needs them)")
     p.set_defaults(func=cmd_prebuild)
 
     v = subparsers.add_parser("verify", help="check every shard and every token id of a prebuilt directory")

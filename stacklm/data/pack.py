@@ -37,6 +37,7 @@ import torch
 from torchdata.nodes import BaseNode, Batcher, Mapper
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.provenance import PIECE_FIELDS
 from stacklm.data.stats import StageStats
 
 STRATEGIES = ("greedy", "best_fit")
@@ -46,9 +47,6 @@ DEFAULT_BUFFER_DOCS = 1000
 # ---------------------------------------------------------------------------------------
 # Where each token of a window came from
 # ---------------------------------------------------------------------------------------
-PIECE_FIELDS = ("source", "file", "record", "row_start", "row_end", "doc_offset")
-
-
 class WindowOrigin(NamedTuple):
     """Side data of one packed window (when the packer tracks sources): ``origin[i]`` is the
     index of the source of token ``i`` (-1 for padding), and ``starts`` lists ``(source, length)``

@@ -28,11 +28,13 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.pack import PIECE_FIELDS, WindowOrigin, content_by_source
 from stacklm.data.shards import ShardError, atomic_write_shard_file
 
 PROV_SUFFIX = ".prov.npz"
 FORMAT = "stacklm-provenance/1"
+# One document piece of a packed window (``stacklm.data.pack.WindowOrigin.pieces``). Defined
+# here, not in pack.py, so the CLI and the prebuild's manifests read provenance without torch.
+PIECE_FIELDS = ("source", "file", "record", "row_start", "row_end", "doc_offset")
 
 
 def prov_path(directory: str | Path, name: str) -> Path:
@@ -91,6 +93,9 @@ class ShardTracker:
     checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
 
     def __init__(self, pack_node, provenance: bool) -> None:
+        from stacklm.data.pack import content_by_source
+
+        self._content = content_by_source
         self.pack = pack_node
         self.provenance = bool(provenance)
         self.delivered = np.zeros((len(pack_node.packer.sources), 2), dtype=np.int64)
@@ -98,12 +103,12 @@ class ShardTracker:
         self.bytes = 0  # side-file bytes written by this job (this run)
 
     def window(self, window: np.ndarray) -> None:
-        origin: WindowOrigin = self.pack.last_origin
+        origin = self.pack.last_origin  # stacklm.data.pack.WindowOrigin
         p = self.pack.packer
         n = len(p.sources)
         if len(self.delivered) < n:
             self.delivered = np.vstack([self.delivered, np.zeros((n - len(self.delivered), 2), np.int64)])
-        self.delivered[:, 1] += content_by_source(window, origin.origin, n, p.bos_id, p.eos_id)
+        self.delivered[:, 1] += self._content(window, origin.origin, n, p.bos_id, p.eos_id)
         for src, _ in origin.starts:
             self.delivered[src, 0] += 1
         if self.provenance:
@@ -137,10 +142,12 @@ def source_files(node) -> list[str]:
     return [str(p) for p in parts]
 
 
-def manifest_entry(sources: Sequence[str], files: Mapping[str, Sequence[str]], patterns: Mapping[str, Any]) -> dict[str, Any]:
+def manifest_entry(sources: Sequence[str], files: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """The split manifest's ``provenance``: source names and each source's file labels (relative
+    to the files' common folder, as in ``doc_id``: no machine paths, so equal builds stay equal
+    bytes; the source's own coordinates are in the manifest's ``sources``)."""
     return {"format": FORMAT, "suffix": PROV_SUFFIX, "sources": list(sources), "files": {k: list(v) for k, v in files.items()},
-            "patterns": dict(patterns), "fields": ["source", "file", "record", "row_start", "row_end", "doc_offset"],
-            "doc_offset_of": "<bos> ids <eos>"}
+            "fields": list(PIECE_FIELDS), "doc_offset_of": "<bos> ids <eos>"}
 
 
 # ---------------------------------------------------------------------------------------

@@ -107,10 +107,8 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
         extra["ledger"] = ledger.with_status(merged)
     if summaries and all(s.get("provenance") for s in summaries):
         first = summaries[0]["provenance"]
-        extra["provenance"] = provenance.manifest_entry(
-            [e.name for e in plan.config.mix.entries], first["files"],
-            {e.name: list(e.paths) if e.kind == "local" else e.path for e in plan.config.mix.entries},
-        ) | {"bytes": sum(int(s["provenance"]["bytes"]) for s in summaries)}
+        extra["provenance"] = provenance.manifest_entry([e.name for e in plan.config.mix.entries], first["files"]) | {
+            "bytes": sum(int(s["provenance"]["bytes"]) for s in summaries)}
     return {
         **_common_fields(plan, identity),
         "split": split,

@@ -51,6 +51,7 @@ class PartNode(BaseNode[dict]):
     """
 
     KIND = "source"  # how messages name this node: "source 'x': ..."
+    COUNTS_RECORDS = False  # count owned rows as RECORDS_READ (the token ledger's "read"; text sources)
 
     def __init__(self, name: str, domain: str, *, shard: ShardSpec | None, stage: str = "source") -> None:
         super().__init__()
@@ -170,7 +171,8 @@ class PartNode(BaseNode[dict]):
                 self._skip_unowned(raw)
                 continue
             self._owned_rows += 1
-            self.stats.add(self.name, RECORDS_READ)  # the ledger's "read" (stacklm.data.ledger)
+            if self.COUNTS_RECORDS:
+                self.stats.add(self.name, RECORDS_READ)  # the ledger's "read" (stacklm.data.ledger)
             doc = self._document(raw, row)
             if doc is None:
                 continue
@@ -188,6 +190,8 @@ class TextPartSource(PartNode):
     record is still an error, raised as soon as its first ``first_rows_check`` rows are all
     invalid or at its end: that is a wrong format or a wrong ``text_column``, not bad rows.
     """
+
+    COUNTS_RECORDS = True
 
     def __init__(
         self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int,
