@@ -464,8 +464,8 @@ class BestFitPacker(_Packer):
         self._arrivals = int(state["next_arrival"])
         self._load_counters(state)
         if self.track_sources and "piece_meta" in state:
-            meta = np.asarray(state["piece_meta"])
-            meta = meta.reshape(len(meta), -1)
+            arrivals = np.asarray(state["arrivals"])
+            meta = np.asarray(state["piece_meta"], dtype=np.int64).reshape(len(arrivals), -1) if len(arrivals) else np.zeros((0, 5))
             if self.provenance and meta.shape[1] != 5:
                 raise ValueError("the packer state has no provenance (saved by a packer built without it); resume with the same setting")
             for arrival, row in zip(np.asarray(state["arrivals"]).tolist(), meta.tolist()):
