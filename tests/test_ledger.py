@@ -310,3 +310,22 @@ def test_stream_worker_summaries_carry_a_checked_ledger(corpus, tok, tmp_path):
     total = ledger.merge(s["ledger"] for s in summaries)
     assert merged["ledger"]["sources"] == total
     assert sum(s["docs"]["read"] for s in total.values()) > 0
+
+
+def test_drop_last_windows_are_counted_as_undelivered(corpus, tok):
+    """``drop_last``: the windows of an incomplete last batch were kept by the mix but never
+    delivered; the ledger names them instead of losing them."""
+    root, _ = corpus
+    cfg = PipelineConfig.from_dict(data_section(root, total=BIG, drop_last=True, batch_size=64))
+    pipe = build_pipeline(cfg, tok, "train")
+    pipe.batches.reset()
+    delivered = sum(int((b["input_ids"] != tok.pad_id).sum()) for b in pipe.batches)  # drains the stream
+    windows = pipe.windows.packer.windows
+    assert windows % 64, "the corpus must leave an incomplete last batch for this test"
+    end = ledger.pipeline_ledger(pipe)
+    assert ledger.check(end) == []
+    undelivered = sum(s["docs"]["undelivered"].get("drop_last", 0) for s in end.values())
+    assert undelivered > 0 and delivered > 0 or windows < 64
+    assert sum(s["tokens"]["undelivered"].get("drop_last", 0) for s in end.values()) > 0
+    text = ledger.format_ledger(end)
+    assert "undelivered: drop_last" in text and "FAIL" not in text

@@ -4,7 +4,10 @@ Per source, in documents and in document tokens (the tokenizer's ids, no ``<bos>
 the unit of the mix budget)::
 
     read = dropped (by stage/reason) + holdout + buffered (before the mix) + kept
-    kept = delivered + remainder (still in the shuffle / pack buffers)
+    kept = delivered + remainder (still in the shuffle / pack buffers) + undelivered
+
+``undelivered`` is only ever non-empty in stream mode with ``drop_last``: the windows of an
+incomplete last batch, which the mix kept and the batcher dropped (``drop_last``).
 
 Each term is counted where it happens, independently: ``read`` by the source reader (rows it
 owns: ``records_read``), drops by the stage that dropped (source audit and invalid records,
@@ -43,7 +46,7 @@ class LedgerError(StackLMError, RuntimeError):
 
 
 def _row() -> dict[str, Any]:
-    return {"read": 0, "dropped": {}, "holdout": 0, "buffered": {}, "kept": 0, "delivered": 0, "remainder": {}}
+    return {"read": 0, "dropped": {}, "holdout": 0, "buffered": {}, "kept": 0, "delivered": 0, "remainder": {}, "undelivered": {}}
 
 
 def _add(slot: dict[str, int], key: str, n: int) -> None:
@@ -62,6 +65,7 @@ def pipeline_ledger(pipe, delivered: Mapping[str, Iterable[int]] | None = None) 
     delivered = dict(delivered) if delivered is not None else pipe.windows.emitted_by_source()
     shuffled = pipe.shuffle.buffered()
     packing = pipe.windows.buffered()
+    dropped_last = pipe.windows.dropped_by_source()
     out: dict[str, dict[str, dict[str, Any]]] = {}
     for name, chain in pipe.chains.items():
         docs, tokens = _row(), _row()
@@ -92,6 +96,9 @@ def pipeline_ledger(pipe, delivered: Mapping[str, Iterable[int]] | None = None) 
             n_docs, n_tokens = per.get(name, (0, 0))
             _add(docs["remainder"], stage, n_docs)
             _add(tokens["remainder"], stage, n_tokens)
+        n_docs, n_tokens = dropped_last.get(name, (0, 0))
+        _add(docs["undelivered"], "drop_last", n_docs)
+        _add(tokens["undelivered"], "drop_last", n_tokens)
         out[name] = {"docs": docs, "tokens": tokens}
     return out
 
@@ -106,7 +113,7 @@ def merge(ledgers: Iterable[Mapping[str, Mapping[str, Mapping[str, Any]]]]) -> d
                 row, into = units[unit], slot[unit]
                 for key in ("read", "holdout", "kept", "delivered"):
                     into[key] += int(row.get(key, 0))
-                for key in ("dropped", "buffered", "remainder"):
+                for key in ("dropped", "buffered", "remainder", "undelivered"):
                     for reason, n in row.get(key, {}).items():
                         _add(into[key], reason, n)
     return out
@@ -118,7 +125,8 @@ def check(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
     for name, units in ledger.items():
         for unit in UNITS:
             r = units[unit]
-            dropped, buffered, remainder = sum(r["dropped"].values()), sum(r["buffered"].values()), sum(r["remainder"].values())
+            dropped, buffered = sum(r["dropped"].values()), sum(r["buffered"].values())
+            remainder = sum(r["remainder"].values()) + sum(r.get("undelivered", {}).values())
             accounted = dropped + r["holdout"] + buffered + r["kept"]
             if r["read"] != accounted:
                 problems.append(
@@ -127,7 +135,7 @@ def check(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
                 )
             if r["kept"] != r["delivered"] + remainder:
                 problems.append(
-                    f"source {name!r} {unit}: kept {r['kept']:,} != delivered {r['delivered']:,} + remainder {remainder:,} "
+                    f"source {name!r} {unit}: kept {r['kept']:,} != delivered {r['delivered']:,} + remainder (and undelivered) {remainder:,} "
                     f"(off by {r['kept'] - r['delivered'] - remainder:+,})"
                 )
     return problems
@@ -176,6 +184,8 @@ def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: 
         line("  delivered", d["delivered"], t["delivered"])
         for stage in sorted(set(d["remainder"]) | set(t["remainder"])):
             line(f"  + remainder: {stage}", d["remainder"].get(stage, 0), t["remainder"].get(stage, 0))
+        for why in sorted(set(d.get("undelivered", {})) | set(t.get("undelivered", {}))):
+            line(f"  + undelivered: {why}", d["undelivered"].get(why, 0), t["undelivered"].get(why, 0))
         bad = check({name: units})
         lines.append("  identities: " + ("OK" if not bad else "FAIL\n    " + "\n    ".join(bad)))
     return "\n".join(lines)

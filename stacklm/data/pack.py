@@ -585,15 +585,31 @@ class PackNode(BaseNode[np.ndarray]):
         # Tracking sources: per source index, [docs, document tokens] of the windows ``next``
         # returned (the token ledger's "emitted"; stacklm.data.ledger). In the state.
         self.emitted = np.zeros((0, 2), dtype=np.int64)
+        # ... and of the windows a batcher then dropped (``drop_last``: never delivered)
+        self.dropped_last = np.zeros((0, 2), dtype=np.int64)
 
-    def _count_emitted(self, window: np.ndarray, origin: WindowOrigin) -> None:
+    def _count_emitted(self, window: np.ndarray, origin: WindowOrigin, sign: int = 1) -> None:
         p = self.packer
         n = len(p.sources)
         if len(self.emitted) < n:
             self.emitted = np.vstack([self.emitted, np.zeros((n - len(self.emitted), 2), dtype=np.int64)])
-        self.emitted[:, 1] += content_by_source(window, origin.origin, n, p.bos_id, p.eos_id)
+        self.emitted[:, 1] += sign * content_by_source(window, origin.origin, n, p.bos_id, p.eos_id)
         for src, _ in origin.starts:
-            self.emitted[src, 0] += 1
+            self.emitted[src, 0] += sign
+
+    def count_dropped(self, windows: Sequence[np.ndarray], origins: Sequence[WindowOrigin]) -> None:
+        """Windows ``next`` returned that the batcher dropped (an incomplete last batch with
+        ``drop_last``): moved from ``emitted`` to ``dropped_last``, so the ledger says so."""
+        before = self.emitted.copy()
+        for window, origin in zip(windows, origins):
+            self._count_emitted(window, origin, sign=-1)
+        if len(self.dropped_last) < len(self.emitted):
+            self.dropped_last = np.vstack([self.dropped_last, np.zeros((len(self.emitted) - len(self.dropped_last), 2), np.int64)])
+        self.dropped_last += before - self.emitted
+
+    def dropped_by_source(self) -> dict[str, list[int]]:
+        return {name: [int(x) for x in self.dropped_last[i]] for i, name in enumerate(self.packer.sources)
+                if i < len(self.dropped_last) and self.dropped_last[i].any()}
 
     def buffered(self) -> dict[str, list[int]]:
         """Per source name ``[docs, document tokens]`` pushed into the packer but not returned by
@@ -616,6 +632,7 @@ class PackNode(BaseNode[np.ndarray]):
         super().reset(initial_state)
         self._ready = deque()
         self.emitted = np.zeros((0, 2), dtype=np.int64)
+        self.dropped_last = np.zeros((0, 2), dtype=np.int64)
         if initial_state is None:
             self.source.reset()
             self.packer.reset()
@@ -627,6 +644,8 @@ class PackNode(BaseNode[np.ndarray]):
         self._source_done = bool(initial_state["source_done"])
         if "emitted" in initial_state:
             self.emitted = np.asarray(initial_state["emitted"], dtype=np.int64).reshape(-1, 2).copy()
+        if "dropped_last" in initial_state:
+            self.dropped_last = np.asarray(initial_state["dropped_last"], dtype=np.int64).reshape(-1, 2).copy()
 
     def next(self) -> np.ndarray:
         while not self._ready:
@@ -655,6 +674,8 @@ class PackNode(BaseNode[np.ndarray]):
         }
         if self.packer.track_sources:
             out["emitted"] = self.emitted.copy()
+            if len(self.dropped_last):
+                out["dropped_last"] = self.dropped_last.copy()
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -698,6 +719,8 @@ class PackBatchNode(BaseNode[dict]):
                 break
             origins.append(self.pack.last_origin)
         if not windows or (self.drop_last and len(windows) < self.batch_size):
+            if windows:  # kept by the mix, never delivered: the ledger counts them (stacklm.data.ledger)
+                self.pack.count_dropped(windows, origins)
             raise StopIteration
         batch = self.collate(windows)
         batch[DELIVERY_KEY] = delivery_counts(origins, len(self.pack.packer.sources))
