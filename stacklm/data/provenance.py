@@ -93,7 +93,7 @@ class ShardTracker:
     checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
 
     def __init__(self, pack_node, provenance: bool) -> None:
-        from stacklm.data.pack import content_by_source
+        from stacklm.data.origins import content_by_source
 
         self._content = content_by_source
         self.pack = pack_node
