@@ -169,17 +169,17 @@ def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: 
     for name, units in ledger.items():
         d, t = units["docs"], units["tokens"]
         lines.append(f"source {name}")
-        lines.append(f"  {'':34} {'docs':>14} {'tokens':>16}")
+        lines.append(f"  {'':38} {'docs':>14} {'tokens':>16}")
 
         def line(label: str, a: Any, b: Any) -> None:
-            lines.append(f"  {label:34} {a if isinstance(a, str) else f'{a:,}':>14} {b if isinstance(b, str) else f'{b:,}':>16}")
+            lines.append(f"  {label:38} {a if isinstance(a, str) else f'{a:,}':>14} {b if isinstance(b, str) else f'{b:,}':>16}")
 
         line("read", d["read"], t["read"])
         for reason in sorted(set(d["dropped"]) | set(t["dropped"])):
-            line(f"- dropped {reason}", d["dropped"].get(reason, 0), t["dropped"].get(reason, "-") if t["dropped"].get(reason) else "-")
+            line(f"- dropped {reason}", d["dropped"].get(reason, "-"), t["dropped"].get(reason, "-"))  # "-": not counted in that unit
         line("- holdout (other split)", d["holdout"], "-")
         for stage in sorted(set(d["buffered"]) | set(t["buffered"])):
-            line(f"- buffered before the mix: {stage}", d["buffered"].get(stage, 0), t["buffered"].get(stage, 0))
+            line(f"- buffered before the mix: {stage}", d["buffered"].get(stage, 0), t["buffered"].get(stage, "-"))
         line("= kept (mixed)", d["kept"], t["kept"])
         line("  delivered", d["delivered"], t["delivered"])
         for stage in sorted(set(d["remainder"]) | set(t["remainder"])):
