@@ -142,6 +142,11 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
             merged[key] = value
     if any("offline_fallback" in s for s in per_rank):
         merged["offline_fallback"] = sorted(fallback)
+    ledgers = [stats["ledger"]["sources"] for stats in per_rank if stats.get("ledger")]
+    if ledgers:  # additive over ranks (stacklm.data.ledger)
+        from stacklm.data import ledger
+
+        merged["ledger"] = ledger.with_status(ledger.merge(ledgers))
     phases = [stats["mix_phases"] for stats in per_rank if stats.get("mix_phases")]
     if phases:
         from stacklm.data.schedule import merge_phase_reports
@@ -187,6 +192,9 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
         out["data/offline_fallback"] = float(len(stats["offline_fallback"]))
     if stats.get("padding_fraction") is not None:
         out["data/padding_fraction"] = float(stats["padding_fraction"])
+    if stats.get("ledger") is not None:  # 1 while every ledger identity holds (stacklm.data.ledger)
+        out["data/ledger_ok"] = float(bool(stats["ledger"]["ok"]))
+        out["data/ledger_problems"] = float(len(stats["ledger"]["problems"]))
     for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
         for source, share in phase["realized_share"].items():
             out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)

@@ -273,7 +273,10 @@ def test_local_audit_counts_bad_bytes_empties_and_blank_lines(tmp_path):
     assert node.stats.to_dict()["audit"] == {
         "kept": 4, "invalid_utf8_replaced": 2, "nul_removed": 1, "surrogates_replaced": 1,
         "docs_repaired": 3, "dropped_empty": 1, "null_text": 1, "blank_lines_skipped": 1,
+        "records_read": 6,  # the non-blank lines: the token ledger's "read"
     }
+    # provenance: the record is the 0-based line (blank lines count), unlike doc_id's row
+    assert [(d["file"], d["record"]) for d in docs] == [(0, 0), (0, 1), (0, 2), (0, 6)]
 
 
 # ---------------------------------------------------------------------------------------

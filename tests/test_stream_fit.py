@@ -111,6 +111,7 @@ def test_stream_fit_with_workers_wandb_and_datasets_sources_resumes_and_logs_tru
         assert float(row["data/target_weight/web"]) == pytest.approx(0.7)
         assert float(row["data/dropped_docs_total"]) > 0 and float(row["data/holdout_docs/web"]) > 0
         assert float(row["data/offline_fallback"]) == 0
+        assert float(row["data/ledger_ok"]) == 1 and float(row["data/ledger_problems"]) == 0  # the token ledger adds up
         assert 0 <= float(row["loader/wait_fraction"]) <= 1
     assert float(resumed[STEPS]["data/tokens/web"]) > 0 and float(resumed[STEPS]["data/tokens/code"]) > 0
     assert float(resumed[12]["data/dropped_docs/dedup/web/exact_dup"]) + float(resumed[12].get("data/dropped_docs/dedup/web/near_dup") or 0) > 0

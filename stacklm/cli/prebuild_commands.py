@@ -22,6 +22,11 @@ VERIFY_EXAMPLES = """examples:
   stacklm verify shards/train --tokenizer tok/
 """
 
+LEDGER_EXAMPLES = """examples:
+  stacklm ledger shards/                   # every split: a table per source, exit 1 if an identity fails
+  stacklm ledger shards/train --json
+"""
+
 DEDUP_INDEX_EXAMPLES = """examples:
   stacklm dedup-index --config my.yaml --out dedup.npz            # then set data.pipeline.dedup.index: dedup.npz
   stacklm dedup-index --config my.yaml --out dedup.npz --workers 4 --splits train
@@ -53,6 +58,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
         splits=tuple(args.splits or settings["splits"]),
         progress=not args.no_progress,
+        provenance=not args.no_provenance,
     )
     return 0
 
@@ -82,6 +88,31 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         print(f"{args.out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates listed")
     print(f"stream mode: set data.pipeline.dedup.index: {args.out} (sha256 {index.content_hash[:16]}...)")
     return 0
+
+
+def cmd_ledger(args: argparse.Namespace) -> int:
+    """Print a prebuild's token ledger per split and source; exit 1 when an identity fails."""
+    import json
+
+    from stacklm.data import ledger
+
+    top = Path(args.dir) / "manifest.json"
+    if not top.exists():
+        raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
+    m = json.loads(top.read_text())
+    per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
+    if not per_split:
+        raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+    failed = False
+    for split, entry in per_split.items():
+        if args.json:
+            continue
+        print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]"))
+        failed |= bool(ledger.check(entry["sources"]))
+    if args.json:
+        print(json.dumps(per_split, indent=1))
+        failed = any(ledger.check(e["sources"]) for e in per_split.values())
+    return 1 if failed else 0
 
 
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
@@ -125,6 +156,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens-per-shard", type=positive_int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
     p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-provenance", action="store_true",
+                   help="do not write the per-shard provenance side files (`stacklm inspect OUT --row N` needs them)")
     p.set_defaults(func=cmd_prebuild)
 
     v = subparsers.add_parser(
@@ -136,6 +169,16 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     v.add_argument("--tokenizer", help="also check the shards were built with this tokenizer")
     v.add_argument("--no-progress", action="store_true", help="no progress bar")
     v.set_defaults(func=cmd_verify)
+
+    g = subparsers.add_parser(
+        "ledger", help="print a prebuild's token ledger (read = dropped + holdout + buffered + kept; kept = delivered + remainder)",
+        description="The token ledger of a prebuilt directory, per split and source, in documents and tokens. "
+        "Exit status 1 when an identity does not hold.",
+        epilog=LEDGER_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g.add_argument("dir", help="a prebuilt directory (top level or one split)")
+    g.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    g.set_defaults(func=cmd_ledger)
 
     x = subparsers.add_parser(
         "dedup-index",

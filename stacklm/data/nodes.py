@@ -133,13 +133,15 @@ def build_pipeline(
     shard: ShardSpec | None = None,
     epoch: int = 0,
     dedup_index: DedupIndex | None = None,
+    provenance: bool = False,
 ) -> Pipeline:
     """Build the whole graph for one split and one (rank, worker) shard of the sources.
 
     ``epoch`` (a pass over the data) reseeds the mix draws and the shuffle (``epoch_seed``);
     the holdout assignment keeps ``config.seed``, so a document stays in its split every epoch.
     ``dedup_index``: removed ids of a global dedup pass (else ``config.dedup.index`` is loaded
-    when set); the prebuild passes its own and turns in-flight dedup off.
+    when set); the prebuild passes its own and turns in-flight dedup off. ``provenance``: the
+    packer records each window's document pieces (the prebuild's side files, ``stacklm.data.provenance``).
     """
     check_split(split)
     shard = shard or ShardSpec()
@@ -171,6 +173,7 @@ def build_pipeline(
     windows = PackNode(
         shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs,
         sources=[entry.name for entry in config.mix.entries],  # batches count what they deliver per source
+        provenance=provenance,
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
     return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,

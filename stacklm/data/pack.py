@@ -30,56 +30,25 @@ from __future__ import annotations
 from bisect import bisect_left, bisect_right, insort
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 from torchdata.nodes import BaseNode, Batcher, Mapper
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.origins import (  # WindowOrigin, delivery_counts: also imported from here
+    PIECE_FIELDS,
+    WindowOrigin,
+    content_by_source,
+    delivery_counts,
+    load_origins,
+    origins_state,
+)
 from stacklm.data.stats import StageStats
 
 STRATEGIES = ("greedy", "best_fit")
 DEFAULT_BUFFER_DOCS = 1000
-
-
-# ---------------------------------------------------------------------------------------
-# Where each token of a window came from
-# ---------------------------------------------------------------------------------------
-class WindowOrigin(NamedTuple):
-    """Side data of one packed window (when the packer tracks sources): ``origin[i]`` is the
-    index of the source of token ``i`` (-1 for padding), and ``starts`` lists ``(source, length)``
-    of each document whose ``<bos>`` is in this window (length in tokens, ``<bos>``/``<eos>``
-    included). What lets a batch say exactly what it delivers (``delivery_counts``)."""
-
-    origin: np.ndarray
-    starts: list[tuple[int, int]]
-
-
-def origins_state(origins: Sequence[WindowOrigin], seq_len: int) -> dict[str, np.ndarray]:
-    """Windows' origins as three arrays (for a node's state)."""
-    planes = np.stack([o.origin for o in origins]) if origins else np.zeros((0, seq_len), dtype=np.int16)
-    starts = [(k, s, n) for k, o in enumerate(origins) for s, n in o.starts]
-    return {"origin": planes, "starts": np.array(starts, dtype=np.int64).reshape(-1, 3)}
-
-
-def load_origins(state: dict[str, np.ndarray]) -> deque[WindowOrigin]:
-    planes = np.asarray(state["origin"], dtype=np.int16)
-    per: list[list[tuple[int, int]]] = [[] for _ in range(len(planes))]
-    for k, s, n in np.asarray(state["starts"]).reshape(-1, 3).tolist():
-        per[k].append((int(s), int(n)))
-    return deque(WindowOrigin(planes[k].copy(), per[k]) for k in range(len(planes)))
-
-
-def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str, torch.Tensor]:
-    """What a batch of windows delivers to the step, per source: ``tokens`` (the non-pad
-    positions of ``input_ids``, i.e. each window but its last token), ``docs`` (documents whose
-    ``<bos>`` is in the batch) and ``doc_lengths`` (``(k, 2)``: source, length of each)."""
-    planes = np.stack([o.origin for o in origins])[:, :-1].astype(np.int64).ravel()
-    tokens = np.bincount(planes + 1, minlength=n_sources + 1)[1:]
-    starts = np.array([st for o in origins for st in o.starts], dtype=np.int64).reshape(-1, 2)
-    docs = np.bincount(starts[:, 0], minlength=n_sources) if len(starts) else np.zeros(n_sources, dtype=np.int64)
-    return {"tokens": torch.from_numpy(tokens), "docs": torch.from_numpy(docs), "doc_lengths": torch.from_numpy(starts)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -94,7 +63,9 @@ class _Packer:
 
     strategy = ""
 
-    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None) -> None:
+    def __init__(
+        self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None, provenance: bool = False,
+    ) -> None:
         if seq_len < 2:
             raise ValueError(f"seq_len must be >= 2 (a window of seq_len tokens gives seq_len-1 targets), got {seq_len}")
         if len({bos_id, eos_id, pad_id}) != 3:
@@ -103,6 +74,9 @@ class _Packer:
         # Source tracking (``sources`` given): every emitted window gets its ``WindowOrigin`` in
         # ``self.origins``, in emission order, for the consumer to pop next to the window.
         self.track_sources = sources is not None
+        if provenance and not self.track_sources:
+            raise ValueError("provenance=True needs sources=[...] (each piece names its source)")
+        self.provenance = bool(provenance)
         self._initial_sources = list(sources or [])
         self._reset_counters()
 
@@ -144,7 +118,21 @@ class _Packer:
         self.docs += 1
         self.doc_tokens += len(piece)
         self.stats.add(doc.get("source", "?"), "kept")
+        self.stats.add(doc.get("source", "?"), "tokens", len(ids))  # document tokens (the ledger's unit)
         return piece
+
+    @staticmethod
+    def _doc_where(doc: dict) -> tuple[int, int]:
+        """``(file, record)`` of a document for provenance; ``(-1, -1)`` when its source does not say."""
+        return int(doc.get("file", -1)), int(doc.get("record", -1))
+
+    def _content(self, tokens: np.ndarray) -> int:
+        return int(np.count_nonzero((tokens != self.bos_id) & (tokens != self.eos_id) & (tokens != self.pad_id)))
+
+    def buffered(self) -> dict[int, list[int]]:
+        """Per source index, ``[docs, document tokens]`` pushed but not in an emitted window yet
+        (a document counts where its ``<bos>`` is)."""
+        raise NotImplementedError
 
     def _count_cut(self, doc: dict) -> None:
         self.docs_cut += 1
@@ -192,8 +180,10 @@ class GreedyPacker(_Packer):
 
     strategy = "greedy"
 
-    def __init__(self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None) -> None:
-        super().__init__(seq_len, bos_id, eos_id, pad_id, sources)
+    def __init__(
+        self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, sources: Sequence[str] | None = None, provenance: bool = False,
+    ) -> None:
+        super().__init__(seq_len, bos_id, eos_id, pad_id, sources, provenance)
         self.reset()
 
     def reset(self) -> None:
@@ -202,12 +192,14 @@ class GreedyPacker(_Packer):
         self._fill = 0
         self._origin = self._new_origin()
         self._starts: list[tuple[int, int]] = []
+        self._pieces: list[tuple[int, ...]] | None = [] if self.provenance else None
 
     def _emit(self) -> np.ndarray:
         window = self._window
         if self.track_sources:
-            self.origins.append(WindowOrigin(self._origin, self._starts))
+            self.origins.append(WindowOrigin(self._origin, self._starts, self._pieces))
             self._origin, self._starts = self._new_origin(), []
+            self._pieces = [] if self.provenance else None
         self._window = np.full(self.seq_len, self.pad_id, dtype=np.int32)
         self._fill = 0
         self.windows += 1
@@ -216,6 +208,7 @@ class GreedyPacker(_Packer):
     def push(self, doc: dict) -> list[np.ndarray]:
         piece = self._wrap(doc)
         src = self._source_of(doc) if self.track_sources else -1
+        where = self._doc_where(doc) if self.provenance else None
         if self._fill + len(piece) > self.seq_len:
             self._count_cut(doc)
         out = []
@@ -227,6 +220,8 @@ class GreedyPacker(_Packer):
                 self._origin[self._fill : self._fill + take] = src
                 if pos == 0:
                     self._starts.append((src, n))
+                if where is not None:
+                    self._pieces.append((src, *where, self._fill, self._fill + take, pos))
             self._fill += take
             pos += take
             if self._fill == L:
@@ -239,11 +234,24 @@ class GreedyPacker(_Packer):
         self.pad_tokens += self.seq_len - self._fill
         return [self._emit()]  # already pad-filled past _fill
 
+    def buffered(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for src, _ in self._starts:
+            out.setdefault(src, [0, 0])[0] += 1
+        if self._fill:
+            for src, n in enumerate(content_by_source(self._window[: self._fill], self._origin[: self._fill], len(self.sources),
+                                                      self.bos_id, self.eos_id).tolist()):
+                if n:
+                    out.setdefault(src, [0, 0])[1] += n
+        return out
+
     def state(self) -> dict[str, Any]:
         out = {"partial": self._window[: self._fill].copy(), **self._counter_state()}
         if self.track_sources:
             out["partial_origin"] = self._origin[: self._fill].copy()
             out["partial_starts"] = np.array(self._starts, dtype=np.int64).reshape(-1, 2)
+        if self.provenance:
+            out["partial_pieces"] = np.array(self._pieces, dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
         return out
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -255,6 +263,8 @@ class GreedyPacker(_Packer):
         if self.track_sources and "partial_origin" in state:
             self._origin[: self._fill] = np.asarray(state["partial_origin"], dtype=np.int16)
             self._starts = [(int(a), int(b)) for a, b in np.asarray(state["partial_starts"]).reshape(-1, 2)]
+        if self.provenance and "partial_pieces" in state:
+            self._pieces = [tuple(p) for p in np.asarray(state["partial_pieces"]).reshape(-1, len(PIECE_FIELDS)).tolist()]
 
 
 class BestFitPacker(_Packer):
@@ -270,9 +280,9 @@ class BestFitPacker(_Packer):
 
     def __init__(
         self, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS,
-        sources: Sequence[str] | None = None,
+        sources: Sequence[str] | None = None, provenance: bool = False,
     ) -> None:
-        super().__init__(seq_len, bos_id, eos_id, pad_id, sources)
+        super().__init__(seq_len, bos_id, eos_id, pad_id, sources, provenance)
         if buffer_docs < 1:
             raise ValueError(f"buffer_docs must be >= 1, got {buffer_docs}")
         self.buffer_docs = int(buffer_docs)
@@ -282,18 +292,20 @@ class BestFitPacker(_Packer):
         self._reset_counters()
         self._keys: list[tuple[int, int]] = []  # sorted (length, arrival)
         self._pieces: dict[int, np.ndarray] = {}
-        self._meta: dict[int, tuple[int, int]] = {}  # arrival -> (source, document length; 0 for a continuation)
+        # arrival -> (source, document length; 0 for a continuation), + (file, record, offset in the
+        # wrapped document) with provenance
+        self._meta: dict[int, tuple[int, ...]] = {}
         self._arrivals = 0
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _add_piece(self, piece: np.ndarray, source: int = -1, doc_len: int = 0) -> None:
+    def _add_piece(self, piece: np.ndarray, source: int = -1, doc_len: int = 0, where: tuple[int, ...] = ()) -> None:
         key = (len(piece), self._arrivals)
         self._arrivals += 1
         self._pieces[key[1]] = piece
         if self.track_sources:
-            self._meta[key[1]] = (source, doc_len)
+            self._meta[key[1]] = (source, doc_len, *where)
         insort(self._keys, key)
 
     def push(self, doc: dict) -> list[np.ndarray]:
@@ -302,17 +314,24 @@ class BestFitPacker(_Packer):
         doc_len = len(piece)
         out = []
         L = self.seq_len
+        offset = 0  # of the buffered piece in the wrapped document
         if len(piece) > L:
             self._count_cut(doc)
             n_full = len(piece) // L
             out.extend(piece[k * L : (k + 1) * L].copy() for k in range(n_full))
             if self.track_sources:
-                self.origins.extend(WindowOrigin(self._new_origin(src), [(src, doc_len)] if k == 0 else []) for k in range(n_full))
+                f, r = self._doc_where(doc) if self.provenance else (0, 0)
+                self.origins.extend(
+                    WindowOrigin(self._new_origin(src), [(src, doc_len)] if k == 0 else [],
+                                 [(src, f, r, 0, L, k * L)] if self.provenance else None)
+                    for k in range(n_full)
+                )
             self.windows += n_full
             piece = piece[n_full * L :].copy()
+            offset = n_full * L
             doc_len = 0  # the tail continues a document already counted where it started
         if len(piece):
-            self._add_piece(piece, src, doc_len)
+            self._add_piece(piece, src, doc_len, (*self._doc_where(doc), offset) if self.provenance else ())
         while len(self._keys) >= self.buffer_docs:
             out.append(self._build_window())
         return out
@@ -322,6 +341,7 @@ class BestFitPacker(_Packer):
         window = np.full(L, self.pad_id, dtype=np.int32)
         origin = self._new_origin() if self.track_sources else None
         starts: list[tuple[int, int]] = []
+        pieces: list[tuple[int, ...]] | None = [] if self.provenance else None
         fill = 0
         while keys:
             idx = bisect_right(keys, (L - fill, 1 << 62)) - 1
@@ -332,23 +352,34 @@ class BestFitPacker(_Packer):
             _, arrival = keys.pop(idx)
             window[fill : fill + length] = self._pieces.pop(arrival)
             if origin is not None:
-                src, doc_len = self._meta.pop(arrival)
+                src, doc_len, *where = self._meta.pop(arrival)
                 origin[fill : fill + length] = src
                 if doc_len:
                     starts.append((src, doc_len))
+                if pieces is not None:
+                    pieces.append((src, where[0], where[1], fill, fill + length, where[2]))
             fill += length
             if fill == L:
                 break
         self.pad_tokens += L - fill
         self.windows += 1
         if origin is not None:
-            self.origins.append(WindowOrigin(origin, starts))
+            self.origins.append(WindowOrigin(origin, starts, pieces))
         return window
 
     def finish(self) -> list[np.ndarray]:
         out = []
         while self._keys:
             out.append(self._build_window())
+        return out
+
+    def buffered(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for arrival, piece in self._pieces.items():
+            src, doc_len = self._meta[arrival][:2]
+            slot = out.setdefault(src, [0, 0])
+            slot[0] += 1 if doc_len else 0
+            slot[1] += self._content(piece)
         return out
 
     def state(self) -> dict[str, Any]:
@@ -364,7 +395,8 @@ class BestFitPacker(_Packer):
             **self._counter_state(),
         }
         if self.track_sources:
-            out["piece_meta"] = np.array([self._meta[a] for a in arrivals.tolist()], dtype=np.int64).reshape(-1, 2)
+            width = 5 if self.provenance else 2
+            out["piece_meta"] = np.array([self._meta[a] for a in arrivals.tolist()], dtype=np.int64).reshape(-1, width)
         return out
 
     def load_state(self, state: dict[str, Any]) -> None:
@@ -378,18 +410,22 @@ class BestFitPacker(_Packer):
         self._arrivals = int(state["next_arrival"])
         self._load_counters(state)
         if self.track_sources and "piece_meta" in state:
-            for arrival, (src, doc_len) in zip(np.asarray(state["arrivals"]).tolist(), np.asarray(state["piece_meta"]).reshape(-1, 2).tolist()):
-                self._meta[arrival] = (int(src), int(doc_len))
+            arrivals = np.asarray(state["arrivals"])
+            meta = np.asarray(state["piece_meta"], dtype=np.int64).reshape(len(arrivals), -1) if len(arrivals) else np.zeros((0, 5))
+            if self.provenance and meta.shape[1] != 5:
+                raise ValueError("the packer state has no provenance (saved by a packer built without it); resume with the same setting")
+            for arrival, row in zip(np.asarray(state["arrivals"]).tolist(), meta.tolist()):
+                self._meta[arrival] = tuple(int(x) for x in row[: 5 if self.provenance else 2])
 
 
 def make_packer(
     strategy: str, seq_len: int, bos_id: int, eos_id: int, pad_id: int, buffer_docs: int = DEFAULT_BUFFER_DOCS,
-    sources: Sequence[str] | None = None,
+    sources: Sequence[str] | None = None, provenance: bool = False,
 ) -> GreedyPacker | BestFitPacker:
     if strategy == "greedy":
-        return GreedyPacker(seq_len, bos_id, eos_id, pad_id, sources)
+        return GreedyPacker(seq_len, bos_id, eos_id, pad_id, sources, provenance)
     if strategy == "best_fit":
-        return BestFitPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources)
+        return BestFitPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources, provenance)
     raise ValueError(f"unknown packing strategy {strategy!r}; choose one of {STRATEGIES}")
 
 
@@ -484,17 +520,65 @@ class PackNode(BaseNode[np.ndarray]):
         pad_id: int,
         buffer_docs: int = DEFAULT_BUFFER_DOCS,
         sources: Sequence[str] | None = None,
+        provenance: bool = False,
     ) -> None:
         super().__init__()
         self.source = source
-        self.packer = make_packer(strategy, seq_len, bos_id, eos_id, pad_id, buffer_docs, sources)
+        self.packer = make_packer(strategy, seq_len, bos_id, eos_id, pad_id, buffer_docs, sources, provenance)
         self._ready: deque[np.ndarray] = deque()
         self._source_done = False
         self.last_origin: WindowOrigin | None = None  # of the window ``next`` returned last (tracking sources)
+        # Tracking sources: per source index, [docs, document tokens] of the windows ``next``
+        # returned (the token ledger's "emitted"; stacklm.data.ledger). In the state.
+        self.emitted = np.zeros((0, 2), dtype=np.int64)
+        # ... and of the windows a batcher then dropped (``drop_last``: never delivered)
+        self.dropped_last = np.zeros((0, 2), dtype=np.int64)
+
+    def _count_emitted(self, window: np.ndarray, origin: WindowOrigin, sign: int = 1) -> None:
+        p = self.packer
+        n = len(p.sources)
+        if len(self.emitted) < n:
+            self.emitted = np.vstack([self.emitted, np.zeros((n - len(self.emitted), 2), dtype=np.int64)])
+        self.emitted[:, 1] += sign * content_by_source(window, origin.origin, n, p.bos_id, p.eos_id)
+        for src, _ in origin.starts:
+            self.emitted[src, 0] += sign
+
+    def count_dropped(self, windows: Sequence[np.ndarray], origins: Sequence[WindowOrigin]) -> None:
+        """Windows ``next`` returned that the batcher dropped (an incomplete last batch with
+        ``drop_last``): moved from ``emitted`` to ``dropped_last``, so the ledger says so."""
+        before = self.emitted.copy()
+        for window, origin in zip(windows, origins):
+            self._count_emitted(window, origin, sign=-1)
+        if len(self.dropped_last) < len(self.emitted):
+            self.dropped_last = np.vstack([self.dropped_last, np.zeros((len(self.emitted) - len(self.dropped_last), 2), np.int64)])
+        self.dropped_last += before - self.emitted
+
+    def dropped_by_source(self) -> dict[str, list[int]]:
+        return {name: [int(x) for x in self.dropped_last[i]] for i, name in enumerate(self.packer.sources)
+                if i < len(self.dropped_last) and self.dropped_last[i].any()}
+
+    def buffered(self) -> dict[str, list[int]]:
+        """Per source name ``[docs, document tokens]`` pushed into the packer but not returned by
+        ``next`` yet (its buffer, and windows completed but not yielded)."""
+        p = self.packer
+        per = p.buffered()
+        for window, origin in zip(self._ready, p.origins):
+            for src, _ in origin.starts:
+                per.setdefault(src, [0, 0])[0] += 1
+            for src, n in enumerate(content_by_source(window, origin.origin, len(p.sources), p.bos_id, p.eos_id).tolist()):
+                if n:
+                    per.setdefault(src, [0, 0])[1] += n
+        return {p.sources[i]: v for i, v in per.items()}
+
+    def emitted_by_source(self) -> dict[str, list[int]]:
+        return {name: [int(x) for x in self.emitted[i]] if i < len(self.emitted) else [0, 0]
+                for i, name in enumerate(self.packer.sources)}
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
         self._ready = deque()
+        self.emitted = np.zeros((0, 2), dtype=np.int64)
+        self.dropped_last = np.zeros((0, 2), dtype=np.int64)
         if initial_state is None:
             self.source.reset()
             self.packer.reset()
@@ -504,6 +588,10 @@ class PackNode(BaseNode[np.ndarray]):
         self.packer.load_state(initial_state["packer"])
         self._ready.extend(np.asarray(initial_state["ready"], dtype=np.int32).copy())
         self._source_done = bool(initial_state["source_done"])
+        if "emitted" in initial_state:
+            self.emitted = np.asarray(initial_state["emitted"], dtype=np.int64).reshape(-1, 2).copy()
+        if "dropped_last" in initial_state:
+            self.dropped_last = np.asarray(initial_state["dropped_last"], dtype=np.int64).reshape(-1, 2).copy()
 
     def next(self) -> np.ndarray:
         while not self._ready:
@@ -516,18 +604,25 @@ class PackNode(BaseNode[np.ndarray]):
                 self._ready.extend(self.packer.finish())
                 continue
             self._ready.extend(self.packer.push(doc))
+        window = self._ready.popleft()
         if self.packer.track_sources:  # the packer's origins queue runs in step with _ready
             self.last_origin = self.packer.origins.popleft()
-        return self._ready.popleft()
+            self._count_emitted(window, self.last_origin)
+        return window
 
     def get_state(self) -> dict[str, Any]:
         ready = np.stack(self._ready) if self._ready else np.zeros((0, self.packer.seq_len), dtype=np.int32)
-        return {
+        out = {
             self.SOURCE_KEY: self.source.state_dict(),
             "packer": self.packer.state(),
             "ready": ready,
             "source_done": self._source_done,
         }
+        if self.packer.track_sources:
+            out["emitted"] = self.emitted.copy()
+            if len(self.dropped_last):
+                out["dropped_last"] = self.dropped_last.copy()
+        return out
 
     def summary(self) -> dict[str, Any]:
         return self.packer.summary()
@@ -571,6 +666,8 @@ class PackBatchNode(BaseNode[dict]):
                 break
             origins.append(self.pack.last_origin)
         if not windows or (self.drop_last and len(windows) < self.batch_size):
+            if windows:  # kept by the mix, never delivered: the ledger counts them (stacklm.data.ledger)
+                self.pack.count_dropped(windows, origins)
             raise StopIteration
         batch = self.collate(windows)
         batch[DELIVERY_KEY] = delivery_counts(origins, len(self.pack.packer.sources))

@@ -171,6 +171,15 @@ class ShuffleNode(BaseNode[dict]):
             raise StopIteration
         return self.shuffler.pop()
 
+    def buffered(self) -> dict[str, list[int]]:
+        """Per source ``[docs, tokens]`` waiting in the buffer (the token ledger's remainder)."""
+        out: dict[str, list[int]] = {}
+        for doc in self.shuffler.buffer:
+            slot = out.setdefault(doc.get("source", "?"), [0, 0])
+            slot[0] += 1
+            slot[1] += len(doc["ids"])
+        return out
+
     def get_state(self) -> dict[str, Any]:
         return {
             self.SOURCE_KEY: self.source.state_dict(),

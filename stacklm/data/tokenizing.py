@@ -53,6 +53,7 @@ class TokenizeNode(BaseNode):
 
     SOURCE_KEY = "source"
     PENDING_KEY = "pending"
+    AHEAD_KEY = "ahead"  # how many of the pending documents are the read-ahead batch
     STATS_KEY = "stats"
 
     def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 2) -> None:
@@ -82,6 +83,14 @@ class TokenizeNode(BaseNode):
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.stats.load_dict(initial_state[self.STATS_KEY])
         self._batch = decode_docs(initial_state[self.PENDING_KEY])
+        # The read-ahead batch goes back to being the read-ahead (a finished future): the node
+        # then reads upstream exactly when an uninterrupted one would, so what sits in its
+        # buffers (the token ledger's "buffered") is the same after a resume.
+        n_ahead = int(initial_state.get(self.AHEAD_KEY, 0))
+        if n_ahead:
+            self._batch, ahead = self._batch[: len(self._batch) - n_ahead], self._batch[len(self._batch) - n_ahead :]
+            self._ahead = Future()
+            self._ahead.set_result(ahead)
 
     def _read(self) -> Future | None:
         docs = list(islice(self.source, self.batch_docs))
@@ -105,12 +114,18 @@ class TokenizeNode(BaseNode):
         self.stats.add(src, "tokens", int(doc["ids"].size))
         return doc
 
+    def buffered(self) -> list[int]:
+        """``[docs, tokens]`` read and encoded but not yet emitted (the rest of the current batch
+        and the read-ahead batch): the token ledger's "in buffers before the mix"."""
+        pending = self._batch[self._pos :] + (self._ahead.result() if self._ahead is not None else [])
+        return [len(pending), sum(int(d["ids"].size) for d in pending)]
+
     def get_state(self) -> dict[str, Any]:
         pending = self._batch[self._pos :]
-        if self._ahead is not None:
-            pending = pending + self._ahead.result()
+        ahead = self._ahead.result() if self._ahead is not None else []
         return {
             self.SOURCE_KEY: self.source.state_dict(),
-            self.PENDING_KEY: encode_docs(pending),
+            self.PENDING_KEY: encode_docs(pending + ahead),
+            self.AHEAD_KEY: len(ahead),
             self.STATS_KEY: self.stats.to_dict(),
         }

@@ -96,6 +96,15 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
     if phases:
         out["mix_phases"] = merge_phase_reports(phases)
+    ledgers = [s["ledger"] for s in summaries if s.get("ledger")]
+    if ledgers:
+        # each worker's ledger is exact at its own summary's batch, so the sum is exact too;
+        # checked at every log step (stacklm.data.ledger.enforce: strict in tests, a warning in a run)
+        from stacklm.data import ledger
+
+        merged = ledger.merge(ledgers)
+        ledger.enforce(merged, "stream loader workers")
+        out["ledger"] = ledger.with_status(merged)
     return out
 
 
@@ -200,6 +209,10 @@ class _StreamIterator:
                "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
         if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.schedule)
             out["mix_phases"] = graph.phases()
+        if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
+            from stacklm.data.ledger import pipeline_ledger
+
+            out["ledger"] = pipeline_ledger(graph)
         return out
 
     def state_dict(self) -> dict[str, Any]:

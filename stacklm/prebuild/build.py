@@ -32,14 +32,16 @@ def prebuild(
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD,
     splits: Sequence[str] = SPLITS,
     progress: bool = True,
+    provenance: bool = True,
 ) -> dict[str, Any]:
     """Build (or resume, or confirm) the shard set in ``out``; returns the top manifest.
 
     ``config`` is a ``PipelineConfig``; ``tokenizer`` a ``StackTokenizer`` or the path of its
-    artifact. ``workers > 1`` runs the jobs in that many spawned processes.
+    artifact. ``workers > 1`` runs the jobs in that many spawned processes. ``provenance``
+    writes a side file per shard naming each row's document pieces (``stacklm.data.provenance``).
     """
     tokenizer = resolve_tokenizer(tokenizer)
-    plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits))
+    plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance))
     # The lock is taken before the directory is even checked and held to the end: a second
     # prebuild of the same directory is refused at once, whatever phase the first is in.
     created_state = not state_dir_of(plan.out).exists()

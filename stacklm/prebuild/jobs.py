@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.shards import atomic_write_shard_file, list_shard_files, meta_path, tokens_path, write_shard
+from stacklm.data.provenance import prov_path
+from stacklm.data.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
 from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
 
 
@@ -50,24 +51,31 @@ def run_job(
     split_dir = plan.out / split
     split_dir.mkdir(parents=True, exist_ok=True)
 
-    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan))
+    from stacklm.data.ledger import pipeline_ledger
+    from stacklm.data.provenance import ShardTracker, source_files
+
+    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan), provenance=plan.provenance)
     windows = pipe.windows
     ckpt = _load_pickle(ckpt_path)
     shards: list[dict] = list(ckpt["shards"]) if ckpt else []
     windows.reset(ckpt["state"] if ckpt else None)
+    tracker = ShardTracker(windows, plan.provenance)  # delivered per source; provenance side files
+    tracker.load_state(ckpt.get("tracker") if ckpt else None)
     remove_own_shards_from(split_dir, plan.workers, worker, len(shards))
 
     def realized_tokens() -> dict[str, int]:
         return {src: int(r["tokens"]) for src, r in pipe.realized().items()}
 
     def checkpoint() -> None:
-        atomic_write_shard_file(ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict()}, protocol=5))
+        atomic_write_shard_file(
+            ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict(), "tracker": tracker.state()}, protocol=5)
+        )
         if on_progress is not None:
             on_progress(name, len(shards), realized_tokens())
 
     if on_progress is not None:
         on_progress(name, len(shards), realized_tokens())
-    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint)
+    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint, tracker=tracker)
     summary = {
         "split": split,
         "worker": worker,
@@ -78,7 +86,12 @@ def run_job(
         "realized": pipe.realized(),
         "mix_phases": pipe.phases(),
         "packing": pipe.packing(),
+        # the job's token ledger: delivered = what the shards hold (stacklm.data.ledger)
+        "ledger": pipeline_ledger(pipe, tracker.delivered_by_source()),
     }
+    if plan.provenance:
+        summary["provenance"] = {"files": {name: source_files(node) for name, node in pipe.sources.items()},
+                                 "bytes": sum(prov_path(split_dir, d["name"]).stat().st_size for d in shards)}
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
@@ -107,23 +120,31 @@ def job_dedup_index(plan: PrebuildPlan):
 
 
 def write_job_shards(
-    plan: PrebuildPlan, split_dir: Path, worker: int, windows: Iterable[np.ndarray], shards: list[dict], on_shard: Callable[[], None]
+    plan: PrebuildPlan, split_dir: Path, worker: int, windows: Iterable[np.ndarray], shards: list[dict], on_shard: Callable[[], None],
+    tracker=None,
 ) -> None:
     """Write ``windows`` as job ``worker``'s next shards, ``plan.seqs_per_shard`` windows each
     (the last may be shorter). Its ``j``-th shard is global index ``j * workers + worker``, so
     jobs never collide; each one's info is appended to ``shards`` (which may already hold the
     shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
-    ``run_job`` and the datatrove writer, so both write the same set."""
+    ``run_job`` and the datatrove writer, so both write the same set. ``tracker``
+    (``stacklm.data.provenance.ShardTracker``) sees every window and writes each shard's
+    provenance side file right before the shard."""
     buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
 
     def commit(n: int) -> None:
-        info = write_shard(split_dir, len(shards) * plan.workers + worker, buf[:n], plan.dtype)
+        index = len(shards) * plan.workers + worker
+        if tracker is not None:
+            tracker.commit(split_dir, shard_name(index))
+        info = write_shard(split_dir, index, buf[:n], plan.dtype)
         shards.append(info.to_dict())
         on_shard()
 
     n = 0
     for window in windows:
         buf[n] = window
+        if tracker is not None:
+            tracker.window(window)
         n += 1
         if n == plan.seqs_per_shard:
             commit(n)
@@ -140,6 +161,7 @@ def remove_own_shards_from(split_dir: Path, workers: int, worker: int, keep: int
         if index % workers == worker and index // workers >= keep:
             meta_path(split_dir, name).unlink(missing_ok=True)
             tokens_path(split_dir, name).unlink(missing_ok=True)
+            prov_path(split_dir, name).unlink(missing_ok=True)
 
 
 def job_budget(plan: PrebuildPlan, split: str, worker: int) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from stacklm.data import ledger, provenance
 from stacklm.data import manifest as mf
 from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.schedule import merge_phase_reports
@@ -46,6 +47,8 @@ def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
     for key in ("workers", "tokens_per_shard", "splits"):
         if found.get(key) != identity[key]:
             problems.append(f"{key}: built with {found.get(key)!r}, this run has {identity[key]!r}")
+    if found.get("provenance", True) != identity["provenance"]:  # builds before provenance had it on
+        problems.append(f"provenance: built with {found.get('provenance', True)!r}, this run has {identity['provenance']!r}")
     if problems:
         raise PrebuildError(
             f"{where} belongs to a different build, refusing to mix them:\n  - " + "\n  - ".join(problems)
@@ -97,6 +100,15 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
     realized = mf.merge_realized((s["realized"] for s in summaries), plan.config.mix.target_weights())
     n_seq = sum(int(d["n_seq"]) for d in shards)
     holdout = stats.get("holdout", {})
+    extra: dict[str, Any] = {}
+    if all("ledger" in s for s in summaries):  # the token ledger, summed over the jobs (stacklm.data.ledger)
+        merged = ledger.merge(s["ledger"] for s in summaries)
+        ledger.enforce(merged, f"prebuild {plan.out} split {split!r}")
+        extra["ledger"] = ledger.with_status(merged)
+    if summaries and all(s.get("provenance") for s in summaries):
+        first = summaries[0]["provenance"]
+        extra["provenance"] = provenance.manifest_entry([e.name for e in plan.config.mix.entries], first["files"]) | {
+            "bytes": sum(int(s["provenance"]["bytes"]) for s in summaries)}
     return {
         **_common_fields(plan, identity),
         "split": split,
@@ -117,6 +129,7 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
         "packing": mf.merge_packing(s["packing"] for s in summaries),
         "offline_fallback": sorted(src for src, per in stats.get("source", {}).items() if per.get("fallback_offline")),
         "warnings": build_warnings(split, summaries, stats),
+        **extra,
         "tasks": [
             {
                 "worker": int(s["worker"]),
@@ -168,6 +181,7 @@ def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[s
             for name, m in splits.items()
         },
         "sources": splits[plan.splits[0]]["sources"],
+        **({"ledger": {name: m["ledger"] for name, m in splits.items()}} if all("ledger" in m for m in splits.values()) else {}),
         "mix_phases": splits[plan.splits[0]].get("mix_phases", []),
         "drops": {name: m["drops"] for name, m in splits.items()},
         "offline_fallback": sorted({src for m in splits.values() for src in m["offline_fallback"]}),

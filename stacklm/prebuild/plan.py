@@ -35,6 +35,7 @@ class PrebuildPlan:
     workers: int = 1
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
     splits: tuple[str, ...] = SPLITS
+    provenance: bool = True  # per-shard side files naming each row's document pieces (stacklm.data.provenance)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -68,6 +69,7 @@ class PrebuildPlan:
             "workers": self.workers,
             "tokens_per_shard": self.tokens_per_shard,
             "splits": list(self.splits),
+            "provenance": self.provenance,
         }
 
 

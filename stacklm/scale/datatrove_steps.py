@@ -109,7 +109,9 @@ class StackMixedDocuments(_StackStep):
     type = "📖 - READER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.ledger import pipeline_ledger
         from stacklm.data.nodes import build_pipeline
+        from stacklm.data.provenance import source_files
         from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args
 
         split, worker = self.plan.job_of(rank, world_size)
@@ -123,6 +125,9 @@ class StackMixedDocuments(_StackStep):
         summary = {
             "split": split, "worker": worker, "workers": plan.workers, "budget": int(pipe.mix.mixer.total_tokens),
             "stats": pipe.stats(), "realized": pipe.realized(), "mix_phases": pipe.phases(),
+            # the ledger up to the shuffle; the writer fills in what the shards deliver
+            "ledger": pipeline_ledger(pipe, {}),
+            "provenance_files": {name: source_files(node) for name, node in pipe.sources.items()},
         }
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
 
@@ -190,10 +195,11 @@ class StackPacker(_StackStep):
         cfg, tok = plan.config, plan.tokenizer
         summary: dict[str, Any] = {}
         docs = ({**d.metadata, "doc_id": d.id} for d in _without_summary(data, summary))
-        node = PackNode(IterableWrapper(docs), cfg.seq_len, cfg.strategy, tok.bos_id, tok.eos_id, tok.pad_id, cfg.pack_buffer_docs)
+        node = PackNode(IterableWrapper(docs), cfg.seq_len, cfg.strategy, tok.bos_id, tok.eos_id, tok.pad_id, cfg.pack_buffer_docs,
+                        sources=[e.name for e in cfg.mix.entries], provenance=plan.provenance)
         for i, window in enumerate(node):
             self.stat_update("windows")
-            yield Document(text="", id=str(i), metadata={"window": window})
+            yield Document(text="", id=str(i), metadata={"window": window, "origin": node.last_origin})
         packing = node.summary()
         self.stat_update("docs_cut", value=int(packing["docs_cut"]))
         self.stat_update("pad_tokens", value=int(packing["pad_tokens"]))
@@ -207,6 +213,9 @@ class StackShardWriter(_StackStep):
     type = "💽 - WRITER"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from types import SimpleNamespace
+
+        from stacklm.data.provenance import ShardTracker, prov_path
         from stacklm.data.shards import atomic_write_shard_file
         from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
         from stacklm.prebuild.plan import STATE_DIR
@@ -217,12 +226,27 @@ class StackShardWriter(_StackStep):
         split_dir.mkdir(parents=True, exist_ok=True)
         remove_own_shards_from(split_dir, plan.workers, worker, 0)  # a rerun task rewrites them all
         summary: dict[str, Any] = {}
-        windows = (d.metadata["window"] for d in _without_summary(data, summary))
+        tok = plan.tokenizer
+        # what ShardTracker reads from a PackNode: the origin of the window being written
+        holder = SimpleNamespace(last_origin=None, packer=SimpleNamespace(
+            sources=[e.name for e in plan.config.mix.entries], bos_id=tok.bos_id, eos_id=tok.eos_id))
+        tracker = ShardTracker(holder, plan.provenance)
+
+        def windows():
+            for d in _without_summary(data, summary):
+                holder.last_origin = d.metadata["origin"]
+                yield d.metadata["window"]
+
         shards: list[dict] = []
-        write_job_shards(plan, split_dir, worker, windows, shards, on_shard=lambda: self.stat_update("shards"))
+        write_job_shards(plan, split_dir, worker, windows(), shards, on_shard=lambda: self.stat_update("shards"), tracker=tracker)
         if not summary:
             raise RuntimeError(f"task {rank}: the packer sent no summary; run StackMixedDocuments -> StackPacker -> StackShardWriter in that order")
         summary["shards"] = shards
+        for name, (docs, tokens) in tracker.delivered_by_source().items():  # the ledger's delivered: what the shards hold
+            summary["ledger"][name]["docs"]["delivered"], summary["ledger"][name]["tokens"]["delivered"] = docs, tokens
+        files = summary.pop("provenance_files")
+        if plan.provenance:
+            summary["provenance"] = {"files": files, "bytes": sum(prov_path(split_dir, d["name"]).stat().st_size for d in shards)}
         state_dir = plan.out / STATE_DIR
         state_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_shard_file(state_dir / f"{job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())

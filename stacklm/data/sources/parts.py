@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 # A stream whose first rows are all empty almost always reads the wrong column or files.
 FIRST_ROWS_CHECK = 100
 BLANK_LINES = "blank_lines_skipped"
+RECORDS_READ = "records_read"  # rows this reader owns and looked at (not blank lines, not other readers' rows)
 LOGGED_INVALID = 5  # invalid rows logged (with file and line) per reader; the rest are counted
 
 
@@ -50,6 +51,7 @@ class PartNode(BaseNode[dict]):
     """
 
     KIND = "source"  # how messages name this node: "source 'x': ..."
+    COUNTS_RECORDS = False  # count owned rows as RECORDS_READ (the token ledger's "read"; text sources)
 
     def __init__(self, name: str, domain: str, *, shard: ShardSpec | None, stage: str = "source") -> None:
         super().__init__()
@@ -169,6 +171,8 @@ class PartNode(BaseNode[dict]):
                 self._skip_unowned(raw)
                 continue
             self._owned_rows += 1
+            if self.COUNTS_RECORDS:
+                self.stats.add(self.name, RECORDS_READ)  # the ledger's "read" (stacklm.data.ledger)
             doc = self._document(raw, row)
             if doc is None:
                 continue
@@ -186,6 +190,8 @@ class TextPartSource(PartNode):
     record is still an error, raised as soon as its first ``first_rows_check`` rows are all
     invalid or at its end: that is a wrong format or a wrong ``text_column``, not bad rows.
     """
+
+    COUNTS_RECORDS = True
 
     def __init__(
         self, name: str, domain: str, *, text_column: str, shard: ShardSpec | None, first_rows_check: int,
@@ -302,11 +308,16 @@ class TextPartSource(PartNode):
                     file=self._reader.where(),
                 )
             return None
+        part = self._assigned[self._k]
         return {
             "text": text,
             "source": self.name,
             "domain": self.domain,
-            "doc_id": f"{self.name}/{self._parts[self._assigned[self._k]]}/{row}",
+            "doc_id": f"{self.name}/{self._parts[part]}/{row}",
+            # provenance (stacklm.data.provenance): index of the part in the source's sorted part
+            # list, and the row's 0-based index in it (line for jsonl, row for parquet, stream index)
+            "file": part,
+            "record": int(self._reader.record),
         }
 
     def _check_exhausted(self) -> None:

@@ -120,6 +120,11 @@ class JsonlReader:
     def position(self) -> dict:
         return {"offset": self.offset, "line": self.line}
 
+    @property
+    def record(self) -> int:
+        """0-based line number of the row yielded last (provenance: blank lines count)."""
+        return self.line - 1
+
     def where(self) -> str:
         return f"{self.path}, line {self.line}"
 
@@ -172,6 +177,8 @@ class TextFileReader:
 
     def position(self) -> dict:
         return {"done": int(self.done)}
+
+    record = 0  # the file is the one record
 
     def where(self) -> str:
         return self.path
@@ -227,6 +234,11 @@ class ParquetReader:
     def position(self) -> dict:
         return {"row": self.row}
 
+    @property
+    def record(self) -> int:
+        """0-based row number of the row yielded last (provenance)."""
+        return self.row - 1
+
     def where(self) -> str:
         return f"{self.path}, row {self.row}"
 
@@ -255,6 +267,11 @@ class DatasetsReader:
 
     def position(self) -> dict:
         return self.dataset.state_dict()
+
+    @property
+    def record(self) -> int:
+        """0-based index in this part's stream of the row yielded last (provenance)."""
+        return self.row - 1
 
     def where(self) -> str:
         return f"{self.label}, row {self.row}"

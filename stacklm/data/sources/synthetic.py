@@ -55,6 +55,8 @@ class SyntheticSource(BaseNode[dict]):
             self._next += self.shard.count
             text, audit = clean_text(synthetic_text(i, self.domain, self.seed))
             self.text_bytes += len(text) if text.isascii() else len(text.encode())
+            self.stats.add(self.name, "records_read")  # the ledger's "read" (stacklm.data.ledger)
             if record_audit(self.stats, self.name, audit):
-                return {"text": text, "source": self.name, "domain": self.domain, "doc_id": f"{self.name}/{self.label}/{i}"}
+                return {"text": text, "source": self.name, "domain": self.domain, "doc_id": f"{self.name}/{self.label}/{i}",
+                        "file": 0, "record": i}
         raise StopIteration

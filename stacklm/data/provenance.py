@@ -1,0 +1,206 @@
+"""Provenance of every prebuilt row: which document pieces (source, file, record, token range,
+offset in the document) it holds.
+
+Why a side file per shard and not columns in the token file: the token files stay the plain
+``n_seq x seq_len`` arrays every reader memmaps, and provenance costs nothing to a loader that
+does not ask for it. A shard ``shard_XXXXX`` gets ``shard_XXXXX.prov.npz`` (compressed npz),
+written before the shard's own files (so a complete shard always has it):
+
+* ``row_pieces`` (n_rows,): the number of pieces in each row;
+* per piece, in row order: ``source`` (index into the manifest's ``provenance.sources``),
+  ``file_index`` (index into that source's ``provenance.files``), ``record`` (0-based row of that file:
+  line for jsonl, row for parquet, index in a hub stream part), ``length`` and ``doc_offset``.
+
+Pieces fill a row from token 0 without gaps (both packers place them back to back; padding
+only follows them), so ``row_start`` is the running sum of the lengths and is not stored. A
+piece covers its tokens of the *wrapped* document ``<bos> ids <eos>``: ``doc_offset`` 0 is the
+``<bos>``. Most pieces start at offset 0 and records run in order within a file, so the arrays
+compress to a few bytes a piece (``bench/provenance.py`` measures it against the token bytes).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stacklm.data.shards import ShardError, atomic_write_shard_file
+
+PROV_SUFFIX = ".prov.npz"
+FORMAT = "stacklm-provenance/1"
+# One document piece of a packed window (``stacklm.data.pack.WindowOrigin.pieces``). Defined
+# here, not in pack.py, so the CLI and the prebuild's manifests read provenance without torch.
+PIECE_FIELDS = ("source", "file", "record", "row_start", "row_end", "doc_offset")
+
+
+def prov_path(directory: str | Path, name: str) -> Path:
+    return Path(directory) / f"{name}{PROV_SUFFIX}"
+
+
+def _smallest_uint(values: np.ndarray) -> np.ndarray:
+    top = int(values.max()) if values.size else 0
+    for dtype in (np.uint16, np.uint32, np.uint64):
+        if top <= np.iinfo(dtype).max:
+            return values.astype(dtype)
+    raise ValueError(f"value {top} does not fit uint64")  # pragma: no cover
+
+
+def encode_rows(rows: Sequence[Sequence[tuple[int, ...]]]) -> bytes:
+    """The side file of one shard: ``rows[i]`` is row ``i``'s pieces (``PIECE_FIELDS`` tuples)."""
+    flat = np.array([p for row in rows for p in row], dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
+    counts = np.array([len(row) for row in rows], dtype=np.int64)
+    src, fid, rec, start, end, off = flat.T
+    # The invariant that lets row_start go unstored: pieces are back to back from token 0.
+    lengths = end - start
+    cs = np.cumsum(lengths)
+    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    base = np.concatenate([[0], cs])[np.repeat(first, counts)]
+    if len(flat) and (not np.array_equal(cs - lengths - base, start) or (lengths <= 0).any() or (src < 0).any()):
+        raise ValueError("provenance pieces are not back to back from token 0 of each row; this is a packer bug")
+    if (fid < 0).any() or (rec < 0).any():
+        raise ValueError("a document without file/record reached the packer; every source must set them for provenance")
+    buf = io.BytesIO()
+    np.savez_compressed(buf, row_pieces=_smallest_uint(counts), source=_smallest_uint(src), file_index=_smallest_uint(fid),
+                        record=_smallest_uint(rec), length=_smallest_uint(lengths), doc_offset=_smallest_uint(off))
+    return buf.getvalue()
+
+
+def decode_rows(data: bytes | Path) -> tuple[np.ndarray, np.ndarray]:
+    """``(row_ptr, pieces)``: row ``i``'s pieces are ``pieces[row_ptr[i]:row_ptr[i+1]]``, each a
+    ``PIECE_FIELDS`` row (``row_start``/``row_end`` restored)."""
+    with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as z:
+        counts = z["row_pieces"].astype(np.int64)
+        lengths = z["length"].astype(np.int64)
+        cols = [z[k].astype(np.int64) for k in ("source", "file_index", "record")]
+        off = z["doc_offset"].astype(np.int64)
+    ptr = np.concatenate([[0], np.cumsum(counts)])
+    ends = np.cumsum(lengths)
+    row_base = np.repeat(np.concatenate([[0], ends])[ptr[:-1]], counts)
+    end = ends - row_base
+    pieces = np.stack([*cols, end - lengths, end, off], axis=1) if len(lengths) else np.zeros((0, len(PIECE_FIELDS)), np.int64)
+    return ptr, pieces
+
+
+class ShardTracker:
+    """Sits next to the shard writer of a prebuild job: counts what each written window
+    delivers per source (the ledger's ``delivered``: documents where their ``<bos>`` is,
+    document tokens) and, with ``provenance``, collects each row's pieces and writes the
+    shard's side file right before the shard itself. Its state (the counts) goes into the job's
+    checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
+
+    def __init__(self, pack_node, provenance: bool) -> None:
+        from stacklm.data.origins import content_by_source
+
+        self._content = content_by_source
+        self.pack = pack_node
+        self.provenance = bool(provenance)
+        self.delivered = np.zeros((len(pack_node.packer.sources), 2), dtype=np.int64)
+        self.rows: list[list[tuple[int, ...]]] = []
+        self.bytes = 0  # side-file bytes written by this job (this run)
+
+    def window(self, window: np.ndarray) -> None:
+        origin = self.pack.last_origin  # stacklm.data.pack.WindowOrigin
+        p = self.pack.packer
+        n = len(p.sources)
+        if len(self.delivered) < n:
+            self.delivered = np.vstack([self.delivered, np.zeros((n - len(self.delivered), 2), np.int64)])
+        self.delivered[:, 1] += self._content(window, origin.origin, n, p.bos_id, p.eos_id)
+        for src, _ in origin.starts:
+            self.delivered[src, 0] += 1
+        if self.provenance:
+            self.rows.append(origin.pieces)
+
+    def commit(self, split_dir: Path, name: str) -> None:
+        if self.provenance:
+            data = encode_rows(self.rows)
+            atomic_write_shard_file(prov_path(split_dir, name), data, fsync_parent=False)
+            self.bytes += len(data)
+        self.rows = []
+
+    def delivered_by_source(self) -> dict[str, list[int]]:
+        return {s: [int(x) for x in self.delivered[i]] if i < len(self.delivered) else [0, 0]
+                for i, s in enumerate(self.pack.packer.sources)}
+
+    def state(self) -> dict[str, Any]:
+        return {"delivered": self.delivered.tolist()}
+
+    def load_state(self, state: Mapping[str, Any] | None) -> None:
+        if state:
+            self.delivered = np.asarray(state["delivered"], dtype=np.int64).reshape(-1, 2)
+
+
+def source_files(node) -> list[str]:
+    """The labels of a source node's parts (files, hub stream parts), in part-index order: what
+    a piece's ``file`` indexes (a synthetic source has one, its label)."""
+    parts = getattr(node, "_parts", None)
+    if parts is None:
+        return [str(getattr(node, "label", node.name))]
+    return [str(p) for p in parts]
+
+
+def manifest_entry(sources: Sequence[str], files: Mapping[str, Sequence[str]]) -> dict[str, Any]:
+    """The split manifest's ``provenance``: source names and each source's file labels (relative
+    to the files' common folder, as in ``doc_id``: no machine paths, so equal builds stay equal
+    bytes; the source's own coordinates are in the manifest's ``sources``)."""
+    return {"format": FORMAT, "suffix": PROV_SUFFIX, "sources": list(sources), "files": {k: list(v) for k, v in files.items()},
+            "fields": list(PIECE_FIELDS), "doc_offset_of": "<bos> ids <eos>"}
+
+
+# ---------------------------------------------------------------------------------------
+# Reading: one row of a prebuilt split with its pieces.
+# ---------------------------------------------------------------------------------------
+def _split_dir(directory: str | Path, split: str) -> Path:
+    d = Path(directory)
+    top = d / "manifest.json"
+    if not top.exists():
+        raise ShardError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
+    m = json.loads(top.read_text())
+    if "splits" in m:
+        if split not in m["splits"]:
+            raise ShardError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
+        return d / m["splits"][split]["path"]
+    return d
+
+
+def row_provenance(directory: str | Path, row: int, split: str = "train") -> dict[str, Any]:
+    """``{"row", "input_ids", "segments": [{"source", "file", "record", "row_start", "row_end",
+    "doc_offset"}, ...]}`` for global row ``row`` of ``split`` (shards in manifest order);
+    ``input_ids`` is the whole stored window."""
+    from stacklm.data import manifest as mf
+    from stacklm.data.shards import open_tokens, parse_dtype
+
+    split_dir = _split_dir(directory, split)
+    m = mf.read_manifest(split_dir)
+    prov = m.get("provenance")
+    if not prov:
+        raise ShardError(f"{split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
+                         "(or before stacklm recorded it); rebuild it to ask where rows came from", path=split_dir)
+    n_total = int(m["n_seq"])
+    if not 0 <= row < n_total:
+        raise ShardError(f"row {row} is out of range: split {split!r} of {directory} has {n_total:,} rows (0..{n_total - 1})",
+                         path=split_dir)
+    first = 0
+    for shard in m["shards"]:
+        n = int(shard["n_seq"])
+        if row < first + n:
+            break
+        first += n
+    local = row - first
+    path = prov_path(split_dir, shard["name"])
+    if not path.exists():
+        raise ShardError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
+    ptr, pieces = decode_rows(path.read_bytes())
+    if len(ptr) - 1 != n:
+        raise ShardError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build", path=path)
+    tokens = open_tokens(split_dir, shard["name"], parse_dtype(m["dtype"], where=str(split_dir)), n, int(m["seq_len"]))
+    segments = []
+    for src, fid, rec, start, end, off in pieces[ptr[local] : ptr[local + 1]].tolist():
+        name = prov["sources"][src]
+        segments.append({"source": name, "file": prov["files"][name][fid], "record": rec, "row_start": start, "row_end": end,
+                         "doc_offset": off})
+    return {"row": int(row), "input_ids": [int(x) for x in tokens[local]], "segments": segments, "shard": shard["name"],
+            "split": split}
