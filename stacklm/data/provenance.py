@@ -166,6 +166,42 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     return d
 
 
+def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per global row of a split (shards in manifest order) and per source of ``sources``:
+    ``tokens`` (``input_ids`` positions, i.e. the window but its last token, uint16) and
+    ``docs`` (documents whose ``<bos>`` is in the row, uint16); ``None`` when the split was built
+    without provenance. What lets shards mode count exactly what each delivered row holds.
+    Memory: ``4 x n_sources`` bytes a row (about 200 MB for 10M rows of 5 sources)."""
+    from stacklm.data import manifest as mf
+
+    split_dir = Path(split_dir)
+    m = mf.read_manifest(split_dir)
+    prov = m.get("provenance")
+    if not prov:
+        return None
+    column = np.array([list(sources).index(name) if name in sources else -1 for name in prov["sources"]], dtype=np.int64)
+    if (column < 0).any():
+        raise ShardError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
+                         "does not", path=split_dir)
+    last = int(m["seq_len"]) - 1  # input_ids = window[:-1]
+    n_rows = int(m["n_seq"])
+    tokens = np.zeros((n_rows, len(sources)), dtype=np.uint16)
+    docs = np.zeros((n_rows, len(sources)), dtype=np.uint16)
+    first = 0
+    for shard in m["shards"]:
+        n = int(shard["n_seq"])
+        ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
+        if len(ptr) - 1 != n:
+            raise ShardError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}", path=split_dir)
+        rows = first + np.repeat(np.arange(n), np.diff(ptr))
+        src = column[pieces[:, 0]]
+        inside = np.clip(np.minimum(pieces[:, 4], last) - pieces[:, 3], 0, None)
+        np.add.at(tokens, (rows, src), inside.astype(np.uint16))
+        np.add.at(docs, (rows, src), (pieces[:, 5] == 0).astype(np.uint16))
+        first += n
+    return tokens, docs
+
+
 def row_provenance(directory: str | Path, row: int, split: str = "train") -> dict[str, Any]:
     """``{"row", "input_ids", "segments": [{"source", "file", "record", "row_start", "row_end",
     "doc_offset"}, ...]}`` for global row ``row`` of ``split`` (shards in manifest order);

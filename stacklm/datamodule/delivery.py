@@ -105,6 +105,19 @@ class DeliveryCounter:
                 "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches,
                 "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()}}
 
+    def load_sum(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Add up several counters' states (e.g. every rank's, onto one rank after a reshape)."""
+        for state in states:
+            if list(state["sources"]) != self.sources:
+                raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
+            self.tokens += np.asarray(state["tokens"], dtype=np.int64)
+            self.docs += np.asarray(state["docs"], dtype=np.int64)
+            self.hist += np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
+            self.positions += int(state["positions"])
+            self.batches += int(state["batches"])
+            for s, v in state.get("ran_dry", {}).items():
+                self.ran_dry.setdefault(s, dict(v))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state["sources"]) != self.sources:
             raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")

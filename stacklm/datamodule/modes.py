@@ -13,6 +13,7 @@ import functools
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,6 +78,7 @@ class ShardsMode(DataMode):
         super().__init__(dm)
         self.restored: dict[str, int] | None = None  # the checkpoint's position, until the first loader takes it
         self._forced_reload = False
+        self._delivered = None  # DeliveryCounter of the train rows taken, across epochs and loader rebuilds
 
     def train_loader(self) -> ShardsLoader:
         """Starts where the last train loader stopped, else at the checkpoint's position.
@@ -126,27 +128,74 @@ class ShardsMode(DataMode):
         return ShardsLoader(
             ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
             tail="pad" if train else "drop", position=position,
+            delivered=self.delivered if train else None, row_counts=self._row_counts if train else None,
         )
 
+    @property
+    def delivered(self):
+        """This rank's ``DeliveryCounter`` of the train rows the trainer took (exact per source
+        when the prebuild wrote provenance)."""
+        if self._delivered is None:
+            from stacklm.datamodule.delivery import DeliveryCounter
+
+            sources = self._manifest["sources"]
+            self._delivered = DeliveryCounter([s["name"] for s in sources], {s["name"]: s["target_weight"] for s in sources})
+        return self._delivered
+
+    @functools.cached_property
+    def _row_counts(self):
+        from stacklm.data.provenance import row_source_counts
+
+        split = Path(self.dm.data_dir) / self._manifest["splits"]["train"]["path"]
+        return row_source_counts(split, [s["name"] for s in self._manifest["sources"]])
+
+    def delivered_state(self) -> list[dict[str, Any]]:
+        """Every rank's delivered counts (gathered: Lightning writes rank 0's checkpoint)."""
+        from stacklm.datamodule.loader import gather_from_ranks
+
+        return gather_from_ranks(self.delivered.state_dict())
+
+    def restore_delivered(self, per_rank: list[dict[str, Any]]) -> None:
+        """Totals over the checkpoint's ranks continue on rank 0 (a resume may change the world
+        size; the logged numbers are sums over ranks)."""
+        from stacklm.dist import rank_world
+
+        counter = self.delivered
+        counter.reset()
+        if rank_world()[0] == 0:
+            counter.load_sum(per_rank)
+
     def loader_stats(self, loader: ShardsLoader) -> dict[str, Any]:
-        """Shards interleave every source inside each window, so per-source delivery is the
-        manifest's realized mix scaled by the fraction of the split this rank has served;
-        drops and padding are the prebuild's (what was removed before the shards existed)."""
+        """Per-source delivery counted from the rows the trainer took (each row's per-source
+        tokens and documents from the prebuild's provenance side files); a prebuild without
+        provenance falls back, loudly, to the manifest's realized mix scaled by the share of the
+        split served. Drops are the prebuild's (what was removed before the shards existed)."""
         top = self._manifest
         split = top["splits"]["train"]
+        drops = top["drops"]["train"]
+        dropped_docs = {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}}
+        dropped_tokens = {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
+                          if per.get("tokens_cut_by_budget")}
+        fallback = sorted(s["name"] for s in top["sources"] if s.get("offline_fallback"))
+        out = {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "offline_fallback": fallback}
+        if self._row_counts is not None:
+            stats = self.delivered.stats()
+            stats.pop("doc_length_hist", None)  # a document's length spans rows; not known per row
+            return {**out, **stats}
+        if not getattr(self, "_warned_estimate", False):
+            self._warned_estimate = True
+            warnings.warn(
+                f"stacklm: {self.dm.data_dir} has no provenance side files (built with --no-provenance or an older "
+                "stacklm): per-source delivered counts are ESTIMATED from the manifest's mix scaled by the rows served; "
+                "rebuild with `stacklm prebuild` for exact counts", RuntimeWarning, stacklevel=2,
+            )
         frac = loader.samples_yielded / max(1, split["n_seq"])
         realized = {
             s["name"]: {"tokens": int(round(s["tokens"] * frac)), "docs": int(round(s["docs"] * frac)),
                         "target_weight": s["target_weight"], "realized_weight": s["realized_weight"]}
             for s in top["sources"]
         }
-        drops = top["drops"]["train"]
-        dropped_docs = {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}}
-        dropped_tokens = {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
-                          if per.get("tokens_cut_by_budget")}
-        fallback = sorted(s["name"] for s in top["sources"] if s.get("offline_fallback"))
-        return {"realized": realized, "dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens,
-                "offline_fallback": fallback, "padding_fraction": split["packing"]["pad_fraction"]}
+        return {**out, "realized": realized, "realized_estimated": True, "padding_fraction": split["packing"]["pad_fraction"]}
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:

@@ -307,6 +307,7 @@ class StackDataModule(L.LightningDataModule):
         state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
         if self.mode == "shards":
             state["position"] = self._mode.position()
+            state["delivered"] = self._mode.delivered_state()
         state["mix_changes"] = [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]
         return state
 
@@ -326,6 +327,8 @@ class StackDataModule(L.LightningDataModule):
             raise DataConfigError(f"refusing to resume: the checkpoint has seq_len {state.get('seq_len')}, this run {self.seq_len}; use the same seq_len")
         if self.mode == "shards":
             self._mode.restored = state.get("position")
+            if state.get("delivered"):
+                self._mode.restore_delivered(state["delivered"])
             return
         old, new = state["shape"], mine["shape"]
         if old != new:

@@ -76,7 +76,7 @@ class ShardsLoader:
 
     def __init__(
         self, dataset, order, *, batch_size: int, rank: int, world_size: int, num_workers: int = 0,
-        tail: str = "pad", position: dict[str, int] | None = None,
+        tail: str = "pad", position: dict[str, int] | None = None, delivered=None, row_counts=None,
     ) -> None:
         if tail not in TAILS:
             raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
@@ -88,6 +88,9 @@ class ShardsLoader:
         self.samples_yielded = 0  # real rows this rank served (padding excluded)
         self.padding_rows = 0
         self.dropped_tail = 0
+        # What the consumer took, per source (``DeliveryCounter``), from each row's per-source
+        # counts (``provenance.row_source_counts``), in the main process as batches are taken.
+        self.delivered, self.row_counts = delivered, row_counts
         self._set_position(position or start_position())
 
     # -- position --------------------------------------------------------------------------
@@ -158,7 +161,16 @@ class ShardsLoader:
             self.batches_yielded += 1
             self.samples_yielded += self.batch_size - plan[t - 1][1]
             self.padding_rows += plan[t - 1][1]
+            if self.delivered is not None:
+                self.delivered.add(self.batch_size * (self.dataset.seq_len - 1), self._delivery(plan[t - 1][0]))
             yield batch
+
+    def _delivery(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
+        if self.row_counts is None:
+            return None
+        tokens, docs = self.row_counts
+        return {"tokens": tokens[rows].sum(axis=0, dtype=np.int64), "docs": docs[rows].sum(axis=0, dtype=np.int64),
+                "doc_lengths": np.zeros((0, 2), dtype=np.int64)}  # a document's length spans rows: not known per row
 
     # -- checkpoint state (Lightning's loader state; the datamodule keeps the same position) --
     def state_dict(self) -> dict[str, Any]:
