@@ -46,17 +46,21 @@ def from_checkpoint_safe(obj: Any) -> Any:
 
 
 def gather_from_ranks(state: Any) -> list[Any]:
-    """Every rank's loader state, on every rank.
+    """Every rank's loader state, on rank 0 (the others get their own only).
 
     Lightning writes the checkpoint from rank 0 only, but each rank's stream position is its
     own; ``dump_checkpoint`` runs on all ranks, so gathering here puts all of them in the file.
+    Gathered to rank 0 alone (``gather_object``), not to every rank: the other ranks' copies
+    would be thrown away, and a rank's state can be large (shuffle and dedup buffers).
     """
     rank, world = rank_world()
     if world == 1:
         return [state]
     # pre-pickled numpy/plain containers (tensor pickling across processes is fragile here)
-    out: list[Any] = [None] * world
-    torch.distributed.all_gather_object(out, pickle.dumps(state))
+    out: list[Any] | None = [None] * world if rank == 0 else None
+    torch.distributed.gather_object(pickle.dumps(state), out, dst=0)
+    if rank != 0:
+        return [state]  # never written: only rank 0's checkpoint reaches the file
     return [pickle.loads(b) for b in out]
 
 
