@@ -113,3 +113,23 @@ class DeliveryCounter:
         self.hist[:] = np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
         self.positions, self.batches = int(state["positions"]), int(state["batches"])
         self.ran_dry = {s: dict(v) for s, v in state.get("ran_dry", {}).items()}
+
+
+def merge_delivery_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The sum of several ranks' ``DeliveryCounter`` states (a resume on fewer ranks): tokens,
+    documents, histograms, positions and batches add up; the first report of a dry source is kept."""
+    out = DeliveryCounter(states[0]["sources"])
+    out.load_state_dict(states[0])
+    for st in states[1:]:
+        other = DeliveryCounter(st["sources"])
+        other.load_state_dict(st)
+        if other.sources != out.sources:
+            raise ValueError(f"delivery counts are for sources {other.sources} and {out.sources}")
+        out.tokens += other.tokens
+        out.docs += other.docs
+        out.hist += other.hist
+        out.positions += other.positions
+        out.batches += other.batches
+        for s, v in other.ran_dry.items():
+            out.ran_dry.setdefault(s, dict(v))
+    return out.state_dict()

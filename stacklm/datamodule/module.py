@@ -90,6 +90,11 @@ class StackDataModule(L.LightningDataModule):
             ``None`` (default): the trainer's step checkpoint interval
             (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
             ``DEFAULT_SNAPSHOT_STEPS``.
+        logical_streams: stream mode: the number of logical streams the data is read as, fixed
+            for the run and recorded in the checkpoint (``stacklm.datamodule.logical``); they are
+            dealt to (rank x worker) at run time, so a resume may change world size, workers and
+            batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
+            divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
     """
 
     def __init__(
@@ -105,6 +110,7 @@ class StackDataModule(L.LightningDataModule):
         val_batches: int | None = None,
         train_batches: int | None = None,
         snapshot_every_n_steps: int | None = None,
+        logical_streams: int | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -119,6 +125,8 @@ class StackDataModule(L.LightningDataModule):
                 f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
                 f"got {snapshot_every_n_steps}"
             )
+        if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
+            raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
@@ -131,6 +139,8 @@ class StackDataModule(L.LightningDataModule):
         self.val_batches = val_batches
         self.train_batches = train_batches
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.logical_streams = None if logical_streams is None else int(logical_streams)
+        self._logical_streams_arg = self.logical_streams
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
@@ -305,6 +315,8 @@ class StackDataModule(L.LightningDataModule):
         state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
         if self.mode == "shards":
             state["position"] = self._mode.position()
+        elif self.mode == "stream":
+            state["streams"] = self._mode.stream_state()
         state["mix_changes"] = [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]
         return state
 
@@ -326,7 +338,9 @@ class StackDataModule(L.LightningDataModule):
             self._mode.restored = state.get("position")
             return
         old, new = state["shape"], mine["shape"]
-        if old != new:
+        if self.mode == "stream":
+            self._restore_streams(state.get("streams"), old, new)
+        elif old != new:
             changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
             raise DataConfigError(
                 f"refusing to resume: this {self.mode}-mode checkpoint was written with world_size={old.get('world_size')}, "
@@ -336,10 +350,32 @@ class StackDataModule(L.LightningDataModule):
                 "resume with the checkpoint's devices x nodes, num_workers and batch_size (or use shards mode, "
                 "`stacklm prebuild`, which resumes on any shape)."
             )
-        # the re-weightings made before the checkpoint replay at the same batches
+        # the re-weightings made before the checkpoint replay at the same batches (epoch-relative per-rank batch indices)
         self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in state.get("mix_changes", [])]
         if self._train_loader is not None:
             self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
+
+    def _restore_streams(self, rec: dict[str, Any] | None, old: dict[str, int], new: dict[str, int]) -> None:
+        """Stream mode: take the checkpoint's logical streams (``logical_streams``, quota,
+        position) for the next train loader, which deals them to this run's shape."""
+        if rec is None and old != new:
+            raise DataConfigError(
+                f"refusing to resume: this stream-mode checkpoint records no logical-stream position (written before the "
+                f"first train batch, or by an older stacklm) and its shape {old} differs from this run's {new}; resume on "
+                "the checkpoint's shape or start a new run"
+            )
+        if rec is None:
+            return
+        saved = int(rec["logical_streams"])
+        if self._logical_streams_arg is not None and self._logical_streams_arg != saved:
+            raise DataConfigError(
+                f"refusing to resume: the checkpoint reads the data as logical_streams={saved} but this run sets "
+                f"logical_streams={self._logical_streams_arg}; the number of logical streams is fixed for a run. Drop the "
+                f"argument (it is taken from the checkpoint) or set it to {saved}."
+            )
+        self.logical_streams = saved
+        self._mode.restored = dict(rec, shape=dict(rec.get("shape") or old))
+        self._mode.quota = None
 
 
 def _check_same_on_ranks(change: dict[str, Any]) -> None:
