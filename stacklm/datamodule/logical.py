@@ -354,6 +354,8 @@ def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], 
             old.resume = None  # the snapshot carries the old segment's plan
             it = _LogicalIterator(old, rank, w, max(1, old_workers))
             state, delivered = _worker_iter_state(loader_state, w, old_workers)
+            if state is None and delivered == 0:
+                continue  # never started: its logical streams start from their top
             if state is None:
                 raise DataConfigError(
                     f"refusing to resume: the checkpoint holds no stream state for rank {rank} worker {w}; it was written "

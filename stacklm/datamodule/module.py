@@ -5,8 +5,9 @@ Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targe
   seeded permutation per epoch (seeded by seed x epoch) sliced by rank and worker; the
   position is shape-free (epoch, rows served, steps) in this module's checkpoint state, so
   resume is O(1) and elastic (docs/trainer.md, "Resume").
-- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
-  each (rank, worker) builds its own graph over its shard of the documents.
+- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources,
+  as ``logical_streams`` logical streams (each its own graph over its shard of the documents)
+  dealt to (rank, worker) at run time, so resume is elastic too (``logical``).
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
 Each mode is one class in ``modes`` (its loaders, logging numbers and config hash), chosen
 once from ``mode``; the module keeps what they share.
