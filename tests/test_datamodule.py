@@ -177,7 +177,7 @@ def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers,
         stats = dm.data_stats()
         real = stats["realized"]
         assert sum(r["tokens"] for r in real.values()) == tokens, n
-        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens, "padding_rows": 0}
         assert abs(stats["padding_fraction"] - (1 - tokens / positions)) < 1e-12
         assert sum(r["docs"] for r in real.values()) >= docs_at_least  # + those whose <bos> is a row's last token
         if n == 1:  # the first numbers are there with the first batch, drops included

@@ -92,6 +92,10 @@ def test_a_loader_resumes_on_other_workers_and_batch_size(tokenizer_dir, before,
     independent = sum(int((b["input_ids"] != pad).sum()) for b in head + tail)
     assert resumed["delivered"]["tokens"] == independent
     assert resumed["delivered"]["batches"] == k + len(tail)
+    # padding rows (the readers' rows left are uneven after a reshape) counted as an independent count finds them
+    pad_rows = sum(r is None for b in head + tail for r in row_ids(b))
+    assert resumed["delivered"]["padding_rows"] == pad_rows
+    assert pad_rows == sum(b["input_ids"].shape[0] for b in head + tail) - sum(want.values())
 
 
 def test_a_resume_refuses_another_number_of_logical_streams(tokenizer_dir):  # noqa: F811
@@ -157,3 +161,5 @@ def test_stream_resume_through_a_trainer_on_another_world_size(tokenizer_dir, tm
         assert got == want, f"{name}: {sum((got - want).values())} rows extra, {sum((want - got).values())} missing"
         # the delivery counts logged at the end (summed over the ranks) are the reference's
         assert run2["tokens"] == reference["tokens"], name
+        padding = sum(r is None for records in run2["ranks"] for _, ids in records for r in ids)
+        assert sum(s["padding_rows"] for s in run2["stats"]) == padding, name

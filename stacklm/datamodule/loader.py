@@ -144,11 +144,15 @@ class StackDataLoader(StatefulDataLoader):
             batch = dict(batch)
             ids = batch["input_ids"]
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
-            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None))
             taken = batch.pop(LOGICAL_KEY, None)
-            if taken is not None:
+            padding = 0
+            if taken is not None:  # [[logical stream, rows taken], ..., [-1, padding rows]]
                 for l, n in taken.tolist():
-                    self.consumed[l] = self.consumed.get(l, 0) + n
+                    if l < 0:
+                        padding += n
+                    else:
+                        self.consumed[l] = self.consumed.get(l, 0) + n
+            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None), padding)
             summary = batch.pop(SUMMARY_KEY, None)
             if summary is not None:  # after counting: the batch that carries it is delivered too
                 # one summary per logical stream (elastic stream mode, keyed by it), else per worker

@@ -40,7 +40,7 @@ from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.stream import SUMMARY_EVERY_N_BATCHES, SUMMARY_KEY, StreamDataset, _padding_batch, first_local_batch
 
-LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ...]; the loader takes it off
+LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ..., [-1, padding rows]]; the loader takes it off
 
 
 def deal(logical_streams: int, readers: int, reader: int) -> list[int]:
@@ -152,7 +152,7 @@ class _LogicalIterator:
             n_pad += 1
         self.padded_rows += n_pad
         batch = self._collate(windows, origins, n_pad, used)
-        batch[LOGICAL_KEY] = torch.tensor(sorted(taken.items()), dtype=torch.int64).reshape(-1, 2)
+        batch[LOGICAL_KEY] = torch.tensor(sorted(taken.items()) + [(-1, n_pad)], dtype=torch.int64).reshape(-1, 2)
         self.yielded += 1
         dry = [l for l in self.mine if self.streams[l]["dry"]]
         if (self.yielded % SUMMARY_EVERY_N_BATCHES == 0 or self.yielded == self.n_batches or dry != self._dry_seen
