@@ -1,9 +1,9 @@
-"""Run by tests/test_elastic_stream.py as a real program: one stream-mode fit (one epoch) on
+"""Run by tests/test_elastic_stream.py as a real program: one stream-mode fit (``--epochs``) on
 ``--devices`` CPU processes (real DDP over gloo when > 1; Lightning re-executes this file for
 the other ranks).
 
 Writes ``<out>/rank<r>.json``: one record per training batch that rank trained on —
-``[global step, row ids]``, a row id being the hash of the row's tokens, ``null`` for a padding
+``[epoch, global step, row ids]``, a row id being the hash of the row's tokens, ``null`` for a padding
 row (every target ignored) — and ``<out>/stats<r>.json``, the rank's delivery counts at the end.
 ``--save-at N`` writes ``<out>/step<N>.ckpt`` and stops the run there."""
 
@@ -29,7 +29,7 @@ class Record(L.Callback):
         self.out, self.save_at, self.seen = out, save_at, []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        self.seen.append([trainer.global_step, row_ids(batch)])
+        self.seen.append([trainer.current_epoch, trainer.global_step, row_ids(batch)])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.save_at:
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=2)
     ap.add_argument("--logical-streams", type=int, default=None)
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--save-at", type=int, nargs="*", default=[])
     ap.add_argument("--resume")
     a = ap.parse_args()
@@ -60,7 +61,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", max_epochs=1,
+        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", max_epochs=a.epochs,
         callbacks=[Record(out, set(a.save_at))], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.out,
     )

@@ -108,6 +108,18 @@ def test_a_resume_refuses_another_number_of_logical_streams(tokenizer_dir):  # n
         dm2.load_state_dict(state)
 
 
+def test_a_checkpoint_without_logical_streams_is_refused(tokenizer_dir):  # noqa: F811
+    """A stream checkpoint of an older stacklm (per-worker positions) cannot be re-dealt: refused, not restarted."""
+    dm1, loader1 = _loader(tokenizer_dir)
+    _take(loader1, 2)
+    state = dm1.state_dict()
+    del state["streams"]
+    dm2 = _dm(tokenizer_dir)
+    dm2.setup("fit")
+    with pytest.raises(DataConfigError, match="older stacklm"):
+        dm2.load_state_dict(state)
+
+
 def test_logical_streams_default_to_the_first_runs_readers(tokenizer_dir):  # noqa: F811
     dm, loader = _loader(tokenizer_dir, num_workers=2)
     _take(loader, 2)
@@ -129,13 +141,13 @@ def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(),
     return {"ranks": ranks, "stats": stats, "tokens": sum(s["tokens"] for s in stats), "batches": sum(s["batches"] for s in stats)}
 
 
-def _delivered(run: dict, *, before: int | None = None, after: int | None = None) -> tuple[Counter, dict[int, int]]:
-    """Rows trained at global steps ``< before`` / ``>= after``, and each step's rank count."""
+def _delivered(run: dict, epoch: int, *, before: int | None = None, after: int | None = None) -> tuple[Counter, dict[int, int]]:
+    """Rows of ``epoch`` trained at global steps ``< before`` / ``>= after``, and each step's rank count."""
     rows: Counter = Counter()
     steps: dict[int, int] = {}
     for records in run["ranks"]:
-        for step, ids in records:
-            if (before is None or step < before) and (after is None or step >= after):
+        for e, step, ids in records:
+            if e == epoch and (before is None or step < before) and (after is None or step >= after):
                 rows.update(r for r in ids if r is not None)
                 steps[step] = steps.get(step, 0) + 1
     return rows, steps
@@ -143,23 +155,28 @@ def _delivered(run: dict, *, before: int | None = None, after: int | None = None
 
 @pytest.mark.slow
 def test_stream_resume_through_a_trainer_on_another_world_size(tokenizer_dir, tmp_path):  # noqa: F811
-    """World 1 -> 2 (workers 1 -> 2) and 2 -> 1 (batch 2 -> 4): real Lightning ``Trainer``, real
-    DDP over gloo. The rows trained before the checkpoint plus those after are the one-process
-    epoch's, every rank trains every step, and the logged delivered tokens add up."""
+    """World 1 -> 2 (workers 1 -> 2) and 2 -> 1 (batch 2 -> 4) inside the first of two epochs:
+    real Lightning ``Trainer``, real DDP over gloo. The rows trained before the checkpoint plus
+    those after are the one-process epoch's, every rank trains every step, the second epoch (a
+    whole one at the new shape) delivers the reference's second epoch, and the delivery counts
+    add up."""
     reference = _fit(tokenizer_dir, tmp_path / "ref")
-    want, _ = _delivered(reference)
-    assert sum(want.values()) == 2 * reference["batches"]  # one rank, batch 2, no padding
+    want = [_delivered(reference, e)[0] for e in (0, 1)]
+    assert sum(want[0].values()) + sum(want[1].values()) == 2 * reference["batches"]  # one rank, batch 2, no padding
     for name, first, second, k in [("1to2", dict(devices=1, workers=1, batch=2), dict(devices=2, workers=2, batch=2), 7),
                                    ("2to1", dict(devices=2, workers=1, batch=2), dict(devices=1, workers=0, batch=4), 5)]:
         run1 = _fit(tokenizer_dir, tmp_path / f"{name}-a", save_at=[k], **first)
         ckpt = tmp_path / f"{name}-a" / f"step{k}.ckpt"
         run2 = _fit(tokenizer_dir, tmp_path / f"{name}-b", resume=ckpt, **second)
-        head, _ = _delivered(run1, before=k)
-        tail, steps = _delivered(run2, after=k)
+        head, _ = _delivered(run1, 0, before=k)
+        tail, steps = _delivered(run2, 0, after=k)
         assert all(n == second["devices"] for n in steps.values()), f"{name}: every rank trains every step"
         got = head + tail
-        assert got == want, f"{name}: {sum((got - want).values())} rows extra, {sum((want - got).values())} missing"
-        # the delivery counts logged at the end (summed over the ranks) are the reference's
+        assert got == want[0], f"{name}: {sum((got - want[0]).values())} rows extra, {sum((want[0] - got).values())} missing"
+        second_epoch, steps = _delivered(run2, 1)
+        assert all(n == second["devices"] for n in steps.values())
+        assert second_epoch == want[1], f"{name}: the second epoch at the new shape differs"
+        # the delivery counts at the end (summed over the ranks) are the reference's, padding counted
         assert run2["tokens"] == reference["tokens"], name
-        padding = sum(r is None for records in run2["ranks"] for _, ids in records for r in ids)
+        padding = sum(r is None for records in run2["ranks"] for _, _, ids in records for r in ids)
         assert sum(s["padding_rows"] for s in run2["stats"]) == padding, name

@@ -257,7 +257,10 @@ class StreamMode(_WorkerStreamMode):
         """At the checkpoint's position in its epoch, on this run's shape; Lightning counts the
         epoch's steps from ``len(loader)`` once, so when the resumed epoch's length differs from
         a whole one the trainer rebuilds the loader at the next epoch (as in ``ShardsMode``)."""
+        last = self.dm._train_loader
         loader = super().train_loader()
+        if isinstance(last, StackDataLoader):  # rebuilt for a new epoch: the run's delivery counts go on
+            loader.delivered.load_state_dict(last.delivered.state_dict())
         self.restored = None
         trainer = getattr(self.dm, "trainer", None)
         ds = loader.dataset

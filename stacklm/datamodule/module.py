@@ -322,8 +322,8 @@ class StackDataModule(L.LightningDataModule):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse, before the first step, a checkpoint of other data, or (stream and sft modes)
-        of another shape; in shards mode, take its position for the next train loader."""
+        """Refuse, before the first step, a checkpoint of other data, or (sft mode) of another
+        shape; in shards and stream modes, take its position for the next train loader."""
         from stacklm.datamodule.identity import check_identity
 
         if "identity" not in state:
@@ -340,7 +340,7 @@ class StackDataModule(L.LightningDataModule):
             return
         old, new = state["shape"], mine["shape"]
         if self.mode == "stream":
-            self._restore_streams(state.get("streams"), old, new)
+            self._restore_streams(state)
         elif old != new:
             changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
             raise DataConfigError(
@@ -356,16 +356,16 @@ class StackDataModule(L.LightningDataModule):
         if self._train_loader is not None:
             self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
 
-    def _restore_streams(self, rec: dict[str, Any] | None, old: dict[str, int], new: dict[str, int]) -> None:
+    def _restore_streams(self, state: dict[str, Any]) -> None:
         """Stream mode: take the checkpoint's logical streams (``logical_streams``, quota,
         position) for the next train loader, which deals them to this run's shape."""
-        if rec is None and old != new:
+        if "streams" not in state:
             raise DataConfigError(
-                f"refusing to resume: this stream-mode checkpoint records no logical-stream position (written before the "
-                f"first train batch, or by an older stacklm) and its shape {old} differs from this run's {new}; resume on "
-                "the checkpoint's shape or start a new run"
+                "refusing to resume: this stream-mode checkpoint was written by an older stacklm (per-worker stream "
+                "positions, no logical streams); resume it with the stacklm version that wrote it, or start a new run"
             )
-        if rec is None:
+        rec = state["streams"]
+        if rec is None:  # saved before the first train loader: nothing was read yet
             return
         saved = int(rec["logical_streams"])
         if self._logical_streams_arg is not None and self._logical_streams_arg != saved:
@@ -375,7 +375,7 @@ class StackDataModule(L.LightningDataModule):
                 f"argument (it is taken from the checkpoint) or set it to {saved}."
             )
         self.logical_streams = saved
-        self._mode.restored = dict(rec, shape=dict(rec.get("shape") or old))
+        self._mode.restored = dict(rec)
         self._mode.quota = None
 
 
