@@ -108,6 +108,20 @@ class DeliveryCounter:
                 "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches, "padding_rows": self.padding_rows,
                 "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()}}
 
+    def load_sum(self, states: Sequence[Mapping[str, Any]]) -> None:
+        """Add up several counters' states (e.g. every rank's, onto one rank after a reshape)."""
+        for state in states:
+            if list(state["sources"]) != self.sources:
+                raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
+            self.tokens += np.asarray(state["tokens"], dtype=np.int64)
+            self.docs += np.asarray(state["docs"], dtype=np.int64)
+            self.hist += np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
+            self.positions += int(state["positions"])
+            self.batches += int(state["batches"])
+            self.padding_rows += int(state.get("padding_rows", 0))
+            for s, v in state.get("ran_dry", {}).items():
+                self.ran_dry.setdefault(s, dict(v))
+
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state["sources"]) != self.sources:
             raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
@@ -117,24 +131,3 @@ class DeliveryCounter:
         self.positions, self.batches = int(state["positions"]), int(state["batches"])
         self.padding_rows = int(state.get("padding_rows", 0))
         self.ran_dry = {s: dict(v) for s, v in state.get("ran_dry", {}).items()}
-
-
-def merge_delivery_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The sum of several ranks' ``DeliveryCounter`` states (a resume on fewer ranks): tokens,
-    documents, histograms, positions and batches add up; the first report of a dry source is kept."""
-    out = DeliveryCounter(states[0]["sources"])
-    out.load_state_dict(states[0])
-    for st in states[1:]:
-        other = DeliveryCounter(st["sources"])
-        other.load_state_dict(st)
-        if other.sources != out.sources:
-            raise ValueError(f"delivery counts are for sources {other.sources} and {out.sources}")
-        out.tokens += other.tokens
-        out.docs += other.docs
-        out.hist += other.hist
-        out.positions += other.positions
-        out.batches += other.batches
-        out.padding_rows += other.padding_rows
-        for s, v in other.ran_dry.items():
-            out.ran_dry.setdefault(s, dict(v))
-    return out.state_dict()

@@ -11,7 +11,7 @@ import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.pack import DELIVERY_KEY
-from stacklm.datamodule.delivery import DeliveryCounter, merge_delivery_states
+from stacklm.datamodule.delivery import DeliveryCounter
 from stacklm.datamodule.errors import BatchVocabError, DataConfigError
 from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import SUMMARY_KEY
@@ -208,7 +208,8 @@ class StackDataLoader(StatefulDataLoader):
             self._restored_consumed = {int(l): int(n) for l, n in mine.get("consumed", {}).items()}
             return
         counts = [s["delivered"] for r, s in enumerate(per_rank) if r % world == rank]
-        self.delivered.load_state_dict(merge_delivery_states(counts) if counts else DeliveryCounter(self.delivered.sources).state_dict())
+        self.delivered.reset()
+        self.delivered.load_sum(counts)
         if ds.resume is not None:
             ds.workers = max(1, self.num_workers)
             ds.restore([s["loader"] for s in per_rank], ds.resume["shape"])
