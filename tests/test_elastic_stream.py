@@ -56,22 +56,21 @@ def _rows(batches) -> Counter:
     return Counter(r for b in batches for r in row_ids(b) if r is not None)
 
 
-@pytest.mark.parametrize("before, after", [
-    (dict(num_workers=0, batch_size=2), dict(num_workers=2, batch_size=2)),
-    (dict(num_workers=2, batch_size=2), dict(num_workers=1, batch_size=4)),
-    (dict(num_workers=1, batch_size=4), dict(num_workers=0, batch_size=2)),
+@pytest.mark.parametrize("L, k, before, after", [
+    (4, 7, dict(num_workers=0, batch_size=2), dict(num_workers=2, batch_size=2)),
+    (4, 7, dict(num_workers=2, batch_size=2), dict(num_workers=1, batch_size=4)),
+    (4, 7, dict(num_workers=1, batch_size=4), dict(num_workers=0, batch_size=2)),
+    (8, 1, dict(num_workers=0, batch_size=2), dict(num_workers=2, batch_size=4)),  # most logical streams never read yet
 ])
-def test_a_loader_resumes_on_other_workers_and_batch_size(tokenizer_dir, before, after):  # noqa: F811
+def test_a_loader_resumes_on_other_workers_and_batch_size(tokenizer_dir, L, k, before, after):  # noqa: F811
     """Save mid-epoch (not on a snapshot boundary, so the resume replays), resume on another
     shape: every row of the uninterrupted epoch exactly once, the delivery counts' totals equal
     the uninterrupted run's and an independent count of the delivered tokens."""
-    L = 4
     kw = dict(logical_streams=L, snapshot_every_n_steps=3)
-    dm_full, full_loader = _loader(tokenizer_dir, **kw, **before)
+    _, full_loader = _loader(tokenizer_dir, **kw, **before)
     full = _take(full_loader)
     want = _rows(full)
     assert sum(want.values()) == sum(b["input_ids"].shape[0] for b in full)  # no padding in an uninterrupted epoch
-    k = 7
     dm1, loader1 = _loader(tokenizer_dir, **kw, **before)
     head = _take(loader1, k)
     state, loader_state = dm1.state_dict(), loader1.state_dict()

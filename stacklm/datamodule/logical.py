@@ -38,7 +38,13 @@ import torch
 from stacklm.data.pack import DELIVERY_KEY, Collate, delivery_counts
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.stream import SUMMARY_EVERY_N_BATCHES, SUMMARY_KEY, StreamDataset, _padding_batch, first_local_batch
+from stacklm.datamodule.stream import (
+    SUMMARY_EVERY_N_BATCHES,
+    SUMMARY_KEY,
+    StreamDataset,
+    _padding_batch,
+    first_local_batch,
+)
 
 LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ..., [-1, padding rows]]; the loader takes it off
 
@@ -79,7 +85,8 @@ class _LogicalIterator:
                 self.streams[l] = {"left": int(plan["left"][l]), "dry": False, "mix_changes_applied": 0}
             else:
                 self.streams[l] = {k: init[k] for k in ("left", "dry", "mix_changes_applied")}
-                self._pending[l] = init["graph"]
+                if init.get("graph") is not None:  # None: never read yet, starts from its top
+                    self._pending[l] = init["graph"]
         self.cursor = 0
         self.yielded = 0
         self.padded_rows = 0
@@ -197,8 +204,10 @@ class _LogicalIterator:
         st = dict(self.streams[l])
         if l in self._pending:
             st["graph"] = self._pending[l]
+        elif l in self.graphs:
+            st["graph"] = self.graphs[l].windows.state_dict()
         else:
-            st["graph"] = self._graph(l).windows.state_dict()
+            st["graph"] = None  # never read: starts from its top
         return st
 
     def state_dict(self) -> dict[str, Any]:
@@ -211,7 +220,8 @@ class _LogicalIterator:
         for key, st in state["streams"].items():
             l = int(key)
             self.streams[l] = {k: st[k] for k in ("left", "dry", "mix_changes_applied")}
-            self._pending[l] = st["graph"]
+            if st.get("graph") is not None:
+                self._pending[l] = st["graph"]
         self.cursor, self.yielded, self.padded_rows = int(state["cursor"]), int(state["yielded"]), int(state["padded_rows"])
         self.n_batches, self.steps_before = int(state["n_batches"]), int(state["steps_before"])
         self.batch_size = int(state["batch_size"])
