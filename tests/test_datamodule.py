@@ -177,7 +177,7 @@ def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers,
         stats = dm.data_stats()
         real = stats["realized"]
         assert sum(r["tokens"] for r in real.values()) == tokens, n
-        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens, "padding_rows": 0}
         assert abs(stats["padding_fraction"] - (1 - tokens / positions)) < 1e-12
         assert sum(r["docs"] for r in real.values()) >= docs_at_least  # + those whose <bos> is a row's last token
         if n == 1:  # the first numbers are there with the first batch, drops included
@@ -243,7 +243,7 @@ def test_sft_mode_data_stats_count_what_the_batches_delivered(tokenizer_dir, tmp
         positions += batch["input_ids"].numel()
         stats = dm.data_stats()
         assert sum(r["tokens"] for r in stats["realized"].values()) == tokens, n
-        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+        assert {k: stats["delivered"][k] for k in ("batches", "positions", "tokens")} == {"batches": n, "positions": positions, "tokens": tokens}
     real = stats["realized"]
     assert set(real) == {"a", "b"} and real["a"]["tokens"] > real["b"]["tokens"] > 0
     assert real["a"]["target_weight"] == pytest.approx(2 / 3)
@@ -295,10 +295,12 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
         positions += batch["input_ids"].numel()
         stats = dm.data_stats()
         assert sum(r["tokens"] for r in stats["realized"].values()) == tokens, n
-        assert stats["delivered"] == {"batches": n, "positions": positions, "tokens": tokens}
+        assert {k: stats["delivered"][k] for k in ("batches", "positions", "tokens")} == {"batches": n, "positions": positions, "tokens": tokens}
         if n == 3:
             saved = dm.state_dict()
     assert "realized_estimated" not in stats and abs(stats["padding_fraction"] - (1 - tokens / positions)) < 1e-12
+    padding_rows = sum(int((b["targets"] == -100).all(dim=1).sum()) for b in [batch])  # only the last step pads
+    assert stats["delivered"]["padding_rows"] == padding_rows
     manifest = json.loads((shards_dir / "manifest.json").read_text())
     assert {s: r["docs"] for s, r in stats["realized"].items()} == {s["name"]: s["docs"] for s in manifest["sources"]}
     again = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None)

@@ -5,6 +5,7 @@
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
+- ``logical``: stream mode's logical streams, dealt to (rank x worker) at run time (elastic resume);
 - ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes;
 - ``workers``: how stream/sft loader workers start (a forkserver that preloads only the data side);
 - ``delivery``: per-source counts of what the batches delivered to the training step.
@@ -30,6 +31,7 @@ _WHERE = {
     "ShardsLoader": "shards_loader",
     "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
+    "LogicalStreamDataset": "logical",
 }
 
 __all__ = sorted([*_WHERE, "DataConfigError"])

@@ -42,13 +42,16 @@ class DeliveryCounter:
         self.hist = np.zeros((n, len(HIST_EDGES) - 1), dtype=np.int64)
         self.positions = 0
         self.batches = 0
+        self.padding_rows = 0  # rows with no data and no loss (elastic stream mode: a dry or finished reader)
         self.ran_dry: dict[str, dict[str, Any]] = {}
 
-    def add(self, positions: int, delivery: Mapping[str, Any] | None) -> None:
+    def add(self, positions: int, delivery: Mapping[str, Any] | None, padding_rows: int = 0) -> None:
         """One batch handed to the step: ``positions`` = B x T of its ``input_ids``; ``delivery``
-        its counts (None for a batch that carries none, e.g. a padding batch of a dry stream)."""
+        its counts (None for a batch that carries none, e.g. a padding batch of a dry stream);
+        ``padding_rows``: its rows that carry no data (when the batch says so)."""
         self.batches += 1
         self.positions += int(positions)
+        self.padding_rows += int(padding_rows)
         if delivery is None:
             return
         tokens = np.asarray(delivery["tokens"], dtype=np.int64)
@@ -93,7 +96,7 @@ class DeliveryCounter:
                     "realized_weight": shares[s]}
                 for i, s in enumerate(self.sources)
             },
-            "delivered": {"batches": self.batches, "positions": self.positions, "tokens": total},
+            "delivered": {"batches": self.batches, "positions": self.positions, "tokens": total, "padding_rows": self.padding_rows},
             "padding_fraction": 1.0 - total / self.positions if self.positions else 0.0,
             "doc_length_hist": {"edges": list(HIST_EDGES),
                                 "counts": {s: self.hist[i].tolist() for i, s in enumerate(self.sources)}},
@@ -102,7 +105,7 @@ class DeliveryCounter:
 
     def state_dict(self) -> dict[str, Any]:
         return {"sources": list(self.sources), "tokens": self.tokens.tolist(), "docs": self.docs.tolist(),
-                "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches,
+                "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches, "padding_rows": self.padding_rows,
                 "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()}}
 
     def load_sum(self, states: Sequence[Mapping[str, Any]]) -> None:
@@ -115,6 +118,7 @@ class DeliveryCounter:
             self.hist += np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
             self.positions += int(state["positions"])
             self.batches += int(state["batches"])
+            self.padding_rows += int(state.get("padding_rows", 0))
             for s, v in state.get("ran_dry", {}).items():
                 self.ran_dry.setdefault(s, dict(v))
 
@@ -125,4 +129,5 @@ class DeliveryCounter:
         self.docs[:] = state["docs"]
         self.hist[:] = np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
         self.positions, self.batches = int(state["positions"]), int(state["batches"])
+        self.padding_rows = int(state.get("padding_rows", 0))
         self.ran_dry = {s: dict(v) for s, v in state.get("ran_dry", {}).items()}

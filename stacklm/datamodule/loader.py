@@ -13,6 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from stacklm.data.pack import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
 from stacklm.datamodule.errors import BatchVocabError, DataConfigError
+from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import SUMMARY_KEY
 from stacklm.dist import rank_world
 
@@ -100,11 +101,18 @@ class StackDataLoader(StatefulDataLoader):
         self.delivered = DeliveryCounter(getattr(ds, "sources", []), getattr(ds, "target_weights", None))
         self._restart_pending = False
         self.restarts = 0  # worker restarts for online re-weighting (restart_from_state)
+        # rows taken from each logical stream since this iteration started (elastic stream mode,
+        # ``stacklm.datamodule.logical``); the datamodule's checkpoint state sums them over the ranks
+        self.consumed: dict[int, int] = {}
+        self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
 
     @property
     def batches_yielded(self) -> int:
-        """Batches this loader has handed out in the current pass (restored on resume)."""
-        return int(getattr(self._iterator, "_num_yielded", 0) or 0) if self._iterator is not None else 0
+        """Batches this loader has handed out in the current pass (restored on resume), counting
+        those trained before a resume on another shape (elastic stream mode)."""
+        now = int(getattr(self._iterator, "_num_yielded", 0) or 0) if self._iterator is not None else 0
+        segment = getattr(self.dataset, "segment", None)
+        return now + (int(segment()["steps_before"]) if segment is not None else 0)
 
     def restart_from_state(self) -> None:
         """Before the next batch, rebuild the workers from the state after the batches handed
@@ -128,6 +136,7 @@ class StackDataLoader(StatefulDataLoader):
         if self.epoch_source is not None and (epoch := self.epoch_source()) is not None:
             self.epoch = int(epoch)
         self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
+        self.consumed, self._restored_consumed = dict(self._restored_consumed or {}), None
         it = super().__iter__()
         while True:
             if self._restart_pending:
@@ -139,23 +148,75 @@ class StackDataLoader(StatefulDataLoader):
             batch = dict(batch)
             ids = batch_input_ids(batch)
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
-            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None))
+            taken = batch.pop(LOGICAL_KEY, None)
+            padding = 0
+            if taken is not None:  # [[logical stream, rows taken], ..., [-1, padding rows]]
+                for l, n in taken.tolist():
+                    if l < 0:
+                        padding += n
+                    else:
+                        self.consumed[l] = self.consumed.get(l, 0) + n
+            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None), padding)
             summary = batch.pop(SUMMARY_KEY, None)
             if summary is not None:  # after counting: the batch that carries it is delivered too
-                self.worker_summaries[summary["worker"]] = summary
-                for source in summary.get("ran_dry", ()):
-                    self.delivered.note_dry(source, rank=int(summary.get("rank", 0)), worker=int(summary["worker"]))
+                # one summary per logical stream (elastic stream mode, keyed by it), else per worker
+                for s in summary.get("streams", [summary]):
+                    self.worker_summaries[s.get("stream", s["worker"])] = s
+                    for source in s.get("ran_dry", ()):
+                        self.delivered.note_dry(source, rank=int(s.get("rank", 0)), worker=int(s["worker"]))
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        mine = {"loader": super().state_dict(), "delivered": self.delivered.state_dict()}
-        return {"per_rank": to_checkpoint_safe(gather_from_ranks(mine)), "epoch": self.epoch}
+        mine = {"loader": super().state_dict(), "delivered": self.delivered.state_dict(),
+                "consumed": {str(l): n for l, n in self.consumed.items()}}
+        out = {"per_rank": to_checkpoint_safe(gather_from_ranks(mine)), "epoch": self.epoch}
+        if isinstance(self.dataset, LogicalStreamDataset):
+            out["streams"] = self.stream_record()
+        return out
+
+    def stream_record(self) -> dict[str, Any]:
+        """Elastic stream mode: the shape-free position (``logical.stream_record``), the same
+        on every rank (a collective under DDP: call it on all ranks)."""
+        return stream_record(self.dataset, gather_from_ranks(dict(self.consumed)), self.batches_yielded, self._shape())
+
+    def _shape(self) -> dict[str, int]:
+        _, world = rank_world()
+        return {"world_size": world, "num_workers": self.num_workers, "batch_size": self.dataset.batch_size}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.epoch = int(state_dict.get("epoch", 0))
+        if isinstance(self.dataset, LogicalStreamDataset):
+            self._load_elastic(state_dict)
+            return
         mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
         super().load_state_dict(mine["loader"])
         self.delivered.load_state_dict(mine["delivered"])
+
+    def _load_elastic(self, state_dict: dict[str, Any]) -> None:
+        """Elastic stream mode. On the checkpoint's shape the loader's own state restores the
+        workers (the segment goes on exactly). On another shape the logical streams' exact
+        states are computed here from every old rank's state and the new workers start from them
+        (``LogicalStreamDataset.restore``): the iteration starts afresh at the resume point,
+        planned by the datamodule. Delivery counts move with the ranks: rank ``r`` takes
+        the sum of the old ranks ``r' % world == r``, so their total over the ranks stays true."""
+        rank, world = rank_world()
+        per_rank = [from_checkpoint_safe(s) for s in state_dict["per_rank"]]
+        ds = self.dataset
+        if ds.resume is None and state_dict.get("streams"):  # the loader restored on its own, without the datamodule
+            ds.quota = int(state_dict["streams"]["quota"])
+            ds.resume = resume_segment(state_dict["streams"], ds.quota, self._shape())
+        if ds.resume is not None and ds.resume.get("native"):  # the checkpoint's shape: its own workers' states
+            mine = pick_rank_state(per_rank, "stream")
+            super().load_state_dict(mine["loader"])
+            self.delivered.load_state_dict(mine["delivered"])
+            self._restored_consumed = {int(l): int(n) for l, n in mine.get("consumed", {}).items()}
+            return
+        counts = [s["delivered"] for r, s in enumerate(per_rank) if r % world == rank]
+        self.delivered.reset()
+        self.delivered.load_sum(counts)
+        if ds.resume is not None:
+            ds.workers = max(1, self.num_workers)
+            ds.restore([s["loader"] for s in per_rank], ds.resume["shape"])
 
 
 def batch_input_ids(batch: dict[str, Any]) -> torch.Tensor:

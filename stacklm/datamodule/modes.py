@@ -21,6 +21,7 @@ from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
+from stacklm.datamodule.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
@@ -263,10 +264,45 @@ class _WorkerStreamMode(DataMode):
 
 
 class StreamMode(_WorkerStreamMode):
-    """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources; each (rank,
-    worker) builds its own graph over its shard of the documents, with an equal token budget."""
+    """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources, as
+    ``logical_streams`` logical streams (each its own graph over its own part of every source,
+    with an equal token budget) dealt to (rank x worker) at run time
+    (``stacklm.datamodule.logical``): a resume may change world size, workers and batch size."""
 
     name = "stream"
+
+    def __init__(self, dm: StackDataModule) -> None:
+        super().__init__(dm)
+        # the checkpoint's stream record (``stream_state``) until the first train loader takes it
+        self.restored: dict[str, Any] | None = None
+        self.quota: int | None = None  # train windows per logical stream per epoch, fixed for the run
+        self._forced_reload = False
+
+    def logical_streams(self) -> int:
+        """Fixed for the run: the argument, else the checkpoint's, else this first run's readers
+        (world x workers, so a fresh run reads exactly as one reader per worker would)."""
+        dm = self.dm
+        if dm.logical_streams is None:
+            dm.logical_streams = dm.world_size * max(1, dm.num_workers)
+        return int(dm.logical_streams)
+
+    def train_loader(self) -> StackDataLoader:
+        """At the checkpoint's position in its epoch, on this run's shape; Lightning counts the
+        epoch's steps from ``len(loader)`` once, so when the resumed epoch's length differs from
+        a whole one the trainer rebuilds the loader at the next epoch (as in ``ShardsMode``)."""
+        last = self.dm._train_loader
+        loader = super().train_loader()
+        if isinstance(last, StackDataLoader):  # rebuilt for a new epoch: the run's delivery counts go on
+            loader.delivered.load_state_dict(last.delivered.state_dict())
+        self.restored = None
+        trainer = getattr(self.dm, "trainer", None)
+        ds = loader.dataset
+        if trainer is not None:
+            if len(ds) != ds.full_epoch_len() and not trainer.reload_dataloaders_every_n_epochs:
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 1, True
+            elif self._forced_reload and len(ds) == ds.full_epoch_len():
+                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 0, False
+        return loader
 
     def _dataset(self, split: str) -> StreamDataset:
         dm = self.dm
@@ -287,15 +323,38 @@ class StreamMode(_WorkerStreamMode):
             )
         workers = max(1, dm.num_workers)
         n_total = max(workers, n_total // workers * workers)  # equal share per worker
+        logical = self.logical_streams()
+        quota = world * n_total * cfg.batch_size // logical  # windows per logical stream per epoch
+        if split == "train":
+            if self.quota is None:
+                self.quota = int(self.restored["quota"]) if self.restored else quota
+            quota = self.quota
+        if quota < 1:
+            raise DataConfigError(
+                f"StackDataModule: {logical} logical streams share {world * n_total * cfg.batch_size} {split} windows, fewer "
+                "than one each; lower logical_streams or raise mix.total_tokens"
+            )
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
-        ds = StreamDataset(
-            build, split=split, rank=dm.rank, world_size=world, n_batches_total=n_total,
-            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+        ds = LogicalStreamDataset(
+            build, logical_streams=logical, quota=quota, split=split, rank=dm.rank, world_size=world,
+            n_batches_total=n_total, batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
             sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
+        ds.workers = workers
         if split == "train":
             ds.mix_changes = dm.resolved_mix_changes()
+            epoch = self._trainer_epoch()
+            ds.epoch = int(epoch) if epoch is not None else 0
+            ds.resume = resume_segment(self.restored, quota, dm.shape())
         return ds
+
+    def stream_state(self) -> dict[str, Any] | None:
+        """The checkpoint's shape-free stream position (``logical.stream_record``), ``None``
+        before the first train loader (then the restored one, if any)."""
+        loader = self.dm._train_loader
+        if not isinstance(loader, StackDataLoader) or not isinstance(loader.dataset, LogicalStreamDataset):
+            return self.restored
+        return loader.stream_record()
 
     def _needs_datasets(self) -> bool:
         return any(entry.kind == "hf" for entry in self.dm.pipeline_config().mix.entries)

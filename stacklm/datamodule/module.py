@@ -5,8 +5,9 @@ Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targe
   seeded permutation per epoch (seeded by seed x epoch) sliced by rank and worker; the
   position is shape-free (epoch, rows served, steps) in this module's checkpoint state, so
   resume is O(1) and elastic (docs/trainer.md, "Resume").
-- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources;
-  each (rank, worker) builds its own graph over its shard of the documents.
+- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources,
+  as ``logical_streams`` logical streams (each its own graph over its shard of the documents)
+  dealt to (rank, worker) at run time, so resume is elastic too (``logical``).
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
 - ``preference``: chosen/rejected pairs (``stacklm.data.sft.preference``) on the SFT config;
   batches of ``chosen_*``/``rejected_*`` tensors and ``pair_ids``.
@@ -92,6 +93,11 @@ class StackDataModule(L.LightningDataModule):
             ``None`` (default): the trainer's step checkpoint interval
             (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
             ``DEFAULT_SNAPSHOT_STEPS``.
+        logical_streams: stream mode: the number of logical streams the data is read as, fixed
+            for the run and recorded in the checkpoint (``stacklm.datamodule.logical``); they are
+            dealt to (rank x worker) at run time, so a resume may change world size, workers and
+            batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
+            divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class StackDataModule(L.LightningDataModule):
         val_batches: int | None = None,
         train_batches: int | None = None,
         snapshot_every_n_steps: int | None = None,
+        logical_streams: int | None = None,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -121,6 +128,8 @@ class StackDataModule(L.LightningDataModule):
                 f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
                 f"got {snapshot_every_n_steps}"
             )
+        if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
+            raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
@@ -133,6 +142,8 @@ class StackDataModule(L.LightningDataModule):
         self.val_batches = val_batches
         self.train_batches = train_batches
         self.snapshot_every_n_steps = snapshot_every_n_steps
+        self.logical_streams = None if logical_streams is None else int(logical_streams)
+        self._logical_streams_arg = self.logical_streams
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
@@ -308,12 +319,14 @@ class StackDataModule(L.LightningDataModule):
         if self.mode == "shards":
             state["position"] = self._mode.position()
             state["delivered"] = self._mode.delivered_state()
+        elif self.mode == "stream":
+            state["streams"] = self._mode.stream_state()
         state["mix_changes"] = [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse, before the first step, a checkpoint of other data, or (stream and sft modes)
-        of another shape; in shards mode, take its position for the next train loader."""
+        """Refuse, before the first step, a checkpoint of other data, or (sft mode) of another
+        shape; in shards and stream modes, take its position for the next train loader."""
         from stacklm.datamodule.identity import check_identity
 
         if "identity" not in state:
@@ -331,7 +344,9 @@ class StackDataModule(L.LightningDataModule):
                 self._mode.restore_delivered(state["delivered"])
             return
         old, new = state["shape"], mine["shape"]
-        if old != new:
+        if self.mode == "stream":
+            self._restore_streams(state)
+        elif old != new:
             changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
             raise DataConfigError(
                 f"refusing to resume: this {self.mode}-mode checkpoint was written with world_size={old.get('world_size')}, "
@@ -341,10 +356,32 @@ class StackDataModule(L.LightningDataModule):
                 "resume with the checkpoint's devices x nodes, num_workers and batch_size (or use shards mode, "
                 "`stacklm prebuild`, which resumes on any shape)."
             )
-        # the re-weightings made before the checkpoint replay at the same batches
+        # the re-weightings made before the checkpoint replay at the same batches (epoch-relative per-rank batch indices)
         self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in state.get("mix_changes", [])]
         if self._train_loader is not None:
             self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
+
+    def _restore_streams(self, state: dict[str, Any]) -> None:
+        """Stream mode: take the checkpoint's logical streams (``logical_streams``, quota,
+        position) for the next train loader, which deals them to this run's shape."""
+        if "streams" not in state:
+            raise DataConfigError(
+                "refusing to resume: this stream-mode checkpoint was written by an older stacklm (per-worker stream "
+                "positions, no logical streams); resume it with the stacklm version that wrote it, or start a new run"
+            )
+        rec = state["streams"]
+        if rec is None:  # saved before the first train loader: nothing was read yet
+            return
+        saved = int(rec["logical_streams"])
+        if self._logical_streams_arg is not None and self._logical_streams_arg != saved:
+            raise DataConfigError(
+                f"refusing to resume: the checkpoint reads the data as logical_streams={saved} but this run sets "
+                f"logical_streams={self._logical_streams_arg}; the number of logical streams is fixed for a run. Drop the "
+                f"argument (it is taken from the checkpoint) or set it to {saved}."
+            )
+        self.logical_streams = saved
+        self._mode.restored = dict(rec)
+        self._mode.quota = None
 
 
 def _check_same_on_ranks(change: dict[str, Any]) -> None:

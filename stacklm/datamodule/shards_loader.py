@@ -162,7 +162,8 @@ class ShardsLoader:
             self.samples_yielded += self.batch_size - plan[t - 1][1]
             self.padding_rows += plan[t - 1][1]
             if self.delivered is not None:
-                self.delivered.add(self.batch_size * (self.dataset.seq_len - 1), self._delivery(plan[t - 1][0]))
+                self.delivered.add(self.batch_size * (self.dataset.seq_len - 1), self._delivery(plan[t - 1][0]),
+                                   padding_rows=plan[t - 1][1])
             yield batch
 
     def _delivery(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:
