@@ -195,6 +195,10 @@ class _LogicalIterator:
                  "packing": graph.packing(), "ran_dry": sorted(src for src, row in graph.realized().items() if row.get("status") == "ran_dry")}
             if hasattr(graph, "phases"):
                 s["mix_phases"] = graph.phases()
+            if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
+                from stacklm.data.ledger import pipeline_ledger
+
+                s["ledger"] = pipeline_ledger(graph)
             streams.append(s)
         return {"worker": self.worker, "rank": self.rank, "streams": streams, "padding_rows": self.padded_rows}
 
