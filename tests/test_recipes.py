@@ -126,7 +126,7 @@ def run_recipe(recipe: str, workdir: Path, between=None, skip_files: tuple[str, 
         elif lang == "bash" and name not in skip_files:
             if between is not None:
                 between(len(outputs))
-            outputs.append(sh(workdir, shrink_text(recipe, text, used)).stdout)
+            outputs.append(sh(workdir, shrink_text(recipe, text, used)))
     assert used == {old for old, _ in TEXT[recipe]}, f"substitutions not found in recipe {recipe}: " \
         f"{ {old for old, _ in TEXT[recipe]} - used }"
     return outputs
@@ -188,7 +188,7 @@ def test_recipe_b_mix_of_local_files_and_datasets_builders(workdir, docs):
     write_parquet(workdir / "code" / "a.parquet", "content", pool[100:200])
     write_jsonl(workdir / "papers" / "a.jsonl", [{"text": t} for t in pool[200:300]])
     write_parquet(workdir / "wiki" / "a.parquet", "text", pool[300:400])
-    (printed,) = run_recipe("b", workdir)
+    (printed,) = (p.stdout for p in run_recipe("b", workdir))
     mix = sources(workdir / "mix_shards" / "train" / "manifest.json")
     assert {s["name"]: s for s in json.loads(printed)} == mix
     assert set(mix) == {"notes", "code", "papers", "wiki"}
@@ -203,19 +203,27 @@ def test_recipe_b_mix_of_local_files_and_datasets_builders(workdir, docs):
 def test_recipe_c_stream_from_a_datasets_source(workdir, docs):
     write_parquet(workdir / "hub" / "fineweb.parquet", "text", docs[:300])
     run_recipe("c", workdir)
-    assert ckpt_step(workdir / "ckpt_stream" / "last.ckpt") == 4  # my.yaml's max_steps, stream.yaml's data
+    ckpt = torch.load(workdir / "ckpt_stream" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4  # my.yaml's max_steps, stream.yaml's data
+    data = ckpt["datamodule_hyper_parameters"]
+    assert data["mode"] == "stream" and data["pipeline"]["mix"]["entries"][0]["data_files"] == ["hub/fineweb.parquet"]
+    assert ckpt["StackDataModule"]["mode"] == "stream" and ckpt["StackDataModule"]["shape"]["num_workers"] == 1
 
 
 @pytest.mark.slow
 def test_recipe_d_own_lightning_module(workdir):
     (out,) = run_recipe("d", workdir)
-    assert "trained 2 steps" in out
+    assert "trained 2 steps" in out.stdout
 
 
 @pytest.mark.slow
 def test_recipe_e_resume_with_ckpt_path(workdir):
-    run_recipe("e", workdir)
-    assert ckpt_step(workdir / "ckpt" / "last.ckpt") == 6
+    assert ckpt_step(workdir / "ckpt" / "last.ckpt") == 4
+    (out,) = run_recipe("e", workdir)
+    assert "Restored all states from the checkpoint" in out.stdout + out.stderr  # resumed, not restarted
+    ckpt = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 6
+    assert ckpt["StackDataModule"]["position"] == {"epoch": 0, "rows_served": 24, "steps": 6}  # 6 steps x 4 rows
 
 
 @pytest.mark.slow
@@ -227,8 +235,11 @@ def test_recipe_f_torchrun_slurm_command_and_datatrove(workdir):
     printed = sh(workdir, srun.removeprefix("srun ") + " --print_config").stdout
     assert yaml.safe_load(printed)["trainer"]["num_nodes"] == 4
     run_recipe("f", workdir)
-    # torchrun: two CPU ranks (gloo) of a 4-step fit, NNODES=1 NPROC_PER_NODE=2 from the environment
-    assert ckpt_step(workdir / "ckpt" / "last.ckpt") == 4
+    # torchrun: two CPU ranks (gloo) of a 4-step fit, NNODES=1 NPROC_PER_NODE=2 from the environment;
+    # a new run into recipe a's ckpt/ gets Lightning's -v1 names (the docs say so)
+    ckpt = torch.load(workdir / "ckpt" / "last-v1.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 4 and ckpt["StackDataModule"]["shape"]["world_size"] == 2
+    assert ckpt["StackDataModule"]["position"]["rows_served"] == 4 * 4 * 2  # steps x batch x ranks
     assert sources(workdir / "shards_dt" / "train" / "manifest.json")["mine"]["tokens"] == 20_000
 
 
@@ -242,15 +253,21 @@ def test_recipe_g_sft_on_your_conversations(workdir):
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
     inspected, _ = run_recipe("g", workdir, between=more_conversations)
-    assert "conversations" in inspected.lower()
-    assert ckpt_step(workdir / "ckpt_sft" / "last.ckpt") == 2
+    assert "chats.jsonl (conversations, 2 sequences)" in inspected.stdout  # the block's own two, before the fit
+    assert "<|assistant|>4.<|end|><|eos|>" in inspected.stdout and "of 2 conversations -- kept: 2" in inspected.stdout
+    ckpt = torch.load(workdir / "ckpt_sft" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 2 and ckpt["StackDataModule"]["mode"] == "sft"
+    assert ckpt["datamodule_hyper_parameters"]["pipeline"]["sources"][0]["path"] == ["chats.jsonl"]
 
 
 @pytest.mark.slow
 def test_recipe_h_inspect_shards_and_a_saved_batch(workdir):
-    (out,) = run_recipe("h", workdir)
-    batch = torch.load(workdir / "batch.pt")
-    assert batch["input_ids"].shape == (4, 63)
+    train, val, saved = run_recipe("h", workdir)
+    assert "shards/train (shards, 4 sequences)" in train.stdout and "0 error(s)" in train.stdout
     findings = json.loads((workdir / "val_findings.json").read_text())
-    assert findings
-    assert out.count("input_ids") >= 0
+    val_rows = json.loads((workdir / "shards" / "val" / "manifest.json").read_text())["n_seq"]
+    assert findings["kind"] == "shards" and findings["input"] == "shards/val"
+    assert findings["sequences"] == min(64, val_rows) and findings["errors"] == 0  # --limit's default: 64 rows
+    batch = torch.load(workdir / "batch.pt")
+    assert set(batch) >= {"input_ids", "targets", "position_ids", "seq_ids"} and batch["input_ids"].shape == (4, 63)
+    assert "batch.pt" in saved.stdout and "4 sequences" in saved.stdout and "0 error(s)" in saved.stdout
