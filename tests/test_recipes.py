@@ -283,3 +283,30 @@ def test_recipe_h_inspect_shards_and_a_saved_batch(workdir):
     batch = torch.load(workdir / "batch.pt")
     assert set(batch) >= {"input_ids", "targets", "position_ids", "seq_ids"} and batch["input_ids"].shape == (4, 63)
     assert "batch.pt" in saved.stdout and "4 sequences" in saved.stdout and "0 error(s)" in saved.stdout
+
+
+def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid():
+    """Fast (not slow): the drift guard without running anything. Every recipe a-h has blocks;
+    every shrink still matches the markdown; every config's ``data:`` section is accepted by
+    ``StackDataModule`` (an unknown key under ``data.pipeline`` is refused at construction);
+    the SFT recipe keeps the packaged ``sft.yaml``'s pipeline settings."""
+    from stacklm.configs import resolve_config
+    from stacklm.datamodule import StackDataModule
+
+    for recipe in "abcdefgh":
+        found = blocks(recipe)
+        text = "\n".join(t for _, name, t in found if name is None or not name.endswith(".yaml"))
+        missing = [old for old, _ in TEXT[recipe] if old not in text]
+        assert not missing, f"recipe {recipe}: the test's substitutions {missing} no longer match docs/recipes.md"
+        for _, name, body in found:
+            if name is not None and name.endswith(".yaml"):
+                config = yaml.safe_load(body)
+                for key, value in YAML.get(name, {}).items():
+                    set_key(config, key, value)  # asserts the key exists
+                dm = StackDataModule(**yaml.safe_load(body)["data"])
+                assert dm.mode == config["data"]["mode"]
+    sft = yaml.safe_load(next(t for _, name, t in blocks("g") if name == "sft.yaml"))["data"]
+    packaged = yaml.safe_load(resolve_config("sft").read_text())["data"]
+    assert sft["mode"] == packaged["mode"] == "sft"
+    assert {k: v for k, v in sft["pipeline"].items() if k != "sources"} == \
+        {k: v for k, v in packaged["pipeline"].items() if k != "sources"}
