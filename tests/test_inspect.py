@@ -251,6 +251,17 @@ def write_shards(directory: Path, tok, docs, seq_len: int = 64, vocab_size: int 
     return directory
 
 
+def test_pretraining_rows_without_an_eos_are_not_a_stop_token_error(tok, dirs, tmp_path):
+    # long documents: the first rows of a shard are windows inside one document, with loss on
+    # every token and no EOS among them; that is pre-training, not an SFT mask that never stops
+    doc = " ".join(f"word{i} of a long plain document about lists and dicts." for i in range(200))
+    shard = write_shards(tmp_path / "long", tok, [doc, doc + " again"])
+    report = inspect_input(shard, dirs["ours"], limit=4)
+    assert report.trained_tokens > 0 and report.trained_stop_tokens == 0 and report.ending_with_eos == 0
+    assert errors_of(report) == set()
+    assert run(shard, "--tokenizer", dirs["ours"], "--limit", "4")[0] == 0
+
+
 def test_inspect_tokenizer_views_agree(tok, dirs):
     ours, hf = load_tokenizer(dirs["ours"]), load_tokenizer(dirs["hf"])
     assert isinstance(ours, InspectTokenizer) and not ours.is_hf and hf.is_hf

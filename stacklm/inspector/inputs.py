@@ -63,9 +63,11 @@ def _count_trained(report: Report, ids: np.ndarray, trained: np.ndarray, tok: In
     report.trained_stop_tokens += int(np.isin(got, list(stop_ids(tok))).sum())
 
 
-def _stop_finding(report: Report, tok: InspectTokenizer) -> None:
-    """Error when tokens are trained but never a stop token (end-of-turn / EOS)."""
-    if report.trained_tokens and not report.trained_stop_tokens:
+def _stop_finding(report: Report, tok: InspectTokenizer, chat: bool = True) -> None:
+    """Error when tokens are trained but never a stop token (end-of-turn / EOS). Only for chat
+    data (``chat``: some row holds a role marker or end-of-turn): pre-training rows are windows
+    of documents often longer than the rows read, so none of them holding an EOS is normal."""
+    if chat and report.trained_tokens and not report.trained_stop_tokens:
         names = ", ".join(sorted(tok.token_repr(i) for i in stop_ids(tok)))[:120]
         report.findings.append(Finding(
             "stop_token_never_trained", ERROR,
@@ -167,7 +169,8 @@ def _inspect_view(report: Report, view: BatchView, tok: InspectTokenizer, where:
             report.chars_tokens[domain][1] += int(sum(int(t) not in tok.special_ids for t in seg_ids))
     report.sample = Sample(view.ids[0], view.loss[0], scans[0].labels, view.pos[0], view.seg[0])
     _count_trained(report, view.ids, view.loss, tok)
-    _stop_finding(report, tok)
+    chat = any(lab == "marker" or lab.startswith("end:") for scan in scans for lab in scan.labels)
+    _stop_finding(report, tok, chat)
     return report
 
 
