@@ -193,6 +193,14 @@ def trainer_config(tmp_path: Path, tok_dir, **data) -> Path:
     return path
 
 
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch):
+    """In-process runs of the trainer's main(argv): sys.argv is pytest's, which LightningCLI
+    would warn about (it expects either argv or args)."""
+    monkeypatch.setattr(sys, "argv", ["stacklm-train"])
+    monkeypatch.setenv("STACKLM_DEBUG", "0")  # restored (removed) after the test, also when main sets it
+
+
 def run_trainer(capsys, *argv: str) -> tuple[int, str]:
     from stacklm.train.cli import main
 
@@ -237,20 +245,19 @@ def test_trainer_config_errors_are_one_line(edit, must, tmp_path, tok_dir, capsy
         assert text in lines[0], (text, err)
 
 
-def test_trainer_run_time_user_error(tmp_path, tok_dir, capsys):
-    """A StackLMError raised while the Trainer sets the data up (no prebuilt shards there)."""
+def test_trainer_run_time_user_error(tmp_path, tok_dir):
+    """A StackLMError raised while the Trainer sets the data up (no prebuilt shards there), from
+    the real entry point (in-process, Lightning's loggers hold pytest's captured streams)."""
     cfg = trainer_config(tmp_path, tok_dir, mode="shards", data_dir=str(tmp_path / "no-shards"))
-    code, err = run_trainer(capsys, "fit", "--config", str(cfg))
-    lines = [line for line in err.splitlines() if "error:" in line]
-    assert code == 2 and "Traceback" not in err and len(lines) == 1, err
-    assert "no-shards" in lines[0]
-    from stacklm.errors import StackLMError
-
-    with pytest.raises(StackLMError):
-        from stacklm.train.cli import main
-
-        main(["fit", "--config", str(cfg), "--debug"])
-    os.environ.pop("STACKLM_DEBUG", None)
+    base = [sys.executable, "-m", "trainer", "fit", "--config", str(cfg)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("STACKLM_DEBUG", None)
+    res = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, env=env)
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith("stacklm-train fit: error: ") and "no-shards" in errors[0]
+    res = subprocess.run([*base, "--debug"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "no-shards" in res.stderr
 
 
 # --- summary and progress -------------------------------------------------------------------
