@@ -252,11 +252,11 @@ def test_trainer_run_time_user_error(tmp_path, tok_dir):
     base = [sys.executable, "-m", "trainer", "fit", "--config", str(cfg)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("STACKLM_DEBUG", None)
-    res = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, env=env)
+    res = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, env=env)
     errors = [line for line in res.stderr.splitlines() if "error:" in line]
     assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr[-3000:]
     assert errors[0].startswith("stacklm-train fit: error: ") and "no-shards" in errors[0]
-    res = subprocess.run([*base, "--debug"], cwd=ROOT, capture_output=True, text=True, env=env)
+    res = subprocess.run([*base, "--debug"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "no-shards" in res.stderr
 
 
