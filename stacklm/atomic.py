@@ -80,9 +80,11 @@ def atomic_write_bytes(
         if fsync_parent:
             fsync_dir(path.parent)
     except OSError as e:
-        if on_error is None:
-            raise
-        raise on_error(e, path, payload.nbytes) from e
+        if on_error is not None:
+            raise on_error(e, path, payload.nbytes) from e
+        if e.filename is None:  # a failed write() names no file: name the one being written
+            raise OSError(e.errno, e.strerror or str(e), str(path)) from e
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str, *, fsync_parent: bool = True) -> None:

@@ -1,7 +1,8 @@
 """The ``stacklm`` program: parse, run the command, and the one error path.
 
 Every command reports a mistake the user can fix by raising a ``stacklm.errors.StackLMError``
-(or an ``OSError`` about a path the user gave); ``main`` prints it as one line,
+(or an ``OSError`` about a path the user gave, or a missing optional package:
+``stacklm.user_errors``); ``main`` prints it as one line,
 ``stacklm <command>: error: <message>``, and exits with status 2. Anything else is a bug in
 stacklm and keeps its traceback. ``--debug`` (before or after the command) shows the
 traceback of a user error too.
@@ -14,12 +15,9 @@ import sys
 from collections.abc import Sequence
 
 from stacklm.cli.parser import build_parser
-from stacklm.errors import StackLMError
+from stacklm.user_errors import is_user_error, user_error_message
 
-
-def is_user_error(exc: BaseException) -> bool:
-    """True for an error the user can fix: printed as one line instead of a traceback."""
-    return isinstance(exc, (StackLMError, OSError))
+__all__ = ["is_user_error", "main"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,7 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as e:
         if args.debug or not is_user_error(e):
             raise
-        print(f"stacklm {args.command}: error: {e}", file=sys.stderr)
+        print(f"stacklm {args.command}: error: {user_error_message(e)}", file=sys.stderr)
         return 2
 
 

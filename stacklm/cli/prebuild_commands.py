@@ -4,6 +4,7 @@ shards once (locally or on a datatrove executor) and check them."""
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,11 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     out = args.out or settings["out"]
     if not out:
         raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
-    prebuild(
+    from stacklm.prebuild.summary import summary_table
+
+    was_complete = (Path(out) / "manifest.json").exists()
+    t0 = time.perf_counter()
+    top = prebuild(
         config,
         tok_path,
         out,
@@ -60,6 +65,8 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         provenance=not args.no_provenance,
     )
+    # stdout, also with --no-progress (which hides only the live bar on stderr)
+    print(summary_table(top, str(out), None if was_complete else time.perf_counter() - t0))
     return 0
 
 
@@ -155,7 +162,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=positive_int, help="parallel jobs (>= 1); the output is identical for the same N (default 1)")
     p.add_argument("--tokens-per-shard", type=positive_int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
     p.add_argument("--splits", nargs="+", choices=SPLITS, help="which splits to build (default: train val)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="hide the live progress bar (stderr); the summary table (stdout) is printed anyway")
     p.add_argument("--no-provenance", action="store_true",
                    help="do not write the per-shard provenance side files (`stacklm inspect OUT --row N` needs them)")
     p.set_defaults(func=cmd_prebuild)

@@ -17,7 +17,7 @@ from typing import Any
 from stacklm.data import manifest as mf
 from stacklm.data.shards import remove_temp_files
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
-from stacklm.prebuild.jobs import run_job
+from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
 from stacklm.prebuild.progress import BuildProgress
@@ -33,12 +33,15 @@ def prebuild(
     splits: Sequence[str] = SPLITS,
     progress: bool = True,
     provenance: bool = True,
+    progress_interval: float = PROGRESS_INTERVAL,
 ) -> dict[str, Any]:
     """Build (or resume, or confirm) the shard set in ``out``; returns the top manifest.
 
     ``config`` is a ``PipelineConfig``; ``tokenizer`` a ``StackTokenizer`` or the path of its
     artifact. ``workers > 1`` runs the jobs in that many spawned processes. ``provenance``
     writes a side file per shard naming each row's document pieces (``stacklm.data.provenance``).
+    ``progress``: a live bar on stderr, updated every ``progress_interval`` seconds by each job
+    (the summary table is ``stacklm.prebuild.summary``'s, printed by the CLI whatever this says).
     """
     tokenizer = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance))
@@ -70,9 +73,9 @@ def prebuild(
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
-            summaries = [run_job(plan, s, w, bar) for s, w in jobs]
+            summaries = [run_job(plan, s, w, bar, interval=progress_interval) for s, w in jobs]
         else:
-            summaries = _run_pool(plan, jobs, bar)
+            summaries = _run_pool(plan, jobs, bar, progress_interval)
         top = finalize(plan, identity, summaries)
     except BaseException:
         release_if_empty(plan)
@@ -154,7 +157,7 @@ def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
         return [pickle.loads(b) for b in pool.map(pickle_slice, args)]
 
 
-def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress) -> list[dict[str, Any]]:
+def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL) -> list[dict[str, Any]]:
     """Jobs in ``plan.workers`` spawned processes (spawn, not fork: the parent may hold torch's
     thread pools, which do not survive a fork); progress comes back through a queue."""
     import multiprocessing as mp
@@ -167,7 +170,7 @@ def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgres
     blob = pickle.dumps((dataclasses.replace(plan, tokenizer=None), plan.tokenizer.to_dict()))
     results = []
     with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=_init_pool_worker, initargs=(q,)) as pool:
-        pending = {pool.submit(_pool_job, blob, s, w) for s, w in jobs}
+        pending = {pool.submit(_pool_job, blob, s, w, interval) for s, w in jobs}
         try:
             while pending:
                 done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
@@ -203,9 +206,9 @@ def _init_pool_worker(queue) -> None:
     _QUEUE = queue
 
 
-def _pool_job(plan_blob: bytes, split: str, worker: int) -> dict[str, Any]:
+def _pool_job(plan_blob: bytes, split: str, worker: int, interval: float = PROGRESS_INTERVAL) -> dict[str, Any]:
     from stacklm.tokenizer.bpe import StackTokenizer
 
     plan, tok = pickle.loads(plan_blob)
     plan = dataclasses.replace(plan, tokenizer=StackTokenizer.from_dict(tok))
-    return run_job(plan, split, worker, lambda *msg: _QUEUE.put(msg))
+    return run_job(plan, split, worker, lambda *msg: _QUEUE.put(msg), interval=interval)

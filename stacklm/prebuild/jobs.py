@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import numpy as np
 from stacklm.data.provenance import prov_path
 from stacklm.data.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
 from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
+
+PROGRESS_INTERVAL = 2.0  # seconds between progress reports of a job (besides one per shard)
 
 
 def job_name(split: str, worker: int) -> str:
@@ -32,13 +35,18 @@ def run_job(
     plan: PrebuildPlan,
     split: str,
     worker: int,
-    on_progress: Callable[[str, int, dict[str, int]], None] | None = None,
+    on_progress: Callable[[str, int, dict[str, int], int], None] | None = None,
     *,
     build: Callable | None = None,
+    interval: float = PROGRESS_INTERVAL,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Run (or resume, or skip when done) job ``(split, worker)``; return its summary.
 
-    ``build`` defaults to ``stacklm.data.nodes.build_pipeline``.
+    ``on_progress(job, shards, tokens per source, docs)`` is called at the start, after every
+    shard and every ``interval`` seconds of ``clock`` in between (a shard of 100M tokens takes
+    minutes: progress once per shard would look stuck). ``build`` defaults to
+    ``stacklm.data.nodes.build_pipeline``.
     """
     if build is None:
         from stacklm.data.nodes import build_pipeline as build
@@ -63,19 +71,27 @@ def run_job(
     tracker.load_state(ckpt.get("tracker") if ckpt else None)
     remove_own_shards_from(split_dir, plan.workers, worker, len(shards))
 
-    def realized_tokens() -> dict[str, int]:
-        return {src: int(r["tokens"]) for src, r in pipe.realized().items()}
+    last_report = [clock()]
+
+    def report() -> None:
+        if on_progress is not None:
+            realized = pipe.realized()
+            on_progress(name, len(shards), {src: int(r["tokens"]) for src, r in realized.items()}, sum(int(r["docs"]) for r in realized.values()))
+            last_report[0] = clock()
 
     def checkpoint() -> None:
         atomic_write_shard_file(
             ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict(), "tracker": tracker.state()}, protocol=5)
         )
-        if on_progress is not None:
-            on_progress(name, len(shards), realized_tokens())
+        report()
 
-    if on_progress is not None:
-        on_progress(name, len(shards), realized_tokens())
-    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint, tracker=tracker)
+    def tick() -> None:
+        if clock() - last_report[0] >= interval:
+            report()
+
+    report()
+    write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint, tracker=tracker,
+                     on_window=tick if on_progress is not None else None)
     summary = {
         "split": split,
         "worker": worker,
@@ -120,8 +136,14 @@ def job_dedup_index(plan: PrebuildPlan):
 
 
 def write_job_shards(
-    plan: PrebuildPlan, split_dir: Path, worker: int, windows: Iterable[np.ndarray], shards: list[dict], on_shard: Callable[[], None],
+    plan: PrebuildPlan,
+    split_dir: Path,
+    worker: int,
+    windows: Iterable[np.ndarray],
+    shards: list[dict],
+    on_shard: Callable[[], None],
     tracker=None,
+    on_window: Callable[[], None] | None = None,
 ) -> None:
     """Write ``windows`` as job ``worker``'s next shards, ``plan.seqs_per_shard`` windows each
     (the last may be shorter). Its ``j``-th shard is global index ``j * workers + worker``, so
@@ -129,7 +151,8 @@ def write_job_shards(
     shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
     ``run_job`` and the datatrove writer, so both write the same set. ``tracker``
     (``stacklm.data.provenance.ShardTracker``) sees every window and writes each shard's
-    provenance side file right before the shard."""
+    provenance side file right before the shard. ``on_window()`` runs after every window
+    (``run_job``'s timed progress)."""
     buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)
 
     def commit(n: int) -> None:
@@ -149,6 +172,8 @@ def write_job_shards(
         if n == plan.seqs_per_shard:
             commit(n)
             n = 0
+        elif on_window is not None:
+            on_window()
     if n:
         commit(n)
 

@@ -1,19 +1,26 @@
-"""The prebuild's progress bar."""
+"""The prebuild's progress bar (stderr); the summary at the end is ``summary``'s."""
 
 from __future__ import annotations
+
+import time
 
 from stacklm.prebuild.jobs import job_budget
 from stacklm.prebuild.plan import PrebuildPlan
 
 
 class BuildProgress:
-    """One tqdm bar over all jobs: mixed tokens vs the token budget (rate, ETA), the realized
-    mix so far in the postfix."""
+    """One tqdm bar over all jobs: mixed tokens vs the token budget (rate, ETA), documents,
+    MB/s of shard data written and the realized mix so far in the postfix. Jobs report every
+    few seconds (``jobs.PROGRESS_INTERVAL``), not only per shard."""
 
     def __init__(self, plan: PrebuildPlan, enabled: bool) -> None:
         self.budget = sum(job_budget(plan, s, w) for s in plan.splits for w in range(plan.workers))
         self.per_job: dict[str, dict[str, int]] = {}
         self.shards: dict[str, int] = {}
+        self.docs: dict[str, int] = {}
+        self.itemsize = plan.dtype.itemsize
+        self.started = time.perf_counter()
+        self.updates = 0
         self.bar = None
         self.resumed_tokens = 0
         if enabled:
@@ -25,11 +32,13 @@ class BuildProgress:
     def tokens(self) -> int:
         return sum(sum(v.values()) for v in self.per_job.values())
 
-    def __call__(self, job: str, shards: int, realized: dict[str, int]) -> None:
+    def __call__(self, job: str, shards: int, realized: dict[str, int], docs: int = 0) -> None:
         before = self.tokens
         resumed = job not in self.per_job
         self.per_job[job] = realized
         self.shards[job] = shards
+        self.docs[job] = docs
+        self.updates += 1
         if resumed:  # tokens restored from a checkpoint: not this run's throughput
             self.resumed_tokens += self.tokens - before
         if self.bar is None:
@@ -41,7 +50,11 @@ class BuildProgress:
                     mix[src] = mix.get(src, 0) + n
         total = sum(mix.values()) or 1
         postfix = " ".join(f"{src}={n / total:.3f}" for src, n in mix.items())
-        self.bar.set_postfix_str(f"shards={sum(self.shards.values())} mix: {postfix}", refresh=False)
+        secs = max(time.perf_counter() - self.started, 1e-9)
+        mb_s = (self.tokens - self.resumed_tokens) * self.itemsize / secs / 1e6
+        self.bar.set_postfix_str(
+            f"docs={sum(self.docs.values()):,} shards={sum(self.shards.values())} {mb_s:.2f}MB/s mix: {postfix}", refresh=False
+        )
         if resumed:
             self.bar.n += self.tokens - before
             self.bar.last_print_n = self.bar.n

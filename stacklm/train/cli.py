@@ -6,17 +6,71 @@ any other value is a YAML path. The datamodule class is imported by its dotted p
 the CLI starts, so the model side works (and is testable) on its own.
 ``STACKLM_DATAMODULE=pkg.module.Class`` swaps in another ``LightningDataModule`` with the same
 batch contract (e.g. a tiny one in a demo).
+
+Errors: a user error (a config key or value jsonargparse refuses, a ``StackLMError`` from the
+datamodule, an ``OSError``, a missing optional package) ends in one line,
+``stacklm-train <subcommand>: error: <message>``, and exit status 2, as in ``stacklm``;
+``--debug`` (anywhere on the command line) shows the traceback instead.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from stacklm.errors import ConfigError
+from stacklm.user_errors import is_user_error, user_error_message
+
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
+SUBCOMMANDS = ("fit", "validate", "test", "predict")
+
+
+class TrainConfigError(ConfigError):
+    """The command line or a ``--config`` file of the trainer is wrong (jsonargparse refused it)."""
+
+
+def condense_parser_error(message: str, known: Sequence[str] = ()) -> str:
+    """jsonargparse's multi-line message as one line: the key, and the reason of the first
+    subtype that is not ``None`` (``Optional[X]`` fields list both); for an unknown option the
+    nearest accepted name from ``known``."""
+    lines = [line.strip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return message
+    head = re.sub(r'^Parser key "([^"]+)":', r"\1:", lines[0])
+    reasons: list[str] = []
+    in_errors = False
+    for line in lines[1:]:
+        if line.startswith(("Subtypes:", "Given value")):
+            in_errors = False
+            continue
+        if line == "Errors:":
+            in_errors = True
+            continue
+        if in_errors and line.startswith("- "):
+            reasons.append(line[2:])
+        elif in_errors and reasons:
+            reasons[-1] += " " + line
+        elif not in_errors and not line.startswith("Does not validate"):
+            reasons.append(line)
+    reasons = [re.sub(r"^Not of type \w+: ", "", r) for r in reasons if not r.startswith("Expected a <class 'NoneType'>")]
+    text = f"{head} {reasons[0]}" if reasons else head
+    m = re.search(r"Group '([^']+)' does not accept option '([^']+)'", text) or re.search(r"Key '([^']+)\.([^'.]+)' is not expected", text)
+    if m and known:
+        group = m.group(1)
+        names = [k[len(group) + 1 :] for k in known if k.startswith(group + ".")]
+        near = difflib.get_close_matches(m.group(2), names, n=1)
+        if near:
+            text += f"; did you mean '{group}.{near[0]}'?"
+    elif (m := re.search(r"Option '([^']+)' is not accepted", text)) and known:  # a class's init_args
+        near = difflib.get_close_matches(m.group(1), [k for k in known if "." not in k and k != "help"], n=1)
+        if near:
+            text += f"; did you mean '{near[0]}'?"
+    return text
 
 
 def import_class(path: str) -> type:
@@ -58,8 +112,8 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
 
     if datamodule_class is None:
         datamodule_class = import_class(os.environ.get("STACKLM_DATAMODULE", DEFAULT_DATAMODULE))
-    if args is None:
-        args = resolve_config_args(sys.argv[1:])
+    if args is None:  # LightningCLI reads sys.argv itself (and DDP re-runs it for the other ranks)
+        sys.argv[1:] = resolve_config_args(sys.argv[1:])
     elif isinstance(args, (list, tuple)):
         args = resolve_config_args(args)
     return LightningCLI(
@@ -69,12 +123,65 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
         run=run,
         auto_configure_optimizers=False,  # GPTModule.configure_optimizers owns AdamW + schedule
         save_config_kwargs={"overwrite": True},
+        parser_class=_parser_class(),
     )
 
 
-def main() -> None:
-    """The ``stacklm-train`` console script."""
-    cli_main()
+def _parser_class() -> type:
+    """LightningCLI's parser, raising ``TrainConfigError`` (one line) where jsonargparse would
+    print its usage and a multi-line message; ``--help`` and ``--print_config`` still exit 0."""
+    from lightning.pytorch.cli import LightningArgumentParser
+
+    class StackArgumentParser(LightningArgumentParser):
+        def error(self, message: str, ex: Exception | None = None):
+            parsers = [self, *getattr(getattr(self, "_subcommands_action", None), "choices", {}).values()]
+            known = [a.dest for p in parsers for a in p._actions if isinstance(getattr(a, "dest", None), str)]
+            config = [str(c) for c in _config_paths(sys.argv[1:] if _ARGS is None else _ARGS)]
+            where = f"{', '.join(config)}: " if config else ""
+            text = condense_parser_error(message, known)
+            # a nested parser (a class's init_args) raised one of ours already: keep its text once
+            text = text.replace(_HINT, "").replace(where, "").strip()
+            raise TrainConfigError(f"{where}{text}{_HINT}") from ex
+
+    return StackArgumentParser
+
+
+_HINT = " (`--help` lists the options; --debug shows the traceback)"
+_ARGS: list[str] | None = None  # the arguments being parsed, for naming the config files in errors
+
+
+def _config_paths(args: Sequence[str]) -> list[str]:
+    out = []
+    for i, arg in enumerate(args):
+        if arg in ("--config", "-c") and i + 1 < len(args):
+            out.append(args[i + 1])
+        elif arg.startswith("--config="):
+            out.append(arg[len("--config="):])
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """The ``stacklm-train`` console script (and ``python -m trainer``): a user error exits 2
+    with one line; ``--debug`` keeps its traceback."""
+    global _ARGS
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in args:  # an environment variable, so that DDP's other ranks see it too
+        os.environ["STACKLM_DEBUG"] = "1"
+    debug = os.environ.get("STACKLM_DEBUG") == "1"
+    args = [a for a in args if a != "--debug"]
+    _ARGS = resolve_config_args(args)
+    try:
+        if argv is None:
+            sys.argv[1:] = _ARGS
+            cli_main()
+        else:
+            cli_main(_ARGS)
+    except Exception as e:
+        if debug or not is_user_error(e):
+            raise
+        command = next((a for a in args if a in SUBCOMMANDS), "")
+        print(f"stacklm-train{' ' + command if command else ''}: error: {user_error_message(e)}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

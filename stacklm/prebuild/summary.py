@@ -1,0 +1,52 @@
+"""The table every prebuild ends with: tokens per source against the target, drops by reason,
+padding and time. Read from the top manifest only, so its numbers are the manifest's (and a
+build that was already complete prints the same table)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def drop_totals(top: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Per source: every drop reason with a non-zero count, summed over the splits."""
+    out: dict[str, dict[str, int]] = {}
+    for per_split in top.get("drops", {}).values():
+        for src, reasons in per_split.items():
+            row = out.setdefault(src, {})
+            for reason, n in reasons.items():
+                if n:
+                    row[reason] = row.get(reason, 0) + int(n)
+    return out
+
+
+def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None) -> str:
+    """The summary of the build whose top manifest is ``top`` (``seconds``: this run's time)."""
+    build = top.get("build", {})
+    when = f"{seconds:.1f}s this run" if seconds is not None else "already complete"
+    lines = [f"prebuild summary: {out} (workers {build.get('workers', '?')}, {when})", ""]
+    sources = top.get("sources", [])
+    width = max([len("source"), len("total")] + [len(s["name"]) for s in sources])
+    lines.append(f"  {'source':<{width}}  {'target':>7}  {'realized':>8}  {'train tokens':>14}  {'docs':>10}")
+    for s in sources:
+        lines.append(
+            f"  {s['name']:<{width}}  {s['target_weight']:>7.3f}  {s['realized_weight']:>8.3f}  {s['tokens']:>14,}  {s['docs']:>10,}"
+        )
+    lines.append(f"  {'total':<{width}}  {'':>7}  {'':>8}  {sum(s['tokens'] for s in sources):>14,}  {sum(s['docs'] for s in sources):>10,}")
+    lines += ["", f"  {'split':<6} {'sequences':>10} {'tokens':>14} {'shards':>7} {'padding':>10} {'pad %':>7}"]
+    for split, m in top.get("splits", {}).items():
+        pack = m.get("packing", {})
+        lines.append(
+            f"  {split:<6} {m['n_seq']:>10,} {m['n_tokens']:>14,} {m['shards']:>7} {pack.get('pad_tokens', 0):>10,} "
+            f"{100 * pack.get('pad_fraction', 0.0):>6.2f}%"
+        )
+    lines += ["", "  drops by reason (train + val):"]
+    drops = drop_totals(top)
+    for src in sorted(drops):
+        row = drops[src]
+        lines.append(f"    {src}: " + (", ".join(f"{r}={n:,}" for r, n in sorted(row.items())) if row else "none"))
+    if not drops:
+        lines.append("    none")
+    if top.get("warnings"):
+        lines.append(f"  warnings: {len(top['warnings'])} (listed in the manifest's 'warnings')")
+    return "\n".join(lines)

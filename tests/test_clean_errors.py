@@ -1,0 +1,328 @@
+"""Every user error of both command lines (``stacklm`` and ``python -m trainer fit``) ends in one
+or two lines naming the file/field/package and the fix, exit status 2, no traceback; ``--debug``
+shows the traceback. Also: the prebuild summary on stdout (its numbers are the manifest's and the
+shards'), and progress that moves more often than once per shard."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQ_LEN = 32
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer_512, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_512)
+
+
+def pipeline(total=6000, entries=None):
+    return {
+        "seq_len": SEQ_LEN, "batch_size": 2, "shuffle_buffer": 16, "pack_buffer_docs": 8, "holdout_fraction": 0.05,
+        "tokenize_batch_docs": 8, "num_threads": 1,
+        "mix": {"name": "t", "total_tokens": total, "entries": entries or [
+            {"name": "web", "kind": "synthetic", "weight": 0.7, "domain": "prose", "seed": 1, "num_docs": 800},
+            {"name": "code", "kind": "synthetic", "weight": 0.3, "domain": "code", "seed": 4, "num_docs": 800},
+        ]},
+    }
+
+
+def write_config(tmp_path: Path, tok_dir, name="c.yaml", **pipe_overrides) -> Path:
+    pipe = pipeline()
+    for key, value in pipe_overrides.items():
+        if key == "entries":
+            pipe["mix"]["entries"] = value
+        else:
+            pipe[key] = value
+    path = tmp_path / name
+    path.write_text(json.dumps({"data": {"tokenizer": str(tok_dir), "pipeline": pipe}}))  # JSON is YAML
+    return path
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    from stacklm.cli import main
+
+    rc = main(list(argv))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def assert_clean(rc: int, err: str, *must: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("WARNING ")]
+    assert rc == 2, err
+    assert 1 <= len(lines) <= 2, err
+    assert "Traceback" not in err
+    assert lines[0].startswith("stacklm"), err
+    for text in must:
+        assert text in err, (text, err)
+
+
+def bad_jsonl(tmp_path: Path) -> Path:
+    path = tmp_path / "bad.jsonl"
+    path.write_text("not json\nalso not json\n")
+    return path
+
+
+def local_entry(path: Path) -> list[dict]:
+    return [{"name": "mine", "kind": "local", "weight": 1.0, "domain": "prose", "path": str(path)}]
+
+
+# --- stacklm --------------------------------------------------------------------------------
+CASES = {
+    "missing config file": (lambda tmp, tok: ["--config", str(tmp / "nope.yaml")], ["nope.yaml", "no such config file"]),
+    "pipeline key typo": (lambda tmp, tok: ["--config", str(write_config(tmp, tok, shufle_buffer=4))],
+                          ["shufle_buffer", "did you mean 'shuffle_buffer'"]),
+    "bad value": (lambda tmp, tok: ["--config", str(write_config(tmp, tok, strategy="bestfit"))], ["strategy", "best_fit"]),
+    "missing source file": (lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=local_entry(tmp / "gone.jsonl")))],
+                            ["gone.jsonl", "matched no files"]),
+    "broken source": (lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=local_entry(bad_jsonl(tmp))))],
+                      ["bad.jsonl", "source 'mine'", "valid record"]),
+    "broken source in a pool worker": (
+        lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=local_entry(bad_jsonl(tmp)))), "--workers", "2"],
+        ["bad.jsonl", "source 'mine'", "valid record"]),
+    "missing tokenizer": (lambda tmp, tok: ["--config", str(write_config(tmp, tok)), "--tokenizer", str(tmp / "no-tok")],
+                          ["no-tok", "train-tokenizer"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_prebuild_user_errors_are_one_line(case, tmp_path, tok_dir, capsys):
+    make_args, must = CASES[case]
+    args = ["prebuild", *make_args(tmp_path, tok_dir), "--out", str(tmp_path / "out"), "--no-progress"]
+    rc, out, err = run_cli(capsys, *args)
+    assert_clean(rc, err, *must)
+    assert out == ""
+    with pytest.raises(Exception) as info:  # --debug: the exception itself (the traceback)
+        run_cli(capsys, "--debug", *args)
+    assert any(text in str(info.value) for text in must)
+
+
+def test_debug_shows_the_traceback_in_a_real_process(tmp_path, tok_dir):
+    cfg = write_config(tmp_path, tok_dir, shufle_buffer=4)
+    base = [sys.executable, "-m", "stacklm.cli", "prebuild", "--config", str(cfg), "--out", str(tmp_path / "o")]
+    res = subprocess.run(base, cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 2 and len(res.stderr.splitlines()) == 1 and "Traceback" not in res.stderr, res.stderr
+    res = subprocess.run([*base, "--debug"], cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "shufle_buffer" in res.stderr
+
+
+def test_disk_full_while_writing_shards(tmp_path, tok_dir, capsys, monkeypatch):
+    from stacklm import atomic
+
+    real, calls = atomic._write_all, {"n": 0}
+
+    def fills_up(f, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(f, data)
+
+    monkeypatch.setattr(atomic, "_write_all", fills_up)
+    out = tmp_path / "out"
+    rc, _, err = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", str(out),
+                         "--tokens-per-shard", str(SEQ_LEN * 8), "--no-progress")
+    assert_clean(rc, err, "disk is full", str(out), "re-run the same command")
+
+
+def test_a_raw_os_error_gets_its_fix(tmp_path, tok_dir, capsys, monkeypatch):
+    """An OSError from a place that does not translate it (here: the manifests) still ends in one
+    line naming the file and the fix for its errno."""
+    from stacklm.prebuild import build
+
+    target = tmp_path / "out" / "manifest.json"
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+
+    monkeypatch.setattr(build, "finalize", full)
+    rc, _, err = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", str(tmp_path / "out"),
+                         "--no-progress")
+    assert_clean(rc, err, str(target), "the disk is full", "free space")
+
+
+def test_missing_optional_dependency(tmp_path, tok_dir, capsys, monkeypatch):
+    """A hub source without `datasets`, the datatrove executor without `datatrove`: the package
+    and the extra that installs it, in one line."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` -> ModuleNotFoundError
+    hf = [{"name": "hub", "kind": "hf", "weight": 1.0, "domain": "prose", "path": "some/dataset"}]
+    rc, _, err = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir, entries=hf)),
+                         "--out", str(tmp_path / "out"), "--no-progress")
+    assert_clean(rc, err, "'datasets'", 'pip install "stacklm[hf]"')
+
+    monkeypatch.setitem(sys.modules, "datatrove", None)
+    monkeypatch.delitem(sys.modules, "stacklm.scale.datatrove_steps", raising=False)
+    rc, _, err = run_cli(capsys, "prebuild-datatrove", "--config", str(write_config(tmp_path, tok_dir)),
+                         "--out", str(tmp_path / "dt"), "--tasks", "1")
+    assert_clean(rc, err, "'datatrove'", 'pip install "stacklm[scale]"')
+
+
+def test_user_error_messages():
+    from stacklm.user_errors import is_user_error, user_error_message
+
+    raw = ModuleNotFoundError("No module named 'wandb'", name="wandb")  # a direct import, not via require
+    assert is_user_error(raw) and 'pip install "stacklm[wandb]"' in user_error_message(raw)
+    lightning_style = ModuleNotFoundError("`WandbLogger` requires `wandb` to be installed.")
+    assert is_user_error(lightning_style) and "stacklm[wandb]" in user_error_message(lightning_style)
+    assert not is_user_error(ModuleNotFoundError("No module named 'numpyy'", name="numpyy"))  # a bug, not an extra
+    msg = user_error_message(PermissionError(errno.EACCES, "Permission denied", "/data/x"))
+    assert msg.startswith("'/data/x': permission denied") and "\n" not in msg
+    from stacklm.errors import StackLMError
+
+    assert user_error_message(StackLMError("a\nb\nc")).count("\n") == 1  # never more than two lines
+
+
+# --- python -m trainer fit ------------------------------------------------------------------
+def trainer_config(tmp_path: Path, tok_dir, **data) -> Path:
+    doc = {
+        "data": {"mode": "stream", "tokenizer": str(tok_dir), "seq_len": SEQ_LEN, "batch_size": 2, "num_workers": 0,
+                 "pipeline": pipeline(), **data},
+        "model": {"config": {"vocab_size": 512, "seq_len": SEQ_LEN, "n_layer": 1, "n_head": 2, "d_model": 32}},
+        "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "limit_val_batches": 1},
+    }
+    path = tmp_path / "train.yaml"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _plain_argv(monkeypatch):
+    """In-process runs of the trainer's main(argv): sys.argv is pytest's, which LightningCLI
+    would warn about (it expects either argv or args)."""
+    monkeypatch.setattr(sys, "argv", ["stacklm-train"])
+    monkeypatch.setenv("STACKLM_DEBUG", "0")  # restored (removed) after the test, also when main sets it
+
+
+def run_trainer(capsys, *argv: str) -> tuple[int, str]:
+    from stacklm.train.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(list(argv))
+    return info.value.code, capsys.readouterr().err
+
+
+def test_trainer_pipeline_typo_is_refused_by_print_config(tmp_path, tok_dir):
+    """The real entry point; parse time: --print_config already refuses it, with the nearest name."""
+    cfg = trainer_config(tmp_path, tok_dir)
+    doc = json.loads(cfg.read_text())
+    doc["data"]["pipeline"]["shufle_buffer"] = 4
+    cfg.write_text(json.dumps(doc))
+    base = [sys.executable, "-m", "trainer", "fit", "--config", str(cfg), "--print_config"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    res = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert res.returncode == 2, res.stderr[-3000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert str(cfg) in lines[0] and "did you mean 'shuffle_buffer'" in lines[0] and res.stdout == ""
+    res = subprocess.run([*base, "--debug"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr
+
+
+@pytest.mark.parametrize("edit, must", [
+    (lambda d: d["trainer"].update(max_stepz=3), ["max_stepz", "did you mean 'trainer.max_steps'"]),
+    (lambda d: d["model"]["config"].update(n_layers=3), ["n_layers", "did you mean 'n_layer'"]),
+    (lambda d: d["data"].update(batch_size="abc"), ["data.batch_size", "abc"]),
+    (lambda d: d["data"]["pipeline"].update(strategy="bestfit"), ["data.pipeline", "strategy"]),
+])
+def test_trainer_config_errors_are_one_line(edit, must, tmp_path, tok_dir, capsys):
+    cfg = trainer_config(tmp_path, tok_dir)
+    doc = json.loads(cfg.read_text())
+    edit(doc)
+    cfg.write_text(json.dumps(doc))
+    code, err = run_trainer(capsys, "fit", "--config", str(cfg), "--print_config")
+    assert code == 2 and "Traceback" not in err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("stacklm-train fit: error: ") and str(cfg) in lines[0], err
+    for text in must:
+        assert text in lines[0], (text, err)
+
+
+def test_trainer_run_time_user_error(tmp_path, tok_dir):
+    """A StackLMError raised while the Trainer sets the data up (no prebuilt shards there), from
+    the real entry point (in-process, Lightning's loggers hold pytest's captured streams)."""
+    cfg = trainer_config(tmp_path, tok_dir, mode="shards", data_dir=str(tmp_path / "no-shards"))
+    base = [sys.executable, "-m", "trainer", "fit", "--config", str(cfg)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("STACKLM_DEBUG", None)
+    res = subprocess.run(base, cwd=tmp_path, capture_output=True, text=True, env=env)
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith("stacklm-train fit: error: ") and "no-shards" in errors[0]
+    res = subprocess.run([*base, "--debug"], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "no-shards" in res.stderr
+
+
+# --- summary and progress -------------------------------------------------------------------
+def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, tok_dir, capsys):
+    out = tmp_path / "out"
+    rc, stdout, stderr = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", str(out),
+                                 "--tokens-per-shard", str(SEQ_LEN * 16), "--no-progress")
+    assert rc == 0 and "tok/s" not in stderr and "prebuild summary" not in stderr
+    top = json.loads((out / "manifest.json").read_text())
+    rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.startswith("  ") and line.split()}
+    for src in top["sources"]:
+        row = rows[src["name"]]
+        assert float(row[1]) == pytest.approx(src["target_weight"], abs=1e-3)
+        assert int(row[3].replace(",", "")) == src["tokens"] and int(row[4].replace(",", "")) == src["docs"]
+    for split, m in top["splits"].items():
+        row = rows[split]
+        on_disk = sum(p.stat().st_size for p in (out / split).glob("*.tokens.bin")) // np.dtype(top["dtype"]).itemsize
+        assert int(row[2].replace(",", "")) == m["n_tokens"] == on_disk  # an independent count: the shard bytes
+        assert int(row[1].replace(",", "")) == m["n_seq"] and int(row[3]) == m["shards"] == len(list((out / split).glob("*.tokens.bin")))
+        assert int(row[4].replace(",", "")) == m["packing"]["pad_tokens"]
+    drops = {}
+    for per_split in top["drops"].values():
+        for src, reasons in per_split.items():
+            for reason, n in reasons.items():
+                if n:
+                    drops[f"{reason}={sum(top['drops'][s][src].get(reason, 0) for s in top['drops']):,}"] = src
+    assert drops, "the toy corpus has duplicates and filtered documents"
+    for text, src in drops.items():
+        assert any(line.strip().startswith(f"{src}:") and text in line for line in stdout.splitlines()), (text, stdout)
+    # a re-run of a finished build prints the same table
+    rc, again, _ = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", str(out),
+                           "--tokens-per-shard", str(SEQ_LEN * 16), "--no-progress")
+    assert rc == 0 and again.splitlines()[1:] == stdout.splitlines()[1:] and "already complete" in again
+
+
+def test_progress_moves_within_a_shard(tmp_path, tok_dir):
+    """A job reports on its clock, not only per shard: with a fake clock ticking 1 s per call and
+    a 3 s interval, there are many more reports than shards, and they only go up."""
+    from stacklm.data.nodes import PipelineConfig
+    from stacklm.prebuild import PrebuildPlan, run_job, state_dir_of
+    from stacklm.tokenizer.bpe import StackTokenizer
+
+    no_dedup = {**pipeline(), "dedup": {"exact": False, "near": False}}  # no global pass to run first
+    plan = PrebuildPlan(PipelineConfig.from_dict(no_dedup), StackTokenizer.load(tok_dir), tmp_path / "o",
+                        tokens_per_shard=SEQ_LEN * 64, splits=("train",))
+    state_dir_of(plan.out).mkdir(parents=True)
+    reports = []
+    ticks = iter(range(10**9))
+    summary = run_job(plan, "train", 0, lambda *msg: reports.append(msg), interval=3.0, clock=lambda: float(next(ticks)))
+    shards = len(summary["shards"])
+    assert shards >= 2
+    assert len(reports) > 3 * shards  # start + one per shard would be shards + 1
+    tokens = [sum(r[2].values()) for r in reports]
+    docs = [r[3] for r in reports]
+    assert tokens == sorted(tokens) and docs == sorted(docs) and docs[-1] > 0
+    assert tokens[-1] == sum(r["tokens"] for r in summary["realized"].values())
+
+
+def test_progress_bar_shows_docs_and_rate(tmp_path, tok_dir, capsys):
+    from stacklm.prebuild import prebuild
+
+    cfg = write_config(tmp_path, tok_dir)
+    from stacklm.prebuild import load_config
+
+    config, _ = load_config(cfg)
+    prebuild(config, tok_dir, tmp_path / "o", tokens_per_shard=SEQ_LEN * 64, splits=("train",), progress=True, progress_interval=0)
+    err = capsys.readouterr().err
+    assert "docs=" in err and "MB/s" in err and "tok/s" in err and "web=0." in err
