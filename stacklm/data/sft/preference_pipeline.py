@@ -20,7 +20,6 @@ import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
-from stacklm.chat_policy import DEFAULT_POLICY, OVERLONG_RULES, LossPolicy
 from stacklm.data.audit import KEPT, clean_text
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.pack import DELIVERY_KEY
@@ -40,7 +39,7 @@ from stacklm.data.sft.reader import (
     conversation_text,
     parse_json_line,
 )
-from stacklm.data.sft.render import TURNS_CUT
+from stacklm.data.sft.render import TURNS_CUT, RenderNode
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
@@ -90,32 +89,11 @@ class PreferenceSource(ConversationSource):
                 "pair_id": pair_id(doc_id), "source": self.name, "domain": self.domain, "doc_id": doc_id}
 
 
-class PairRenderNode(BaseNode[dict]):
+class PairRenderNode(RenderNode):
     """Pairs of turns -> ``{"ids": chosen+rejected loss-tagged, "n_chosen", "n_prompt",
     "pair_id", "source", "domain", "doc_id"}``, each side at most ``seq_len`` tokens; every
-    outcome counted in ``stats``, and ``counts()`` the pairs, tokens and loss tokens emitted."""
-
-    SOURCE_KEY = "source"
-
-    def __init__(self, source: BaseNode[dict], tokenizer: Any, seq_len: int, overlong: str = "truncate",
-                 policy: LossPolicy = DEFAULT_POLICY) -> None:
-        super().__init__()
-        if overlong not in OVERLONG_RULES:
-            raise ValueError(f"overlong must be one of {OVERLONG_RULES}, got {overlong!r}")
-        self.source, self.tokenizer, self.seq_len, self.overlong, self.policy = source, tokenizer, int(seq_len), overlong, policy
-        self.stats = StageStats("render")
-        self._counts = np.zeros(3, dtype=np.int64)
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        st = initial_state or {}
-        self.source.reset(st.get(self.SOURCE_KEY))
-        self.stats.load_dict(st.get("stats", {}))
-        self._counts = np.array(st.get("counts", np.zeros(3)), dtype=np.int64)
-
-    def counts(self) -> dict[str, int]:
-        docs, tokens, loss = (int(x) for x in self._counts)
-        return {"docs": docs, "tokens": tokens, "loss_tokens": loss}
+    outcome counted in ``stats``, and ``counts()`` the pairs, tokens and loss tokens emitted.
+    ``RenderNode``'s settings, counters and state; only what one item renders to differs."""
 
     def next(self) -> dict:
         while True:
@@ -132,9 +110,6 @@ class PairRenderNode(BaseNode[dict]):
             self._counts += (1, len(tagged), int((tagged < 0).sum()))
             return {"ids": tagged, "n_chosen": len(out.chosen[0]), "n_prompt": out.n_prompt, "pair_id": doc["pair_id"],
                     "source": src, "domain": doc.get("domain", "chat"), "doc_id": doc.get("doc_id")}
-
-    def get_state(self) -> dict[str, Any]:
-        return {self.SOURCE_KEY: self.source.state_dict(), "stats": self.stats.to_dict(), "counts": self._counts.copy()}
 
 
 class PairBatchNode(BaseNode[dict]):
