@@ -278,23 +278,35 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
     assert first in str(err.value) and other in str(err.value) and str(moved) not in str(err.value)
 
 
-def test_stream_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, tmp_path):  # noqa: F811
+def test_sft_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, tmp_path):  # noqa: F811
+    """Stream mode re-deals its logical streams on a new shape (tests/test_elastic_stream.py);
+    SFT mode cannot yet, and says so before the first step."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from stacklm.datamodule import DataConfigError
+    from stacklm.datamodule import DataConfigError, StackDataModule
     from tests.lightning_helpers import BatchRecorder, TinyLM
+    from tests.test_sft import make_conversations, write_jsonl
 
     def trainer(root, callbacks, steps):
         return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, default_root_dir=root)
 
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(60)])
+    pipeline = {"sources": [{"name": "chats", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 8,
+                "pack_buffer_docs": 4, "holdout_fraction": 0.0}
+
+    def _sft_dm(tokenizer_dir, **kw):
+        args = {"mode": "sft", "tokenizer": str(tokenizer_dir), "pipeline": pipeline, "seq_len": 128, "batch_size": 2,
+                "num_workers": 0, "val_batches": 0}
+        return StackDataModule(**{**args, **kw})
+
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    trainer(tmp_path / "a", [ckpt], 2).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir))
+    trainer(tmp_path / "a", [ckpt], 2).fit(TinyLM(512), datamodule=_sft_dm(tokenizer_dir))
     for change, kw in (("num_workers 0 -> 2", {"num_workers": 2}), ("batch_size 2 -> 4", {"batch_size": 4})):
         rec = BatchRecorder()
         with pytest.raises(DataConfigError, match=change) as err:
-            trainer(tmp_path / "b", [rec], 4).fit(TinyLM(512), datamodule=_stream_dm(tokenizer_dir, **kw),
+            trainer(tmp_path / "b", [rec], 4).fit(TinyLM(512), datamodule=_sft_dm(tokenizer_dir, **kw),
                                                    ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
         assert rec.seen == [] and "resume with the checkpoint's" in str(err.value)

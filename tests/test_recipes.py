@@ -200,7 +200,9 @@ def test_recipe_b_mix_of_local_files_and_datasets_builders(workdir, docs):
     write_parquet(workdir / "wiki" / "a.parquet", "text", pool[300:400])
     (printed,) = (p.stdout for p in run_recipe("b", workdir))
     mix = sources(workdir / "mix_shards" / "train" / "manifest.json")
-    assert {s["name"]: s for s in json.loads(printed)} == mix
+    table, listing = printed.split("\n[", 1)  # prebuild's summary table, then the recipe's JSON print
+    assert table.startswith("prebuild summary: mix_shards") and all(name in table for name in mix)
+    assert {s["name"]: s for s in json.loads("[" + listing)} == mix
     assert set(mix) == {"notes", "code", "papers", "wiki"}
     total = sum(s["tokens"] for s in mix.values())
     assert total == 20_000
