@@ -326,3 +326,14 @@ def test_progress_bar_shows_docs_and_rate(tmp_path, tok_dir, capsys):
     prebuild(config, tok_dir, tmp_path / "o", tokens_per_shard=SEQ_LEN * 64, splits=("train",), progress=True, progress_interval=0)
     err = capsys.readouterr().err
     assert "docs=" in err and "MB/s" in err and "tok/s" in err and "web=0." in err
+
+
+def test_summary_counts_records_every_split_reads_once():
+    """Both splits read every record (the holdout split comes after the source stage), so an
+    invalid line is in both split manifests; the summary counts it once, and splits' own
+    drops (filter, dedup) add up."""
+    from stacklm.prebuild.summary import drop_totals
+
+    per_split = {"invalid_records": 3, "malformed_json": 2, "null_text": 1, "dropped_empty": 1, "exact_dup": 4}
+    top = {"drops": {"train": {"web": per_split}, "val": {"web": {**per_split, "exact_dup": 1}}}}
+    assert drop_totals(top) == {"web": {"malformed_json": 2, "null_text": 1, "dropped_empty": 1, "exact_dup": 5}}

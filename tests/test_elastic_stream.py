@@ -119,6 +119,15 @@ def test_a_checkpoint_without_logical_streams_is_refused(tokenizer_dir):  # noqa
         dm2.load_state_dict(state)
 
 
+def test_more_readers_than_logical_streams_is_a_warning(tokenizer_dir):  # noqa: F811
+    """A resume with more readers than logical streams leaves some readers padding-only: loud."""
+    dm1, loader1 = _loader(tokenizer_dir, logical_streams=2)
+    _take(loader1, 2)
+    state = dm1.state_dict()
+    with pytest.warns(RuntimeWarning, match=r"3 readers .* 2 logical streams: 1 reader\(s\) hold no stream"):
+        _loader(tokenizer_dir, state=state, num_workers=3)
+
+
 def test_logical_streams_default_to_the_first_runs_readers(tokenizer_dir):  # noqa: F811
     dm, loader = _loader(tokenizer_dir, num_workers=2)
     _take(loader, 2)

@@ -452,3 +452,17 @@ def test_the_packaged_preference_config_builds_a_datamodule(tokenizer_512, saved
     batches = list(dm.train_dataloader())
     assert batches and all(tuple(b) == PREFERENCE_KEYS and b["chosen_input_ids"].shape == (2, SEQ - 1) for b in batches)
 
+
+
+def test_the_built_in_gpt_refuses_preference_batches_up_front():
+    """`python -m trainer fit` with mode: preference is a config mistake (the built-in model trains
+    the batch contract only): one StackLMError at setup, not a KeyError at the first step."""
+    from types import SimpleNamespace
+
+    from stacklm.errors import ConfigError
+    from stacklm.train.model import GPTConfig
+    from stacklm.train.module import check_datamodule
+
+    with pytest.raises(ConfigError, match=r"mode='preference'.*own LightningModule"):
+        check_datamodule(SimpleNamespace(mode="preference"), GPTConfig())
+    check_datamodule(SimpleNamespace(mode="sft"), GPTConfig())  # the other modes pass this check

@@ -334,6 +334,16 @@ class StreamMode(_WorkerStreamMode):
                 f"StackDataModule: {logical} logical streams share {world * n_total * cfg.batch_size} {split} windows, fewer "
                 "than one each; lower logical_streams or raise mix.total_tokens"
             )
+        readers = world * workers
+        if split == "train" and readers > logical and not getattr(self, "_warned_idle", False):
+            self._warned_idle = True
+            warnings.warn(
+                f"stacklm: {readers} readers (ranks x num_workers) but the data is read as {logical} logical streams: "
+                f"{readers - logical} reader(s) hold no stream and deliver padding rows only (no loss; a logged loss of 0 on "
+                "their batches). Set data.logical_streams to a multiple of every ranks x workers you will use (e.g. 8 or 16) "
+                "when you start a run, or resume with at most that many readers.",
+                RuntimeWarning, stacklevel=2,
+            )
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=dm.rank, world_size=world,

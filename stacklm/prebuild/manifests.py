@@ -143,6 +143,16 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
     }
 
 
+def _dry_message(split: str, job: int, src: str, r: Mapping[str, Any]) -> str:
+    tokens, planned = int(r["tokens"]), int(r.get("planned_budget", 0))
+    share = f"share {float(r['realized_weight']):.4f} vs target {float(r['target_weight']):.4f}"
+    if tokens < planned:
+        return f"source {src!r} ran dry in {split} job {job}: {tokens:,} of {planned:,} planned tokens, {share}"
+    # more than planned: it took over the budget of sources that ran out before it, then ran out too
+    return (f"source {src!r} ran out of documents in {split} job {job} after {tokens:,} tokens (more than its {planned:,} "
+            f"planned: it filled in for sources that ran dry first), so the job's budget was not met; {share}")
+
+
 def build_warnings(split: str, summaries: Sequence[Mapping[str, Any]], stats: Mapping[str, Any]) -> list[dict[str, Any]]:
     """What a reader of the manifest must not miss: sources that ran dry in a job (its budget
     went to the others; its share is below target) and sources built from the offline fallback
@@ -155,9 +165,7 @@ def build_warnings(split: str, summaries: Sequence[Mapping[str, Any]], stats: Ma
                     "kind": "ran_dry", "split": split, "source": src, "job": int(s["worker"]),
                     "tokens": int(r["tokens"]), "planned_tokens": int(r.get("planned_budget", 0)),
                     "delivered_share": float(r["realized_weight"]), "target_share": float(r["target_weight"]),
-                    "message": f"source {src!r} ran dry in {split} job {s['worker']}: {int(r['tokens']):,} of "
-                               f"{int(r.get('planned_budget', 0)):,} planned tokens, share {float(r['realized_weight']):.4f} "
-                               f"vs target {float(r['target_weight']):.4f}",
+                    "message": _dry_message(split, s["worker"], src, r),
                 })
     for src, per in sorted(stats.get("source", {}).items()):
         if per.get("fallback_offline"):

@@ -7,15 +7,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from stacklm.data.audit import INVALID_RECORDS
+
+
+# Counted by the source stage, before the holdout split: every split reads every record, so
+# these are the same in each split's manifest and are counted once, not summed.
+READ_BY_EVERY_SPLIT = ("bytes_replaced", "nul_removed", "dropped_binary", "dropped_empty", *INVALID_RECORDS)
+
 
 def drop_totals(top: Mapping[str, Any]) -> dict[str, dict[str, int]]:
-    """Per source: every drop reason with a non-zero count, summed over the splits."""
+    """Per source: every drop reason with a non-zero count, summed over the splits (the source
+    stage's once: ``READ_BY_EVERY_SPLIT``). ``invalid_records`` is left out: it is the sum of
+    the invalid-record reasons listed with it."""
     out: dict[str, dict[str, int]] = {}
     for per_split in top.get("drops", {}).values():
         for src, reasons in per_split.items():
             row = out.setdefault(src, {})
             for reason, n in reasons.items():
-                if n:
+                if not n or reason == "invalid_records":
+                    continue
+                if reason in READ_BY_EVERY_SPLIT:
+                    row[reason] = max(row.get(reason, 0), int(n))
+                else:
                     row[reason] = row.get(reason, 0) + int(n)
     return out
 
@@ -40,7 +53,7 @@ def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None
             f"  {split:<6} {m['n_seq']:>10,} {m['n_tokens']:>14,} {m['shards']:>7} {pack.get('pad_tokens', 0):>10,} "
             f"{100 * pack.get('pad_fraction', 0.0):>6.2f}%"
         )
-    lines += ["", "  drops by reason (train + val):"]
+    lines += ["", "  drops by reason (train + val; records every split reads counted once):"]
     drops = drop_totals(top)
     for src in sorted(drops):
         row = drops[src]

@@ -155,6 +155,14 @@ def check_datamodule(datamodule, config: GPTConfig) -> None:
     if datamodule is None:
         return
     name = type(datamodule).__name__
+    if getattr(datamodule, "mode", None) == "preference":
+        from stacklm.errors import ConfigError
+
+        raise ConfigError(
+            f"{name}(mode='preference') yields chosen/rejected pair batches, which the built-in GPT "
+            "(a next-token loss on the batch contract) cannot train; use your own LightningModule with a "
+            "DPO-style loss (docs/chat.md, 'Preference data'), or mode: sft"
+        )
     vocab = getattr(datamodule, "vocab_size", None)
     if vocab is not None and int(vocab) > config.vocab_size:
         raise ValueError(
