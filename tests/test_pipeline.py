@@ -54,12 +54,13 @@ def test_batches_count_what_they_deliver_per_source(tok, strategy):
     names = ["web", "code", "math"]
     tokens, docs, lengths = np.zeros(3, np.int64), np.zeros(3, np.int64), np.zeros(3, np.int64)
     for b in p.batches:
-        d = b[DELIVERY_KEY]
+        d = {k: np.asarray(v, dtype=np.int64) for k, v in b[DELIVERY_KEY].items()}
+        d["doc_lengths"] = d["doc_lengths"].reshape(-1, 2)
         assert int(d["tokens"].sum()) == int((b["input_ids"] != tok.pad_id).sum())
         assert int(d["docs"].sum()) == int((torch.cat([b["input_ids"], b["targets"][:, -1:]], 1) == tok.bos_id).sum())
-        tokens += d["tokens"].numpy()
-        docs += d["docs"].numpy()
-        np.add.at(lengths, d["doc_lengths"][:, 0].numpy(), d["doc_lengths"][:, 1].numpy())
+        tokens += d["tokens"]
+        docs += d["docs"]
+        np.add.at(lengths, d["doc_lengths"][:, 0], d["doc_lengths"][:, 1])
     real = p.realized()
     assert docs.tolist() == [real[n]["docs"] for n in names]
     assert lengths.tolist() == [real[n]["tokens"] + 2 * real[n]["docs"] for n in names]

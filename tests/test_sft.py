@@ -242,8 +242,8 @@ def test_pipeline_counts_every_rejection_with_its_location(tok, convs, tmp_path)
     assert pipe.packing()["docs"] == render["kept"] + render.get("truncated", 0)
     merged = {k: torch.cat([b[k] for b in batches]) for k in BATCH_KEYS}  # not the delivery counts riding along
     assert_isolated_and_correct(merged, tok, convs)
-    delivered = sum(b[DELIVERY_KEY]["tokens"] for b in batches)
-    assert int(delivered.sum()) == sum(int((b["input_ids"] != tok.pad_id).sum()) for b in batches)  # counted by the batch itself
+    delivered = sum(sum(b[DELIVERY_KEY]["tokens"]) for b in batches)
+    assert int(delivered) == sum(int((b["input_ids"] != tok.pad_id).sum()) for b in batches)  # counted by the batch itself
 
     strict = SFTConfig(sources=cfg.sources, seq_len=SEQ, on_invalid="raise", holdout_fraction=0.0)
     pipe = build_sft_pipeline(strict, tok)

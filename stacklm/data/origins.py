@@ -12,7 +12,6 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import numpy as np
-import torch
 
 from stacklm.data.provenance import PIECE_FIELDS
 
@@ -66,12 +65,15 @@ def content_by_source(window: np.ndarray, origin: np.ndarray, n_sources: int, bo
     return np.bincount(origin[keep].astype(np.int64), minlength=n_sources)
 
 
-def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str, torch.Tensor]:
+def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str, list]:
     """What a batch of windows delivers to the step, per source: ``tokens`` (the non-pad
     positions of ``input_ids``, i.e. each window but its last token), ``docs`` (documents whose
-    ``<bos>`` is in the batch) and ``doc_lengths`` (``(k, 2)``: source, length of each)."""
+    ``<bos>`` is in the batch) and ``doc_lengths`` (``[source, length]`` of each).
+
+    Plain lists, not tensors: a loader worker moves every tensor of a batch into a shared-memory
+    block of its own (about 0.35 ms each, measured), while lists travel pickled with the batch."""
     planes = np.stack([o.origin for o in origins])[:, :-1].astype(np.int64).ravel()
     tokens = np.bincount(planes + 1, minlength=n_sources + 1)[1:]
     starts = np.array([st for o in origins for st in o.starts], dtype=np.int64).reshape(-1, 2)
     docs = np.bincount(starts[:, 0], minlength=n_sources) if len(starts) else np.zeros(n_sources, dtype=np.int64)
-    return {"tokens": torch.from_numpy(tokens), "docs": torch.from_numpy(docs), "doc_lengths": torch.from_numpy(starts)}
+    return {"tokens": tokens.tolist(), "docs": docs.tolist(), "doc_lengths": starts.tolist()}

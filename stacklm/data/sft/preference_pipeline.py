@@ -179,8 +179,8 @@ class PairBatchNode(BaseNode[dict]):
         per_row = ((batch["chosen_input_ids"][:rows] != self.pad_id).sum(1) + (batch["rejected_input_ids"][:rows] != self.pad_id).sum(1)).numpy()
         tokens = np.bincount(index, weights=per_row, minlength=n).astype(np.int64)
         lengths = np.array([(i, len(p["ids"])) for i, p in zip(index.tolist(), pairs)], dtype=np.int64).reshape(-1, 2)
-        return {"tokens": torch.from_numpy(tokens), "docs": torch.from_numpy(np.bincount(index, minlength=n)),
-                "doc_lengths": torch.from_numpy(lengths)}
+        # plain lists: they travel pickled with the batch, not as shared-memory blocks (stacklm.data.origins)
+        return {"tokens": tokens.tolist(), "docs": np.bincount(index, minlength=n).tolist(), "doc_lengths": lengths.tolist()}
 
     def summary(self) -> dict[str, Any]:
         batches, pairs, tokens, pad, pad_rows = (int(x) for x in self._counts)
