@@ -20,7 +20,7 @@ import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
-from stacklm.data.audit import KEPT, clean_text
+from stacklm.data.audit import KEPT
 from stacklm.data.holdout import HoldoutNode
 from stacklm.data.pack import DELIVERY_KEY
 from stacklm.data.sft.config import SFTConfig
@@ -33,11 +33,8 @@ from stacklm.data.sft.preference import (
     render_pair,
 )
 from stacklm.data.sft.reader import (
-    CONTENT_REPAIRED,
-    INVALID_UTF8_LINES,
     ConversationSource,
     conversation_text,
-    parse_json_line,
 )
 from stacklm.data.sft.render import TURNS_CUT, RenderNode
 from stacklm.data.shuffle import ShuffleNode
@@ -55,22 +52,8 @@ class PreferenceSource(ConversationSource):
     KIND = "preference source"
 
     def _pair_turns(self, raw: Any, where: str) -> tuple[list[Turn], list[Turn], list[Turn]]:
-        if isinstance(raw, (bytes, bytearray)):
-            record, lenient = parse_json_line(bytes(raw), where)
-            if lenient:
-                self.stats.add(self.name, INVALID_UTF8_LINES)
-        else:
-            record = raw
-        parts = read_pair(record, role_aliases=self.role_aliases, where=where).turns()
-        repaired = False
-        for turns in parts:  # NULs and lone surrogates: repaired the audit's way, counted
-            for i, t in enumerate(turns):
-                text, audit = clean_text(t.content)
-                reasoning, r_audit = clean_text(t.reasoning) if t.reasoning else (t.reasoning, None)
-                if audit.repaired or (r_audit is not None and r_audit.repaired):
-                    turns[i], repaired = Turn(t.role, text, reasoning, t.weight, t.completion), True
-        if repaired:
-            self.stats.add(self.name, CONTENT_REPAIRED)
+        parts = read_pair(self._record(raw, where), role_aliases=self.role_aliases, where=where).turns()
+        self._repair(*parts)
         prompt = parts[0]
         for comp in parts[1:]:
             validate_conversation([*prompt, *comp], require_assistant=False, where=where)

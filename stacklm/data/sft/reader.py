@@ -161,23 +161,32 @@ class ConversationSource(PartNode):
         if self.on_invalid == "raise":
             raise err
 
-    def _turns(self, raw: Any, where: str) -> list[Turn]:
+    def _record(self, raw: Any, where: str) -> Any:
+        """A row as its record: a JSON line parsed (invalid UTF-8 counted), else the row itself."""
         if isinstance(raw, (bytes, bytearray)):
             record, lenient = parse_json_line(bytes(raw), where)
             if lenient:
                 self.stats.add(self.name, INVALID_UTF8_LINES)
-        else:
-            record = raw
-        turns = conversation_from_record(record, column=self.spec.text_column, format=self.spec.format,
-                                         role_aliases=self.role_aliases, where=where)
+            return record
+        return raw
+
+    def _repair(self, *conversations: list[Turn]) -> None:
+        """NULs and lone surrogates in the turns, repaired in place the audit's way; counted
+        once per record (``CONTENT_REPAIRED``)."""
         repaired = False
-        for i, t in enumerate(turns):  # NULs and lone surrogates: repaired the audit's way, counted
-            text, audit = clean_text(t.content)
-            reasoning, r_audit = clean_text(t.reasoning) if t.reasoning else (t.reasoning, None)
-            if audit.repaired or (r_audit is not None and r_audit.repaired):
-                turns[i], repaired = Turn(t.role, text, reasoning, t.weight, t.completion), True
+        for turns in conversations:
+            for i, t in enumerate(turns):
+                text, audit = clean_text(t.content)
+                reasoning, r_audit = clean_text(t.reasoning) if t.reasoning else (t.reasoning, None)
+                if audit.repaired or (r_audit is not None and r_audit.repaired):
+                    turns[i], repaired = Turn(t.role, text, reasoning, t.weight, t.completion), True
         if repaired:
             self.stats.add(self.name, CONTENT_REPAIRED)
+
+    def _turns(self, raw: Any, where: str) -> list[Turn]:
+        turns = conversation_from_record(self._record(raw, where), column=self.spec.text_column, format=self.spec.format,
+                                         role_aliases=self.role_aliases, where=where)
+        self._repair(turns)
         validate_conversation(turns, where=where)
         return turns
 
