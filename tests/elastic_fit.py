@@ -66,9 +66,11 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, nargs="*", default=[])
     ap.add_argument("--save-epoch-end", action="store_true")
     ap.add_argument("--resume")
+    ap.add_argument("--step-log", help="StackDataModule(step_log=...): a shared step log root across runs")
     a = ap.parse_args()
     dm = StackDataModule(mode="shards", tokenizer=a.tokenizer, data_dir=a.data_dir, seq_len=a.seq_len,
-                         batch_size=a.batch_size, num_workers=a.workers, val_batches=0)
+                         batch_size=a.batch_size, num_workers=a.workers, val_batches=0,
+                         step_log=a.step_log if a.step_log else True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(

@@ -54,10 +54,13 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--save-at", type=int, nargs="*", default=[])
     ap.add_argument("--resume")
+    ap.add_argument("--step-log", help="StackDataModule(step_log=...): a shared step log root across runs")
+    ap.add_argument("--pipeline", help="a JSON file with the stream pipeline config (default: the synthetic one)")
     a = ap.parse_args()
-    dm = StackDataModule(mode="stream", tokenizer=a.tokenizer, pipeline=stream_pipeline(), seq_len=SEQ_LEN,
+    pipeline = json.loads(Path(a.pipeline).read_text()) if a.pipeline else stream_pipeline()
+    dm = StackDataModule(mode="stream", tokenizer=a.tokenizer, pipeline=pipeline, seq_len=SEQ_LEN,
                          batch_size=a.batch_size, num_workers=a.workers, val_batches=0, logical_streams=a.logical_streams,
-                         snapshot_every_n_steps=3)
+                         snapshot_every_n_steps=3, step_log=a.step_log if a.step_log else True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(

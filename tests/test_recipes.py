@@ -39,7 +39,7 @@ TEXT: dict[str, list[tuple[str, str]]] = {
     "c": [],
     "d": [("seq_len=1024", "seq_len=64"), ("batch_size=8", "batch_size=4"), ("max_steps=1000", "max_steps=2"),
           ("width: int = 256", "width: int = 32"), ("num_workers=2", "num_workers=1")],
-    "e": [("--trainer.max_steps 4000", "--trainer.max_steps 6")],
+    "e": [("--trainer.max_steps 4000", "--trainer.max_steps 6"), ("--step 3999", "--step 5")],
     "f": [],
     "g": [("--seq-len 1024", "--seq-len 64"), ("--trainer.max_steps 500", "--trainer.max_steps 2")],
     "h": [("seq_len=1024", "seq_len=64"), ("batch_size=8", "batch_size=4")],
@@ -231,11 +231,14 @@ def test_recipe_d_own_lightning_module(workdir):
 @pytest.mark.slow
 def test_recipe_e_resume_with_ckpt_path(workdir):
     assert ckpt_step(workdir / "ckpt" / "last.ckpt") == 4
-    (out,) = run_recipe("e", workdir)
+    out, step = run_recipe("e", workdir)
     assert "Restored all states from the checkpoint" in out.stdout + out.stderr  # resumed, not restarted
     ckpt = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 6
     assert ckpt["StackDataModule"]["position"] == {"epoch": 0, "rows_served": 24, "steps": 6}  # 6 steps x 4 rows
+    # step 5 (the resumed fit's second) from the step log: its 4 rows, each a prebuilt row with its pieces
+    assert "step 5 (shards mode" in step.stdout and "4 rows, 0 padding rows" in step.stdout
+    assert step.stdout.count("= prebuilt row ") == 4 and "record" in step.stdout
 
 
 @pytest.mark.slow

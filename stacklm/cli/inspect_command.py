@@ -14,6 +14,8 @@ EXAMPLES = """examples:
   stacklm inspect shards/ --tokenizer tok/                      # a prebuild output: its train split
   stacklm inspect shards/ --tokenizer tok/ --split val --json findings.json
   stacklm inspect batch.pt --tokenizer tok/                     # a batch saved with torch.save
+  stacklm inspect shards/ --row 17 --json                       # where prebuilt row 17 came from
+  stacklm inspect runs/stack-100m --step 41200                  # every row of a run's step 41200, from its step log
 """
 
 
@@ -31,6 +33,9 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--tokenizer", help="our artifact (dir or .stacklm.json) or a Hugging Face tokenizer dir (not needed with --row)")
     p.add_argument("--row", type=non_negative_int, help="a prebuilt directory's row N: its tokens and where each piece came from "
                    "(source, file, record, token range in the row, offset in the document)")
+    p.add_argument("--step", type=non_negative_int, help="a training run's global step S: every row of it (each rank's "
+                   "batches) with where each piece came from, from the run's step log (INPUT: the run's default_root_dir or "
+                   "its steplog/ directory)")
     p.add_argument("--split", help="for a prebuild output directory (and --row): the split to read (default: train)")
     p.add_argument("--hf", action="store_true", help="use the HF files of a directory that also holds our artifact")
     p.add_argument("--limit", type=positive_int, help="conversations (default 200) or rows (default 64) to check")
@@ -52,8 +57,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from stacklm.cli.errors import CliError
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
+    if args.row is not None and args.step is not None:
+        raise CliError("stacklm inspect: pass --row (a prebuilt row) or --step (a training run's step), not both")
     if args.row is not None:
         return _inspect_row(args)
+    if args.step is not None:
+        return _inspect_step(args)
     if not args.tokenizer:
         raise CliError("stacklm inspect: pass --tokenizer (our artifact or a Hugging Face tokenizer dir)")
     tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
@@ -94,3 +103,42 @@ def _inspect_row(args: argparse.Namespace) -> int:
             line += f"\n      {text[: args.max_chars]!r}"
         print(line)
     return 0
+
+
+def _inspect_step(args: argparse.Namespace) -> int:
+    """``--step S``: every row of a training run's global step ``S`` (``stacklm.inspector.steps``)."""
+    from stacklm.inspector.steps import step_provenance
+
+    out = step_provenance(args.input, args.step)
+    if args.json is not None:
+        if args.json != "-":
+            Path(args.json).write_text(json.dumps(out))
+        else:
+            print(json.dumps(out))
+            return 0
+    tok = None
+    if args.tokenizer:
+        from stacklm.inspector import load_tokenizer
+
+        tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
+    real = [r for r in out["rows"] if not r.get("padding")]
+    print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
+          f"{len(real)} rows, {len(out['rows']) - len(real)} padding rows")
+    for r in out["rows"]:
+        head = f"rank {r['rank']} batch {r['batch']} row {r['row_in_batch']}"
+        if r.get("padding"):
+            print(f"{head}: padding (no loss)")
+            continue
+        extra = f" = prebuilt row {r['row']}" if "row" in r else ("" if r.get("verified") else
+                                                                   " (NOT VERIFIED: the sources changed since the run)")
+        if r["segments"] is None:
+            print(f"{head}: pieces not known (a window restored from a checkpoint written before stacklm kept them)")
+            continue
+        print(f"{head}{extra}: {len(r['segments'])} pieces")
+        for s in r["segments"]:
+            line = (f"  [{s['row_start']:>6}, {s['row_end']:>6})  {s['source']}  {s['file']}  record {s['record']}  "
+                    f"doc offset {s['doc_offset']}")
+            if tok is not None and r["input_ids"] is not None:
+                line += f"\n      {tok.decode(r['input_ids'][s['row_start'] : s['row_end']])[: args.max_chars]!r}"
+            print(line)
+    return 0 if all(r.get("verified", True) for r in real) else 1

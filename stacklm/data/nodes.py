@@ -79,9 +79,10 @@ class PipelineConfig(Config):
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ConfigError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
 
-    def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0) -> Pipeline:
+    def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
+              provenance: bool = False) -> Pipeline:
         """The node graph for one split, one (rank, worker) shard and one pass (``build_pipeline``)."""
-        return build_pipeline(self, tokenizer, split, shard, epoch=epoch)
+        return build_pipeline(self, tokenizer, split, shard, epoch=epoch, provenance=provenance)
 
 
 @dataclass

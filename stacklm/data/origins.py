@@ -7,6 +7,7 @@ Kept beside ``pack.py`` (which fills it) so the packers stay one job: placing to
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -15,7 +16,7 @@ import numpy as np
 
 from stacklm.data.provenance import PIECE_FIELDS
 
-__all__ = ["PIECE_FIELDS", "WindowOrigin", "content_by_source", "delivery_counts", "load_origins", "origins_state"]
+__all__ = ["PIECE_FIELDS", "WindowOrigin", "content_by_source", "delivery_counts", "load_origins", "origins_state", "window_crc"]
 
 
 class WindowOrigin(NamedTuple):
@@ -65,10 +66,16 @@ def content_by_source(window: np.ndarray, origin: np.ndarray, n_sources: int, bo
     return np.bincount(origin[keep].astype(np.int64), minlength=n_sources)
 
 
-def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str, list]:
+def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int, windows: Sequence[np.ndarray] | None = None) -> dict[str, list]:
     """What a batch of windows delivers to the step, per source: ``tokens`` (the non-pad
     positions of ``input_ids``, i.e. each window but its last token), ``docs`` (documents whose
     ``<bos>`` is in the batch) and ``doc_lengths`` (``[source, length]`` of each).
+
+    With the ``windows`` (a packer with provenance), also what a training run's step log records
+    of each row (``stacklm.datamodule.steplog``): ``pieces`` (per row its ``PIECE_FIELDS``
+    tuples; ``None`` for a window restored from a state saved without provenance) and ``crc``
+    (per row the CRC-32 of the window's int32 bytes, which lets ``stacklm inspect --step``
+    check the tokens it rebuilds from the sources).
 
     Plain lists, not tensors: a loader worker moves every tensor of a batch into a shared-memory
     block of its own (about 0.35 ms each, measured), while lists travel pickled with the batch."""
@@ -76,4 +83,14 @@ def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int) -> dict[str
     tokens = np.bincount(planes + 1, minlength=n_sources + 1)[1:]
     starts = np.array([st for o in origins for st in o.starts], dtype=np.int64).reshape(-1, 2)
     docs = np.bincount(starts[:, 0], minlength=n_sources) if len(starts) else np.zeros(n_sources, dtype=np.int64)
-    return {"tokens": tokens.tolist(), "docs": docs.tolist(), "doc_lengths": starts.tolist()}
+    out = {"tokens": tokens.tolist(), "docs": docs.tolist(), "doc_lengths": starts.tolist()}
+    if windows is not None:
+        out["pieces"] = [None if o.pieces is None else list(o.pieces) for o in origins]
+        out["crc"] = [window_crc(w) for w in windows]
+    return out
+
+
+def window_crc(window: np.ndarray) -> int:
+    """CRC-32 of a packed window as int32 bytes: what the step log keeps of its tokens (4 bytes
+    a row instead of ``2 x seq_len``), enough to tell a faithful rebuild from a changed source."""
+    return zlib.crc32(np.ascontiguousarray(window, dtype=np.int32).tobytes())

@@ -265,6 +265,8 @@ class GreedyPacker(_Packer):
             self._starts = [(int(a), int(b)) for a, b in np.asarray(state["partial_starts"]).reshape(-1, 2)]
         if self.provenance and "partial_pieces" in state:
             self._pieces = [tuple(p) for p in np.asarray(state["partial_pieces"]).reshape(-1, len(PIECE_FIELDS)).tolist()]
+        elif self.provenance and self._fill:  # saved without provenance: what fills the window so far is not known
+            self._pieces = [(max(0, int(self._origin[0])), -1, -1, 0, self._fill, -1)]
 
 
 class BestFitPacker(_Packer):
@@ -412,8 +414,8 @@ class BestFitPacker(_Packer):
         if self.track_sources and "piece_meta" in state:
             arrivals = np.asarray(state["arrivals"])
             meta = np.asarray(state["piece_meta"], dtype=np.int64).reshape(len(arrivals), -1) if len(arrivals) else np.zeros((0, 5))
-            if self.provenance and meta.shape[1] != 5:
-                raise ValueError("the packer state has no provenance (saved by a packer built without it); resume with the same setting")
+            if self.provenance and meta.shape[1] < 5:  # saved without provenance: file, record, offset not known (-1)
+                meta = np.concatenate([meta, np.full((len(meta), 5 - meta.shape[1]), -1, dtype=np.int64)], axis=1)
             for arrival, row in zip(np.asarray(state["arrivals"]).tolist(), meta.tolist()):
                 self._meta[arrival] = tuple(int(x) for x in row[: 5 if self.provenance else 2])
 
@@ -670,7 +672,8 @@ class PackBatchNode(BaseNode[dict]):
                 self.pack.count_dropped(windows, origins)
             raise StopIteration
         batch = self.collate(windows)
-        batch[DELIVERY_KEY] = delivery_counts(origins, len(self.pack.packer.sources))
+        p = self.pack.packer
+        batch[DELIVERY_KEY] = delivery_counts(origins, len(p.sources), windows if p.provenance else None)
         return batch
 
     def get_state(self) -> dict[str, Any]:

@@ -49,8 +49,11 @@ def _smallest_uint(values: np.ndarray) -> np.ndarray:
     raise ValueError(f"value {top} does not fit uint64")  # pragma: no cover
 
 
-def encode_rows(rows: Sequence[Sequence[tuple[int, ...]]]) -> bytes:
-    """The side file of one shard: ``rows[i]`` is row ``i``'s pieces (``PIECE_FIELDS`` tuples)."""
+def row_columns(rows: Sequence[Sequence[tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    """Rows of pieces (``rows[i]``: row ``i``'s ``PIECE_FIELDS`` tuples) as the compact columns
+    both side files store (a shard's here, a training run's step log in
+    ``stacklm.datamodule.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
+    ``record``, ``length``, ``doc_offset``, each in the smallest unsigned type."""
     flat = np.array([p for row in rows for p in row], dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
     counts = np.array([len(row) for row in rows], dtype=np.int64)
     src, fid, rec, start, end, off = flat.T
@@ -63,9 +66,14 @@ def encode_rows(rows: Sequence[Sequence[tuple[int, ...]]]) -> bytes:
         raise ValueError("provenance pieces are not back to back from token 0 of each row; this is a packer bug")
     if (fid < 0).any() or (rec < 0).any():
         raise ValueError("a document without file/record reached the packer; every source must set them for provenance")
+    return {"row_pieces": _smallest_uint(counts), "source": _smallest_uint(src), "file_index": _smallest_uint(fid),
+            "record": _smallest_uint(rec), "length": _smallest_uint(lengths), "doc_offset": _smallest_uint(off)}
+
+
+def encode_rows(rows: Sequence[Sequence[tuple[int, ...]]]) -> bytes:
+    """The side file of one shard: ``rows[i]`` is row ``i``'s pieces (``PIECE_FIELDS`` tuples)."""
     buf = io.BytesIO()
-    np.savez_compressed(buf, row_pieces=_smallest_uint(counts), source=_smallest_uint(src), file_index=_smallest_uint(fid),
-                        record=_smallest_uint(rec), length=_smallest_uint(lengths), doc_offset=_smallest_uint(off))
+    np.savez_compressed(buf, **row_columns(rows))
     return buf.getvalue()
 
 
@@ -73,10 +81,15 @@ def decode_rows(data: bytes | Path) -> tuple[np.ndarray, np.ndarray]:
     """``(row_ptr, pieces)``: row ``i``'s pieces are ``pieces[row_ptr[i]:row_ptr[i+1]]``, each a
     ``PIECE_FIELDS`` row (``row_start``/``row_end`` restored)."""
     with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as z:
-        counts = z["row_pieces"].astype(np.int64)
-        lengths = z["length"].astype(np.int64)
-        cols = [z[k].astype(np.int64) for k in ("source", "file_index", "record")]
-        off = z["doc_offset"].astype(np.int64)
+        return columns_to_pieces(z)
+
+
+def columns_to_pieces(columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``row_columns`` back to ``(row_ptr, pieces)`` (see ``decode_rows``)."""
+    counts = np.asarray(columns["row_pieces"]).astype(np.int64)
+    lengths = np.asarray(columns["length"]).astype(np.int64)
+    cols = [np.asarray(columns[k]).astype(np.int64) for k in ("source", "file_index", "record")]
+    off = np.asarray(columns["doc_offset"]).astype(np.int64)
     ptr = np.concatenate([[0], np.cumsum(counts)])
     ends = np.cumsum(lengths)
     row_base = np.repeat(np.concatenate([[0], ends])[ptr[:-1]], counts)

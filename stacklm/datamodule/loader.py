@@ -105,6 +105,7 @@ class StackDataLoader(StatefulDataLoader):
         # ``stacklm.datamodule.logical``); the datamodule's checkpoint state sums them over the ranks
         self.consumed: dict[int, int] = {}
         self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
+        self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)
 
     @property
     def batches_yielded(self) -> int:
@@ -156,7 +157,12 @@ class StackDataLoader(StatefulDataLoader):
                         padding += n
                     else:
                         self.consumed[l] = self.consumed.get(l, 0) + n
-            self.delivered.add(ids.numel(), batch.pop(DELIVERY_KEY, None), padding)
+            delivery = batch.pop(DELIVERY_KEY, None)
+            self.delivered.add(ids.numel(), delivery, padding)
+            if self.step_log is not None:  # which rows this step trains on (``steplog``)
+                pieces = delivery.get("pieces", []) if delivery is not None else []
+                self.step_log.add_pieces(self.epoch, self.batches_yielded - 1, pieces,
+                                         delivery.get("crc", []) if delivery is not None else [], len(ids) - len(pieces))
             summary = batch.pop(SUMMARY_KEY, None)
             if summary is not None:  # after counting: the batch that carries it is delivered too
                 # one summary per logical stream (elastic stream mode, keyed by it), else per worker

@@ -179,7 +179,7 @@ class _LogicalIterator:
         batch = Collate(p.bos_id, p.eos_id, p.pad_id)(windows)
         if pad is not None:
             batch = {k: torch.cat([batch[k], pad[k]]) for k in batch}
-        batch[DELIVERY_KEY] = delivery_counts(origins, len(ds.sources))
+        batch[DELIVERY_KEY] = delivery_counts(origins, len(ds.sources), windows if p.provenance else None)
         return batch
 
     # -- reporting -------------------------------------------------------------------------

@@ -98,6 +98,11 @@ class StackDataModule(L.LightningDataModule):
             dealt to (rank x worker) at run time, so a resume may change world size, workers and
             batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
             divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
+        step_log: shards and stream modes: log which rows each global step trains on, so
+            ``stacklm inspect RUN --step S`` can say which documents were in step ``S``
+            (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
+            ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
+            ``False``: off.
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class StackDataModule(L.LightningDataModule):
         train_batches: int | None = None,
         snapshot_every_n_steps: int | None = None,
         logical_streams: int | None = None,
+        step_log: bool | str = True,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -144,6 +150,8 @@ class StackDataModule(L.LightningDataModule):
         self.snapshot_every_n_steps = snapshot_every_n_steps
         self.logical_streams = None if logical_streams is None else int(logical_streams)
         self._logical_streams_arg = self.logical_streams
+        self.step_log = step_log
+        self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
@@ -204,7 +212,53 @@ class StackDataModule(L.LightningDataModule):
 
     def train_dataloader(self):
         self._train_loader = self._mode.train_loader()
+        writer = self._step_log()
+        if writer is not None:
+            self._train_loader.step_log = writer
         return self._train_loader
+
+    def _step_log(self):
+        """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
+        (``step_log=False``, sft/preference modes, or no trainer and no path)."""
+        if self._step_log_writer is not None or self.step_log is False or self.mode not in ("shards", "stream"):
+            return self._step_log_writer
+        trainer = getattr(self, "trainer", None)
+        if self.step_log is True and trainer is None:
+            return None
+        from stacklm.datamodule.steplog import DIR_NAME, StepLogWriter, new_generation
+
+        root = Path(trainer.default_root_dir) / DIR_NAME if self.step_log is True else Path(str(self.step_log))
+        generation = new_generation()  # a collective under DDP: train_dataloader runs on every rank
+        meta = self._step_log_meta(generation) if self.rank == 0 else None
+        step_of = (lambda: trainer.global_step) if trainer is not None else None
+        self._step_log_writer = StepLogWriter(root / generation, self.rank, meta=meta, step_of=step_of)
+        return self._step_log_writer
+
+    def _step_log_meta(self, generation: str) -> dict[str, Any]:
+        """What ``stacklm inspect --step`` needs to answer from this generation: the mode, the
+        shape, and the data and tokenizer it read (absolute paths, the working directory for a
+        pipeline's relative globs)."""
+        import os
+
+        trainer = getattr(self, "trainer", None)
+        meta: dict[str, Any] = {
+            "generation": generation, "mode": self.mode, "world_size": self.world_size, "num_workers": self.num_workers,
+            "batch_size": self.batch_size, "seq_len": self.seq_len, "seed": self.seed,
+            "accumulate_grad_batches": int(trainer.accumulate_grad_batches) if trainer is not None else 1,
+            "start_step": int(trainer.global_step) if trainer is not None else 0,
+            "tokenizer": str(Path(self.tokenizer_path).resolve()), "tokenizer_hash": self.tokenizer_hash(),
+        }
+        if self.mode == "shards":
+            meta["shards"] = {"data_dir": str(Path(self.data_dir).resolve()), "split": "train",
+                              "manifest_hash": self.hashes["manifest"]}
+        else:
+            meta["stream"] = {"pipeline": self.pipeline_config().to_dict(), "cwd": os.getcwd(), "split": "train"}
+        return meta
+
+    def teardown(self, stage: str) -> None:
+        if stage == "fit" and self._step_log_writer is not None:
+            self._step_log_writer.close()
+            self._step_log_writer = None
 
     def val_dataloader(self):
         if self.val_batches == 0:
@@ -315,6 +369,8 @@ class StackDataModule(L.LightningDataModule):
 
         if self._identity is None:
             self._identity = data_identity(self)
+        if self._step_log_writer is not None:  # a checkpoint: what trained up to it is on disk too
+            self._step_log_writer.flush()
         state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
         if self.mode == "shards":
             state["position"] = self._mode.position()

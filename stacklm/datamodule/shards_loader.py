@@ -91,6 +91,7 @@ class ShardsLoader:
         # What the consumer took, per source (``DeliveryCounter``), from each row's per-source
         # counts (``provenance.row_source_counts``), in the main process as batches are taken.
         self.delivered, self.row_counts = delivered, row_counts
+        self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
         self._set_position(position or start_position())
 
     # -- position --------------------------------------------------------------------------
@@ -161,6 +162,8 @@ class ShardsLoader:
             self.batches_yielded += 1
             self.samples_yielded += self.batch_size - plan[t - 1][1]
             self.padding_rows += plan[t - 1][1]
+            if self.step_log is not None:  # which rows this step trains on (``steplog``)
+                self.step_log.add_rows(self.epoch, self.steps - 1, plan[t - 1][0], plan[t - 1][1])
             if self.delivered is not None:
                 self.delivered.add(self.batch_size * (self.dataset.seq_len - 1), self._delivery(plan[t - 1][0]),
                                    padding_rows=plan[t - 1][1])

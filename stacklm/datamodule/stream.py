@@ -228,7 +228,11 @@ class _StreamIterator:
 
 class PipelineBuilder:
     """Picklable (spawned workers) factory of one reader's graph: the mix budget is split
-    evenly over all readers (ranks x workers), each reading its own shard of the sources."""
+    evenly over all readers (ranks x workers), each reading its own shard of the sources.
+
+    Its packers always track provenance (each window's document pieces), whether or not the
+    run writes a step log (``stacklm.datamodule.steplog``): the packer's state then has one
+    layout, so a run may turn its step log on or off at a resume."""
 
     def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
         self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
@@ -241,7 +245,7 @@ class PipelineBuilder:
         cfg = PipelineConfig.from_dict(self.config)
         per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
         return replace(cfg, mix=per_reader).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard,
-                                                  epoch=epoch)
+                                                  epoch=epoch, provenance=True)
 
 
 class SFTBuilder:

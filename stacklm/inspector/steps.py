@@ -1,0 +1,200 @@
+"""``stacklm inspect RUN --step S``: every row of global step ``S`` of a training run, with where
+each of its pieces came from, from the run's step log (``stacklm.datamodule.steplog``).
+
+Shards mode logged global row indices: each row's tokens and pieces are the prebuild's
+(``stacklm.data.provenance.row_provenance``). Stream mode logged each row's pieces and the
+CRC-32 of its window: the tokens are rebuilt here from the source records, through the same
+source nodes and tokenizer the run used (a record's text as the source yields it, encoded on
+the same fast path, wrapped ``<bos> ids <eos>``), and checked against the CRC, so a source
+file changed since the run shows up as ``"verified": false`` rather than as wrong tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stacklm.datamodule.steplog import StepLogError, find_step
+
+
+def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
+    """``{"step", "mode", "generation", "world_size", "rows": [...]}``; each row: ``rank``,
+    ``epoch``, ``batch`` (the rank's batch index in its epoch), ``row_in_batch``, then as
+    ``stacklm inspect DIR --row N``: ``input_ids`` (the window) and ``segments`` (``source``,
+    ``file``, ``record``, ``row_start``, ``row_end``, ``doc_offset``); shards mode adds the
+    global ``row``, stream mode ``verified`` (the rebuilt window's CRC is the logged one).
+    Padding rows (no data, no loss) are ``{"padding": true}``."""
+    generation, meta, records = find_step(path, step)
+    rows: list[dict[str, Any]] = []
+    if meta["mode"] == "shards":
+        fill = _shard_rows(meta)
+    elif meta["mode"] == "stream":
+        fill = _StreamRows(meta)
+    else:
+        raise StepLogError(f"{generation}: mode {meta['mode']!r} has no step log reader")
+    for rec in records:
+        where = {"rank": rec["rank"], "epoch": rec["epoch"], "batch": rec["batch"]}
+        real = fill(rec)
+        for i, row in enumerate(real):
+            rows.append({**where, "row_in_batch": i, **row})
+        for j in range(rec["n_pad"]):
+            rows.append({**where, "row_in_batch": len(real) + j, "padding": True, "input_ids": None, "segments": []})
+    return {"step": int(step), "mode": meta["mode"], "generation": generation.name, "world_size": meta["world_size"],
+            "batch_size": meta["batch_size"], "accumulate_grad_batches": meta.get("accumulate_grad_batches", 1), "rows": rows}
+
+
+def _shard_rows(meta: dict[str, Any]):
+    from stacklm.data.provenance import row_provenance
+
+    shards = meta["shards"]
+    data_dir = Path(shards["data_dir"])
+    manifest = data_dir / "manifest.json"
+    if not manifest.is_file():
+        raise StepLogError(f"the run read the prebuild {data_dir}, which is gone (no {manifest}); pass the step log of a run "
+                           "whose shards are still there")
+    import hashlib
+
+    if shards.get("manifest_hash") and hashlib.sha256(manifest.read_bytes()).hexdigest() != shards["manifest_hash"]:
+        raise StepLogError(f"{manifest} changed since the run (another build in the same place): its rows are not the rows "
+                           "the run trained on")
+
+    def fill(rec: dict[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        for row in rec["rows"]:
+            got = row_provenance(data_dir, int(row), shards["split"])
+            out.append({"row": int(row), "input_ids": got["input_ids"], "segments": got["segments"]})
+        return out
+
+    return fill
+
+
+@contextlib.contextmanager
+def _cwd(path: str) -> Iterator[None]:
+    """A run's relative globs are relative to where it ran; the records it skipped (invalid
+    rows, logged by the sources as they read) were reported by the run, not again here."""
+    before = os.getcwd()
+    sources_log = logging.getLogger("stacklm.data.sources")
+    level = sources_log.level
+    os.chdir(path)
+    sources_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+        sources_log.setLevel(level)
+
+
+class _StreamRows:
+    """Rebuilds stream-mode rows from their pieces: each source opened once (one reader over
+    all its parts), each needed record read by scanning its file from the top."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        from stacklm.data.nodes import PipelineConfig
+        from stacklm.data.manifest import tokenizer_hash
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        stream = meta["stream"]
+        self.config = PipelineConfig.from_dict(stream["pipeline"])
+        self.cwd = stream["cwd"]
+        self.seq_len = int(meta["seq_len"])
+        self.tok = StackTokenizer.load(meta["tokenizer"])
+        if tokenizer_hash(self.tok) != meta["tokenizer_hash"]:
+            raise StepLogError(f"the tokenizer at {meta['tokenizer']} changed since the run; the rows cannot be rebuilt")
+        self.entries = list(self.config.mix.entries)
+        self._labels: dict[int, list[str]] = {}
+        self._wrapped: dict[tuple[int, int, int], np.ndarray] = {}
+
+    def _node(self, src: int):
+        from stacklm.data.sources import ShardSpec, open_source
+
+        return open_source(self.entries[src], shard=ShardSpec())
+
+    def labels(self, src: int) -> list[str]:
+        if src not in self._labels:
+            from stacklm.data.provenance import source_files
+
+            node = self._node(src)
+            with _cwd(self.cwd):
+                node.reset()
+            self._labels[src] = source_files(node)
+        return self._labels[src]
+
+    def _load(self, needed: set[tuple[int, int, int]]) -> None:
+        """Read and tokenize the records of ``needed`` (source, file, record) not read yet."""
+        from stacklm.data.sources.parts import PartNode
+        from stacklm.data.tokenizing import tokenize_docs
+
+        todo = sorted(needed - set(self._wrapped))
+        by_part: dict[tuple[int, int], set[int]] = {}
+        for src, fid, rec in todo:
+            by_part.setdefault((src, fid), set()).add(rec)
+        for (src, fid), records in by_part.items():
+            node = self._node(src)
+            docs = []
+            with _cwd(self.cwd):
+                node.reset({"part": fid} if isinstance(node, PartNode) else None)  # a reader of all parts: part index = file
+                last = max(records)
+                for doc in _iterate(node):
+                    f, r = int(doc.get("file", -1)), int(doc.get("record", -1))
+                    if f > fid or (f == fid and r > last):
+                        break
+                    if f == fid and r in records:
+                        docs.append(doc)
+            for doc in tokenize_docs(self.tok, docs, num_threads=1):
+                ids = np.asarray(doc["ids"], dtype=np.int32)
+                self._wrapped[(src, fid, int(doc["record"]))] = np.concatenate([[self.tok.bos_id], ids, [self.tok.eos_id]]).astype(np.int32)
+
+    def __call__(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        from stacklm.data.origins import window_crc
+
+        self._load({(int(p[0]), int(p[1]), int(p[2])) for row in rec["pieces"] if row for p in row if None not in p[:3]})
+        out = []
+        for pieces, crc in zip(rec["pieces"], rec["crc"]):
+            if pieces is None:  # a window restored from a checkpoint written before the packer kept pieces
+                out.append({"input_ids": None, "verified": False, "segments": None})
+                continue
+            window, verified = self._rebuild(pieces, int(crc), window_crc)
+            segments = [{"source": self.entries[s].name, "file": self.labels(s)[f] if f is not None and f < len(self.labels(s)) else None,
+                         "record": r, "row_start": a, "row_end": b, "doc_offset": off} for s, f, r, a, b, off in pieces]
+            out.append({"input_ids": None if window is None else window.tolist(), "verified": verified, "segments": segments})
+        return out
+
+    def _rebuild(self, pieces: Sequence[Sequence[int]], crc: int, window_crc) -> tuple[np.ndarray | None, bool]:
+        """The row's window from its records, and whether its CRC is the logged one. A document
+        the mix budget cut ends early in ``<eos>``; a piece that ends inside the row without
+        reaching its document's end is such a cut, and the last piece of a full row may be one."""
+        eos = self.tok.eos_id
+        window = np.full(self.seq_len, self.tok.pad_id, dtype=np.int32)
+        last_may_be_cut = False
+        for i, (src, fid, rec, a, b, off) in enumerate(pieces):
+            wrapped = self._wrapped.get((src, fid, rec))
+            if wrapped is None or off is None or off + (b - a) > len(wrapped):
+                return None, False  # the record is gone or shorter: the source changed
+            window[a:b] = wrapped[off : off + b - a]
+            if off + (b - a) < len(wrapped):  # the document goes on past this piece
+                if b < self.seq_len or i < len(pieces) - 1:
+                    window[b - 1] = eos
+                else:
+                    last_may_be_cut = True
+        if window_crc(window) == crc:
+            return window, True
+        if last_may_be_cut:
+            cut = window.copy()
+            cut[pieces[-1][4] - 1] = eos
+            if window_crc(cut) == crc:
+                return cut, True
+        return window, False
+
+
+def _iterate(node) -> Iterator[dict]:
+    while True:
+        try:
+            yield next(node)
+        except StopIteration:
+            return
