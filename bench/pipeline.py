@@ -211,7 +211,8 @@ def main() -> None:
     ids = [a for a in tok.encode_batch_numpy(texts, num_threads=args.threads)]
     pk = packing_bench.run(seq_len=2048, buffers=(100, 1000), token_docs=ids, vocab_size=tok.vocab_size)
     for row in pk["rows"]:
-        print(f"{row['strategy']:<9} buffer={row.get('buffer_docs')!s:<5} pad={row['pad_fraction']:.3%} "
+        print(f"{row['strategy'] + ('*' if row.get('unbounded_wait') else ''):<9} buffer={row.get('buffer_docs')!s:<5} "
+              f"pad={row['pad_fraction']:.3%} "
               f"docs_cut={row['docs_cut']} fitting_docs_cut={row['fitting_docs_cut']} windows={row['windows']}")
 
     print("\n== 5. state growth")

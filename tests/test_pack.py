@@ -132,6 +132,37 @@ def test_best_fit_pads_under_one_percent_on_real_text(real_docs):
     assert packer.docs_cut < greedy.docs_cut
 
 
+@pytest.mark.parametrize("buffer_docs", [64, 256])
+def test_best_fit_bounds_how_long_a_short_document_waits(buffer_docs):
+    """Best-fit-decreasing keeps short documents as gap fillers; without a bound on the wait
+    they stay in the buffer for much of the stream (a short-document source delivered late).
+    With it, no document waits much more than one buffer turnover, and padding does not grow.
+    Document lengths: heavy-tailed like real text (log-normal, median 60 tokens, some > 2048)."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(np.log(60), 1.6, 4000).astype(int), 1, 6000)
+    docs = [{"ids": np.full(n, 7, dtype=np.int32), "source": "s", "file": 0, "record": k} for k, n in enumerate(lengths)]
+
+    def waits(packer) -> tuple[np.ndarray, float]:
+        """Per document, the documents pushed after it before its first piece was placed."""
+        placed: dict[int, int] = {}
+        for k, d in enumerate(docs):
+            for _ in packer.push(d):
+                for piece in packer.origins.popleft().pieces:
+                    placed.setdefault(piece[2], k)
+        for _ in packer.finish():
+            for piece in packer.origins.popleft().pieces:
+                placed.setdefault(piece[2], len(docs))
+        assert sorted(placed) == list(range(len(docs)))  # every document once
+        return np.array([placed[k] - k for k in range(len(docs))])[: -2 * buffer_docs], packer.summary()["pad_fraction"]
+
+    bounded, pad = waits(BestFitPacker(2048, BOS, EOS, PAD, buffer_docs, sources=["s"], provenance=True))
+    unbounded, pad_unbounded = waits(BestFitPacker(2048, BOS, EOS, PAD, buffer_docs, sources=["s"], provenance=True,
+                                                   max_wait=1 << 62))
+    assert bounded.max() <= 2 * buffer_docs
+    assert unbounded.max() > 4 * bounded.max()
+    assert pad <= pad_unbounded + 0.001
+
+
 def test_best_fit_buffer_is_bounded_and_long_docs_stream_out():
     packer = BestFitPacker(32, BOS, EOS, PAD, buffer_docs=5)
     for d in _random_docs(200, seed=1, max_len=20, long_every=5, long_len=100):
