@@ -138,10 +138,23 @@ class StackDataLoader(StatefulDataLoader):
             self.epoch = int(epoch)
         self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
         self.consumed, self._restored_consumed = dict(self._restored_consumed or {}), None
-        it = super().__iter__()
+        workers = [super().__iter__()]  # the current worker iterator (a re-weighting restart replaces it)
+        try:
+            yield from self._counted(workers)
+        finally:
+            # An iteration closed early (a custom loop stops, or drops it): ``StatefulDataLoader`` keeps
+            # its last iterator for ``state_dict`` and the loader sits in a cycle with its datamodule,
+            # so the workers lived on until whichever garbage collection came next, which then
+            # stalled ~5 s per worker joining them (10 s with 2, measured). Shut them down now; the
+            # state stays readable (tests/test_loader_workers.py).
+            release_workers(workers[0])
+
+    def _counted(self, workers: list[Any]) -> Iterator[Any]:
+        """The batches of ``workers[0]``, counted (module docstring of ``delivery``) and logged."""
+        it = workers[0]
         while True:
             if self._restart_pending:
-                it = self._restart()
+                it = workers[0] = self._restart()
             try:
                 batch = next(it)
             except StopIteration:
@@ -223,6 +236,14 @@ class StackDataLoader(StatefulDataLoader):
         if ds.resume is not None:
             ds.workers = max(1, self.num_workers)
             ds.restore([s["loader"] for s in per_rank], ds.resume["shape"])
+
+
+def release_workers(iterator: Any) -> None:
+    """Shut down a multi-process loader iterator's workers now (no-op when it has none or they
+    are already down: an exhausted iterator shuts them down itself)."""
+    shutdown = getattr(iterator, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def batch_input_ids(batch: dict[str, Any]) -> torch.Tensor:
