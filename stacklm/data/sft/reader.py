@@ -27,6 +27,7 @@ from stacklm.data.sources import (
     ShardSpec,
     SourceError,
     SourceNotFoundError,
+    check_data_files,
     file_format,
     glob_files,
     hub_load_kwargs,
@@ -119,6 +120,7 @@ class ConversationSource(PartNode):
             return paths
         kwargs = hub_load_kwargs(s.split, name=s.config_name, data_dir=s.data_dir, revision=s.revision,
                                  data_files=list(s.data_files) if s.data_files else None)
+        check_data_files("sft source", self.name, s.path, s.data_files)
         try:
             self._dataset = import_datasets().load_dataset(s.path, **kwargs)
         except Exception as e:
