@@ -34,6 +34,7 @@ from stacklm.data.sources import (
     import_datasets,
     loads_json_line,
 )
+from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,7 @@ class ConversationSource(PartNode):
         self.stats.add(self.name, err.reason)
         if err.reason not in self.first_where:
             self.first_where[err.reason] = str(err)
-            if self.on_invalid != "raise":
+            if self.on_invalid != "raise" and self.log_rows and first_time(self.KIND, self.name, err.reason):
                 logger.warning("sft source %r: dropping conversations (%s); first: %s", self.name, err.reason, err)
         if self.on_invalid == "raise":
             raise err

@@ -16,6 +16,7 @@ from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
+from stacklm.once import first_time, in_loader_worker
 
 FALLBACK_OFFLINE = "fallback_offline"
 
@@ -196,7 +197,9 @@ class HFStreamSource(TextPartSource):
             self.name, self.domain, seed=self.fallback_seed, num_docs=self.fallback_docs, shard=self.shard,
             stats=self.stats, label="synthetic-fallback",
         )
-        if reason is not None:
+        # once per source and process; a loader worker leaves it to the main process, which
+        # sees the fallback in the workers' summaries (stacklm.datamodule.loader)
+        if reason is not None and not in_loader_worker() and first_time(FALLBACK_OFFLINE, self.name):
             warnings.warn(
                 f"stacklm: OFFLINE FALLBACK: source {self.name!r}: could not open {self._describe()} ({reason}); "
                 f"training on the synthetic {self.domain} corpus instead, because fallback_offline=True. The run is NOT "
