@@ -80,3 +80,36 @@ def test_fit_says_each_event_once(tmp_path, tok_dir):
     for text in (*BAD_LINES, "OFFLINE FALLBACK: source 'hub'"):
         assert res.stderr.count(text) == 1, (text, res.stderr[-4000:])
     assert res.stderr.count("source 'mixed' ran dry") <= 1, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["sft", "preference"])
+def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer_1024, caplog):
+    """A train and a val pipeline over the same file (what a fit builds): each reader counts the
+    malformed line, one log line says it."""
+    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sft import SFTConfig, build_sft_pipeline
+    from stacklm.data.sft.preference_pipeline import build_preference_pipeline
+
+    if mode == "sft":
+        good = [{"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]}
+                for i in range(40)]
+        build = build_sft_pipeline
+    else:
+        good = [{"prompt": f"question {i}?", "chosen": f"good answer {i}.", "rejected": f"bad answer {i}."} for i in range(40)]
+        build = build_preference_pipeline
+    lines = [json.dumps(r) for r in good]
+    lines[5] = "{not json"
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = SFTConfig(sources=(SourceConfig("chats", path=(str(path),)),), seq_len=64, batch_size=2, shuffle_buffer=1,
+                    pack_buffer_docs=8, holdout_fraction=0.2)
+    seen = {}
+    with caplog.at_level("WARNING"):
+        for split in ("val", "train"):  # a fit's sanity check reads val first
+            pipe = build(cfg, tokenizer_1024, split)
+            pipe.batches.reset()
+            list(pipe.batches)
+            seen[split] = pipe.stats()["source"]["chats"]["malformed_json"]
+    assert seen == {"val": 1, "train": 1}  # counted by both readers
+    said = [r for r in caplog.records if "malformed_json" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
