@@ -71,6 +71,8 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from stacklm.once import first_time
+
 
 def _wandb_logger(trainer: Trainer):
     from lightning.pytorch.loggers import WandbLogger
@@ -341,13 +343,14 @@ class DataStatsCallback(Callback):
                 self._dry_logged.add(source)
                 info = {**info, "step": step}
                 target = info.get("target_share")
-                warnings.warn(
-                    f"stacklm: source {source!r} ran dry (seen at step {step}, after {info.get('batch')} batches of rank "
-                    f"{info.get('rank', 0)}): delivered share {float(info.get('delivered_share') or 0):.4f} vs target "
-                    f"{'?' if target is None else f'{float(target):.4f}'}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+                if first_time("ran_dry", source):  # not when the loader already said it (DeliveryCounter.note_dry)
+                    warnings.warn(
+                        f"stacklm: source {source!r} ran dry (seen at step {step}, after {info.get('batch')} batches of rank "
+                        f"{info.get('rank', 0)}): delivered share {float(info.get('delivered_share') or 0):.4f} vs target "
+                        f"{'?' if target is None else f'{float(target):.4f}'}",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
                 self._dry_steps = {**getattr(self, "_dry_steps", {}), source: step}
             out[f"data/ran_dry/{source}"] = float(getattr(self, "_dry_steps", {}).get(source, step))
         return out
@@ -357,8 +360,10 @@ class DataStatsCallback(Callback):
         fallback = list(stats.get("offline_fallback") or ())
         if fallback and fallback != self._fallback_recorded:
             self._fallback_recorded = fallback
-            warnings.warn(f"stacklm: OFFLINE FALLBACK: source(s) {fallback} train on synthetic text, not the real data",
-                          RuntimeWarning, stacklevel=2)
+            unsaid = [s for s in fallback if first_time("fallback_offline", s)]  # the source or loader may have said it
+            if unsaid:
+                warnings.warn(f"stacklm: OFFLINE FALLBACK: source(s) {unsaid} train on synthetic text, not the real data",
+                              RuntimeWarning, stacklevel=2)
             for logger in trainer.loggers:
                 logger.log_hyperparams({"data/offline_fallback": fallback})
 

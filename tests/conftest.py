@@ -96,3 +96,12 @@ def saved_tokenizer_dir(tmp_path_factory):
         return written[key][1]
 
     return save
+
+
+@pytest.fixture(autouse=True)
+def _each_test_is_a_run():
+    """``stacklm.once`` says each event once per process run; every test is a run of its own."""
+    from stacklm.once import forget
+
+    forget()
+    yield

@@ -75,6 +75,10 @@ def local_entry(path: Path) -> list[dict]:
     return [{"name": "mine", "kind": "local", "weight": 1.0, "domain": "prose", "path": str(path)}]
 
 
+def hf_entry(path: str, data_files: str) -> list[dict]:
+    return [{"name": "web", "kind": "hf", "weight": 1.0, "domain": "prose", "path": path, "data_files": data_files}]
+
+
 # --- stacklm --------------------------------------------------------------------------------
 CASES = {
     "missing config file": (lambda tmp, tok: ["--config", str(tmp / "nope.yaml")], ["nope.yaml", "no such config file"]),
@@ -88,6 +92,16 @@ CASES = {
     "broken source in a pool worker": (
         lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=local_entry(bad_jsonl(tmp)))), "--workers", "2"],
         ["bad.jsonl", "source 'mine'", "valid record"]),
+    # datasets says StopIteration (json) or "all the data_files are invalid: {'train': []}" (parquet)
+    "hf json data_files match nothing": (
+        lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=hf_entry("json", str(tmp / "nope" / "*.jsonl"))))],
+        ["source 'web'", "kind hf", "nope/*.jsonl", "matched no files", "check data_files"]),
+    "hf parquet data_files match nothing": (
+        lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=hf_entry("parquet", str(tmp / "*.parquet"))))],
+        ["source 'web'", "kind hf", "*.parquet", "matched no files"]),
+    "hf folder data_files match nothing": (
+        lambda tmp, tok: ["--config", str(write_config(tmp, tok, entries=hf_entry(str(tmp), "sub/*.parquet")))],
+        ["source 'web'", "'sub/*.parquet'", "matched no files", "relative to the folder"]),
     "missing tokenizer": (lambda tmp, tok: ["--config", str(write_config(tmp, tok)), "--tokenizer", str(tmp / "no-tok")],
                           ["no-tok", "train-tokenizer"]),
 }
@@ -260,6 +274,21 @@ def test_trainer_run_time_user_error(tmp_path, tok_dir):
     assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "no-shards" in res.stderr
 
 
+def test_trainer_hf_data_files_matching_nothing(tmp_path, tok_dir):
+    """Stream mode, a ``kind: hf`` source (json builder) whose data_files glob matches nothing:
+    one line naming the source and the glob, exit 2 (was datasets' bare ``StopIteration``)."""
+    pipe = pipeline(entries=hf_entry("json", "missing/*.jsonl"))
+    cfg = trainer_config(tmp_path, tok_dir, pipeline=pipe)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("STACKLM_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", str(cfg)], cwd=tmp_path,
+                         capture_output=True, text=True, env=env)
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr[-3000:]
+    assert "source 'web'" in errors[0] and "'missing/*.jsonl' matched no files" in errors[0], errors[0]
+    assert "StopIteration" not in res.stderr
+
+
 # --- summary and progress -------------------------------------------------------------------
 def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
@@ -337,3 +366,25 @@ def test_summary_counts_records_every_split_reads_once():
     per_split = {"invalid_records": 3, "malformed_json": 2, "null_text": 1, "dropped_empty": 1, "exact_dup": 4}
     top = {"drops": {"train": {"web": per_split}, "val": {"web": {**per_split, "exact_dup": 1}}}}
     assert drop_totals(top) == {"web": {"malformed_json": 2, "null_text": 1, "dropped_empty": 1, "exact_dup": 5}}
+
+
+@pytest.mark.parametrize("node", ["ConversationSource", "PreferenceSource"])
+@pytest.mark.parametrize("kind, path, files", [
+    ("hf", "json", "nope/*.jsonl"), ("hf", "parquet", "nope/*.parquet"), ("local", None, "nope/*.jsonl"),
+])
+def test_sft_and_preference_sources_name_the_glob_that_matches_nothing(node, kind, path, files, tmp_path, monkeypatch):
+    """The chat sources' globs (``kind: hf`` builders and ``kind: local``): a SourceNotFoundError
+    (a StackLMError: the CLIs print it as one line) naming the source and the pattern."""
+    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sft import preference_pipeline, reader
+    from stacklm.data.sources import SourceNotFoundError
+    from stacklm.errors import StackLMError
+
+    monkeypatch.chdir(tmp_path)
+    spec = SourceConfig("chats", kind=kind, path=path, data_files=(files,))
+    src = getattr(preference_pipeline if node == "PreferenceSource" else reader, node)(spec)
+    with pytest.raises(SourceNotFoundError) as info:
+        src.reset()
+    assert isinstance(info.value, StackLMError)
+    assert "'chats'" in str(info.value) and "nope/*." in str(info.value) and "matched no files" in str(info.value)
+    assert "StopIteration" not in str(info.value)

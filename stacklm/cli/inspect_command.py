@@ -11,6 +11,7 @@ from stacklm.cli.arg_types import int_at_least, non_negative_int, positive_int
 EXAMPLES = """examples:
   stacklm inspect chats.jsonl --tokenizer tok/                  # render, mask and check conversations
   stacklm inspect chats.jsonl --tokenizer tok/ --seq-len 2048   # also count what SFT would cut or drop
+  stacklm inspect pairs.jsonl --tokenizer tok/                  # preference pairs (chosen/rejected): each side checked
   stacklm inspect shards/ --tokenizer tok/                      # a prebuild output: its train split
   stacklm inspect shards/ --tokenizer tok/ --split val --json findings.json
   stacklm inspect batch.pt --tokenizer tok/                     # a batch saved with torch.save
@@ -28,7 +29,8 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
         epilog=EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("input", help="conversations .jsonl/.parquet, a prebuild output directory (its --split is read), "
+    p.add_argument("input", help="conversations .jsonl/.parquet (preference pairs when the first record has chosen and "
+                   "rejected), a prebuild output directory (its --split is read), "
                    "one split's shard directory, or a saved batch (.pt)")
     p.add_argument("--tokenizer", help="our artifact (dir or .stacklm.json) or a Hugging Face tokenizer dir (not needed with --row)")
     p.add_argument("--row", type=non_negative_int, help="a prebuilt directory's row N: its tokens and where each piece came from "

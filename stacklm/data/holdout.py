@@ -65,6 +65,10 @@ class HoldoutNode(BaseNode[dict]):
         self.source = source
         self.split, self.fraction, self.seed, self.text_key = split, float(fraction), int(seed), text_key
         self.stats = StageStats(f"holdout_{split}")
+        if split != "train" and hasattr(source, "log_rows"):
+            # Both splits read every record; the train split's reader logs a bad row, this one
+            # only counts it (one line per event, not one per split: stacklm.data.sources.PartNode).
+            source.log_rows = False
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.once import first_time
+
 # Document-length histogram bins (tokens, <bos>/<eos> included): powers of two up to 1M and beyond.
 HIST_EDGES = [0] + [2**k for k in range(3, 21)] + [2**62]
 
@@ -74,6 +76,7 @@ class DeliveryCounter:
         the delivered vs target share at that point."""
         if source in self.ran_dry:
             return
+        first_time("ran_dry", source)  # said here: the callback's data/ran_dry does not say it again
         share = self.shares().get(source, 0.0)
         target = self.target.get(source)
         self.ran_dry[source] = {"batch": self.batches, "rank": rank, "worker": worker, "delivered_share": share,

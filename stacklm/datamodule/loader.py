@@ -4,6 +4,7 @@ with ``torch.load(weights_only=True)``; the rank-state gather/pick it checkpoint
 from __future__ import annotations
 
 import pickle
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -14,8 +15,9 @@ from stacklm.data.pack import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
 from stacklm.datamodule.errors import BatchVocabError, DataConfigError
 from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
-from stacklm.datamodule.stream import SUMMARY_KEY
+from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
+from stacklm.once import first_time
 
 _ND = "__ndarray__"
 
@@ -183,6 +185,7 @@ class StackDataLoader(StatefulDataLoader):
                     self.worker_summaries[s.get("stream", s["worker"])] = s
                     for source in s.get("ran_dry", ()):
                         self.delivered.note_dry(source, rank=int(s.get("rank", 0)), worker=int(s["worker"]))
+                    warn_fallback(s)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
@@ -270,3 +273,17 @@ def check_vocab(input_ids: torch.Tensor, vocab_size: int | None, where: str) -> 
             f"[0, {vocab_size}); the data was built with another tokenizer. Use the tokenizer the data was made with, "
             "or rebuild the data (`stacklm verify` checks a shard directory in full)"
         )
+
+
+def warn_fallback(summary: dict[str, Any]) -> None:
+    """The offline fallback of a source, from a worker's summary: once per source and process
+    (a loader worker does not warn itself: it would, once per worker and per loader)."""
+    for source, counts in (summary.get("stats", {}).get("source") or {}).items():
+        if counts.get(FALLBACK_REASON) and first_time(FALLBACK_REASON, source):
+            warnings.warn(
+                f"stacklm: OFFLINE FALLBACK: source {source!r} (rank {summary.get('rank', 0)} worker {summary.get('worker')}): "
+                "could not open its data; training on the synthetic corpus instead, because fallback_offline=True. The run "
+                "is NOT reading the real data (recorded in data_stats()['offline_fallback'], the W&B config and the manifest).",
+                RuntimeWarning,
+                stacklevel=2,
+            )

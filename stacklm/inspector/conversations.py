@@ -18,10 +18,13 @@ TEMPLATE_TEXT_HINT = ("; if the data legitimately discusses chat templates, pass
 
 
 def check_conversation(
-    turns: Sequence[Turn], tok: InspectTokenizer, where: str, allow_template_text: bool = False
+    turns: Sequence[Turn], tok: InspectTokenizer, where: str, allow_template_text: bool = False,
+    rendered: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[Finding], np.ndarray, np.ndarray]:
     """Render with the tokenizer's template and run every check; ``(findings, ids, mask)``.
-    Any chat-format marker in a message is an error unless ``allow_template_text``."""
+    Any chat-format marker in a message is an error unless ``allow_template_text``.
+    ``rendered``: the ``(ids, mask)`` a pipeline made of it (stacklm layout; a preference side,
+    whose prompt bears no loss): its ids must be the template's, and the checks judge its mask."""
     out: list[Finding] = []
     for i, t in enumerate(turns):
         for f in text_findings(t.text(), tok.family, tok.special_strings, f"{where} message {i} ({t.role})", strict=not allow_template_text):
@@ -43,6 +46,11 @@ def check_conversation(
                 out.append(Finding("template_mismatch", ERROR, f"the chat template renders {len(ids)} tokens, render_conversation "
                                    f"{len(ref_ids)} (first difference at token {k}"
                                    + ("" if ref_ids.tolist() != ids.tolist() else "; the assistant masks differ") + ")", where))
+        if rendered is not None:
+            if np.asarray(rendered[0]).tolist() != ids.tolist():
+                out.append(Finding("template_mismatch", ERROR, f"the chat template renders {len(ids)} tokens, the pipeline "
+                                   f"{len(rendered[0])}", where))
+            ids, mask = np.asarray(rendered[0], np.int64), np.asarray(rendered[1], np.int8)
         view = BatchView(ids[None], mask[None].astype(bool), np.zeros((1, len(ids)), np.int64), np.arange(len(ids))[None], "stacklm")
         out += check_view(view, tok, where, complete=True)[0]
     else:

@@ -150,6 +150,91 @@ def inspect_conversations(
     return report
 
 
+def is_preference_record(raw: Any) -> bool:
+    """A TRL preference row (``chosen`` and ``rejected``, standard or conversational, with or
+    without ``prompt``), which ``inspect_input`` reads as pairs, not as one conversation."""
+    from stacklm.data.sft import parse_json_line
+
+    try:
+        record = parse_json_line(raw, "first row")[0] if isinstance(raw, bytes) else raw
+    except ChatFormatError:
+        return False
+    return isinstance(record, Mapping) and "chosen" in record and "rejected" in record
+
+
+def inspect_pairs(
+    path: Path,
+    tok: InspectTokenizer,
+    limit: int = 200,
+    *,
+    allow_template_text: bool = False,
+    seq_len: int | None = None,
+    overlong: str = "truncate",
+) -> Report:
+    """Preference pairs (``stacklm.data.sft.preference``): per pair, both sides rendered as the
+    preference pipeline renders them (``render_pair``: the shared prompt bears no loss, the stop
+    token of each completion does) and run through the conversation checks; with ``seq_len`` the
+    pipeline's overlong outcome of each pair is counted. One sequence per side."""
+    from stacklm.data.sft import parse_json_line
+    from stacklm.data.sft.preference import read_pair, render_pair
+
+    if not tok.chat_template:
+        raise InspectError(f"{tok.name}: this tokenizer directory has no chat template, so it cannot render preference pairs")
+    report = Report(str(path), "preference pairs (chosen and rejected sides)", tok.name, eos_id=tok.eos_id)
+    pairs = 0
+    for where, raw in _read_records(path, limit):
+        try:
+            record = parse_json_line(raw, where)[0] if isinstance(raw, bytes) else raw
+            prompt, chosen, rejected = read_pair(record, role_aliases=DEFAULT_ROLE_ALIASES, where=where).turns()
+            for comp in (chosen, rejected):
+                validate_conversation([*prompt, *comp], require_assistant=False, where=where)
+        except ChatFormatError as e:
+            report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where, key=f"[{e.reason}]"))
+            continue
+        pairs += 1
+        sides: tuple = (None, None)
+        if tok.layout is not None:  # the pipeline's own rendering (prompt masked), no length limit
+            rendered, outcome, _ = render_pair(prompt, chosen, rejected, tok.raw)
+            if rendered is None:
+                report.findings.append(Finding("nothing_to_train", ERROR, f"[{outcome}] a completion has no trained turn: "
+                                               "the preference pipes drop this pair", where, key=f"[{outcome}]"))
+                continue
+            sides = (rendered.chosen, rendered.rejected)
+            if seq_len:
+                _, outcome, cut = render_pair(prompt, chosen, rejected, tok.raw, seq_len, overlong)
+                report.counts[outcome] = report.counts.get(outcome, 0) + 1
+                if cut and outcome != "dropped_too_long":
+                    report.counts["turns_cut"] = report.counts.get("turns_cut", 0) + cut  # render.TURNS_CUT
+        views = []
+        for side, comp, given in zip(("chosen", "rejected"), (chosen, rejected), sides):
+            found, ids, mask = check_conversation([*prompt, *comp], tok, f"{where} ({side})", allow_template_text, given)
+            report.findings += found
+            views.append((ids, mask))
+        if tok.layout is None and all(len(ids) for ids, _ in views):  # another template: the shared prefix is the prompt
+            a, b = (ids.tolist() for ids, _ in views)
+            n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            views = [(ids, np.where(np.arange(len(ids)) < n, 0, mask)) for ids, mask in views]
+        for ids, mask in views:
+            if not len(ids):
+                continue
+            report.sequences += 1
+            report.ending_with_eos += int(ids[-1] == tok.eos_id)
+            _count_trained(report, ids, mask, tok)
+            if report.sample is None:
+                labels = scan_row(ids, tok, True).labels if tok.layout is not None else ["assistant" if m else "" for m in mask]
+                report.sample = Sample(ids, np.asarray(mask, bool), labels, np.arange(len(ids)), np.zeros(len(ids), np.int64))
+        for t in [*prompt, *chosen, *rejected]:
+            _count_text(report, "chat", t.text(), tok)
+    if pairs == 0 and not report.findings:
+        raise InspectError(f"{path}: no preference pairs in the file")
+    if seq_len and report.counts:
+        parts = ", ".join(f"{k}: {v}" for k, v in sorted(report.counts.items()))
+        report.findings.append(Finding("truncation", INFO, f"at seq_len {seq_len} (overlong: {overlong}), of {pairs} pairs -- {parts}",
+                                       str(path)))
+    _stop_finding(report, tok)
+    return report
+
+
 def _inspect_view(report: Report, view: BatchView, tok: InspectTokenizer, where: str) -> Report:
     found, scans = check_view(view, tok, where)
     report.findings += found
@@ -279,8 +364,9 @@ def inspect_input(
 ) -> Report:
     """Inspect a conversations file, a shard directory or a saved batch (chosen by what it is).
     A shard directory is one split's (``OUT/train``) or a prebuild's output ``OUT`` itself, whose
-    ``split`` is read (default: ``train``, else the first there is). ``allow_template_text``,
-    ``seq_len`` and ``overlong`` apply to conversations files."""
+    ``split`` is read (default: ``train``, else the first there is). A file whose first record has
+    ``chosen`` and ``rejected`` is read as preference pairs (``inspect_pairs``). ``allow_template_text``,
+    ``seq_len`` and ``overlong`` apply to conversations and pairs files."""
     tok = tokenizer if isinstance(tokenizer, InspectTokenizer) else load_tokenizer(tokenizer, prefer_hf)
     p = Path(path)
     if not p.exists():
@@ -291,4 +377,6 @@ def inspect_input(
         return inspect_shards(split_directory(p, split), tok, limit or 64)
     if p.suffix in (".pt", ".pth", ".bin") or p.name.endswith(".batch"):
         return inspect_batch_file(p, tok, limit or 64)
-    return inspect_conversations(p, tok, limit or 200, allow_template_text=allow_template_text, seq_len=seq_len, overlong=overlong)
+    first = _read_records(p, 1)
+    read = inspect_pairs if first and is_preference_record(first[0][1]) else inspect_conversations
+    return read(p, tok, limit or 200, allow_template_text=allow_template_text, seq_len=seq_len, overlong=overlong)

@@ -27,12 +27,14 @@ from stacklm.data.sources import (
     ShardSpec,
     SourceError,
     SourceNotFoundError,
+    check_data_files,
     file_format,
     glob_files,
     hub_load_kwargs,
     import_datasets,
     loads_json_line,
 )
+from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +121,7 @@ class ConversationSource(PartNode):
             return paths
         kwargs = hub_load_kwargs(s.split, name=s.config_name, data_dir=s.data_dir, revision=s.revision,
                                  data_files=list(s.data_files) if s.data_files else None)
+        check_data_files("sft source", self.name, s.path, s.data_files)
         try:
             self._dataset = import_datasets().load_dataset(s.path, **kwargs)
         except Exception as e:
@@ -156,7 +159,7 @@ class ConversationSource(PartNode):
         self.stats.add(self.name, err.reason)
         if err.reason not in self.first_where:
             self.first_where[err.reason] = str(err)
-            if self.on_invalid != "raise":
+            if self.on_invalid != "raise" and self.log_rows and first_time(self.KIND, self.name, err.reason):
                 logger.warning("sft source %r: dropping conversations (%s); first: %s", self.name, err.reason, err)
         if self.on_invalid == "raise":
             raise err

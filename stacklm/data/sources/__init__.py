@@ -30,7 +30,7 @@ from stacklm.corpus.synthetic import (
 from stacklm.data.sources.entry import open_source
 from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError, column_error
 from stacklm.data.sources.files import LocalFileSource, file_format, glob_files
-from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, hub_load_kwargs
+from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, check_data_files, hub_load_kwargs
 from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, TextPartSource
 from stacklm.data.sources.readers import (
     DatasetsReader,
@@ -73,6 +73,7 @@ __all__ = [
     "glob_files",
     "hub_load_kwargs",
     "import_datasets",
+    "check_data_files",
     "loads_json_line",
     "near_edit",
     "open_binary",

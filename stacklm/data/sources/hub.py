@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -9,11 +10,13 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
-from stacklm.data.sources.errors import EmptySourceError, SourceError, column_error
+from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, column_error
+from stacklm.data.sources.files import glob_files
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
+from stacklm.once import first_time, in_loader_worker
 
 FALLBACK_OFFLINE = "fallback_offline"
 
@@ -22,6 +25,36 @@ def hub_load_kwargs(split: str, **optional: Any) -> dict[str, Any]:
     """``load_dataset`` keyword arguments for a stream: ``split``, ``streaming`` and every
     optional one (``name``, ``data_dir``, ``data_files``, ``revision``) that is set."""
     return {"split": split, "streaming": True, **{k: v for k, v in optional.items() if v is not None}}
+
+
+# ``datasets``' packaged builders: with one of these as ``path``, ``data_files`` are local paths.
+PACKAGED_BUILDERS = frozenset({"json", "parquet", "text", "csv", "arrow", "pandas", "xml", "webdataset"})
+
+
+def check_data_files(label: str, name: str, path: str, data_files: Sequence[str] | None) -> None:
+    """Raise ``SourceNotFoundError`` naming the source and the pattern when a *local* ``data_files``
+    glob matches nothing. Why here: ``datasets`` says so as an opaque ``StopIteration`` (json
+    builder) or "all the data_files are invalid: {'train': []}", with no pattern in it. Local means
+    ``path`` is a packaged builder (patterns relative to the cwd) or an existing folder (relative
+    to it); hub ids and URLs are left to ``datasets``."""
+    if not data_files:
+        return
+    if path in PACKAGED_BUILDERS:
+        base = None
+    elif os.path.isdir(os.path.expanduser(path)):
+        base = os.path.expanduser(path)
+    else:
+        return
+    for pattern in data_files:
+        if "://" in pattern or glob_files([pattern if base is None else os.path.join(base, pattern)]):
+            continue
+        where = f"the folder {base}" if base is not None else f"the cwd {os.getcwd()}"
+        raise SourceNotFoundError(
+            f"{label} {name!r} (kind hf, path {path!r}): data_files {pattern!r} matched no files (relative to {where}); "
+            f"check data_files and path",
+            source=name,
+            file=pattern,
+        )
 
 
 class HFStreamSource(TextPartSource):
@@ -81,6 +114,7 @@ class HFStreamSource(TextPartSource):
     def _load(self):
         kwargs = hub_load_kwargs(self.split, name=self.config_name, data_dir=self.data_dir, data_files=self.data_files,
                                  revision=self.revision)
+        check_data_files("source", self.name, self.path, self.data_files)
         return import_datasets().load_dataset(self.path, **kwargs)
 
     def _list_parts(self) -> list[str]:  # opening is done by reset(), which may fall back
@@ -90,7 +124,15 @@ class HFStreamSource(TextPartSource):
         """Validate the opened stream (errors here never fall back) and split it into parts."""
         columns = list(ds.features) if ds.features is not None else None
         if columns is None:  # features unknown until read: look at the first row
-            first = next(dataset_rows(ds), None)
+            try:
+                first = next(dataset_rows(ds), None)
+            except Exception as e:  # e.g. the json builder given parquet files: name the source
+                raise SourceError(
+                    f"source {self.name!r}: cannot read the first row of {self._describe()}: {type(e).__name__}: {e}. "
+                    f"Check that the builder (path) matches the files' format",
+                    source=self.name,
+                    file=self.path,
+                ) from e
             if first is None:
                 raise EmptySourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
             columns = list(first)
@@ -113,6 +155,8 @@ class HFStreamSource(TextPartSource):
             else:
                 try:
                     ds = self._load()
+                except SourceNotFoundError:
+                    raise  # a user's path, never the network: no fallback, no rewording
                 except Exception as e:  # only *opening*, and only for want of a network, may fall back
                     if not (self.fallback_offline and _is_unreachable(e)):
                         # The fix is the source (id, config, files, network); never the synthetic
@@ -153,7 +197,9 @@ class HFStreamSource(TextPartSource):
             self.name, self.domain, seed=self.fallback_seed, num_docs=self.fallback_docs, shard=self.shard,
             stats=self.stats, label="synthetic-fallback",
         )
-        if reason is not None:
+        # once per source and process; a loader worker leaves it to the main process, which
+        # sees the fallback in the workers' summaries (stacklm.datamodule.loader)
+        if reason is not None and not in_loader_worker() and first_time(FALLBACK_OFFLINE, self.name):
             warnings.warn(
                 f"stacklm: OFFLINE FALLBACK: source {self.name!r}: could not open {self._describe()} ({reason}); "
                 f"training on the synthetic {self.domain} corpus instead, because fallback_offline=True. The run is NOT "

@@ -30,6 +30,7 @@ from stacklm.data.sources.errors import (
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
 from stacklm.data.stats import StageStats
 from stacklm.errors import ConfigError
+from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class PartNode(BaseNode[dict]):
     """
 
     KIND = "source"  # how messages name this node: "source 'x': ..."
+    # Log bad rows (counted either way). Off for a reader whose rows another reader of the run
+    # logs: the val split's (``HoldoutNode``); and a row is logged once per process (``once``).
+    log_rows = True
     COUNTS_RECORDS = False  # count owned rows as RECORDS_READ (the token ledger's "read"; text sources)
 
     def __init__(self, name: str, domain: str, *, shard: ShardSpec | None, stage: str = "source") -> None:
@@ -283,7 +287,8 @@ class TextPartSource(PartNode):
             self._part_keys = list(getattr(self._reader, "keys", []))
         if not self._part_valid and sum(self._part_invalid.values()) >= self.first_rows_check:
             self._raise_all_invalid()
-        if self._logged < LOGGED_INVALID:
+        # every split (and the global dedup pass) reads the same record: one line per process
+        if self.log_rows and self._logged < LOGGED_INVALID and first_time("invalid_record", str(err)):
             self._logged += 1
             logger.warning(
                 "%s -- skipped, counted as %s (on_invalid: raise would stop here)%s", err, err.reason,

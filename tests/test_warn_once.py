@@ -1,0 +1,115 @@
+"""One line per event per run: an invalid record read by every split (and by the global dedup
+pass), an offline fallback opened by every loader worker, a source that ran dry reported by the
+loader and the callback -- each says so once, while the counts stay in the stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD_LINES = ("line 4: not valid JSON", "line 11: no field 'text'", "line 21: column 'text' is null")
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tokenizer_512, saved_tokenizer_dir):
+    return saved_tokenizer_dir(tokenizer_512)
+
+
+def mixed_jsonl(path: Path) -> Path:
+    lines = [json.dumps({"text": f"document number {i} says something different about topic {i * 7}"}) for i in range(300)]
+    lines[3], lines[10], lines[20] = "not json", json.dumps({"body": "x"}), json.dumps({"text": None})
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def pipeline(tmp_path: Path, total: int, extra: list[dict] = ()) -> dict:
+    return {
+        "seq_len": 32, "batch_size": 2, "shuffle_buffer": 16, "pack_buffer_docs": 8, "holdout_fraction": 0.05,
+        "tokenize_batch_docs": 8, "num_threads": 1,
+        "mix": {"name": "t", "total_tokens": total, "entries": [
+            {"name": "mixed", "kind": "local", "weight": 0.5, "domain": "prose", "path": str(mixed_jsonl(tmp_path / "mixed.jsonl"))},
+            {"name": "syn", "kind": "synthetic", "weight": 0.5, "domain": "code", "seed": 1, "num_docs": 800}, *extra]},
+    }
+
+
+def run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    env.pop("STACKLM_DEBUG", None)
+    return subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+
+
+def test_prebuild_logs_each_invalid_record_once(tmp_path, tok_dir):
+    """The global dedup pass, the train job and the val job all read the bad lines: one line each
+    on stderr (it was four), and the manifest still counts each of them."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"data": {"tokenizer": str(tok_dir), "pipeline": pipeline(tmp_path, 4000)}}))
+    res = run(tmp_path, "stacklm.cli", "prebuild", "--config", str(cfg), "--out", str(tmp_path / "out"), "--no-progress")
+    assert res.returncode == 0, res.stderr[-3000:]
+    for text in BAD_LINES:
+        assert res.stderr.count(text) == 1, (text, res.stderr[-4000:])
+    counts = json.loads((tmp_path / "out" / "train" / "manifest.json").read_text())
+    text = json.dumps(counts)
+    for reason in ("malformed_json", "missing_text", "null_text"):
+        assert f'"{reason}": 1' in text, (reason, text[:3000])
+
+
+@pytest.mark.slow
+def test_fit_says_each_event_once(tmp_path, tok_dir):
+    """``python -m trainer fit`` with two loader workers, a train and a val loader: the bad lines,
+    the offline fallback and the dry source each appear once on stderr."""
+    hub = {"name": "hub", "kind": "hf", "weight": 0.2, "domain": "prose", "path": "nobody/nothing"}
+    pipe = {**pipeline(tmp_path, 6000, [hub]), "fallback_offline": True}
+    pipe["mix"]["entries"][0]["weight"] = 0.4
+    pipe["mix"]["entries"][1]["weight"] = 0.4
+    doc = {
+        "data": {"mode": "stream", "tokenizer": str(tok_dir), "seq_len": 32, "batch_size": 2, "num_workers": 2, "pipeline": pipe},
+        "model": {"config": {"vocab_size": 512, "seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32}},
+        "trainer": {"accelerator": "cpu", "max_steps": 20, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "limit_val_batches": 2},
+    }
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(json.dumps(doc))
+    res = run(tmp_path, "trainer", "fit", "--config", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for text in (*BAD_LINES, "OFFLINE FALLBACK: source 'hub'"):
+        assert res.stderr.count(text) == 1, (text, res.stderr[-4000:])
+    assert res.stderr.count("source 'mixed' ran dry") <= 1, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("mode", ["sft", "preference"])
+def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer_1024, caplog):
+    """A train and a val pipeline over the same file (what a fit builds): each reader counts the
+    malformed line, one log line says it."""
+    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sft import SFTConfig, build_sft_pipeline
+    from stacklm.data.sft.preference_pipeline import build_preference_pipeline
+
+    if mode == "sft":
+        good = [{"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"answer {i}."}]}
+                for i in range(40)]
+        build = build_sft_pipeline
+    else:
+        good = [{"prompt": f"question {i}?", "chosen": f"good answer {i}.", "rejected": f"bad answer {i}."} for i in range(40)]
+        build = build_preference_pipeline
+    lines = [json.dumps(r) for r in good]
+    lines[5] = "{not json"
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    cfg = SFTConfig(sources=(SourceConfig("chats", path=(str(path),)),), seq_len=64, batch_size=2, shuffle_buffer=1,
+                    pack_buffer_docs=8, holdout_fraction=0.2)
+    seen = {}
+    with caplog.at_level("WARNING"):
+        for split in ("val", "train"):  # a fit's sanity check reads val first
+            pipe = build(cfg, tokenizer_1024, split)
+            pipe.batches.reset()
+            list(pipe.batches)
+            seen[split] = pipe.stats()["source"]["chats"]["malformed_json"]
+    assert seen == {"val": 1, "train": 1}  # counted by both readers
+    said = [r for r in caplog.records if "malformed_json" in r.getMessage()]
+    assert len(said) == 1, [r.getMessage() for r in said]
