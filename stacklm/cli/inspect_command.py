@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
 
@@ -79,31 +80,45 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 1 if report.errors else 0
 
 
+def _json_only(out: dict, args: argparse.Namespace) -> bool:
+    """``--json FILE`` writes ``out`` there; ``--json -`` prints only it (then ``True``: done)."""
+    if args.json is None:
+        return False
+    if args.json != "-":
+        Path(args.json).write_text(json.dumps(out))
+        return False
+    print(json.dumps(out))
+    return True
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(path: str, prefer_hf: bool):
+    from stacklm.inspector import load_tokenizer
+
+    return load_tokenizer(path, prefer_hf=prefer_hf)
+
+
+def _print_segments(segments: list[dict], input_ids: list[int] | None, args: argparse.Namespace) -> None:
+    """One line per piece (token range, source, file, record, offset); with ``--tokenizer`` its text."""
+    tok = _tokenizer(args.tokenizer, args.hf) if args.tokenizer and input_ids is not None else None
+    for s in segments:
+        line = (f"  [{s['row_start']:>6}, {s['row_end']:>6})  {s['source']}  {s['file']}  record {s['record']}  "
+                f"doc offset {s['doc_offset']}")
+        if tok is not None:
+            line += f"\n      {tok.decode(input_ids[s['row_start'] : s['row_end']])[: args.max_chars]!r}"
+        print(line)
+
+
 def _inspect_row(args: argparse.Namespace) -> int:
     """``--row N``: the row's tokens and segments from the prebuild's provenance side files
     (``stacklm.data.provenance``); with ``--tokenizer``, each segment's text too."""
     from stacklm.data.provenance import row_provenance
 
     out = row_provenance(args.input, args.row, args.split or "train")
-    if args.json is not None:
-        if args.json != "-":
-            Path(args.json).write_text(json.dumps(out))
-        else:
-            print(json.dumps(out))
-            return 0
-    tok = None
-    if args.tokenizer:
-        from stacklm.inspector import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
+    if _json_only(out, args):
+        return 0
     print(f"{args.input} [{out['split']}] row {out['row']} ({out['shard']}): {len(out['segments'])} pieces")
-    for s in out["segments"]:
-        line = (f"  [{s['row_start']:>6}, {s['row_end']:>6})  {s['source']}  {s['file']}  record {s['record']}  "
-                f"doc offset {s['doc_offset']}")
-        if tok is not None:
-            text = tok.decode(out["input_ids"][s["row_start"] : s["row_end"]])
-            line += f"\n      {text[: args.max_chars]!r}"
-        print(line)
+    _print_segments(out["segments"], out["input_ids"], args)
     return 0
 
 
@@ -112,35 +127,21 @@ def _inspect_step(args: argparse.Namespace) -> int:
     from stacklm.inspector.steps import step_provenance
 
     out = step_provenance(args.input, args.step)
-    if args.json is not None:
-        if args.json != "-":
-            Path(args.json).write_text(json.dumps(out))
-        else:
-            print(json.dumps(out))
-            return 0
-    tok = None
-    if args.tokenizer:
-        from stacklm.inspector import load_tokenizer
-
-        tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
     real = [r for r in out["rows"] if not r.get("padding")]
+    status = 0 if all(r.get("verified", True) for r in real) else 1
+    if _json_only(out, args):
+        return status
     print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
           f"{len(real)} rows, {len(out['rows']) - len(real)} padding rows")
     for r in out["rows"]:
         head = f"rank {r['rank']} batch {r['batch']} row {r['row_in_batch']}"
         if r.get("padding"):
             print(f"{head}: padding (no loss)")
-            continue
-        extra = f" = prebuilt row {r['row']}" if "row" in r else ("" if r.get("verified") else
-                                                                   " (NOT VERIFIED: the sources changed since the run)")
-        if r["segments"] is None:
+        elif r["segments"] is None:
             print(f"{head}: pieces not known (a window restored from a checkpoint written before stacklm kept them)")
-            continue
-        print(f"{head}{extra}: {len(r['segments'])} pieces")
-        for s in r["segments"]:
-            line = (f"  [{s['row_start']:>6}, {s['row_end']:>6})  {s['source']}  {s['file']}  record {s['record']}  "
-                    f"doc offset {s['doc_offset']}")
-            if tok is not None and r["input_ids"] is not None:
-                line += f"\n      {tok.decode(r['input_ids'][s['row_start'] : s['row_end']])[: args.max_chars]!r}"
-            print(line)
-    return 0 if all(r.get("verified", True) for r in real) else 1
+        else:
+            extra = f" = prebuilt row {r['row']}" if "row" in r else ("" if r.get("verified") else
+                                                                       " (NOT VERIFIED: the sources changed since the run)")
+            print(f"{head}{extra}: {len(r['segments'])} pieces")
+            _print_segments(r["segments"], r["input_ids"], args)
+    return status
