@@ -334,7 +334,7 @@ def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir)
     pipeline["mix"]["entries"][1]["num_docs"] = 3  # code: far too little for its 30%
     dm = _dm(tokenizer_dir, pipeline=pipeline)
     dm.setup("fit")
-    with pytest.warns(RuntimeWarning, match=r"source 'code' ran dry in rank 0 worker 0 at batch \d+ .*target 0\.3000"):
+    with pytest.warns(RuntimeWarning, match=r"source 'code' ran dry in the train stream, rank 0 worker 0, at batch \d+ .*target 0\.3000"):
         for _ in dm.train_dataloader():
             pass
     dry = dm.data_stats()["ran_dry"]

@@ -78,12 +78,41 @@ def test_the_newest_run_that_logged_a_step_answers(tmp_path):
         assert [r["rows"] for r in records] == [[(100 if s < 3 else 300) + s]], s
     with pytest.raises(StepLogError, match=r"step 9 belongs to run 20260101T000200.000000Z-3 .* logged steps 3\.\.8"):
         find_step(root, 9)
+    # one run's folder answers from that run alone, even where a later run superseded it
+    assert [r["rows"] for r in find_step(root / "20260101T000000.000000Z-1", 4)[2]] == [[104]]
+    with pytest.raises(StepLogError, match=r"this run did not log global step 7 \(it logged steps 0\.\.5\)"):
+        find_step(root / "20260101T000000.000000Z-1", 7)
     # the run resumed at step 3 stopped at 4 and nothing resumed it: step 5 was trained by the
     # first run only, which that resume superseded
     (root / "20260101T000200.000000Z-3" / "meta.json").unlink()
     with pytest.raises(StepLogError, match=r"step 5 belongs to run 20260101T000100.000000Z-2 .* 3\.\.4 .*"
                                            r"20260101T000000.000000Z-1 trained it before being superseded"):
         find_step(root, 5)
+
+
+def test_a_damaged_log_is_an_error_that_names_the_file(tmp_path):
+    root = tmp_path / "steplog"
+    w = StepLogWriter(root / "g1", 0, meta={"mode": "shards", "world_size": 1, "start_step": 0})
+    w.add_rows(0, 0, np.array([3]), 0)
+    w.close()
+    w.path.write_bytes(b"\x00garbage" * 40)
+    with pytest.raises(StepLogError, match=r"rank-00000.frames: not a step-log frame at byte 0"):
+        find_step(root, 0)
+    w.path.unlink()
+    (root / "g1" / "meta.json").write_text("junk")
+    with pytest.raises(StepLogError, match=r"g1/meta.json: unreadable"):
+        find_step(root, 0)
+
+
+def test_sft_mode_says_it_writes_no_step_log_when_given_a_path(tokenizer_dir, tmp_path):  # noqa: F811
+    from tests.test_sft import make_conversations, write_jsonl
+
+    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(20)])
+    dm = StackDataModule(mode="sft", tokenizer=str(tokenizer_dir), pipeline={"sources": [{"name": "c", "path": [str(path)]}]},
+                         seq_len=128, batch_size=2, step_log=str(tmp_path / "log"))
+    with pytest.warns(RuntimeWarning, match=r"step_log=.* is ignored: sft mode writes no step log"):
+        assert dm._step_log() is None
+    assert not (tmp_path / "log").exists()
 
 
 # ------------------------------------------------------------------ stream mode, in-process Trainer
@@ -156,7 +185,8 @@ def test_inspect_step_cli(stream_run, capsys, tmp_path):
     assert got == json.loads(json.dumps(step_provenance(base / "run", step)))
     assert stacklm_main(["inspect", str(base / "run" / "steplog"), "--step", str(step)]) == 0
     text = capsys.readouterr().out
-    assert f"step {step} (stream mode" in text and "8 rows, 0 padding rows" in text and "record" in text
+    assert f"step {step} (stream mode" in text and "8 rows, 0 padding rows; 8 of 8 rebuilt from the source files" in text
+    assert "record" in text and "\n      '" in text  # each piece's text, decoded with the run's own tokenizer
     assert stacklm_main(["inspect", str(base / "run"), "--step", "99999"]) == 2
     assert "global step 99999 belongs to run" in capsys.readouterr().err
     assert stacklm_main(["inspect", str(tmp_path), "--step", "0"]) == 2
@@ -194,6 +224,8 @@ def test_a_source_changed_since_the_run_is_not_verified(stream_run, tmp_path, ca
     step = next(o["step"] for o in outs if any(r in touched for r in o["rows"]))
     assert stacklm_main(["inspect", str(copy / "run"), "--step", str(step)]) == 1
     assert "NOT VERIFIED" in capsys.readouterr().out
+    assert stacklm_main(["inspect", str(copy / "run"), "--step", str(step), "--json"]) == 1  # scripts see it too
+    assert json.loads(capsys.readouterr().out)["step"] == step
 
 
 # ------------------------------------------------------------------ resume on another world size, real gloo DDP

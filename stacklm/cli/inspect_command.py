@@ -61,7 +61,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
     if args.row is not None and args.step is not None:
-        raise CliError("stacklm inspect: pass --row (a prebuilt row) or --step (a training run's step), not both")
+        raise CliError("pass --row (a prebuilt row) or --step (a training run's step), not both")
+    if args.step is not None and args.split:
+        raise CliError("--split is for a prebuild directory; --step reads the train split the run trained on")
     if args.row is not None:
         return _inspect_row(args)
     if args.step is not None:
@@ -117,7 +119,7 @@ def _inspect_row(args: argparse.Namespace) -> int:
     out = row_provenance(args.input, args.row, args.split or "train")
     if _json_only(out, args):
         return 0
-    print(f"{args.input} [{out['split']}] row {out['row']} ({out['shard']}): {len(out['segments'])} pieces")
+    print(f"{args.input} [{out['split']}] row {out['row']} ({out['shard']}): {_pieces(len(out['segments']))}")
     _print_segments(out["segments"], out["input_ids"], args)
     return 0
 
@@ -128,11 +130,15 @@ def _inspect_step(args: argparse.Namespace) -> int:
 
     out = step_provenance(args.input, args.step)
     real = [r for r in out["rows"] if not r.get("padding")]
-    status = 0 if all(r.get("verified", True) for r in real) else 1
+    unverified = sum(1 for r in real if not r.get("verified", True))
     if _json_only(out, args):
-        return status
+        return 1 if unverified else 0
+    if not args.tokenizer and Path(out["tokenizer"]).exists():  # the run's own tokenizer shows each piece's text
+        args.tokenizer = out["tokenizer"]
+    check = ("" if out["mode"] != "stream" else
+             f"; {len(real) - unverified} of {len(real)} rebuilt from the source files and verified against the logged CRC")
     print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
-          f"{len(real)} rows, {len(out['rows']) - len(real)} padding rows")
+          f"{len(real)} rows, {len(out['rows']) - len(real)} padding rows{check}")
     for r in out["rows"]:
         head = f"rank {r['rank']} batch {r['batch']} row {r['row_in_batch']}"
         if r.get("padding"):
@@ -142,6 +148,10 @@ def _inspect_step(args: argparse.Namespace) -> int:
         else:
             extra = f" = prebuilt row {r['row']}" if "row" in r else ("" if r.get("verified") else
                                                                        " (NOT VERIFIED: the sources changed since the run)")
-            print(f"{head}{extra}: {len(r['segments'])} pieces")
+            print(f"{head}{extra}: {_pieces(len(r['segments']))}")
             _print_segments(r["segments"], r["input_ids"], args)
-    return status
+    return 1 if unverified else 0
+
+
+def _pieces(n: int) -> str:
+    return f"{n} piece" + ("" if n == 1 else "s")

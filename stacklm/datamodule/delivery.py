@@ -31,8 +31,9 @@ class DeliveryCounter:
     plus all token positions (so padding is ``1 - tokens / positions``), and the sources that ran
     dry with where and how far off their target share they were."""
 
-    def __init__(self, sources: Sequence[str], target_weights: Mapping[str, float] | None = None) -> None:
+    def __init__(self, sources: Sequence[str], target_weights: Mapping[str, float] | None = None, split: str | None = None) -> None:
         self.sources = list(sources)
+        self.split = split  # which stream's batches these are ("train", "val"): warnings name it
         total = sum((target_weights or {}).values())
         self.target = {s: (float(target_weights[s]) / total if total else 0.0) for s in self.sources} if target_weights else {}
         self.reset()
@@ -82,7 +83,8 @@ class DeliveryCounter:
         self.ran_dry[source] = {"batch": self.batches, "rank": rank, "worker": worker, "delivered_share": share,
                                 "target_share": target}
         warnings.warn(
-            f"stacklm: source {source!r} ran dry in rank {rank} worker {worker} at batch {self.batches} of this rank: "
+            f"stacklm: source {source!r} ran dry in the {self.split + ' stream' if self.split else 'stream'}, rank {rank} "
+            f"worker {worker}, at batch {self.batches} of this rank: "
             f"delivered share so far {share:.4f} vs target {target if target is None else f'{target:.4f}'}; its unmet "
             "budget goes to the other sources. Give it more data or lower its weight / the token budget.",
             RuntimeWarning,

@@ -100,7 +100,7 @@ class StackDataLoader(StatefulDataLoader):
         self.epoch = 0  # the pass over the data: each pass draws its own order (``StreamDataset.epoch``)
         self.epoch_source = epoch_source  # e.g. the trainer's current epoch, read at each pass
         ds = self.dataset
-        self.delivered = DeliveryCounter(getattr(ds, "sources", []), getattr(ds, "target_weights", None))
+        self.delivered = DeliveryCounter(getattr(ds, "sources", []), getattr(ds, "target_weights", None), getattr(ds, "split", None))
         self._restart_pending = False
         self.restarts = 0  # worker restarts for online re-weighting (restart_from_state)
         # rows taken from each logical stream since this iteration started (elastic stream mode,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.modes import MODE_CLASSES, MODES
 from stacklm.config import PIPELINE_PATH
 from stacklm.errors import ConfigError
+from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
 
@@ -220,8 +222,13 @@ class StackDataModule(L.LightningDataModule):
     def _step_log(self):
         """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
         (``step_log=False``, sft/preference modes, or no trainer and no path)."""
-        if self._step_log_writer is not None or self.step_log is False or self.mode not in ("shards", "stream"):
+        if self._step_log_writer is not None or self.step_log is False:
             return self._step_log_writer
+        if self.mode not in ("shards", "stream"):
+            if self.step_log is not True and first_time("step_log", self.mode):  # a path asked for one: say why there is none
+                warnings.warn(f"stacklm: step_log={self.step_log!r} is ignored: {self.mode} mode writes no step log (shards "
+                              "and stream modes do)", RuntimeWarning, stacklevel=2)
+            return None
         trainer = getattr(self, "trainer", None)
         if self.step_log is True and trainer is None:
             return None

@@ -38,6 +38,7 @@ import json
 import os
 import struct
 import time
+import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -194,10 +195,16 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
     pos = 0
     while pos + _HEADER.size <= len(data):
         magic, length = _HEADER.unpack_from(data, pos)
-        if magic != MAGIC or pos + _HEADER.size + length > len(data):
-            return
-        with np.load(io.BytesIO(data[pos + _HEADER.size : pos + _HEADER.size + length])) as z:
-            yield {k: z[k] for k in z.files}
+        if magic != MAGIC:
+            raise StepLogError(f"{path}: not a step-log frame at byte {pos} (expected {MAGIC!r}, found {magic!r}): the file "
+                               "is damaged or is not a step log; move it away to read the rest of the log")
+        if pos + _HEADER.size + length > len(data):
+            return  # the torn last frame of a killed run
+        try:
+            with np.load(io.BytesIO(data[pos + _HEADER.size : pos + _HEADER.size + length])) as z:
+                yield {k: z[k] for k in z.files}
+        except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
+            raise StepLogError(f"{path}: the frame at byte {pos} is damaged ({type(e).__name__}: {e})") from None
         pos += _HEADER.size + length
 
 
@@ -224,15 +231,16 @@ def frame_records(frame: Mapping[str, np.ndarray]) -> Iterator[dict[str, Any]]:
 
 
 def resolve_root(path: str | Path) -> Path:
-    """The step-log root from what a user passes: the root itself, a run directory holding
-    ``steplog/``, or one generation's folder (its parent then)."""
+    """The step-log root from what a user passes: the root itself, or a run directory holding
+    ``steplog/`` (one generation's folder is taken by ``find_step`` as that run alone)."""
     p = Path(path)
-    for candidate in (p / DIR_NAME, p, p.parent):
+    for candidate in (p / DIR_NAME, p):
         if candidate.is_dir() and any((g / META).is_file() for g in candidate.iterdir() if g.is_dir()):
             return candidate
     raise StepLogError(
-        f"{p}: no step log here (looked for {p / DIR_NAME}/<run>/{META}); a training run writes one under "
-        f"<trainer default_root_dir>/{DIR_NAME} unless StackDataModule(step_log=False); pass that directory"
+        f"{p}: no step log here (looked for {p / DIR_NAME}/<run>/{META}); a shards- or stream-mode fit writes one under "
+        f"<trainer default_root_dir>/{DIR_NAME} unless StackDataModule(step_log=False) (sft and preference modes do not "
+        "write one); pass that directory"
     )
 
 
@@ -242,9 +250,14 @@ def generations(root: str | Path) -> list[Path]:
 
 
 def read_meta(generation: Path) -> dict[str, Any]:
-    meta = json.loads((generation / META).read_text())
-    if meta.get("format") != FORMAT:
-        raise StepLogError(f"{generation / META}: format {meta.get('format')!r}, this stacklm reads {FORMAT!r}")
+    try:
+        meta = json.loads((generation / META).read_text())
+    except (ValueError, OSError) as e:
+        raise StepLogError(f"{generation / META}: unreadable ({type(e).__name__}: {e}); it is not a step-log run folder "
+                           "(move it away)") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise StepLogError(f"{generation / META}: format {found!r}, this stacklm reads {FORMAT!r}")
     return meta
 
 
@@ -254,6 +267,8 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
     ``S`` (a resume from step ``k`` supersedes every older run's steps from ``k`` on: those were
     trained, but the run's history continued from the checkpoint instead). When the owner did
     not log ``S`` (it stopped or was killed first), that is an error naming what it logged."""
+    if (Path(root) / META).is_file():  # one run's folder: that run's records, superseded or not
+        return _run_step(Path(root), step)
     root = resolve_root(root)
     spans: list[tuple[Path, dict[str, Any], int | None, int | None]] = []
     for gen in generations(root):
@@ -271,22 +286,38 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
     if not owners:
         raise StepLogError(f"{root}: no run logged global step {step} (runs: {_describe(spans)})")
     gen, meta, start, hi = owners[-1]
+    records = _records(gen, step)
+    if not records:
+        older = [g for g, _, s, h in spans if g != gen and h is not None and s <= step <= h]
+        raise StepLogError(
+            f"{root}: global step {step} belongs to run {gen.name} (the newest to start at or before it, at step {start}), "
+            f"which logged steps {start}..{hi if hi is not None else '(none)'} and stopped before it"
+            + (f"; {', '.join(str(g) for g in older)} trained it before being superseded by that resume (pass that folder to "
+               "read what it trained)" if older else "")
+            + f". A run killed mid-way loses the batches since its last frame (at most {FRAME_BATCHES} per rank or "
+            f"{FRAME_SECONDS:.0f} s)."
+        )
+    return gen, meta, records
+
+
+def _records(gen: Path, step: int) -> list[dict[str, Any]]:
     records: list[dict[str, Any]] = []
     for path in sorted(gen.glob("rank-*.frames")):
         rank = int(path.stem.split("-")[1])
         for frame in read_frames(path):
             if step in frame["step"]:
                 records.extend({"rank": rank, **r} for r in frame_records(frame) if r["step"] == step)
+    return sorted(records, key=lambda r: (r["rank"], r["epoch"], r["batch"]))
+
+
+def _run_step(gen: Path, step: int) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+    meta = read_meta(gen)
+    records = _records(gen, step)
     if not records:
-        older = [g.name for g, _, s, h in spans if g != gen and h is not None and s <= step <= h]
-        raise StepLogError(
-            f"{root}: global step {step} belongs to run {gen.name} (the newest to start at or before it, at step {start}), "
-            f"which logged steps {start}..{hi if hi is not None else '(none)'} and stopped before it"
-            + (f"; run(s) {', '.join(older)} trained it before being superseded by that resume" if older else "")
-            + f" (the batches since a killed run's last frame, at most {FRAME_BATCHES} per rank or {FRAME_SECONDS:.0f} s, "
-            "are not in the log)"
-        )
-    return gen, meta, sorted(records, key=lambda r: (r["rank"], r["epoch"], r["batch"]))
+        steps = [int(x) for path in gen.glob("rank-*.frames") for frame in read_frames(path) for x in frame["step"]]
+        span = f"{min(steps)}..{max(steps)}" if steps else "none"
+        raise StepLogError(f"{gen}: this run did not log global step {step} (it logged steps {span})")
+    return gen, meta, records
 
 
 def _describe(spans) -> str:

@@ -46,7 +46,8 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
         for j in range(rec["n_pad"]):
             rows.append({**where, "row_in_batch": len(real) + j, "padding": True, "input_ids": None, "segments": []})
     return {"step": int(step), "mode": meta["mode"], "generation": generation.name, "world_size": meta["world_size"],
-            "batch_size": meta["batch_size"], "accumulate_grad_batches": meta.get("accumulate_grad_batches", 1), "rows": rows}
+            "batch_size": meta["batch_size"], "accumulate_grad_batches": meta.get("accumulate_grad_batches", 1),
+            "tokenizer": meta["tokenizer"], "rows": rows}
 
 
 def _shard_rows(meta: dict[str, Any]):
