@@ -167,6 +167,8 @@ def test_stream_steps_are_the_rows_the_model_saw_rebuilt_from_the_files(stream_r
             for seg in row["segments"]:  # each piece is its record's tokens at its offset
                 assert seg["row_start"] == end
                 end = seg["row_end"]
+                if seg["source"] == "books":  # read through datasets: the stream's shard, named with its file
+                    assert seg["file"] == "shard00000 (c.parquet)"
                 label = seg["file"] if seg["source"] == "web" else "c.parquet"
                 wrapped = [tokenizer_512.bos_id, *tokenizer_512.encode(text_of[(seg["source"], label, seg["record"])]),
                            tokenizer_512.eos_id]

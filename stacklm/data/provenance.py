@@ -149,7 +149,7 @@ class ShardTracker:
 def source_files(node) -> list[str]:
     """The labels of a source node's parts (files, hub stream parts), in part-index order: what
     a piece's ``file`` indexes (a synthetic source has one, its label)."""
-    parts = getattr(node, "_parts", None)
+    parts = getattr(node, "part_labels", None) or getattr(node, "_parts", None)
     if parts is None:
         return [str(getattr(node, "label", node.name))]
     return [str(p) for p in parts]

@@ -141,7 +141,10 @@ class HFStreamSource(TextPartSource):
         if len(columns) > 1:
             ds = ds.select_columns([self.text_column])  # convert only the column we use
         self._dataset = ds
-        self._parts = [f"shard{j:05d}" for j in range(ds.n_shards)]
+        self._parts = [f"shard{j:05d}" for j in range(ds.n_shards)]  # in doc_ids: a dedup index keys on them
+        files = shard_files(ds)
+        # what provenance names a part by (stacklm.data.provenance.source_files): its file, when it has one
+        self.part_labels = [f"shard{j:05d} ({files[j]})" for j in range(ds.n_shards)] if files else list(self._parts)
         self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
 
     def _open_part(self, part: int, position: dict | None):
@@ -226,6 +229,18 @@ class HFStreamSource(TextPartSource):
         if self._fallback is not None:
             return {"fallback": 1, "synthetic": self._fallback.get_state()}
         return super().get_state()
+
+
+def shard_files(ds) -> list[str] | None:
+    """The file name of each shard of a ``datasets`` stream read from files (one file a shard,
+    as the packaged builders ``parquet``/``json``/``text`` make them), else ``None``: so a part
+    label names the file a record came from (provenance, step log), not only its shard number.
+    Reads the stream's generator arguments (not a public ``datasets`` API, hence the guards)."""
+    kwargs = getattr(getattr(ds, "_ex_iterable", None), "kwargs", None)
+    files = kwargs.get("files") if isinstance(kwargs, dict) else None
+    if not isinstance(files, list) or len(files) != getattr(ds, "n_shards", -1) or not all(isinstance(f, str) for f in files):
+        return None
+    return [os.path.basename(f.split("::")[0].rstrip("/")) for f in files]
 
 
 # Exception class names (anywhere in the cause chain) that mean "the hub is unreachable", as
