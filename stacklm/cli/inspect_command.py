@@ -70,8 +70,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _inspect_row(args: argparse.Namespace) -> int:
     """``--row N``: the row's tokens and segments from the prebuild's provenance side files
-    (``stacklm.data.provenance``); with ``--tokenizer``, each segment's text too."""
-    from stacklm.data.provenance import row_provenance
+    (``stacklm.data.storage.provenance``); with ``--tokenizer``, each segment's text too."""
+    from stacklm.data.storage.provenance import row_provenance
 
     out = row_provenance(args.input, args.row, args.split or "train")
     if args.json is not None:
