@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from stacklm.corpus import iter_default_corpus as corpus
-    from stacklm.data import manifest as mf
+    from stacklm.data.storage import manifest as mf
     from stacklm.data.nodes import PipelineConfig
     from stacklm.prebuild import prebuild
     from stacklm.tokenizer.bpe import train_from_iterable

@@ -67,7 +67,7 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_default_corpus
-from stacklm.data.pack import collate, pack_best_fit
+from stacklm.data.packing.pack import collate, pack_best_fit
 from stacklm.train.attention import BACKENDS, flash_attn_available, resolve_backend
 from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss
 

@@ -26,7 +26,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from stacklm.corpus import iter_default_corpus, iter_domain
-from stacklm.data.pack import make_packer
+from stacklm.data.packing.pack import make_packer
 from stacklm.tokenizer.specials import GPT4_PATTERN
 
 

@@ -41,9 +41,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data import manifest as mf
+from stacklm.data.storage import manifest as mf
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.data.pack import PackNode
+from stacklm.data.packing.pack import PackNode
 
 
 def write_corpus(tmp: Path, text_bytes: int) -> int:
@@ -129,7 +129,7 @@ def main() -> None:
                 manifest = m
     token_bytes = int(manifest["n_seq"]) * args.seq_len * 2
     prov_bytes = int(manifest["provenance"]["bytes"])
-    from stacklm.data.provenance import decode_rows, prov_path
+    from stacklm.data.storage.provenance import decode_rows, prov_path
 
     pieces = sum(len(decode_rows(prov_path(tmp / "out_True" / "train", s["name"]).read_bytes())[1]) for s in manifest["shards"])
     rows = int(manifest["n_seq"])

@@ -43,7 +43,7 @@ The datamodule provides the numbers; the callback only formats and ships them::
         "padding_fraction": float,                          # pad positions / all positions delivered
         "hashes": {"tokenizer": str, "manifest": str | None, "data_config": str},
         "mix_phases": [ {"name", "planned_tokens", "tokens", "docs", "target_share",
-                         "realized_share", ...} ],              # stream mode, stacklm.data.schedule
+                         "realized_share", ...} ],              # stream mode, stacklm.data.mix.schedule
     }
 
 ``realized``, ``delivered``, ``doc_length_hist`` and ``padding_fraction`` count the batches that
@@ -151,7 +151,7 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         merged["ledger"] = ledger.with_status(ledger.merge(ledgers))
     phases = [stats["mix_phases"] for stats in per_rank if stats.get("mix_phases")]
     if phases:
-        from stacklm.data.schedule import merge_phase_reports
+        from stacklm.data.mix.schedule import merge_phase_reports
 
         merged["mix_phases"] = merge_phase_reports(phases)
     if delivered.get("positions"):

@@ -122,7 +122,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
 def test_user_error_classes():
     from stacklm.cli.app import is_user_error
     from stacklm.cli.errors import CliError
-    from stacklm.data.manifest import ManifestError
+    from stacklm.data.storage.manifest import ManifestError
     from stacklm.datamodule import DataConfigError
     from stacklm.errors import StackLMError
     from stacklm.inspector import InspectError

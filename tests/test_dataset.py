@@ -11,10 +11,10 @@ import torch
 from torchdata.nodes import Loader, Mapper
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data import manifest as mf
-from stacklm.data.dataset import ElasticBatchNode, ElasticSampler, PackedMemmapDataset, derive_batch, verify_shard_set
-from stacklm.data.pack import collate, pack_best_fit, pack_greedy, window_to_example
-from stacklm.data.shards import ShardError, dtype_name, token_dtype, tokens_path, write_shard
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage.dataset import ElasticBatchNode, ElasticSampler, PackedMemmapDataset, derive_batch, verify_shard_set
+from stacklm.data.packing.pack import collate, pack_best_fit, pack_greedy, window_to_example
+from stacklm.data.storage.shards import ShardError, dtype_name, token_dtype, tokens_path, write_shard
 from tests.resume import check_save_load_state
 
 SEQ_LEN = 64

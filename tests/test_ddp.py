@@ -102,7 +102,7 @@ def test_stream_mode_ddp_logged_counts_are_the_sum_of_what_both_ranks_trained_on
 def _all_rows(shards_dir):
     import hashlib
 
-    from stacklm.data.dataset import PackedMemmapDataset
+    from stacklm.data.storage.dataset import PackedMemmapDataset
 
     ds = PackedMemmapDataset(shards_dir, "train")
     batch = ds.get_batch(list(range(len(ds))))
@@ -113,7 +113,7 @@ def _pad_row(shards_dir):
     """The row hash of a padding row (``tests/ddp_fit.py`` hashes input ids only)."""
     import hashlib
 
-    from stacklm.data.dataset import PackedMemmapDataset
+    from stacklm.data.storage.dataset import PackedMemmapDataset
     from stacklm.datamodule.stream import _padding_batch
 
     ds = PackedMemmapDataset(shards_dir, "train")

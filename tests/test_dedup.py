@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from stacklm.corpus import iter_prose
-from stacklm.data import normalize as normalize_mod
+from stacklm.data.quality import normalize as normalize_mod
 from stacklm.data.dedup import ExactDeduper, U64HashSet, normalize_text
 from stacklm.data.dedup import minhash as minhash_mod
 from stacklm.data.dedup.minhash import (

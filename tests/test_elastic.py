@@ -76,7 +76,7 @@ def check_epochs(steps_by_epoch: dict[int, list], reference: dict[int, list[str]
 
 @pytest.mark.slow
 def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
-    from stacklm.data.dataset import PackedMemmapDataset
+    from stacklm.data.storage.dataset import PackedMemmapDataset
     from tests.elastic_fit import row_ids
 
     ds = PackedMemmapDataset(shards_dir, "train")
@@ -185,7 +185,7 @@ def test_each_epoch_draws_a_new_order_and_resumes_exactly_inside_it(tokenizer_di
 
 
 def test_stream_epochs_keep_the_holdout_and_reseed_mix_and_shuffle(tokenizer_512):
-    from stacklm.data.holdout import holdout_split
+    from stacklm.data.quality.holdout import holdout_split
     from stacklm.data.nodes import PipelineConfig, build_pipeline, epoch_seed
     from tests.test_datamodule import stream_pipeline
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from stacklm.chat import ChatFormatError
-from stacklm.data.manifest import ManifestError
+from stacklm.data.storage.manifest import ManifestError
 from stacklm.data.registry import DataMixError
-from stacklm.data.shards import ShardError, ShardWriteError
+from stacklm.data.storage.shards import ShardError, ShardWriteError
 from stacklm.data.sources import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError
 from stacklm.errors import ConfigError, StackLMError
 from stacklm.tokenizer.artifact import TokenizerArtifactError, TokenizerImportError

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from stacklm.corpus import iter_cjk, iter_code, iter_prose
-from stacklm.data.filters import (
+from stacklm.data.quality.filters import (
     CodeRules,
     FilterConfig,
     FilterNode,

@@ -3,7 +3,7 @@ word rules that assume spaces, and text in spaced scripts meets exactly the old 
 
 from __future__ import annotations
 
-from stacklm.data.filters import FilterConfig, filter_reason, text_stats
+from stacklm.data.quality.filters import FilterConfig, filter_reason, text_stats
 
 ZH = ("人工智能是计算机科学的一个分支，它企图了解智能的实质，并生产出一种新的能以人类智能相似的方式做出反应的智能机器。"
       "该领域的研究包括机器人、语言识别、图像识别、自然语言处理和专家系统等。长江是亚洲第一长河，也是世界第三长河。"

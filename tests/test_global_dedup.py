@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data import manifest as mf
+from stacklm.data.storage import manifest as mf
 from stacklm.data.dedup import (
     DedupIndex,
     ExactDeduper,

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from stacklm.data.pack import collate
+from stacklm.data.packing.pack import collate
 from stacklm.train.model import GPT, GPTConfig
 
 ROOT = Path(__file__).resolve().parents[1]

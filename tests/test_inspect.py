@@ -15,7 +15,7 @@ import torch
 from stacklm.chat import render_conversation
 from stacklm.cli import main
 from stacklm.cli.inspect_command import add_inspect_subcommand
-from stacklm.data.pack import pack_greedy
+from stacklm.data.packing.pack import pack_greedy
 from stacklm.data.sft import collate_sft, sft_batch, tag_loss
 from stacklm.inspector import (
     CHECKS,

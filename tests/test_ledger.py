@@ -17,9 +17,9 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.data import ledger
-from stacklm.data import manifest as mf
-from stacklm.data import shards as sh
-from stacklm.data.holdout import holdout_split
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage import shards as sh
+from stacklm.data.quality.holdout import holdout_split
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.prebuild import prebuild
 
@@ -260,7 +260,7 @@ def test_stream_ledger_holds_mid_stream_and_catches_a_silent_loss(corpus, tok, m
     assert sum(v["tokens"]["delivered"] for v in end.values()) == emitted
 
     # a filter that loses one document without counting it: the ledger no longer adds up
-    from stacklm.data.filters import FilterNode
+    from stacklm.data.quality.filters import FilterNode
 
     original = FilterNode.next
     lost = []

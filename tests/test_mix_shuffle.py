@@ -9,8 +9,8 @@ import pytest
 from torchdata.nodes import IterableWrapper
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data.holdout import HoldoutNode, filter_split, holdout_split
-from stacklm.data.mix import MixNode, TokenBudgetMixer, mix_budgeted, split_budget
+from stacklm.data.quality.holdout import HoldoutNode, filter_split, holdout_split
+from stacklm.data.mix.mix import MixNode, TokenBudgetMixer, mix_budgeted, split_budget
 from stacklm.data.shuffle import ShuffleNode, decode_docs, encode_docs, shuffle_docs
 from stacklm.data.stats import StageStats
 from tests.resume import check_save_load_state
@@ -270,7 +270,7 @@ def test_holdout_splits_match_the_former_normalisation(texts, monkeypatch):
 
     import xxhash
 
-    from stacklm.data import normalize as normalize_mod
+    from stacklm.data.quality import normalize as normalize_mod
 
     def former_split(text: str, fraction: float, seed: int) -> str:
         norm = " ".join(unicodedata.normalize("NFKC", text).casefold().split())

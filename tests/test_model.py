@@ -1,7 +1,7 @@
 """The Stack-100M GPT, its attention kernels, the LightningModule and the CLI, on CPU.
 
 Batches are real: standard-library prose encoded as raw UTF-8 bytes (ids 0-255 are the byte
-tokens of the id layout), packed by ``stacklm.data.pack`` into the batch contract.
+tokens of the id layout), packed by ``stacklm.data.packing.pack`` into the batch contract.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_prose
-from stacklm.data.pack import Collate, collate, pack_greedy
+from stacklm.data.packing.pack import Collate, collate, pack_greedy
 from stacklm.tokenizer.specials import special_token_ids
 from stacklm.train.attention import attend, build_attention_mask, reference_attention
 from stacklm.train.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torchdata.nodes import IterableWrapper
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data.masks import block_mask, cu_seqlens, dense_mask, dense_mask_from_cu_seqlens
-from stacklm.data.pack import (
+from stacklm.data.packing.masks import block_mask, cu_seqlens, dense_mask, dense_mask_from_cu_seqlens
+from stacklm.data.packing.pack import (
     IGNORE_INDEX,
     BestFitPacker,
     GreedyPacker,
@@ -350,7 +350,7 @@ def test_batched_node_resumes_exactly(real_docs):
 
 def test_mix_shuffle_pack_batch_chain_resumes_exactly(real_docs):
     """The pipeline's tail as one graph: mix -> shuffle -> best-fit pack -> batch."""
-    from stacklm.data.mix import MixNode
+    from stacklm.data.mix.mix import MixNode
     from stacklm.data.shuffle import ShuffleNode
 
     code = [d for d in real_docs if d["source"] == "code"][:150]

@@ -19,11 +19,11 @@ import torch
 from stacklm import atomic
 from stacklm.cli import main as stacklm_main
 from stacklm.cli.prebuild_commands import add_prebuild_subcommands
-from stacklm.data import manifest as mf
-from stacklm.data import shards as sh
-from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage import shards as sh
+from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.data.pack import DELIVERY_KEY
+from stacklm.data.packing.pack import DELIVERY_KEY
 from stacklm.prebuild import PrebuildError, load_config, prebuild
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Provenance of every prebuilt row (stacklm.data.provenance): for a prebuild of local jsonl and
+"""Provenance of every prebuilt row (stacklm.data.storage.provenance): for a prebuild of local jsonl and
 parquet files, every segment of every row is exactly the tokens of its record's text at its
 ``doc_offset``, every delivered record is covered once and whole, ``stacklm inspect DIR --row N
 --json`` prints it, and a prebuild killed midway resumes to the same side files."""
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from stacklm.cli import main as stacklm_main
-from stacklm.data import manifest as mf
+from stacklm.data.storage import manifest as mf
 from stacklm.data.nodes import PipelineConfig
-from stacklm.data.provenance import decode_rows, encode_rows, prov_path, row_provenance
+from stacklm.data.storage.provenance import decode_rows, encode_rows, prov_path, row_provenance
 from stacklm.prebuild import prebuild
 from tests.test_ledger import SEQ_LEN, data_section, write_corpus
 
@@ -104,7 +104,7 @@ def test_side_files_are_small_and_round_trip(built):
     assert np.array_equal(ptr, ptr2) and np.array_equal(pieces, pieces2)
     assert token_bytes > 0  # (the <= 2% budget is measured at realistic sizes by bench/provenance.py)
     # the side files sit beside the shards without disturbing the readers
-    from stacklm.data.dataset import PackedMemmapDataset, verify_shard_set
+    from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 
     assert len(PackedMemmapDataset(out, "train")) == int(m["n_seq"])
     assert verify_shard_set(out, progress=False)["train"]["rows"] == int(m["n_seq"])
@@ -151,7 +151,7 @@ def test_packer_pieces_resume_exactly_and_tile_every_document(strategy):
     the pieces of the whole stream tile every document exactly once."""
     from torchdata.nodes import IterableWrapper, Mapper
 
-    from stacklm.data.pack import PackNode
+    from stacklm.data.packing.pack import PackNode
     from tests.resume import check_save_load_state
 
     bos, eos, pad = 1024, 1025, 1026

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from torchdata.nodes import BaseNode, IterableWrapper
 
-from stacklm.data.mix import MixNode, TokenBudgetMixer, mix_budgeted
+from stacklm.data.mix.mix import MixNode, TokenBudgetMixer, mix_budgeted
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.registry import DataMix, SourceConfig
-from stacklm.data.schedule import (
+from stacklm.data.mix.schedule import (
     MixScheduleConfig,
     MixScheduleError,
     compile_schedule,
@@ -373,7 +373,7 @@ def test_prebuild_follows_the_same_schedule_and_logs_phases(tmp_path, tokenizer_
     """Prebuild (2 workers) with the schedule: the manifest's per-phase report adds up to the
     mixed tokens, each worker's phases are the stream graph's for the same reader, and the
     realized shares per phase are close to the targets."""
-    from stacklm.data import manifest as mf
+    from stacklm.data.storage import manifest as mf
     from stacklm.data.sources import ShardSpec
     from stacklm.prebuild import prebuild
     from stacklm.prebuild.plan import worker_config

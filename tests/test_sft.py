@@ -15,8 +15,8 @@ from stacklm.chat import IGNORE_INDEX, ChatFormatError, as_turns, render_convers
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_code, iter_default_corpus, iter_prose
 from stacklm.data.contract import BATCH_KEYS
-from stacklm.data.masks import dense_mask
-from stacklm.data.pack import DELIVERY_KEY
+from stacklm.data.packing.masks import dense_mask
+from stacklm.data.packing.pack import DELIVERY_KEY
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import (
     ConversationPacker,

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from stacklm import atomic
-from stacklm.data import manifest as mf
-from stacklm.data import shards as sh
-from stacklm.data.shards import ShardError, ShardWriteError
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage import shards as sh
+from stacklm.data.storage.shards import ShardError, ShardWriteError
 
 
 def _files(d):

@@ -22,7 +22,7 @@ import yaml
 import zstandard
 
 from stacklm.data.audit import ByteAudit, clean_text, record_audit
-from stacklm.data.filters import FilterNode
+from stacklm.data.quality.filters import FilterNode
 from stacklm.data.registry import STACK_100M, DataMix, SourceConfig, DataMixError, get_mix
 from stacklm.data.sources import (
     EmptySourceError,

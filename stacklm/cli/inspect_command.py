@@ -113,8 +113,8 @@ def _print_segments(segments: list[dict], input_ids: list[int] | None, args: arg
 
 def _inspect_row(args: argparse.Namespace) -> int:
     """``--row N``: the row's tokens and segments from the prebuild's provenance side files
-    (``stacklm.data.provenance``); with ``--tokenizer``, each segment's text too."""
-    from stacklm.data.provenance import row_provenance
+    (``stacklm.data.storage.provenance``); with ``--tokenizer``, each segment's text too."""
+    from stacklm.data.storage.provenance import row_provenance
 
     out = row_provenance(args.input, args.row, args.split or "train")
     if _json_only(out, args):

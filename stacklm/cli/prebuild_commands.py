@@ -71,7 +71,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from stacklm.data.dataset import verify_shard_set
+    from stacklm.data.storage.dataset import verify_shard_set
 
     report = verify_shard_set(args.dir, tokenizer=args.tokenizer, progress=not args.no_progress)
     for split, r in report.items():

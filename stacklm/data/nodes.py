@@ -22,11 +22,11 @@ from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
-from stacklm.data.filters import FilterConfig, FilterNode
+from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
-from stacklm.data.holdout import HoldoutNode
-from stacklm.data.mix import MixNode
-from stacklm.data.pack import PackNode, batch_node
+from stacklm.data.quality.holdout import HoldoutNode
+from stacklm.data.mix.mix import MixNode
+from stacklm.data.packing.pack import PackNode, batch_node
 from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
@@ -142,7 +142,7 @@ def build_pipeline(
     the holdout assignment keeps ``config.seed``, so a document stays in its split every epoch.
     ``dedup_index``: removed ids of a global dedup pass (else ``config.dedup.index`` is loaded
     when set); the prebuild passes its own and turns in-flight dedup off. ``provenance``: the
-    packer records each window's document pieces (the prebuild's side files, ``stacklm.data.provenance``).
+    packer records each window's document pieces (the prebuild's side files, ``stacklm.data.storage.provenance``).
     """
     check_split(split)
     shard = shard or ShardSpec()

@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from stacklm.config import Config, did_you_mean
 from stacklm.data.audit import ON_INVALID
-from stacklm.data.schedule import MixScheduleConfig
+from stacklm.data.mix.schedule import MixScheduleConfig
 from stacklm.errors import ConfigError
 
 KINDS = ("hf", "local", "synthetic")
@@ -184,7 +184,7 @@ class SourceConfig(Config):
 @dataclass(frozen=True)
 class DataMix(Config):
     """Pre-training sources whose weights sum to 1, plus the run's total token budget, and
-    optionally a mixture ``schedule`` (``stacklm.data.schedule``: phases, temperature, caps)
+    optionally a mixture ``schedule`` (``stacklm.data.mix.schedule``: phases, temperature, caps)
     that makes the target mix a function of the tokens consumed; the entries' weights are its
     default.
 
@@ -260,7 +260,7 @@ class DataMix(Config):
         """Integer tokens per source (largest remainder), summing to ``total_tokens`` exactly."""
         import numpy as np
 
-        from stacklm.data.mix import split_budget
+        from stacklm.data.mix.mix import split_budget
 
         shares = split_budget(self.total_tokens, np.array([e.weight for e in self.entries]))
         return {e.name: int(s) for e, s in zip(self.entries, shares)}
@@ -272,7 +272,7 @@ class DataMix(Config):
             return self.weights
         import numpy as np
 
-        from stacklm.data.schedule import compile_schedule
+        from stacklm.data.mix.schedule import compile_schedule
 
         names = [e.name for e in self.entries]
         final = compile_schedule(self.schedule, names, np.array([e.weight for e in self.entries]), self.total_tokens).budgets[-1]

@@ -10,7 +10,7 @@ dataset rebuilt at the same path is refused.
   manifest's hashes are what ``stacklm verify`` checks the files against, so the guard costs
   two small JSON reads, not a pass over the tokens. Stream and SFT modes: sha256 of the sources
   part of the config (the mix entries / conversation sources).
-- ``tokenizer``: ``stacklm.data.manifest.tokenizer_hash`` (the ids, not training metadata).
+- ``tokenizer``: ``stacklm.data.storage.manifest.tokenizer_hash`` (the ids, not training metadata).
 - ``pipeline``: what decides the order of the data: shards mode, the seed and ``seq_len``
   (batch size, world size and workers may change, see ``ShardsLoader``); stream and SFT modes,
   the whole pipeline config but the batch size (part of the shape, which the datamodule checks
@@ -40,7 +40,7 @@ def _sha(obj: Any) -> str:
 
 def shards_content_hash(data_dir: str | Path) -> str:
     """sha256 of what a prebuilt directory holds, from its manifests' per-shard xxh64."""
-    from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest
+    from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest
 
     top = read_manifest(Path(data_dir), required=REQUIRED)
     if "shards" in top:  # a split directory itself

@@ -115,7 +115,7 @@ class ShardsMode(DataMode):
         return loader.position() if isinstance(loader, ShardsLoader) else self.restored
 
     def _loader(self, split: str, position: dict[str, int] | None) -> ShardsLoader:
-        from stacklm.data.dataset import ElasticSampler
+        from stacklm.data.storage.dataset import ElasticSampler
 
         dm = self.dm
         ds = dm.shards_dataset(split)
@@ -145,7 +145,7 @@ class ShardsMode(DataMode):
 
     @functools.cached_property
     def _row_counts(self):
-        from stacklm.data.provenance import row_source_counts
+        from stacklm.data.storage.provenance import row_source_counts
 
         split = Path(self.dm.data_dir) / self._manifest["splits"]["train"]["path"]
         return row_source_counts(split, [s["name"] for s in self._manifest["sources"]])

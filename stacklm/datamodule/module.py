@@ -177,7 +177,7 @@ class StackDataModule(L.LightningDataModule):
 
     def tokenizer_hash(self) -> str:
         """Content hash of the tokenizer (ids, not training metadata): the one manifests carry."""
-        from stacklm.data.manifest import tokenizer_hash
+        from stacklm.data.storage.manifest import tokenizer_hash
 
         return tokenizer_hash(self.tokenizer)
 
@@ -273,7 +273,7 @@ class StackDataModule(L.LightningDataModule):
         return self._mode.val_loader()
 
     def shards_dataset(self, split: str):
-        from stacklm.data.dataset import PackedMemmapDataset
+        from stacklm.data.storage.dataset import PackedMemmapDataset
 
         ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
         if ds.seq_len != self.seq_len:

@@ -23,7 +23,7 @@ from stacklm.chat import INVALID_REASONS as CHAT_INVALID_REASONS
 from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig
-from stacklm.data.schedule import merge_phase_reports
+from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.data.sft.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
 
@@ -207,7 +207,7 @@ class _StreamIterator:
         graph = self._graph()
         out = {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
                "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
-        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.schedule)
+        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.mix.schedule)
             out["mix_phases"] = graph.phases()
         if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
             from stacklm.data.ledger import pipeline_ledger

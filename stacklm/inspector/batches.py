@@ -87,7 +87,7 @@ def view_batch(batch: Mapping[str, Any], pad_id: int | None, where: str = "batch
 
 def view_windows(windows: np.ndarray, tok: InspectTokenizer) -> BatchView:
     """Shard windows -> the stacklm batch contract (as a training run derives it) -> a view."""
-    from stacklm.data.pack import collate
+    from stacklm.data.packing.pack import collate
 
     if None in (tok.bos_id, tok.eos_id, tok.pad_id):
         raise InspectError(f"{tok.name}: shards need a tokenizer with bos/eos/pad ids")

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stacklm.data import manifest as mf
-from stacklm.data.shards import remove_temp_files
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage.shards import remove_temp_files
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
@@ -39,7 +39,7 @@ def prebuild(
 
     ``config`` is a ``PipelineConfig``; ``tokenizer`` a ``StackTokenizer`` or the path of its
     artifact. ``workers > 1`` runs the jobs in that many spawned processes. ``provenance``
-    writes a side file per shard naming each row's document pieces (``stacklm.data.provenance``).
+    writes a side file per shard naming each row's document pieces (``stacklm.data.storage.provenance``).
     ``progress``: a live bar on stderr, updated every ``progress_interval`` seconds by each job
     (the summary table is ``stacklm.prebuild.summary``'s, printed by the CLI whatever this says).
     """

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.provenance import prov_path
-from stacklm.data.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
+from stacklm.data.storage.provenance import prov_path
+from stacklm.data.storage.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
 from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
 
 PROGRESS_INTERVAL = 2.0  # seconds between progress reports of a job (besides one per shard)
@@ -60,7 +60,7 @@ def run_job(
     split_dir.mkdir(parents=True, exist_ok=True)
 
     from stacklm.data.ledger import pipeline_ledger
-    from stacklm.data.provenance import ShardTracker, source_files
+    from stacklm.data.storage.provenance import ShardTracker, source_files
 
     pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan), provenance=plan.provenance)
     windows = pipe.windows
@@ -150,7 +150,7 @@ def write_job_shards(
     jobs never collide; each one's info is appended to ``shards`` (which may already hold the
     shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
     ``run_job`` and the datatrove writer, so both write the same set. ``tracker``
-    (``stacklm.data.provenance.ShardTracker``) sees every window and writes each shard's
+    (``stacklm.data.storage.provenance.ShardTracker``) sees every window and writes each shard's
     provenance side file right before the shard. ``on_window()`` runs after every window
     (``run_job``'s timed progress)."""
     buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)

@@ -10,11 +10,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from stacklm.data import ledger, provenance
-from stacklm.data import manifest as mf
+from stacklm.data import ledger
+from stacklm.data.storage import provenance
+from stacklm.data.storage import manifest as mf
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.schedule import merge_phase_reports
-from stacklm.data.shards import atomic_write_shard_file, dtype_name
+from stacklm.data.mix.schedule import merge_phase_reports
+from stacklm.data.storage.shards import atomic_write_shard_file, dtype_name
 from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
 
 

@@ -10,8 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data import manifest as mf
-from stacklm.data.shards import ShardError, token_dtype
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage.shards import ShardError, token_dtype
 from stacklm.data.splits import SPLITS
 from stacklm.errors import ConfigError, StackLMError
 
@@ -35,7 +35,7 @@ class PrebuildPlan:
     workers: int = 1
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
     splits: tuple[str, ...] = SPLITS
-    provenance: bool = True  # per-shard side files naming each row's document pieces (stacklm.data.provenance)
+    provenance: bool = True  # per-shard side files naming each row's document pieces (stacklm.data.storage.provenance)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -78,7 +78,7 @@ def worker_config(config, worker: int, workers: int):
     (largest remainder, so the shares add up to the budget exactly)."""
     if workers == 1:
         return config
-    from stacklm.data.mix import split_budget
+    from stacklm.data.mix.mix import split_budget
 
     share = int(split_budget(config.mix.total_tokens, np.ones(workers))[worker])
     if share <= 0:

@@ -111,7 +111,7 @@ class StackMixedDocuments(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.ledger import pipeline_ledger
         from stacklm.data.nodes import build_pipeline
-        from stacklm.data.provenance import source_files
+        from stacklm.data.storage.provenance import source_files
         from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args
 
         split, worker = self.plan.job_of(rank, world_size)
@@ -140,7 +140,7 @@ class StackDedupSignatures(_StackStep):
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.shards import atomic_write_shard_file
+        from stacklm.data.storage.shards import atomic_write_shard_file
         from stacklm.prebuild.dedup_pass import pickle_slice
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.plan import STATE_DIR
@@ -189,7 +189,7 @@ class StackPacker(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from torchdata.nodes import IterableWrapper
 
-        from stacklm.data.pack import PackNode
+        from stacklm.data.packing.pack import PackNode
 
         plan = self.built()
         cfg, tok = plan.config, plan.tokenizer
@@ -215,8 +215,8 @@ class StackShardWriter(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from types import SimpleNamespace
 
-        from stacklm.data.provenance import ShardTracker, prov_path
-        from stacklm.data.shards import atomic_write_shard_file
+        from stacklm.data.storage.provenance import ShardTracker, prov_path
+        from stacklm.data.storage.shards import atomic_write_shard_file
         from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
         from stacklm.prebuild.plan import STATE_DIR
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stacklm.data.masks import block_mask, cu_seqlens, dense_mask
+from stacklm.data.packing.masks import block_mask, cu_seqlens, dense_mask
 
 BACKENDS = ("auto", "sdpa", "flex", "flash_varlen")
 

@@ -8,14 +8,14 @@
 - ``synthetic_edits``: test/benchmark data generation (edited copies at a chosen Jaccard), not
   used by the pipeline.
 
-What counts as the same text is ``stacklm.data.normalize.normalize_text``.
+What counts as the same text is ``stacklm.data.quality.normalize.normalize_text``.
 """
 
 from stacklm.data.dedup.exact import ExactDeduper, U64HashSet, count_by_source, per_doc_sources, text_digest, text_digests
 from stacklm.data.dedup.global_index import DedupIndex, collect_signatures, decide, id_key, id_keys
 from stacklm.data.dedup.minhash import MinHasher, NearDeduper, candidate_probability, jaccard, share_a_band
 from stacklm.data.dedup.node import DedupNode
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 
 __all__ = [
     "DedupIndex",

@@ -1,6 +1,6 @@
 """Exact deduplication on normalised text, with a store of <= 16 bytes per unique document.
 
-Two documents are the same when their ``stacklm.data.normalize.normalize_text`` forms are
+Two documents are the same when their ``stacklm.data.quality.normalize.normalize_text`` forms are
 equal (NFKC, casefolded, whitespace runs collapsed, stripped): ``"Foo  Bar\\n"`` and
 ``"foo bar"`` are one document. Empty and whitespace-only documents all normalise to ``""``
 (the first is kept, the rest are duplicates).
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 from stacklm.data.stats import StageStats
 
 

@@ -39,7 +39,7 @@ import xxhash
 
 from stacklm.data.dedup.exact import run_starts, text_digest
 from stacklm.data.dedup.minhash import MinHasher
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 
 INDEX_FORMAT = "stacklm-dedup-index"
 INDEX_VERSION = 1

@@ -57,7 +57,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.data.dedup.exact import U64HashSet, count_by_source, per_doc_sources, run_starts
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 from stacklm.data.stats import StageStats
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from torchdata.nodes import BaseNode
 from stacklm.data.dedup.exact import ExactDeduper
 from stacklm.data.dedup.global_index import DedupIndex, id_keys
 from stacklm.data.dedup.minhash import NearDeduper
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 from stacklm.data.stats import StageStats
 
 

@@ -21,8 +21,8 @@ from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
 from stacklm.data.audit import KEPT
-from stacklm.data.holdout import HoldoutNode
-from stacklm.data.pack import DELIVERY_KEY
+from stacklm.data.quality.holdout import HoldoutNode
+from stacklm.data.packing.pack import DELIVERY_KEY
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.sft.pipeline import SFTPipeline
 from stacklm.data.sft.preference import (
@@ -162,7 +162,7 @@ class PairBatchNode(BaseNode[dict]):
         per_row = ((batch["chosen_input_ids"][:rows] != self.pad_id).sum(1) + (batch["rejected_input_ids"][:rows] != self.pad_id).sum(1)).numpy()
         tokens = np.bincount(index, weights=per_row, minlength=n).astype(np.int64)
         lengths = np.array([(i, len(p["ids"])) for i, p in zip(index.tolist(), pairs)], dtype=np.int64).reshape(-1, 2)
-        # plain lists: they travel pickled with the batch, not as shared-memory blocks (stacklm.data.origins)
+        # plain lists: they travel pickled with the batch, not as shared-memory blocks (stacklm.data.packing.origins)
         return {"tokens": tokens.tolist(), "docs": np.bincount(index, minlength=n).tolist(), "doc_lengths": lengths.tolist()}
 
     def summary(self) -> dict[str, Any]:

@@ -319,7 +319,7 @@ class TextPartSource(PartNode):
             "source": self.name,
             "domain": self.domain,
             "doc_id": f"{self.name}/{self._parts[part]}/{row}",
-            # provenance (stacklm.data.provenance): index of the part in the source's sorted part
+            # provenance (stacklm.data.storage.provenance): index of the part in the source's sorted part
             # list, and the row's 0-based index in it (line for jsonl, row for parquet, stream index)
             "file": part,
             "record": int(self._reader.record),

@@ -37,7 +37,7 @@ import torch
 from torchdata.nodes import BaseNode, Batcher, Mapper
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.origins import (  # WindowOrigin, delivery_counts: also imported from here
+from stacklm.data.packing.origins import (  # WindowOrigin, delivery_counts: also imported from here
     PIECE_FIELDS,
     WindowOrigin,
     content_by_source,

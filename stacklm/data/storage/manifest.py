@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.shards import ShardError, atomic_write_shard_file
+from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "stacklm-shards"

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.data.schedule import (
+from stacklm.data.mix.schedule import (
     MixPlan,
     MixScheduleConfig,
     compile_schedule,
@@ -68,7 +68,7 @@ class TokenBudgetMixer:
     it was dropped (empty). ``mark_dry(index)`` is called when a source runs out. ``__iter__``
     drives all three over plain iterators; ``MixNode`` drives them over nodes.
 
-    With a ``schedule`` (``stacklm.data.schedule``) the budgets are cumulative per segment of
+    With a ``schedule`` (``stacklm.data.mix.schedule``) the budgets are cumulative per segment of
     the schedule: ``pick`` draws among the sources still short of the current segment's budget
     and moves to the next segment once every source met it (a document may overshoot a
     segment's budget, the next segment simply needs that much less; only the final budget
@@ -310,7 +310,7 @@ class TokenBudgetMixer:
     def phases(self) -> list[dict[str, Any]]:
         """Per phase (schedule phases, then re-weightings): planned and mixed tokens and docs per
         source, target and realized token shares, and the tokens mixed when it began (``None``
-        if not reached). ``stacklm.data.schedule.merge_phase_reports`` sums them over readers."""
+        if not reached). ``stacklm.data.mix.schedule.merge_phase_reports`` sums them over readers."""
         return [
             phase_report(name, self.names, self.phase_plan[p], self.phase_tokens[p], self.phase_docs[p],
                          None if self.phase_entered[p] < 0 else int(self.phase_entered[p]))

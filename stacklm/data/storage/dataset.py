@@ -4,7 +4,7 @@
 ``DistributedSampler``, ``ElasticSampler`` or any index sampler): index ``i`` is found with one
 ``np.searchsorted`` over the shards' cumulative row counts, and the batch contract
 (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``) is derived from the tokens, exactly as
-``stacklm.data.pack.collate`` derives it for the streaming pipes. It validates the shard set
+``stacklm.data.packing.pack.collate`` derives it for the streaming pipes. It validates the shard set
 when opened (manifest, file sizes, dtype, special ids, a sample of token ids, optionally the
 tokenizer hash); ``verify_shard_set`` reads every id.
 
@@ -28,8 +28,8 @@ import torch
 from torchdata.nodes import BaseNode
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
+from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
+from stacklm.data.storage.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
 from stacklm.dist import rank_world
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from stacklm.data.provenance import PIECE_FIELDS
+from stacklm.data.storage.provenance import PIECE_FIELDS
 
 __all__ = ["PIECE_FIELDS", "WindowOrigin", "content_by_source", "delivery_counts", "load_origins", "origins_state", "window_crc"]
 
@@ -28,7 +28,7 @@ class WindowOrigin(NamedTuple):
     ``pieces`` (packers built with ``provenance=True``): one row per document piece in the
     window, ``PIECE_FIELDS``: source index, file (part index in the source), record (0-based row
     in that file), ``[row_start, row_end)`` in the window and the piece's offset in the wrapped
-    document ``<bos> ids <eos>`` (``stacklm.data.provenance``)."""
+    document ``<bos> ids <eos>`` (``stacklm.data.storage.provenance``)."""
 
     origin: np.ndarray
     starts: list[tuple[int, int]]

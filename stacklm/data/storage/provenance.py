@@ -28,11 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.shards import ShardError, atomic_write_shard_file
+from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
 
 PROV_SUFFIX = ".prov.npz"
 FORMAT = "stacklm-provenance/1"
-# One document piece of a packed window (``stacklm.data.pack.WindowOrigin.pieces``). Defined
+# One document piece of a packed window (``stacklm.data.packing.pack.WindowOrigin.pieces``). Defined
 # here, not in pack.py, so the CLI and the prebuild's manifests read provenance without torch.
 PIECE_FIELDS = ("source", "file", "record", "row_start", "row_end", "doc_offset")
 
@@ -106,7 +106,7 @@ class ShardTracker:
     checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
 
     def __init__(self, pack_node, provenance: bool) -> None:
-        from stacklm.data.origins import content_by_source
+        from stacklm.data.packing.origins import content_by_source
 
         self._content = content_by_source
         self.pack = pack_node
@@ -116,7 +116,7 @@ class ShardTracker:
         self.bytes = 0  # side-file bytes written by this job (this run)
 
     def window(self, window: np.ndarray) -> None:
-        origin = self.pack.last_origin  # stacklm.data.pack.WindowOrigin
+        origin = self.pack.last_origin  # stacklm.data.packing.pack.WindowOrigin
         p = self.pack.packer
         n = len(p.sources)
         if len(self.delivered) < n:
@@ -185,7 +185,7 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
     ``docs`` (documents whose ``<bos>`` is in the row, uint16); ``None`` when the split was built
     without provenance. What lets shards mode count exactly what each delivered row holds.
     Memory: ``4 x n_sources`` bytes a row (about 200 MB for 10M rows of 5 sources)."""
-    from stacklm.data import manifest as mf
+    from stacklm.data.storage import manifest as mf
 
     split_dir = Path(split_dir)
     m = mf.read_manifest(split_dir)
@@ -219,8 +219,8 @@ def row_provenance(directory: str | Path, row: int, split: str = "train") -> dic
     """``{"row", "input_ids", "segments": [{"source", "file", "record", "row_start", "row_end",
     "doc_offset"}, ...]}`` for global row ``row`` of ``split`` (shards in manifest order);
     ``input_ids`` is the whole stored window."""
-    from stacklm.data import manifest as mf
-    from stacklm.data.shards import open_tokens, parse_dtype
+    from stacklm.data.storage import manifest as mf
+    from stacklm.data.storage.shards import open_tokens, parse_dtype
 
     split_dir = _split_dir(directory, split)
     m = mf.read_manifest(split_dir)

@@ -15,7 +15,7 @@ from typing import Any
 import xxhash
 from torchdata.nodes import BaseNode
 
-from stacklm.data.normalize import normalize_text
+from stacklm.data.quality.normalize import normalize_text
 from stacklm.data.splits import check_split
 from stacklm.data.stats import StageStats
 

@@ -48,7 +48,7 @@ def split_budget(total: int, weights: np.ndarray) -> np.ndarray:
     """Integer shares of ``total`` proportional to ``weights`` that sum to ``total`` exactly.
 
     Largest remainder (ties to the earlier source), so the split is deterministic and no token
-    is lost to rounding. (Re-exported by ``stacklm.data.mix``.)
+    is lost to rounding. (Re-exported by ``stacklm.data.mix.mix``.)
     """
     weights = np.asarray(weights, dtype=np.float64)
     if total <= 0 or weights.sum() <= 0:

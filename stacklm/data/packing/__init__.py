@@ -1,0 +1,7 @@
+"""Packing stage: turn tokenized documents into fixed-length training rows.
+
+``pack.py`` packs documents (bos/eos, cuts, padding) into rows and batches them under the
+batch contract; ``origins.py`` records where each window of a row came from (source, document,
+offset) so deliveries can be counted; ``masks.py`` turns a packed batch's ``seq_ids`` into the
+attention masks the model uses (dense, ``cu_seqlens``, FlexAttention ``BlockMask``).
+"""
