@@ -7,7 +7,7 @@ would mean re-running the pipes from a snapshot; the log answers from a few byte
 * shards mode: the global row index of each row of the batch (``stacklm inspect`` then reads
   the row's tokens and pieces from the prebuild's shards and provenance side files);
 * stream mode: each row's document pieces (source, file, record, token range in the row,
-  offset in the document: ``stacklm.data.provenance.PIECE_FIELDS``, carried on the batch by
+  offset in the document: ``stacklm.data.storage.provenance.PIECE_FIELDS``, carried on the batch by
   the packer) and a CRC-32 of the row's window, so ``stacklm inspect --step`` can rebuild the
   tokens from the source files and check them.
 
@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.atomic import atomic_write_text
-from stacklm.data.provenance import columns_to_pieces, row_columns
+from stacklm.data.storage.provenance import columns_to_pieces, row_columns
 from stacklm.errors import StackLMError
 
 FORMAT = "stacklm-steplog/1"

@@ -2,7 +2,7 @@
 each of its pieces came from, from the run's step log (``stacklm.datamodule.steplog``).
 
 Shards mode logged global row indices: each row's tokens and pieces are the prebuild's
-(``stacklm.data.provenance.row_provenance``). Stream mode logged each row's pieces and the
+(``stacklm.data.storage.provenance.row_provenance``). Stream mode logged each row's pieces and the
 CRC-32 of its window: the tokens are rebuilt here from the source records, through the same
 source nodes and tokenizer the run used (a record's text as the source yields it, encoded on
 the same fast path, wrapped ``<bos> ids <eos>``), and checked against the CRC, so a source
@@ -51,7 +51,7 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
 
 
 def _shard_rows(meta: dict[str, Any]):
-    from stacklm.data.provenance import row_provenance
+    from stacklm.data.storage.provenance import row_provenance
 
     shards = meta["shards"]
     data_dir = Path(shards["data_dir"])
@@ -97,7 +97,7 @@ class _StreamRows:
 
     def __init__(self, meta: dict[str, Any]) -> None:
         from stacklm.data.nodes import PipelineConfig
-        from stacklm.data.manifest import tokenizer_hash
+        from stacklm.data.storage.manifest import tokenizer_hash
         from stacklm.tokenizer.bpe import StackTokenizer
 
         stream = meta["stream"]
@@ -118,7 +118,7 @@ class _StreamRows:
 
     def labels(self, src: int) -> list[str]:
         if src not in self._labels:
-            from stacklm.data.provenance import source_files
+            from stacklm.data.storage.provenance import source_files
 
             node = self._node(src)
             with _cwd(self.cwd):
@@ -152,7 +152,7 @@ class _StreamRows:
                 self._wrapped[(src, fid, int(doc["record"]))] = np.concatenate([[self.tok.bos_id], ids, [self.tok.eos_id]]).astype(np.int32)
 
     def __call__(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
-        from stacklm.data.origins import window_crc
+        from stacklm.data.packing.origins import window_crc
 
         self._load({(int(p[0]), int(p[1]), int(p[2])) for row in rec["pieces"] if row for p in row if None not in p[:3]})
         out = []

@@ -143,7 +143,7 @@ class HFStreamSource(TextPartSource):
         self._dataset = ds
         self._parts = [f"shard{j:05d}" for j in range(ds.n_shards)]  # in doc_ids: a dedup index keys on them
         files = shard_files(ds)
-        # what provenance names a part by (stacklm.data.provenance.source_files): its file, when it has one
+        # what provenance names a part by (stacklm.data.storage.provenance.source_files): its file, when it has one
         self.part_labels = [f"shard{j:05d} ({files[j]})" for j in range(ds.n_shards)] if files else list(self._parts)
         self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
 
