@@ -252,6 +252,33 @@ def test_workers_are_deterministic_and_datatrove_merges_the_same(tmp_path, tok_d
     assert train["n_seq"] == sum(s["n_seq"] for s in train["shards"]) == train["packing"]["windows"]
     report = verify_shard_set(dt_out, tokenizer=tok, progress=False)
     assert report["train"]["rows"] == train["n_seq"] and report["val"]["rows"] > 0
+    # each shard-writing task says in its datatrove log how far it got (here: only its final line)
+    logs = "".join(p.read_text() for p in (tmp_path / "dt.datatrove-logs" / "main" / "logs").glob("*.log"))
+    for task in (0, 1):
+        rows = sum(s["n_seq"] for s in train["shards"] if int(s["name"].split("_")[1]) % 2 == task)
+        assert f"stacklm train task {task}: done, {rows:,} windows of {SEQ_LEN} tokens" in logs
+
+
+def test_datatrove_task_progress_reports_every_interval(monkeypatch):
+    """A shard-writing datatrove task logs its progress every interval, not only when it ends."""
+    from datatrove.utils.logging import logger
+
+    from stacklm.scale.datatrove_steps import TaskProgress
+
+    now = [0.0]
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), format="{message}")
+    try:
+        progress = TaskProgress("stacklm train task 3", 128, shards=[], interval=2.0, clock=lambda: now[0])
+        for _ in range(10):  # 10 windows, 0.5 s apart
+            now[0] += 0.5
+            progress.window()
+        progress.report(final=True)
+    finally:
+        logger.remove(sink)
+    assert [line.split(",")[0] for line in lines] == ["stacklm train task 3: 4 windows of 128 tokens",
+                                                       "stacklm train task 3: 8 windows of 128 tokens",
+                                                       "stacklm train task 3: done"]
 
 
 def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):

@@ -172,7 +172,7 @@ def write_job_shards(
         if n == plan.seqs_per_shard:
             commit(n)
             n = 0
-        elif on_window is not None:
+        if on_window is not None:
             on_window()
     if n:
         commit(n)

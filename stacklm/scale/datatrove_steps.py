@@ -238,7 +238,10 @@ class StackShardWriter(_StackStep):
                 yield d.metadata["window"]
 
         shards: list[dict] = []
-        write_job_shards(plan, split_dir, worker, windows(), shards, on_shard=lambda: self.stat_update("shards"), tracker=tracker)
+        progress = TaskProgress(f"stacklm {split} task {worker}", plan.config.seq_len, shards)
+        write_job_shards(plan, split_dir, worker, windows(), shards, on_shard=lambda: self.stat_update("shards"), tracker=tracker,
+                         on_window=progress.window)
+        progress.report(final=True)
         if not summary:
             raise RuntimeError(f"task {rank}: the packer sent no summary; run StackMixedDocuments -> StackPacker -> StackShardWriter in that order")
         summary["shards"] = shards
@@ -252,6 +255,36 @@ class StackShardWriter(_StackStep):
         atomic_write_shard_file(state_dir / f"{job_name(split, worker)}.done.json", json.dumps(summary, sort_keys=True).encode())
         return
         yield  # a generator step that yields nothing: the writer ends the pipeline
+
+
+class TaskProgress:
+    """A shard-writing task's progress in its datatrove log every ``PROGRESS_INTERVAL`` seconds
+    (windows, tokens, shards, rate), as ``stacklm prebuild`` reports it: datatrove's own stats
+    come only when a task ends, and a task of a large split runs for hours."""
+
+    def __init__(self, name: str, seq_len: int, shards: list, interval: float | None = None, clock=None) -> None:
+        import time
+
+        from stacklm.prebuild.jobs import PROGRESS_INTERVAL
+
+        self.name, self.seq_len, self.shards = name, int(seq_len), shards
+        self.interval = PROGRESS_INTERVAL if interval is None else float(interval)
+        self.clock = clock or time.monotonic
+        self.start = self.last = self.clock()
+        self.windows = 0
+
+    def window(self) -> None:
+        self.windows += 1
+        if self.clock() - self.last >= self.interval:
+            self.report()
+
+    def report(self, final: bool = False) -> None:
+        from datatrove.utils.logging import logger
+
+        self.last = now = self.clock()
+        secs = max(now - self.start, 1e-9)
+        logger.info(f"{self.name}: {'done, ' if final else ''}{self.windows:,} windows of {self.seq_len} tokens, "
+                    f"{len(self.shards)} shard(s) written, {secs:,.0f} s, {self.windows * self.seq_len / secs:,.0f} tokens/s")
 
 
 class StackManifestMerger(_StackStep):
