@@ -4,7 +4,9 @@ the other ranks).
 
 Writes ``<out>/rank<r>.json``: one record per training batch that rank trained on —
 ``[epoch, global step, row ids]``, a row id being the hash of the row's tokens, ``null`` for a padding
-row (every target ignored) — and ``<out>/stats<r>.json``, the rank's delivery counts at the end.
+row (every target ignored) — ``<out>/stats<r>.json``, the rank's delivery counts at the end, and
+``<out>/seen<r>.json``, the non-padding tokens of each batch it trained on (``[epoch, global
+step, tokens]``, counted here from ``input_ids``: an independent check of the delivery counts).
 ``--save-at N`` writes ``<out>/step<N>.ckpt`` and stops the run there."""
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from tests.test_datamodule import SEQ_LEN, stream_pipeline  # noqa: E402
 
 class Record(L.Callback):
     def __init__(self, out: Path, save_at: set[int]) -> None:
-        self.out, self.save_at, self.seen = out, save_at, []
+        self.out, self.save_at, self.seen, self.tokens = out, save_at, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seen.append([trainer.current_epoch, trainer.global_step, row_ids(batch)])
+        pad = trainer.datamodule.tokenizer.pad_id
+        self.tokens.append([trainer.current_epoch, trainer.global_step, int((batch["input_ids"] != pad).sum())])
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.save_at:
@@ -41,6 +45,7 @@ class Record(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
         delivered = trainer.datamodule._train_loader.delivered.stats()["delivered"]
         (self.out / f"stats{trainer.global_rank}.json").write_text(json.dumps(delivered))
+        (self.out / f"seen{trainer.global_rank}.json").write_text(json.dumps(self.tokens))
 
 
 def main() -> None:

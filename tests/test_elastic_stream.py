@@ -6,7 +6,7 @@ row twice, and the delivery counts stay true.
 
 The loader-level tests run in this process (one rank; workers and batch size change); the
 ``Trainer`` test runs ``tests/elastic_stream_fit.py`` as its own program, with real DDP over
-gloo for world 1 -> 2 and 2 -> 1.
+gloo for world 1 -> 2, 2 -> 1, 2 -> 3 and 3 -> 2.
 """
 
 from __future__ import annotations
@@ -134,9 +134,9 @@ def test_logical_streams_default_to_the_first_runs_readers(tokenizer_dir):  # no
     assert dm.state_dict()["streams"]["logical_streams"] == 2
 
 
-def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(), resume=None) -> dict:  # noqa: F811
+def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(), resume=None, L=4, epochs=2) -> dict:  # noqa: F811
     args = ["--tokenizer", str(tokenizer_dir), "--out", str(out), "--devices", str(devices), "--workers", str(workers),
-            "--batch-size", str(batch), "--logical-streams", "4"]
+            "--batch-size", str(batch), "--logical-streams", str(L), "--epochs", str(epochs)]
     if save_at:
         args += ["--save-at", *map(str, save_at)]
     if resume:
@@ -146,7 +146,8 @@ def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(),
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
     stats = [json.loads((out / f"stats{r}.json").read_text()) for r in range(devices)]
-    return {"ranks": ranks, "stats": stats, "tokens": sum(s["tokens"] for s in stats), "batches": sum(s["batches"] for s in stats)}
+    seen = [json.loads((out / f"seen{r}.json").read_text()) for r in range(devices)]
+    return {"ranks": ranks, "stats": stats, "seen": seen, "tokens": sum(s["tokens"] for s in stats), "batches": sum(s["batches"] for s in stats)}
 
 
 def _delivered(run: dict, epoch: int, *, before: int | None = None, after: int | None = None) -> tuple[Counter, dict[int, int]]:
@@ -188,3 +189,75 @@ def test_stream_resume_through_a_trainer_on_another_world_size(tokenizer_dir, tm
         assert run2["tokens"] == reference["tokens"], name
         padding = sum(r is None for records in run2["ranks"] for _, _, ids in records for r in ids)
         assert sum(s["padding_rows"] for s in run2["stats"]) == padding, name
+
+
+def _seen_tokens(run: dict, *, before: int | None = None, after: int | None = None) -> int:
+    """Non-padding tokens of the batches the model trained on (counted by the fit script from
+    ``input_ids``), summed over the ranks, steps ``< before`` / ``>= after``."""
+    return sum(n for records in run["seen"] for _, step, n in records
+               if (before is None or step < before) and (after is None or step >= after))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("L, first, second, k", [
+    # 2 x 2 = 4 readers -> 3 readers, L = 6: every new reader holds 2 logical streams
+    (6, dict(devices=2, workers=2, batch=2), dict(devices=3, workers=1, batch=2), 4),
+    # 3 readers -> 2 x 2 = 4 readers, L = 6: two readers hold 2 streams, two hold 1 (they pad at the tail)
+    (6, dict(devices=3, workers=1, batch=2), dict(devices=2, workers=2, batch=2), 3),
+    # 2 x 2 = 4 readers -> 3 readers, L = 4: 3 does not divide 4, reader 0 holds streams 0 and 3, readers 1, 2 one each
+    (4, dict(devices=2, workers=2, batch=2), dict(devices=3, workers=1, batch=2), 4),
+], ids=["2to3-L6", "3to2-L6", "2to3-L4"])
+def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_path, L, first, second, k):  # noqa: F811
+    """World 2 <-> 3 mid-epoch through a real ``Trainer`` with gloo DDP (one epoch, to keep it
+    short). The design (``logical.py``): a reader takes the logical streams ``l % P == p``, so
+    when ``P`` does not divide ``L`` some readers hold fewer streams; each reader yields the
+    same batch count (the most rows left over the readers / batch), the readers with fewer rows
+    pad, no warning (that is for a reader with none). So: the head's rows plus the tail's are
+    the uninterrupted epoch's (on the first shape), none twice; every rank trains every step; the resumed epoch's
+    steps are the trained ones plus ``batches_per_reader`` of the rows left at the new shape;
+    the padding rows and the delivered tokens (summed over the ranks) equal an independent
+    count of the batches the model saw, and the tokens equal the uninterrupted epoch's."""
+    import torch
+
+    from stacklm.datamodule.logical import batches_per_reader
+
+    # the uninterrupted run is on the first shape: the quota Q (windows per logical stream) is
+    # fixed by the first run's shape (its per-rank batch count x world x batch / L), so a
+    # one-process run of the same data may owe each stream a window more
+    reference = _fit(tokenizer_dir, tmp_path / "ref", L=L, epochs=1, **first)
+    want, ref_steps = _delivered(reference, 0)
+    per_stream = sum(want.values()) // L
+    assert sum(want.values()) == L * per_stream and max(want.values()) == 1  # every stream its quota, no window twice
+    # readers holding fewer logical streams pad (L=6 on 4 readers: two readers hold one stream each)
+    ref_padding = sum(r is None for records in reference["ranks"] for _, _, ids in records for r in ids)
+    assert ref_padding == 2 * first["devices"] * len(ref_steps) - sum(want.values()) == sum(s["padding_rows"] for s in reference["stats"])
+    assert reference["tokens"] == _seen_tokens(reference)
+    run1 = _fit(tokenizer_dir, tmp_path / "a", save_at=[k], L=L, epochs=1, **first)
+    run2 = _fit(tokenizer_dir, tmp_path / "b", resume=tmp_path / "a" / f"step{k}.ckpt", L=L, epochs=1, **second)
+    head, head_steps = _delivered(run1, 0, before=k)
+    tail, steps = _delivered(run2, 0, after=k)
+    assert sorted(head_steps) == list(range(k)) and all(n == first["devices"] for n in head_steps.values())
+    assert all(n == second["devices"] for n in steps.values()), "every rank trains every step"
+    got = head + tail
+    assert got == want, f"{sum((got - want).values())} rows extra, {sum((want - got).values())} missing"
+    assert max(got.values()) == 1  # no window twice
+    # the step count: the rows left (per logical stream, as the checkpoint counts them) dealt to the new readers
+    consumed = Counter()
+    for records in run1["ranks"]:
+        for _, step, ids in records:
+            if step < k:
+                consumed[None] += sum(r is not None for r in ids)
+    assert consumed[None] + sum(r is None for records in run1["ranks"] for _, s, ids in records if s < k for r in ids) \
+        == 2 * first["devices"] * k
+    record = torch.load(tmp_path / "a" / f"step{k}.ckpt", weights_only=False)["StackDataModule"]["streams"]
+    left = {int(l): int(record["quota"]) - int(n) for l, n in record["consumed"].items()}
+    assert int(record["quota"]) == per_stream and sum(left.values()) == sum(want.values()) - consumed[None]
+    readers = second["devices"] * max(1, second["workers"])
+    assert len(steps) == batches_per_reader(left, L, readers, second["batch"]) * max(1, second["workers"])
+    assert sorted(steps) == list(range(k, k + len(steps)))
+    # padding and tokens: the counters (summed over the ranks) against an independent count
+    padding = sum(r is None for records in run2["ranks"] for _, _, ids in records for r in ids)
+    assert sum(s["padding_rows"] for s in run2["stats"]) == padding
+    assert padding == 2 * second["devices"] * len(steps) - sum(tail.values())
+    assert run2["tokens"] == _seen_tokens(run1, before=k) + _seen_tokens(run2, after=k) == reference["tokens"]
+    assert run2["batches"] == first["devices"] * k + second["devices"] * len(steps)
