@@ -200,13 +200,13 @@ def _seen_tokens(run: dict, *, before: int | None = None, after: int | None = No
 
 @pytest.mark.slow
 @pytest.mark.parametrize("L, first, second, k", [
-    # 2 x 2 = 4 readers -> 3 readers, L = 6: every new reader holds 2 logical streams
-    (6, dict(devices=2, workers=2, batch=2), dict(devices=3, workers=1, batch=2), 4),
+    # (2 x 2 = 4 readers -> 3 readers with L = 6, every new reader holding 2 logical streams, passed
+    # too: 134 s on 2 cores; the two cases below cover both directions and a shape that does not divide L)
     # 3 readers -> 2 x 2 = 4 readers, L = 6: two readers hold 2 streams, two hold 1 (they pad at the tail)
     (6, dict(devices=3, workers=1, batch=2), dict(devices=2, workers=2, batch=2), 3),
     # 2 x 2 = 4 readers -> 3 readers, L = 4: 3 does not divide 4, reader 0 holds streams 0 and 3, readers 1, 2 one each
     (4, dict(devices=2, workers=2, batch=2), dict(devices=3, workers=1, batch=2), 4),
-], ids=["2to3-L6", "3to2-L6", "2to3-L4"])
+], ids=["3to2-L6", "2to3-L4"])
 def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_path, L, first, second, k):  # noqa: F811
     """World 2 <-> 3 mid-epoch through a real ``Trainer`` with gloo DDP (one epoch, to keep it
     short). The design (``logical.py``): a reader takes the logical streams ``l % P == p``, so
