@@ -13,12 +13,11 @@ from torchdata.nodes import IterableWrapper
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.packing.masks import block_mask, cu_seqlens, dense_mask, dense_mask_from_cu_seqlens
+from stacklm.data.packing.nodes import PackNode, batch_node
 from stacklm.data.packing.pack import (
     IGNORE_INDEX,
     BestFitPacker,
     GreedyPacker,
-    PackNode,
-    batch_node,
     collate,
     pack_best_fit,
     pack_greedy,

@@ -10,7 +10,7 @@ import torch
 
 from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.registry import DataMix, SourceConfig
 from tests.resume import check_save_load_state
 

@@ -23,7 +23,7 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.storage import shards as sh
 from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.prebuild import PrebuildError, load_config, prebuild
 
 REPO = Path(__file__).resolve().parents[1]

@@ -151,7 +151,7 @@ def test_packer_pieces_resume_exactly_and_tile_every_document(strategy):
     the pieces of the whole stream tile every document exactly once."""
     from torchdata.nodes import IterableWrapper, Mapper
 
-    from stacklm.data.packing.pack import PackNode
+    from stacklm.data.packing.nodes import PackNode
     from tests.resume import check_save_load_state
 
     bos, eos, pad = 1024, 1025, 1026

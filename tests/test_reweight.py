@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule import DataConfigError, StackDataModule
 from stacklm.datamodule.stream import SUMMARY_KEY, _StreamIterator, first_local_batch

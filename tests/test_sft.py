@@ -16,7 +16,7 @@ from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_code, iter_default_corpus, iter_prose
 from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.packing.masks import dense_mask
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import (
     ConversationPacker,

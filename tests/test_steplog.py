@@ -299,7 +299,7 @@ def test_a_stream_state_saved_without_pieces_resumes_with_them_marked_unknown(st
     packed after the resume has its pieces again."""
     from torchdata.nodes import IterableWrapper
 
-    from stacklm.data.packing.pack import PackBatchNode, PackNode
+    from stacklm.data.packing.nodes import PackBatchNode, PackNode
 
     bos, eos, pad = 1024, 1025, 1026
     rng = np.random.default_rng(5)

@@ -26,7 +26,7 @@ from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.mix.mix import MixNode
-from stacklm.data.packing.pack import PackNode, batch_node
+from stacklm.data.packing.nodes import PackNode, batch_node
 from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
 from stacklm.datamodule.errors import BatchVocabError, DataConfigError
 from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record

@@ -35,7 +35,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stacklm.data.packing.pack import DELIVERY_KEY, Collate, delivery_counts
+from stacklm.data.packing.nodes import DELIVERY_KEY
+from stacklm.data.packing.origins import delivery_counts
+from stacklm.data.packing.pack import Collate
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.stream import (

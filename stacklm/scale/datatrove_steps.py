@@ -189,7 +189,7 @@ class StackPacker(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from torchdata.nodes import IterableWrapper
 
-        from stacklm.data.packing.pack import PackNode
+        from stacklm.data.packing.nodes import PackNode
 
         plan = self.built()
         cfg, tok = plan.config, plan.tokenizer

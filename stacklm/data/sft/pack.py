@@ -20,7 +20,8 @@ from stacklm.chat_formats import conversation_from_record
 from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.audit import KEPT
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.packing.pack import BestFitPacker, PackNode, segment_layout
+from stacklm.data.packing.nodes import PackNode
+from stacklm.data.packing.pack import BestFitPacker, segment_layout
 from stacklm.data.sft.render import DROPPED_TOO_LONG, TURNS_CUT, render_for_sft, untag_loss
 from stacklm.data.stats import StageStats
 

@@ -11,7 +11,7 @@ from stacklm.chat import chat_tokens
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
-from stacklm.data.packing.pack import PackBatchNode
+from stacklm.data.packing.nodes import PackBatchNode
 from stacklm.data.sft.pack import CollateSFT, SFTPackNode
 from stacklm.data.sft.reader import ConversationSource
 from stacklm.data.sft.render import RenderNode

@@ -22,7 +22,7 @@ from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
-from stacklm.data.packing.pack import DELIVERY_KEY
+from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.sft.pipeline import SFTPipeline
 from stacklm.data.sft.preference import (
