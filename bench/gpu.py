@@ -22,7 +22,8 @@ document mask, and each document's position_ids reversed. (A constant shift of o
 positions would not do: RoPE scores depend on relative positions only.)
 
 Verdicts: fp32 differences within ``--tol`` (1e-4 on CPU, 1e-3 on CUDA); a bf16 kernel is
-within ``BF16_SLACK`` times SDPA's own bf16 error against fp32, plus ``--tol``; each control
+within ``BF16_SLACK`` times SDPA's own bf16 error against fp32, plus ``--tol`` (its loss within
+twice that logits bound: a mean of log-probabilities cannot move more); each control
 moves the logits by more than 100 x ``--tol``. The exit status is 1 if any verdict fails.
 
 Part B — throughput. The demo mix (``stacklm/configs/demo.yaml``: offline synthetic sources, best-fit
@@ -369,8 +370,13 @@ def judge(rows: list[dict], controls: dict[str, float], tol: float) -> list[str]
             got = r
         else:
             base = bf16_ref["vs_fp32"]
-            limits = {k: BF16_SLACK * base[k] + tol for k in ("max_logit_diff", "loss_diff", "grad_rel_err")}
+            limits = {k: BF16_SLACK * base[k] + tol for k in ("max_logit_diff", "grad_rel_err")}
             limits["doc_max_diff"] = BF16_SLACK * base["max_logit_diff"] + tol
+            # The loss is a mean of per-token log-probabilities, each within 2 x the largest logit
+            # difference; bf16 SDPA's own loss error is a sum of signed errors that can cancel to
+            # near zero for one batch (CI: 1.2e-4 against flex's 3.7e-4, same logits bound), so a
+            # bound relative to it is luck. Bound it by the logits limit instead.
+            limits["loss_diff"] = 2 * limits["max_logit_diff"]
             got = {**r["vs_fp32"], "doc_max_diff": r["doc_max_diff"]}
         r["limits"] = limits
         checked = {k: limit for k, limit in limits.items() if got[k] is not None}
@@ -397,7 +403,7 @@ def print_kernels(rows, controls, notes, verdicts, tol) -> None:
               f"{r['doc_max_diff']:9.2e}   {f['max_logit_diff']:17.2e} {f['loss_diff']:9.2e} {num(f['grad_rel_err']):>9s} "
               f"{r['first_forward_s']:9.2f}  {'ok' if r['ok'] else 'FAIL'}")
     print("first columns: against SDPA at the same precision; 'doc Δ': max |Δlogit| of a document packed vs alone")
-    print(f"tolerance: fp32 {tol:g}; bf16: {BF16_SLACK:g} x bf16 SDPA's error against fp32 + {tol:g}")
+    print(f"tolerance: fp32 {tol:g}; bf16: {BF16_SLACK:g} x bf16 SDPA's error against fp32 + {tol:g} (loss: 2 x the logits bound)")
     for what, diff in controls.items():
         print(f"control (sdpa fp32, should be large): {what}: doc Δ = {diff:.3g}")
     for note in notes:

@@ -58,6 +58,13 @@ def test_frames_round_trip_and_a_torn_last_frame_is_skipped(tmp_path):
     assert data.count(MAGIC) == 2 and w.bytes == len(data)
     w.path.write_bytes(data[:-5])  # a run killed while writing its last frame
     assert [f["step"].tolist() for f in read_frames(w.path)] == [[0, 1]]
+    # stream mode: a frame of padding batches only (a dry stream) has rows of no pieces
+    p = StepLogWriter(tmp_path / "p", 0, frame_batches=1)  # the first frame: padding only
+    p.add_pieces(0, 0, [], [], 2)
+    p.add_pieces(0, 1, [[(0, 3, 7, 0, 5, 0)], None], [11, 12], 0)
+    p.close()
+    recs = [r for f in read_frames(p.path) for r in frame_records(f)]
+    assert [(r["pieces"], r["crc"], r["n_pad"]) for r in recs] == [([], [], 2), ([[[0, 3, 7, 0, 5, 0]], None], [11, 12], 0)]
 
 
 def test_the_newest_run_that_logged_a_step_answers(tmp_path):

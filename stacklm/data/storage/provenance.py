@@ -60,7 +60,7 @@ def row_columns(rows: Sequence[Sequence[tuple[int, ...]]]) -> dict[str, np.ndarr
     # The invariant that lets row_start go unstored: pieces are back to back from token 0.
     lengths = end - start
     cs = np.cumsum(lengths)
-    first = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    first = np.cumsum(counts) - counts  # each row's first piece (no row, e.g. a frame of padding batches: none)
     base = np.concatenate([[0], cs])[np.repeat(first, counts)]
     if len(flat) and (not np.array_equal(cs - lengths - base, start) or (lengths <= 0).any() or (src < 0).any()):
         raise ValueError("provenance pieces are not back to back from token 0 of each row; this is a packer bug")
