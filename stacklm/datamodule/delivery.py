@@ -3,7 +3,7 @@
 A loader worker runs ahead of the step by its shuffle and pack buffers and by the loader's
 prefetch (``prefetch_factor x num_workers`` batches), so its own counters say what it *read*,
 not what was trained on (a toy fit showed 45x). Every stream batch therefore carries the
-counts of its own windows (``stacklm.data.packing.pack.delivery_counts`` under ``DELIVERY_KEY``);
+counts of its own windows (``stacklm.data.packing.origins.delivery_counts`` under ``DELIVERY_KEY``);
 ``StackDataLoader`` takes them off each batch as it hands the batch to the training loop and
 adds them here. Lightning does not fetch ahead of a loader with a length, so "handed to the
 loop" is "reached the training step".
