@@ -58,7 +58,6 @@ FRAME_BATCHES = 64
 FRAME_SECONDS = 30.0
 _HEADER = struct.Struct("<4sQ")
 _BATCH_COLUMNS = ("step", "epoch", "batch", "n_rows", "n_pad")
-_PIECE_COLUMNS = ("row_pieces", "source", "file_index", "record", "length", "doc_offset")
 
 
 class StepLogError(StackLMError):
@@ -268,27 +267,27 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
     trained, but the run's history continued from the checkpoint instead). When the owner did
     not log ``S`` (it stopped or was killed first), that is an error naming what it logged."""
     if (Path(root) / META).is_file():  # one run's folder: that run's records, superseded or not
-        return _run_step(Path(root), step)
+        gen = Path(root)
+        meta = read_meta(gen)
+        lo, hi, records = _scan(gen, step)
+        if not records:
+            raise StepLogError(f"{gen}: this run did not log global step {step} (it logged steps "
+                               f"{'none' if lo is None else f'{lo}..{hi}'})")
+        return gen, meta, records
     root = resolve_root(root)
-    spans: list[tuple[Path, dict[str, Any], int | None, int | None]] = []
+    spans: list[tuple[Path, dict[str, Any], int, int | None, list[dict[str, Any]]]] = []
     for gen in generations(root):
-        lo = hi = None
-        for path in gen.glob("rank-*.frames"):
-            for frame in read_frames(path):
-                if len(frame["step"]):
-                    lo = int(frame["step"].min()) if lo is None else min(lo, int(frame["step"].min()))
-                    hi = int(frame["step"].max()) if hi is None else max(hi, int(frame["step"].max()))
+        lo, hi, records = _scan(gen, step)
         meta = read_meta(gen)
         start = meta.get("start_step", lo)
         if start is not None:
-            spans.append((gen, meta, int(start), hi))
+            spans.append((gen, meta, int(start), hi, records))
     owners = [span for span in spans if span[2] <= step]
     if not owners:
         raise StepLogError(f"{root}: no run logged global step {step} (runs: {_describe(spans)})")
-    gen, meta, start, hi = owners[-1]
-    records = _records(gen, step)
+    gen, meta, start, hi, records = owners[-1]
     if not records:
-        older = [g for g, _, s, h in spans if g != gen and h is not None and s <= step <= h]
+        older = [g for g, _, s, h, _ in spans if g != gen and h is not None and s <= step <= h]
         raise StepLogError(
             f"{root}: global step {step} belongs to run {gen.name} (the newest to start at or before it, at step {start}), "
             f"which logged steps {start}..{hi if hi is not None else '(none)'} and stopped before it"
@@ -300,25 +299,22 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
     return gen, meta, records
 
 
-def _records(gen: Path, step: int) -> list[dict[str, Any]]:
+def _scan(gen: Path, step: int) -> tuple[int | None, int | None, list[dict[str, Any]]]:
+    """One pass over a run's frames: the lowest and highest step it logged, and the records of
+    ``step`` of every rank, by rank then batch."""
+    lo = hi = None
     records: list[dict[str, Any]] = []
     for path in sorted(gen.glob("rank-*.frames")):
         rank = int(path.stem.split("-")[1])
         for frame in read_frames(path):
-            if step in frame["step"]:
+            steps = frame["step"]
+            if len(steps):
+                lo = int(steps.min()) if lo is None else min(lo, int(steps.min()))
+                hi = int(steps.max()) if hi is None else max(hi, int(steps.max()))
+            if step in steps:
                 records.extend({"rank": rank, **r} for r in frame_records(frame) if r["step"] == step)
-    return sorted(records, key=lambda r: (r["rank"], r["epoch"], r["batch"]))
-
-
-def _run_step(gen: Path, step: int) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
-    meta = read_meta(gen)
-    records = _records(gen, step)
-    if not records:
-        steps = [int(x) for path in gen.glob("rank-*.frames") for frame in read_frames(path) for x in frame["step"]]
-        span = f"{min(steps)}..{max(steps)}" if steps else "none"
-        raise StepLogError(f"{gen}: this run did not log global step {step} (it logged steps {span})")
-    return gen, meta, records
+    return lo, hi, sorted(records, key=lambda r: (r["rank"], r["epoch"], r["batch"]))
 
 
 def _describe(spans) -> str:
-    return ", ".join(f"{g.name} steps {s}..{h}" for g, _, s, h in spans) or "none"
+    return ", ".join(f"{g.name} steps {s}..{h}" for g, _, s, h, _ in spans) or "none"
