@@ -2,7 +2,7 @@
 each of its pieces came from, from the run's step log (``stacklm.datamodule.steplog``).
 
 Shards mode logged global row indices: each row's tokens and pieces are the prebuild's
-(``stacklm.data.storage.provenance.row_provenance``). Stream mode logged each row's pieces and the
+(``stacklm.data.storage.provenance.RowProvenance``). Stream mode logged each row's pieces and the
 CRC-32 of its window: the tokens are rebuilt here from the source records, through the same
 source nodes and tokenizer the run used (a record's text as the source yields it, encoded on
 the same fast path, wrapped ``<bos> ids <eos>``), and checked against the CRC, so a source
@@ -12,6 +12,7 @@ file changed since the run shows up as ``"verified": false`` rather than as wron
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -51,7 +52,7 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
 
 
 def _shard_rows(meta: dict[str, Any]):
-    from stacklm.data.storage.provenance import row_provenance
+    from stacklm.data.storage.provenance import RowProvenance
 
     shards = meta["shards"]
     data_dir = Path(shards["data_dir"])
@@ -59,16 +60,16 @@ def _shard_rows(meta: dict[str, Any]):
     if not manifest.is_file():
         raise StepLogError(f"the run read the prebuild {data_dir}, which is gone (no {manifest}); pass the step log of a run "
                            "whose shards are still there")
-    import hashlib
-
     if shards.get("manifest_hash") and hashlib.sha256(manifest.read_bytes()).hexdigest() != shards["manifest_hash"]:
         raise StepLogError(f"{manifest} changed since the run (another build in the same place): its rows are not the rows "
                            "the run trained on")
 
+    rows = RowProvenance(data_dir, shards["split"])
+
     def fill(rec: dict[str, Any]) -> list[dict[str, Any]]:
         out = []
         for row in rec["rows"]:
-            got = row_provenance(data_dir, int(row), shards["split"])
+            got = rows(int(row))
             out.append({"row": int(row), "input_ids": got["input_ids"], "segments": got["segments"]})
         return out
 
@@ -141,7 +142,7 @@ class _StreamRows:
             with _cwd(self.cwd):
                 node.reset({"part": fid} if isinstance(node, PartNode) else None)  # a reader of all parts: part index = file
                 last = max(records)
-                for doc in _iterate(node):
+                for doc in node:  # reset above: iterating continues from there
                     f, r = int(doc.get("file", -1)), int(doc.get("record", -1))
                     if f > fid or (f == fid and r > last):
                         break
@@ -192,10 +193,3 @@ class _StreamRows:
                 return cut, True
         return window, False
 
-
-def _iterate(node) -> Iterator[dict]:
-    while True:
-        try:
-            yield next(node)
-        except StopIteration:
-            return

@@ -32,7 +32,7 @@ from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
 
 PROV_SUFFIX = ".prov.npz"
 FORMAT = "stacklm-provenance/1"
-# One document piece of a packed window (``stacklm.data.packing.pack.WindowOrigin.pieces``). Defined
+# One document piece of a packed window (``stacklm.data.packing.origins.WindowOrigin.pieces``). Defined
 # here, not in pack.py, so the CLI and the prebuild's manifests read provenance without torch.
 PIECE_FIELDS = ("source", "file", "record", "row_start", "row_end", "doc_offset")
 
@@ -116,7 +116,7 @@ class ShardTracker:
         self.bytes = 0  # side-file bytes written by this job (this run)
 
     def window(self, window: np.ndarray) -> None:
-        origin = self.pack.last_origin  # stacklm.data.packing.pack.WindowOrigin
+        origin = self.pack.last_origin  # stacklm.data.packing.origins.WindowOrigin
         p = self.pack.packer
         n = len(p.sources)
         if len(self.delivered) < n:
@@ -218,38 +218,59 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
 def row_provenance(directory: str | Path, row: int, split: str = "train") -> dict[str, Any]:
     """``{"row", "input_ids", "segments": [{"source", "file", "record", "row_start", "row_end",
     "doc_offset"}, ...]}`` for global row ``row`` of ``split`` (shards in manifest order);
-    ``input_ids`` is the whole stored window."""
-    from stacklm.data.storage import manifest as mf
-    from stacklm.data.storage.shards import open_tokens, parse_dtype
+    ``input_ids`` is the whole stored window. Many rows: one ``RowProvenance``."""
+    return RowProvenance(directory, split)(row)
 
-    split_dir = _split_dir(directory, split)
-    m = mf.read_manifest(split_dir)
-    prov = m.get("provenance")
-    if not prov:
-        raise ShardError(f"{split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
-                         "(or before stacklm recorded it); rebuild it to ask where rows came from", path=split_dir)
-    n_total = int(m["n_seq"])
-    if not 0 <= row < n_total:
-        raise ShardError(f"row {row} is out of range: split {split!r} of {directory} has {n_total:,} rows (0..{n_total - 1})",
-                         path=split_dir)
-    first = 0
-    for shard in m["shards"]:
-        n = int(shard["n_seq"])
-        if row < first + n:
-            break
-        first += n
-    local = row - first
-    path = prov_path(split_dir, shard["name"])
-    if not path.exists():
-        raise ShardError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
-    ptr, pieces = decode_rows(path.read_bytes())
-    if len(ptr) - 1 != n:
-        raise ShardError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build", path=path)
-    tokens = open_tokens(split_dir, shard["name"], parse_dtype(m["dtype"], where=str(split_dir)), n, int(m["seq_len"]))
-    segments = []
-    for src, fid, rec, start, end, off in pieces[ptr[local] : ptr[local + 1]].tolist():
-        name = prov["sources"][src]
-        segments.append({"source": name, "file": prov["files"][name][fid], "record": rec, "row_start": start, "row_end": end,
-                         "doc_offset": off})
-    return {"row": int(row), "input_ids": [int(x) for x in tokens[local]], "segments": segments, "shard": shard["name"],
-            "split": split}
+
+class RowProvenance:
+    """Rows of one prebuilt split with their pieces: the manifests read once, each shard's side
+    file decoded once (a training step's rows, ``stacklm inspect --step``, hit the same shards)."""
+
+    def __init__(self, directory: str | Path, split: str = "train") -> None:
+        from stacklm.data.storage import manifest as mf
+
+        self.directory, self.split = directory, split
+        self.split_dir = _split_dir(directory, split)
+        self.manifest = m = mf.read_manifest(self.split_dir)
+        self.prov = m.get("provenance")
+        if not self.prov:
+            raise ShardError(f"{self.split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
+                             "(or before stacklm recorded it); rebuild it to ask where rows came from", path=self.split_dir)
+        self.n_rows = int(m["n_seq"])
+        self.first_rows = np.cumsum([0] + [int(shard["n_seq"]) for shard in m["shards"]])  # each shard's first global row
+        self._shards: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+    def _shard(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Shard ``k``'s ``(row_ptr, pieces, tokens)``, decoded on first use."""
+        from stacklm.data.storage.shards import open_tokens, parse_dtype
+
+        if k not in self._shards:
+            m, shard = self.manifest, self.manifest["shards"][k]
+            n = int(shard["n_seq"])
+            path = prov_path(self.split_dir, shard["name"])
+            if not path.exists():
+                raise ShardError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
+            ptr, pieces = decode_rows(path.read_bytes())
+            if len(ptr) - 1 != n:
+                raise ShardError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build",
+                                 path=path)
+            tokens = open_tokens(self.split_dir, shard["name"], parse_dtype(m["dtype"], where=str(self.split_dir)), n,
+                                 int(m["seq_len"]))
+            self._shards[k] = (ptr, pieces, tokens)
+        return self._shards[k]
+
+    def __call__(self, row: int) -> dict[str, Any]:
+        if not 0 <= row < self.n_rows:
+            raise ShardError(f"row {row} is out of range: split {self.split!r} of {self.directory} has {self.n_rows:,} rows "
+                             f"(0..{self.n_rows - 1})", path=self.split_dir)
+        k = int(np.searchsorted(self.first_rows, row, side="right")) - 1
+        local = row - int(self.first_rows[k])
+        ptr, pieces, tokens = self._shard(k)
+        prov = self.prov
+        segments = []
+        for src, fid, rec, start, end, off in pieces[ptr[local] : ptr[local + 1]].tolist():
+            name = prov["sources"][src]
+            segments.append({"source": name, "file": prov["files"][name][fid], "record": rec, "row_start": start, "row_end": end,
+                             "doc_offset": off})
+        return {"row": int(row), "input_ids": [int(x) for x in tokens[local]], "segments": segments,
+                "shard": self.manifest["shards"][k]["name"], "split": self.split}
