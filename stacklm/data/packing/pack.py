@@ -357,15 +357,17 @@ class BestFitPacker(_Packer):
         pieces: list[tuple[int, ...]] | None = [] if self.provenance else None
         fill = 0
 
-        def place(arrival: int, length: int) -> None:
-            window[fill : fill + length] = self._pieces.pop(arrival)
+        def place(arrival: int, length: int, at: int) -> int:
+            """Put piece ``arrival`` at ``at``; the fill after it."""
+            window[at : at + length] = self._pieces.pop(arrival)
             if origin is not None:
                 src, doc_len, *where = self._meta.pop(arrival)
-                origin[fill : fill + length] = src
+                origin[at : at + length] = src
                 if doc_len:
                     starts.append((src, doc_len))
                 if pieces is not None:
-                    pieces.append((src, where[0], where[1], fill, fill + length, where[2]))
+                    pieces.append((src, where[0], where[1], at, at + length, where[2]))
+            return at + length
 
         order = self._order
         while order:  # pieces that waited max_wait arrivals go first, oldest first (bounded wait)
@@ -378,8 +380,7 @@ class BestFitPacker(_Packer):
                 break
             order.popleft()
             keys.pop(bisect_left(keys, (length, arrival)))
-            place(arrival, length)
-            fill += length
+            fill = place(arrival, length, fill)
         while keys and fill < L:
             idx = bisect_right(keys, (L - fill, 1 << 62)) - 1
             if idx < 0:
@@ -387,8 +388,7 @@ class BestFitPacker(_Packer):
             length = keys[idx][0]
             idx = bisect_left(keys, (length, -1))  # oldest piece of that length
             _, arrival = keys.pop(idx)
-            place(arrival, length)
-            fill += length
+            fill = place(arrival, length, fill)
         self.pad_tokens += L - fill
         self.windows += 1
         if origin is not None:
