@@ -30,7 +30,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, Literal, Union
 
 from stacklm.errors import ConfigError
 
@@ -76,8 +76,14 @@ def _type_name(hint: Any) -> str:
 class Config:
     """Base of the config dataclasses (subclasses are ``@dataclass``, usually frozen)."""
 
-    config_error: ClassVar[type[ConfigError]] = ConfigError
-    hash_exclude: ClassVar[tuple[str, ...]] = ()
+    # Class attributes without annotations: ``typing.get_type_hints(Sub, Sub's module globals)``
+    # evaluates every base's annotations in the subclass's module, so a ``ClassVar[...]`` here
+    # failed to resolve where a config module does not import ClassVar; jsonargparse then
+    # treated every field of e.g. ``OptimConfig`` as unvalidated and warned that the ``betas``
+    # tuple does not round-trip (issue 25). Subclasses override them the same way or with
+    # their own ``ClassVar`` annotation.
+    config_error = ConfigError  # type[ConfigError]: the ConfigError subclass this config raises
+    hash_exclude = ()  # tuple[str, ...]: fields config_hash() leaves out
 
     # ------------------------------------------------------------------ parse
     @classmethod

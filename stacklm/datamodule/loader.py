@@ -94,7 +94,12 @@ class StackDataLoader(StatefulDataLoader):
         vocab_size: int | None = None,
         **kwargs: Any,
     ) -> None:
-        super().__init__(*args, **kwargs)
+        with warnings.catch_warnings():
+            # torchdata's __init__ calls torch.set_vital, which torch >= 2.10 deprecates; the
+            # warning is about torchdata's own code (nothing a caller passes changes it), so it
+            # is silenced for this one call only, not for the process.
+            warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
+            super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
         self.worker_summaries: dict[int, dict[str, Any]] = {}  # worker id -> its latest summary
         self.epoch = 0  # the pass over the data: each pass draws its own order (``StreamDataset.epoch``)

@@ -200,6 +200,7 @@ class StackDataModule(L.LightningDataModule):
     # ------------------------------------------------------------------ lightning hooks
     def setup(self, stage: str | None = None) -> None:
         trainer = getattr(self, "trainer", None)
+        _quiet_len_warning()
         if trainer is not None:
             self.rank, self.world_size = trainer.global_rank, trainer.world_size
 
@@ -445,6 +446,17 @@ class StackDataModule(L.LightningDataModule):
         self.logical_streams = saved
         self._mode.restored = dict(rec)
         self._mode.quota = None
+
+
+def _quiet_len_warning() -> None:
+    """Lightning warns on every fit whose loader's dataset is an ``IterableDataset`` with a
+    ``__len__`` that it "could be inaccurate ... duplicate data" with several workers. Ours is
+    not: a stream's or an elastic loader's dataset hands each (rank, worker) its own disjoint
+    share of a batch plan made before the workers start, and ``__len__`` is that plan's length
+    (tests/test_stream_fit.py and test_elastic*.py count every delivered batch against it).
+    Dropping ``__len__`` would cost the progress bar, ``val_check_interval`` and the schedule
+    their epoch length, so the one false sentence is ignored by its exact text instead."""
+    warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined", category=UserWarning)
 
 
 def _check_same_on_ranks(change: dict[str, Any]) -> None:

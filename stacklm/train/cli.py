@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import difflib
 import importlib
+import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -110,13 +112,14 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
 
     from stacklm.train.module import GPTModule
 
+    quiet_third_party_notices()
     if datamodule_class is None:
         datamodule_class = import_class(os.environ.get("STACKLM_DATAMODULE", DEFAULT_DATAMODULE))
     if args is None:  # LightningCLI reads sys.argv itself (and DDP re-runs it for the other ranks)
         sys.argv[1:] = resolve_config_args(sys.argv[1:])
     elif isinstance(args, (list, tuple)):
         args = resolve_config_args(args)
-    return LightningCLI(
+    return _cli_class()(
         GPTModule,
         datamodule_class,
         args=args,
@@ -124,7 +127,54 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
         auto_configure_optimizers=False,  # GPTModule.configure_optimizers owns AdamW + schedule
         save_config_kwargs={"overwrite": True},
         parser_class=_parser_class(),
+        # Lightning's default (True) seeds with 0 after warning "No seed found"; say 0 outright.
+        seed_everything_default=0,
     )
+
+
+def _cli_class() -> type:
+    """``LightningCLI`` whose default logger (``trainer.logger`` unset or ``true``) is the
+    ``CSVLogger`` under ``default_root_dir`` that Lightning falls back to anyway when
+    TensorBoard is not installed -- chosen here, so the trainer does not warn about
+    ``tensorboardX`` having been removed from its dependencies on every fit."""
+    from lightning.pytorch.cli import LightningCLI
+    from lightning.pytorch.loggers import CSVLogger
+
+    class StackCLI(LightningCLI):
+        def _instantiate_trainer(self, config, callbacks):
+            if config.get("logger") in (None, True):  # Trainer(logger=None) is its default logger too
+                config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
+            return super()._instantiate_trainer(config, callbacks)
+
+    return StackCLI
+
+
+class _NoAdvert(logging.Filter):
+    """Drops Lightning's "💡 Tip: ... try installing litlogger/litmodels" lines: advertising
+    for hosted services, printed on every fit, with nothing for a stacklm user to act on."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.getMessage()).startswith("💡 Tip:")
+
+
+def quiet_third_party_notices() -> None:
+    """Silence, by exact message, the lines a fit printed that are neither ours nor true of it
+    (issue 25). What could be fixed at its cause was (the optimizer ``betas`` round-trip warning:
+    ``stacklm.config.Config``; "No seed found": ``seed_everything_default``; the tensorboardX
+    notice: the default logger above). What is left is third-party code talking about itself:
+
+    - Lightning's ``_pytree`` builds ``LeafSpec()``, which torch >= 2.10 deprecates
+      (``FutureWarning``, once per fit, from inside ``CombinedLoader``; no caller can avoid it);
+    - the litlogger/litmodels tips (``_NoAdvert``).
+
+    Lightning's "IterableDataset has __len__ ... duplicate data" warning is handled where our
+    loaders are built (``stacklm.datamodule.module``), which documents why the length is exact.
+    """
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        log = logging.getLogger(name)
+        if not any(isinstance(f, _NoAdvert) for f in log.filters):
+            log.addFilter(_NoAdvert())
 
 
 def _parser_class() -> type:
