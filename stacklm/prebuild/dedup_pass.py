@@ -1,9 +1,11 @@
 """The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision over
-all splits (no duplicate set keeps members in two splits), saved as ``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
+all splits (no duplicate set keeps members in two splits), saved as
+``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
 
 The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
-documents removed (and the documents kept) are the same for every ``--workers N`` and every
-number of datatrove tasks (``stacklm.data.dedup.global_index`` explains the design). Also the
+documents removed (and, unless the token budget binds, the documents kept) are the same for
+every ``--workers N`` and every number of datatrove tasks (docs/prebuild.md says exactly what
+is invariant; ``stacklm.data.dedup.global_index`` explains the design). Also the
 engine of ``stacklm dedup-index`` (stream mode's offline index).
 """
 
