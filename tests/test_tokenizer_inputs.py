@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 
 import pytest
@@ -257,3 +258,41 @@ def test_library_domain_texts_read_records(tmp_path):
     texts, audits = domain_texts_from_files({"records": jsonl}, None, text_column="body")
     assert texts["records"] == DOCS  # one chunk per (short) document, in order
     assert audits["records"].per_file[jsonl]["documents"] == len(DOCS)
+
+
+def _four_inputs(tmp_path):
+    """The shape a user brings: kernel-docs-like prose, Python docs, Python code and Chinese
+    JSON lines, of very different sizes."""
+    kernel = tmp_path / "kernel_docs.txt"
+    kernel.write_text("".join(f"The scheduler wakes task {i} on CPU {i % 8} after the RCU grace period.\n" for i in range(6000)))
+    pydocs = tmp_path / "python_docs.txt"
+    pydocs.write_text("".join(f"os.path.join(a, *p) joins path component {i} intelligently.\n" for i in range(2000)))
+    code = tmp_path / "code.py"
+    code.write_text("".join(f"def f{i}(x):\n    return x * {i}\n\n" for i in range(1000)))
+    zh = tmp_path / "zh_man.jsonl"
+    with open(zh, "w", encoding="utf-8") as f:
+        for i in range(1500):
+            f.write(json.dumps({"text": f"第{i}节：命令行工具的使用说明与参数。"}, ensure_ascii=False) + "\n")
+    return [str(kernel), str(pydocs), str(code), str(zh)]
+
+
+def test_budget_takes_every_input_in_proportion_to_its_size(tmp_path):
+    files = _four_inputs(tmp_path)
+    budget = 100_000
+    sample = open_text_input(files, budget)
+    assert sum(len(c.encode()) for c in sample) == budget
+    audit = sample.audit
+    sizes = [os.path.getsize(p) for p in files]
+    left, expected = budget, []  # each file's share of what is left, counted here independently
+    for i in range(len(files)):
+        share = left if i == len(files) - 1 else left * sizes[i] // sum(sizes[i:])
+        expected.append(share)
+        left -= share
+    got = [audit.per_file[p]["bytes_yielded"] for p in files]
+    assert got == expected and all(g > 0 for g in got)
+    for g, size in zip(got, sizes):  # every input in proportion to its size, to within 1%
+        assert abs(g / budget - size / sum(sizes)) < 0.01
+    lines = audit.summary()
+    for p, g in zip(files, got):
+        assert any(line.strip().startswith(f"{p}: {g:,} B") for line in lines), lines
+    assert audit.to_dict()["file_sizes"] == dict(zip(files, sizes))

@@ -37,7 +37,7 @@ from stacklm.errors import StackLMError
 
 STRICT_ENV = "STACKLM_LEDGER_STRICT"
 SOURCE_DROPS = (DROPPED_EMPTY, DROPPED_BINARY, *INVALID_RECORDS)
-DEDUP_DROPS = ("exact_dup", "near_dup")
+DEDUP_DROPS = ("exact_dup", "near_dup", "cross_split_dup")
 UNITS = ("docs", "tokens")
 
 

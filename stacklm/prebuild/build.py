@@ -151,10 +151,10 @@ def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from stacklm.prebuild.dedup_pass import pickle_slice
+    from stacklm.prebuild.dedup_pass import slice_bytes, slice_from_bytes
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent) as pool:
-        return [pickle.loads(b) for b in pool.map(pickle_slice, args)]
+        return [slice_from_bytes(b) for b in pool.map(slice_bytes, args)]
 
 
 def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL) -> list[dict[str, Any]]:

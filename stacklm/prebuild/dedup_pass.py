@@ -1,19 +1,23 @@
-"""The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision per
-split, saved as ``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
+"""The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision over
+all splits (no duplicate set keeps members in two splits), saved as
+``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
 
 The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
-documents removed (and the documents kept) are the same for every ``--workers N`` and every
-number of datatrove tasks (``stacklm.data.dedup.global_index`` explains the design). Also the
+documents removed (and, unless the token budget binds, the documents kept) are the same for
+every ``--workers N`` and every number of datatrove tasks (docs/prebuild.md says exactly what
+is invariant; ``stacklm.data.dedup.global_index`` explains the design). Also the
 engine of ``stacklm dedup-index`` (stream mode's offline index).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import pickle
+import io
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 INDEX_FILE = "dedup_index.npz"
 
@@ -53,14 +57,16 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
 
 
 def decide_index(config, slices: dict[str, Sequence[dict[str, Any]]]):
-    """Step 2 per split; a ``DedupIndex`` of the removed ids with the counts in its meta."""
-    from stacklm.data.dedup.global_index import DedupIndex, decide
+    """Step 2, one decision over all splits together (``decide_splits``: a duplicate set with
+    members in two splits keeps its val copy); a ``DedupIndex`` of the removed ids with the
+    counts in its meta."""
+    from stacklm.data.dedup.global_index import REASONS, DedupIndex, decide_splits
 
-    decisions = {split: decide(parts, exact=config.dedup.exact, near=config.dedup.near) for split, parts in slices.items()}
+    decisions = decide_splits(slices, exact=config.dedup.exact, near=config.dedup.near)
     meta = {
         "dedup": dataclasses.asdict(config.dedup),
         "docs": {s: d["docs"] for s, d in decisions.items()},
-        "removed": {s: {"exact": len(d["exact"]), "near": len(d["near"])} for s, d in decisions.items()},
+        "removed": {s: {r: len(d[r]) for r in REASONS} for s, d in decisions.items()},
     }
     return DedupIndex.from_decisions(decisions, meta)
 
@@ -93,6 +99,23 @@ def load_or_build(plan, run_all=None):
     return index
 
 
-def pickle_slice(args: tuple) -> bytes:
-    """``signature_slice`` for a pool: the result pickled once (numpy arrays travel compactly)."""
-    return pickle.dumps(signature_slice(*args), protocol=5)
+SLICE_FIELDS = ("ids", "source", "digest", "bands")
+
+
+def slice_bytes(args: tuple) -> bytes:
+    """``signature_slice`` as an ``.npz`` (plain arrays: ids as fixed-width unicode, never
+    objects), what a pool returns and a datatrove task writes to disk: data only, so reading
+    it back (``slice_from_bytes``) runs no code."""
+    res = signature_slice(*args)
+    buf = io.BytesIO()
+    np.savez(buf, **{k: np.asarray(res[k]) for k in SLICE_FIELDS})
+    return buf.getvalue()
+
+
+def slice_from_bytes(blob: bytes, where: str = "dedup signatures") -> dict[str, Any]:
+    """A ``slice_bytes`` result; ``allow_pickle=False``, so an object array (or a pickle) is refused."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            return {k: z[k] for k in SLICE_FIELDS}
+    except (ValueError, KeyError, OSError) as e:
+        raise ValueError(f"{where}: not a stacklm dedup signature file ({type(e).__name__}: {e}); delete it and re-run the signature step") from None

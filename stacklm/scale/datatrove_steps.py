@@ -134,47 +134,46 @@ class StackMixedDocuments(_StackStep):
 
 class StackDedupSignatures(_StackStep):
     """Global dedup, step 1 (``T`` tasks per split): this task's slice of every source through
-    holdout and filter, as signature records saved to ``.prebuild/dedup-sig-<job>.pkl``."""
+    holdout and filter, as signature records saved to ``.prebuild/dedup-sig-<job>.npz`` (plain
+    arrays, read back with ``allow_pickle=False``)."""
 
     name = "stacklm dedup signatures"
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.storage.shards import atomic_write_shard_file
-        from stacklm.prebuild.dedup_pass import pickle_slice
+        from stacklm.prebuild.dedup_pass import slice_bytes
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.plan import STATE_DIR
 
         split, worker = self.plan.job_of(rank, world_size)
-        blob = pickle_slice((self.plan.config, split, worker, self.plan.tasks_per_split))
-        atomic_write_shard_file(Path(self.plan.out) / STATE_DIR / f"dedup-sig-{job_name(split, worker)}.pkl", blob)
+        blob = slice_bytes((self.plan.config, split, worker, self.plan.tasks_per_split))
+        atomic_write_shard_file(Path(self.plan.out) / STATE_DIR / f"dedup-sig-{job_name(split, worker)}.npz", blob)
         self.stat_update("slices")
         return
         yield
 
 
 class StackDedupDecision(_StackStep):
-    """Global dedup, step 2 (one task): all slices' signatures -> the removed-id index the
-    packing tasks drop (``.prebuild/dedup_index.npz``), exactly as ``stacklm prebuild`` makes it."""
+    """Global dedup, step 2 (one task): all slices' signatures of all splits -> one decision
+    (a set with copies in two splits keeps its val copy) -> the removed-id index the packing tasks drop (``.prebuild/dedup_index.npz``), exactly as ``stacklm prebuild`` makes it."""
 
     name = "stacklm dedup decision"
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        import pickle
-
-        from stacklm.prebuild.dedup_pass import INDEX_FILE, decide_index
+        from stacklm.prebuild.dedup_pass import INDEX_FILE, decide_index, slice_from_bytes
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.plan import STATE_DIR
 
         plan = self.built()
         state = plan.out / STATE_DIR
         slices = {
-            split: [pickle.loads((state / f"dedup-sig-{job_name(split, w)}.pkl").read_bytes()) for w in range(plan.workers)]
+            split: [slice_from_bytes((p := state / f"dedup-sig-{job_name(split, w)}.npz").read_bytes(), str(p)) for w in range(plan.workers)]
             for split in plan.splits
         }
         decide_index(plan.config, slices).save(state / INDEX_FILE)
-        for path in state.glob("dedup-sig-*.pkl"):
+        for path in state.glob("dedup-sig-*.npz"):
             path.unlink()
         return
         yield

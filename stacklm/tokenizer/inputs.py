@@ -166,6 +166,17 @@ def _records(node, name: str, audit: SampleAudit, budget: _Budget, chunk_bytes: 
         node._close()
 
 
+def share_of(left: int | None, sizes: Sequence[int]) -> int | None:
+    """The first file's share of ``left`` bytes among files of ``sizes`` (its size over their
+    sum; the last file takes all of ``left``); ``None`` (no budget) stays ``None``."""
+    if left is None:
+        return None
+    total = sum(sizes)
+    if len(sizes) == 1 or total == 0:
+        return left if len(sizes) == 1 else left // len(sizes)
+    return left * sizes[0] // total
+
+
 def open_text_input(
     inputs: str | os.PathLike | Iterable[str | os.PathLike] | None = None,
     max_bytes: int | None = None,
@@ -179,7 +190,12 @@ def open_text_input(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> TextSample:
     """Text chunks (each <= ``chunk_bytes``) from files/globs ``inputs`` or a ``datasets``
-    ``dataset``, the first ``max_bytes`` UTF-8 bytes of them (``None``: all), with an audit.
+    ``dataset``, ``max_bytes`` UTF-8 bytes of them (``None``: all), with an audit.
+
+    Under a budget every file gets a share in proportion to its size on disk (``share_of``;
+    compressed files count their compressed size), taken from its start, so a sample of four
+    inputs holds all four in proportion rather than the first ones whole; the audit records
+    each file's ``quota`` and what it gave (``bytes_yielded``), and ``summary()`` prints it.
 
     Files are resolved and every text file sniffed up front, so a missing file, a binary file
     or JSON read as text fails here, naming the file, before any training starts.
@@ -211,22 +227,35 @@ def open_text_input(
     audit.duplicate_paths = duplicates
     block = max(chunk_bytes, 64 * 1024)
 
+    sizes = {path: os.path.getsize(path) for path in files}
+    audit.file_sizes = dict(sizes)
+
     def gen_files() -> Iterator[str]:
         budget = _Budget(max_bytes)
-        for path in files:
+        for i, path in enumerate(files):
             if budget.done:
                 break
+            # Each file's share of what is left, in proportion to its size among the files
+            # still to read: a file that yields less than its share (JSON overhead, a short
+            # compressed file) passes the rest on; the last file may take all that remains.
+            quota = share_of(budget.left, [sizes[p] for p in files[i:]])
+            audit._counts(path)["quota"] = quota if quota is not None else -1
+            part = _Budget(quota)
+            before = audit.bytes_yielded
             if formats[path] == "txt":
                 counts = audit._counts(path)
-                pieces = _file_pieces(path, budget, block, counts)
+                pieces = _file_pieces(path, part, block, counts)
                 try:
-                    yield from _chunk_pieces(pieces, budget, chunk_bytes, counts, audit)
+                    yield from _chunk_pieces(pieces, part, chunk_bytes, counts, audit)
                 finally:
                     pieces.close()
             else:
-                yield from _records(_record_node(path, text_column), path, audit, budget, chunk_bytes)
+                yield from _records(_record_node(path, text_column), path, audit, part, chunk_bytes)
+            if budget.left is not None:
+                budget.left -= audit.bytes_yielded - before
+        audit.budget_reached = budget.done
 
     return TextSample(gen_files(), audit)
 
 
-__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "input_format", "open_text_input"]
+__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "input_format", "open_text_input", "share_of"]

@@ -7,7 +7,8 @@ same rules to in-memory strings (e.g. ``stacklm.corpus.iter_default_corpus()``).
 
 Rules (both functions):
 
-* **Budget.** The yielded text is the first ``max_bytes`` UTF-8 bytes of the cleaned input
+* **Budget.** (``stream_sample``; ``inputs.open_text_input`` shares the budget between its
+  files in proportion to their sizes and applies this rule per file.) The yielded text is the first ``max_bytes`` UTF-8 bytes of the cleaned input
   stream, exactly. The one exception: when the budget falls inside a multi-byte character,
   that character is left out rather than split, so the sample is 1-3 bytes short. The last
   chunk is cut at the budget even mid-word (once per sample, recorded in the audit as
@@ -82,6 +83,7 @@ class SampleAudit:
         self.duplicate_paths: list[str] = []
         self.budget_reached = False
         self.budget_cut_mid_word = False
+        self.file_sizes: dict[str, int] = {}  # on-disk size per input file (open_text_input's shares)
 
     def _counts(self, name: str) -> dict[str, int]:
         if name not in self.per_file:
@@ -117,6 +119,7 @@ class SampleAudit:
             "budget_reached": self.budget_reached,
             "budget_cut_mid_word": self.budget_cut_mid_word,
             "duplicate_paths": list(self.duplicate_paths),
+            "file_sizes": dict(self.file_sizes),
             "totals": {k: self.total(k) for k in COUNTERS},
             "per_file": {name: dict(c) for name, c in self.per_file.items()},
         }
@@ -129,6 +132,16 @@ class SampleAudit:
             f"sample: {self.bytes_yielded:,} B in {self.total('chunks'):,} chunks from "
             f"{len(self.per_file)} file(s) ({budget}, {state})"
         ]
+        total = self.bytes_yielded
+        for name, size in self.file_sizes.items():  # every input, also one that gave nothing
+            c = self.per_file.get(name, {})
+            got = c.get("bytes_yielded", 0)
+            quota = c.get("quota", -1)
+            lines.append(
+                f"  {name}: {got:,} B ({got / total if total else 0:.1%} of the sample) of {size:,} B on disk"
+                + (f", share {quota:,} B" if quota >= 0 else "")
+                + ("" if name in self.per_file else ", not read (budget spent)")
+            )
         loss = ", ".join(f"{k}={self.total(k):,}" for k in _LOSS_COUNTERS)
         lines.append(f"  byte loss: {loss}; forced_cuts={self.total('forced_cuts'):,}")
         if self.duplicate_paths:
@@ -252,7 +265,9 @@ def _chunk_pieces(
                 chunk = _prefix_within(pending, pos, limit)
                 nbytes = _utf8_len(chunk)
                 nxt = pending[pos + len(chunk)]
-                audit.budget_cut_mid_word = bool(chunk) and not chunk[-1].isspace() and not nxt.isspace()
+                audit.budget_cut_mid_word = audit.budget_cut_mid_word or (
+                    bool(chunk) and not chunk[-1].isspace() and not nxt.isspace()
+                )
                 budget.left = 0
             else:
                 chunk, nbytes = _cut(pending, pos, limit, counts)

@@ -11,8 +11,10 @@ multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps
    row), the 64-bit digest of its normalised text (exact dedup) and its MinHash band keys
    (``MinHasher``, the same as the streaming near deduper). Pure functions of the text, so
    the union over any slicing is the same set of records.
-2. **decision** (``decide``, one process): records are put in a canonical order that does not
-   depend on the slicing (mix entry, part label, row). Exact: sorted by (digest, canonical
+2. **decision** (``decide_splits``, one process, all splits together so that no duplicate
+   set keeps members in two splits: the val copy wins, train copies are ``cross_split``):
+   records are put in a canonical order that does not depend on the slicing (split, mix
+   entry, part label, row). Exact: sorted by (digest, canonical
    position), the first of each digest is kept. Near, among the exact survivors: for every
    band, documents with equal band keys form a bucket; buckets are merged into clusters
    (connected components, by min-label propagation) and each cluster keeps its earliest
@@ -20,7 +22,8 @@ multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps
    are not similar.
 3. **filter**: the ids removed are kept as sorted 64-bit xxh3 digests of the ``doc_id``
    (8 bytes per *removed* document, read-only, never part of a checkpoint); ``DedupNode``
-   drops a document whose id digest is listed and counts it as ``exact_dup``/``near_dup``.
+   drops a document whose id digest is listed and counts it as ``exact_dup``/``near_dup``/
+   ``cross_split_dup``.
 
 A false drop needs a 64-bit collision between a kept document's id and a removed one's:
 about n_kept * n_removed / 2^64 (2e-6 at 20M x 2M).
@@ -44,6 +47,9 @@ from stacklm.data.quality.normalize import normalize_text
 INDEX_FORMAT = "stacklm-dedup-index"
 INDEX_VERSION = 1
 _BATCH = 256
+REASONS = ("exact", "near", "cross_split")  # DedupIndex.lookup codes 1, 2, 3
+# The split whose copy a cross-split duplicate set keeps comes first (``decide_splits``).
+SPLIT_PRIORITY = ("val", "train")
 
 
 def id_key(doc_id: str) -> int:
@@ -129,26 +135,55 @@ def _components(n: int, bands: np.ndarray) -> np.ndarray:
 
 
 def decide(parts: Sequence[Mapping[str, Any]], exact: bool = True, near: bool = True) -> dict[str, Any]:
-    """Step 2: one global decision over the signature records of all slices.
+    """Step 2 for one split alone: ``decide_splits`` over ``{"": parts}``.
 
     Returns ``{"exact": ids removed as exact copies, "near": ids removed as near copies,
     "kept_of": {removed id: the id it duplicates}, "docs": records seen}`` (ids as strings).
     """
-    ids = np.concatenate([np.asarray(p["ids"], dtype=str) for p in parts]) if parts else np.zeros(0, dtype=str)
-    n = ids.size
+    out = decide_splits({"": parts}, exact, near, priority=("",))[""]
+    return {k: out[k] for k in ("exact", "near", "kept_of", "docs")}
+
+
+def decide_splits(
+    slices: Mapping[str, Sequence[Mapping[str, Any]]], exact: bool = True, near: bool = True, priority: Sequence[str] = SPLIT_PRIORITY
+) -> dict[str, dict[str, Any]]:
+    """Step 2: one global decision over the signature records of every slice of every split.
+
+    Duplicate sets are found across splits, so no set keeps members in two splits (a copy in
+    train of a val document would leak the eval set into training). The kept copy of a set is
+    its first record in the canonical order (split in ``priority`` order, then mix entry,
+    part, row): with the default priority a set with a val member keeps a val copy and loses
+    every train copy. Why val wins: the val split is the holdout's sample, and keeping it
+    whole keeps the eval set the same whatever the train corpus holds; the train side loses
+    only documents the model would otherwise also see at eval time. A record removed because
+    its kept copy is in another split is ``cross_split`` (the ledger's
+    ``dedup/cross_split_dup``), else ``exact`` or ``near``.
+
+    Returns per split ``{"exact", "near", "cross_split": removed ids, "kept_of": {removed id:
+    kept id}, "docs": records seen}``.
+    """
+    order_of = {s: i for i, s in enumerate(priority)}
+    names = sorted(slices, key=lambda s: (order_of.get(s, len(order_of)), s))
+    rank_of = {s: i for i, s in enumerate(names)}
+    parts = [(rank_of[s], p) for s in names for p in slices[s]]
+    n = sum(len(p["ids"]) for _, p in parts)
     if n == 0:
-        return {"exact": [], "near": [], "kept_of": {}, "docs": 0}
-    source = np.concatenate([p["source"] for p in parts])
-    digest = np.concatenate([p["digest"] for p in parts])
-    bands = np.concatenate([p["bands"] for p in parts])
-    if len(set(ids.tolist())) != n:
-        raise ValueError("dedup signatures: a document id was recorded twice; the slices overlap (check the shard specs)")
+        return {s: {"exact": [], "near": [], "cross_split": [], "kept_of": {}, "docs": 0} for s in names}
+    ids = np.concatenate([np.asarray(p["ids"], dtype=str) for _, p in parts])
+    group = np.concatenate([np.full(len(p["ids"]), r, dtype=np.int32) for r, p in parts])
+    source = np.concatenate([np.asarray(p["source"]) for _, p in parts])
+    digest = np.concatenate([np.asarray(p["digest"], dtype=np.uint64) for _, p in parts])
+    bands = np.concatenate([np.asarray(p["bands"], dtype=np.uint64) for _, p in parts])
     split = [_split_id(d) for d in ids.tolist()]
     prefixes = np.array([s[0] for s in split], dtype=str)
     rows = np.array([s[1] for s in split], dtype=np.int64)
     _, prefix_rank = np.unique(prefixes, return_inverse=True)
-    canon = np.lexsort((rows, prefix_rank, source))  # canonical order: mix entry, part, row
-    ids, digest, bands = ids[canon], digest[canon], bands[canon]
+    canon = np.lexsort((rows, prefix_rank, source, group))  # canonical order: split, mix entry, part, row
+    ids, group, digest, bands = ids[canon], group[canon], digest[canon], bands[canon]
+    for r in range(len(names)):
+        mine = ids[group == r]
+        if np.unique(mine).size != mine.size:
+            raise ValueError(f"dedup signatures: a document id was recorded twice in split {names[r]!r}; the slices overlap (check the shard specs)")
     alive = np.ones(n, dtype=bool)
     kept_of = np.arange(n)
     removed_exact = np.zeros(n, dtype=bool)
@@ -166,12 +201,20 @@ def decide(parts: Sequence[Mapping[str, Any]], exact: bool = True, near: bool = 
         label = _components(live.size, bands[live])
         removed_near[live[label != np.arange(live.size)]] = True
         kept_of[live] = live[label]
-    return {
-        "exact": ids[removed_exact].tolist(),
-        "near": ids[removed_near].tolist(),
-        "kept_of": {ids[i]: ids[kept_of[i]] for i in np.flatnonzero(removed_exact | removed_near).tolist()},
-        "docs": int(n),
-    }
+    removed = removed_exact | removed_near
+    cross = removed & (group[kept_of] != group)
+    out = {}
+    for r, name in enumerate(names):
+        here = group == r
+        sel = np.flatnonzero(here & removed)
+        out[name] = {
+            "exact": ids[here & removed_exact & ~cross].tolist(),
+            "near": ids[here & removed_near & ~cross].tolist(),
+            "cross_split": ids[here & cross].tolist(),
+            "kept_of": {ids[i]: ids[kept_of[i]] for i in sel.tolist()},
+            "docs": int(here.sum()),
+        }
+    return out
 
 
 class DedupIndex:
@@ -183,23 +226,24 @@ class DedupIndex:
 
     def __init__(self, splits: Mapping[str, Mapping[str, np.ndarray]], meta: Mapping[str, Any] | None = None) -> None:
         self.splits = {
-            s: {r: np.sort(np.asarray(per.get(r, np.zeros(0, np.uint64)), dtype=np.uint64)) for r in ("exact", "near")}
+            s: {r: np.sort(np.asarray(per.get(r, np.zeros(0, np.uint64)), dtype=np.uint64)) for r in REASONS}
             for s, per in splits.items()
         }
         self.meta = dict(meta or {})
 
     @classmethod
     def from_decisions(cls, decisions: Mapping[str, Mapping[str, Any]], meta: Mapping[str, Any] | None = None) -> DedupIndex:
-        return cls({s: {r: id_keys(d[r]) for r in ("exact", "near")} for s, d in decisions.items()}, meta)
+        return cls({s: {r: id_keys(d.get(r, ())) for r in REASONS} for s, d in decisions.items()}, meta)
 
     def lookup(self, split: str, keys: np.ndarray) -> np.ndarray:
-        """Per id digest: 0 kept, 1 removed as an exact copy, 2 as a near copy."""
+        """Per id digest: 0 kept, 1 removed as an exact copy, 2 as a near copy, 3 as a copy of a
+        document kept in another split (``cross_split``)."""
         keys = np.asarray(keys, dtype=np.uint64)
         out = np.zeros(keys.size, dtype=np.int8)
         per = self.splits.get(split)
         if per is None:
             raise KeyError(f"dedup index has no split {split!r} (it holds {sorted(self.splits)}); rebuild it with that split")
-        for code, reason in ((1, "exact"), (2, "near")):
+        for code, reason in enumerate(REASONS, start=1):
             table = per[reason]
             if table.size:
                 pos = np.minimum(np.searchsorted(table, keys), table.size - 1)

@@ -27,7 +27,8 @@ class DedupNode(BaseNode[dict]):
 
     Each decision is counted once, by the deduper that made it (``exact.stats``,
     ``near.stats``); ``stats`` is the stage's view of those counts: per source ``exact_dup``,
-    ``near_dup`` and ``kept`` (what passed the last index).
+    ``near_dup``, ``cross_split_dup`` (a global index's copies of a document kept in another
+    split) and ``kept`` (what passed the last index).
     """
 
     def __init__(
@@ -55,7 +56,7 @@ class DedupNode(BaseNode[dict]):
         out = StageStats("dedup")
         last = self.near if self.near is not None else self.exact
         for src, per in self.index_stats.to_dict().items():
-            for reason in ("exact_dup", "near_dup") + (("kept",) if last is None else ()):
+            for reason in ("exact_dup", "near_dup", "cross_split_dup") + (("kept",) if last is None else ()):
                 if reason in per:
                     out.add(src, reason, per[reason])
         for deduper, reasons in ((self.exact, ("exact_dup",)), (self.near, ("near_dup",)), (last, ("kept",))):
@@ -89,7 +90,7 @@ class DedupNode(BaseNode[dict]):
             index, split = self.removed
             code = index.lookup(split, id_keys(d.get("doc_id", "") for d in docs))
             for i, src in enumerate(sources):
-                self.index_stats.add(src, ("kept", "exact_dup", "near_dup")[code[i]])
+                self.index_stats.add(src, ("kept", "exact_dup", "near_dup", "cross_split_dup")[code[i]])
             keep &= code == 0
         if self.exact is not None and keep.any():
             idx = np.flatnonzero(keep)

@@ -150,7 +150,8 @@ _BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
 
 
 def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per source: documents dropped by the filters, exact and near duplicates, empty/binary
+    """Per source: documents dropped by the filters, exact and near duplicates, copies of a
+    document kept in another split (``cross_split_dup``, the global dedup pass), empty/binary
     records, invalid records skipped (``invalid_records`` and one count per reason), bytes
     replaced by the audit, and what the mix budget cut."""
     sources = set(realized)
@@ -166,6 +167,7 @@ def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized:
             "filtered": sum(n for r, n in filt.items() if r != "kept"),
             "exact_dup": int(dedup.get("exact_dup", 0)),
             "near_dup": int(dedup.get("near_dup", 0)),
+            "cross_split_dup": int(dedup.get("cross_split_dup", 0)),
             "bytes_replaced": sum(int(audit.get(r, 0)) for r in _BYTE_REPAIRS),
             "nul_removed": int(audit.get("nul_removed", 0)),
             "dropped_empty": int(audit.get("dropped_empty", 0)),
