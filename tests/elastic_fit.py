@@ -9,6 +9,7 @@ trainer's batch count of every epoch. ``--save-at`` steps write ``<out>/step<N>.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import hashlib
 import json
 import sys
@@ -68,6 +69,9 @@ def main() -> None:
     ap.add_argument("--resume")
     ap.add_argument("--step-log", help="StackDataModule(step_log=...): a shared step log root across runs")
     a = ap.parse_args()
+    # A hung run (a collective one rank never joins, a loader worker that never exits) dumps every
+    # thread's stack and exits, so the test fails with where it hung instead of a bare timeout.
+    faulthandler.dump_traceback_later(420, exit=True)
     dm = StackDataModule(mode="shards", tokenizer=a.tokenizer, data_dir=a.data_dir, seq_len=a.seq_len,
                          batch_size=a.batch_size, num_workers=a.workers, val_batches=0,
                          step_log=a.step_log if a.step_log else True)

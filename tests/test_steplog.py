@@ -241,7 +241,7 @@ def test_a_source_changed_since_the_run_is_not_verified(stream_run, tmp_path, ca
 def _fit(script: str, args: list[str], out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     res = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args, "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
