@@ -425,3 +425,103 @@ def test_what_is_and_is_not_the_same_for_any_workers(corpus, tokenizer_512, tmp_
     a, b = seen[6000, 1][2], seen[6000, 2][2]
     print(f"binding budget: workers 1 delivers {len(a)} documents, workers 2 {len(b)}, {len(a ^ b)} differ; "
           f"non-binding: {len(seen[10**9, 1][2])} the same")
+
+
+def _planted_records(n: int, rng, nb: int = 12):
+    """Signature records with planted exact copies (same digest, hence the same bands: the
+    same normalised text) and near copies (one shared band), over 3 sources, 7 parts and both
+    splits; ids are ``source/part/row`` like a real source's."""
+    bands = rng.integers(1, 2**63, size=(n, nb), dtype=np.uint64)
+    digest = rng.integers(1, 2**63, size=n, dtype=np.uint64)
+    for _ in range(n // 4):
+        a, b = rng.integers(0, n, size=2)
+        if rng.random() < 0.4:
+            digest[b] = digest[a]
+        else:
+            k = rng.integers(0, nb)
+            bands[b, k] = bands[a, k]
+    _, first, inv = np.unique(digest, return_index=True, return_inverse=True)
+    bands = bands[first[inv.reshape(-1)]]
+    src = rng.integers(0, 3, size=n)
+    ids = np.array([f"s{src[i]}/part{i % 7}/{i * 13 % 100_003}" for i in range(n)])
+    split = np.where(rng.random(n) < 0.2, "val", "train")
+    return ids, src, digest, bands, split
+
+
+def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path):
+    """Signatures -> per-band/range buckets -> pairs-only cluster -> sharded removed ids gives
+    exactly ``decide_splits``'s removed ids (reasons included, the val copy winning across
+    splits), for T = 1/2/4 slices per split, 1 or 3 key ranges per band and bucket tasks that
+    sort 300 records at a time; each shard lists only its own slice's ids."""
+    from stacklm.data.dedup import staged
+    from stacklm.data.dedup.global_index import REASONS, decide_splits
+
+    ids, src, digest, bands, split = _planted_records(2000, np.random.default_rng(3))
+
+    def slices(t):
+        return {s: [{"ids": ids[q], "source": src[q], "digest": digest[q], "bands": bands[q]}
+                    for q in (np.flatnonzero(split == s)[w::t] for w in range(t))] for s in ("val", "train")}
+
+    ref = decide_splits(slices(1))
+    want = {s: {r: set(ref[s][r]) for r in REASONS} for s in ref}
+    assert want["train"]["cross_split"] and want["train"]["near"] and want["train"]["exact"] and want["val"]["near"]
+    want_hash = DedupIndex.from_decisions(ref).content_hash
+    for t in (1, 2, 4):
+        dirs, own = [], []
+        for s, parts in slices(t).items():
+            for w, p in enumerate(parts):
+                dirs.append(tmp_path / f"t{t}" / f"{s}-w{w:03d}")
+                staged.write_signature_dir(p, s, dirs[-1])
+                own.append((s, set(p["ids"].tolist())))
+        for ranges, chunk in ((1, 10**9), (3, 300)):
+            removed = staged.staged_decision(dirs, ranges, ranges, chunk=chunk)
+            got = {s: {r: set() for r in REASONS} for s in ("val", "train")}
+            for f, per in removed.items():
+                s, mine = own[f]
+                names = slices(t)[s][int(dirs[f].name[-3:])]["ids"]
+                for r, rows in per.items():
+                    got[s][r] |= {names[i] for i in rows.tolist()}
+                assert {names[i] for rows in per.values() for i in rows.tolist()} <= mine
+            assert got == want, (t, ranges)
+        shards = tmp_path / f"t{t}" / "index"
+        staged.write_index_shards(dirs, staged.staged_decision(dirs), shards)
+        assert staged.load_shards(sorted(shards.glob("*.npz"))).content_hash == want_hash
+        for (s, mine), d in zip(own, dirs):  # a job's shard: its own split, its own documents' ids only
+            shard = DedupIndex.load(shards / f"{d.name}.npz")
+            assert list(shard.splits) == [s]
+            listed = np.concatenate(list(shard.splits[s].values()))
+            assert np.isin(listed, np.array([id_key(i) for i in mine], dtype=np.uint64)).all()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:.*ran dry")
+def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(split_corpus, tokenizer_512, tmp_path):
+    """prebuild-datatrove's staged decision (signatures, 13 bucket tasks, one cluster, one
+    shard per packing task) on a corpus whose planted pairs straddle train and val: the same
+    index (hash and counts) for T = 1/2/4, equal to the single-process ``build_dedup_index``
+    whose leakage test_no_duplicate_set_keeps_members_in_train_and_val pins at 0, and at T = 2
+    byte-identical output to ``stacklm prebuild --workers 2``."""
+    from stacklm.scale.datatrove_steps import prebuild_executors
+
+    from tests.test_prebuild import tree
+
+    glob, _ = split_corpus
+    cfg = dataclasses_replace_holdout(_config(glob), 0.5)
+    ref = build_dedup_index(cfg, ("train", "val"), 1)
+    assert ref.counts()["train"]["cross_split"] >= 8
+    seen = set()
+    for t in (1, 2, 4):
+        out = tmp_path / f"dt{t}"
+        main, merge = prebuild_executors(cfg, tokenizer_512, out, tasks=t, tokens_per_shard=128 * 16, workers=1)
+        merge.run()
+        top = mf.read_manifest(out)
+        seen.add((top["global_dedup"]["index_sha256"], json.dumps(top["global_dedup"]["removed"], sort_keys=True)))
+        for s in ("train", "val"):
+            m = mf.read_manifest(out / s)
+            assert m["drops"]["std"].get("cross_split_dup", 0) == ref.counts()[s]["cross_split"]
+            assert m["ledger"]["ok"], m["ledger"]["problems"]
+        if t == 2:
+            pool = tmp_path / "pool2"
+            prebuild(cfg, tokenizer_512, pool, workers=2, tokens_per_shard=128 * 16, progress=False)
+            assert tree(out) == tree(pool)
+    assert seen == {(ref.content_hash, json.dumps(ref.counts(), sort_keys=True))}

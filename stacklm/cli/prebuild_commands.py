@@ -140,7 +140,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     _, merge = prebuild_executors(
         config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
+        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, dedup_ranges=args.dedup_ranges, **kwargs,
     )
     merge.run()
     return 0
@@ -216,6 +216,9 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--workers", type=int_at_least(1, also=(-1,), what=" (all)"), default=-1,
                    help="local: tasks run at once (default -1: all)")
     d.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
+    d.add_argument("--dedup-ranges", type=positive_int, default=1,
+                   help="dedup bucket stage: key ranges per MinHash band and digest ranges, so 13 x this many tasks (default 1); "
+                        "more spreads a large corpus over more nodes, the decision is the same")
     d.add_argument("--partition", help="slurm partition")
     d.add_argument("--time", default="04:00:00", help="slurm time limit per task (default 04:00:00)")
     d.add_argument("--cpus-per-task", type=positive_int, default=2, help="slurm/ray: CPUs per task (default 2)")

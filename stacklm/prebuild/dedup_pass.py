@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 INDEX_FILE = "dedup_index.npz"
+INDEX_SHARDS = "dedup-index"  # the staged decision's removed ids, one DedupIndex per job (``staged``)
 
 
 def uses_global_dedup(config) -> bool:

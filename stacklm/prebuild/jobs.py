@@ -62,7 +62,7 @@ def run_job(
     from stacklm.data.ledger import pipeline_ledger
     from stacklm.data.storage.provenance import ShardTracker, source_files
 
-    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan), provenance=plan.provenance)
+    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker), provenance=plan.provenance)
     windows = pipe.windows
     ckpt = _load_pickle(ckpt_path)
     shards: list[dict] = list(ckpt["shards"]) if ckpt else []
@@ -122,13 +122,23 @@ def job_pipeline_args(plan: PrebuildPlan, split: str, worker: int) -> tuple:
     return packing_config(worker_config(plan.config, worker, plan.workers)), plan.tokenizer, split, ShardSpec(0, 1, worker, plan.workers)
 
 
-def job_dedup_index(plan: PrebuildPlan):
-    """The build's global dedup index (saved before any packing job), or None without dedup."""
+def job_dedup_index(plan: PrebuildPlan, split: str | None = None, worker: int | None = None):
+    """The build's global dedup index (saved before any packing job), or None without dedup.
+
+    With ``split`` and ``worker``, and when the staged decision (``prebuild-datatrove``) wrote
+    one shard per job (``.prebuild/dedup-index/<job>.npz``), only that job's shard: the removed
+    ids among the documents this job reads, not the whole index."""
     from stacklm.data.dedup.global_index import DedupIndex
-    from stacklm.prebuild.dedup_pass import INDEX_FILE, uses_global_dedup
+    from stacklm.prebuild.dedup_pass import INDEX_FILE, INDEX_SHARDS, uses_global_dedup
 
     if not uses_global_dedup(plan.config):
         return None
+    shards = state_dir_of(plan.out) / INDEX_SHARDS
+    if split is not None and shards.is_dir():
+        path = shards / f"{job_name(split, worker)}.npz"
+        if not path.exists():
+            raise PrebuildError(f"{path} is missing: the dedup cluster task wrote no shard for this job; re-run the prebuild", path=path)
+        return DedupIndex.load(path)
     path = state_dir_of(plan.out) / INDEX_FILE
     if not path.exists():
         raise PrebuildError(f"{path} is missing: the global dedup pass must run before the packing jobs; re-run the prebuild", path=path)

@@ -217,10 +217,17 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
         mf.write_manifest(plan.out / split, per_split[split])
     top = top_manifest(plan, identity, per_split)
     index_path = state_dir_of(plan.out) / "dedup_index.npz"  # dedup_pass.INDEX_FILE
+    shard_dir = state_dir_of(plan.out) / "dedup-index"  # dedup_pass.INDEX_SHARDS: the staged decision's
+    index = None
     if index_path.exists():  # the global dedup pass that decided the exact_dup/near_dup drops
         from stacklm.data.dedup.global_index import DedupIndex
 
         index = DedupIndex.load(index_path)
+    elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts
+        from stacklm.data.dedup.staged import load_shards
+
+        index = load_shards(sorted(shard_dir.glob("*.npz")))
+    if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
     mf.write_manifest(plan.out, top)
     shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)

@@ -5,11 +5,14 @@
 
 Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``r`` builds split
 ``splits[r // T]`` as reader ``r % T`` of ``T`` (its ``ShardSpec``) with a ``1/T`` share of the
-budget, exactly like ``stacklm prebuild --workers T``. When dedup is on, two executors run
-first, as in ``stacklm prebuild`` (``stacklm.data.dedup.global_index``): ``StackDedupSignatures``
-(every task: its slice's signature records) then ``StackDedupDecision`` (one task: the
-removed-id index); the packing tasks drop the ids it lists, so what is removed does not depend
-on ``T``. Three steps run in each packing task:
+budget, exactly like ``stacklm prebuild --workers T``. When dedup is on, three executors run
+first, in the shape of datatrove's MinHash dedup (``stacklm.data.dedup.staged``):
+``StackDedupSignatures`` (every task: its slice's signature columns), ``StackDedupBuckets``
+(one task per band and key range, and per digest range: the duplicate pairs) and
+``StackDedupCluster`` (one task holding only the pairs: the removed ids, one shard per packing
+task); each packing task drops the ids of its own shard. The decision is the one
+``stacklm prebuild`` makes in one process (``decide_splits``: the same removed ids), and it
+does not depend on ``T``. Three steps run in each packing task:
 
 1. ``StackMixedDocuments`` (reader): source -> holdout -> filter -> dedup -> tokenize -> mix
    -> shuffle, yielding tokenized documents;
@@ -59,6 +62,8 @@ class TaskPlan:
     tasks_per_split: int
     tokens_per_shard: int
     splits: tuple[str, ...] = SPLITS
+    exact_ranges: int = 1  # dedup bucket tasks: digest ranges (exact) and key ranges per band (near)
+    near_ranges: int = 1
 
     def prebuild_plan(self):
         from stacklm.data.nodes import PipelineConfig
@@ -116,7 +121,7 @@ class StackMixedDocuments(_StackStep):
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
-        pipe = build_pipeline(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan))
+        pipe = build_pipeline(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker))
         for doc in pipe.shuffle:
             self.stat_update("docs")
             self.stat_update("tokens", value=int(doc["ids"].size))
@@ -132,49 +137,111 @@ class StackMixedDocuments(_StackStep):
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
 
 
+SIG_DIR, PAIRS_DIR = "dedup-sig", "dedup-pairs"  # under OUT/.prebuild, beside INDEX_SHARDS
+
+
+def _sig_dirs(plan) -> list[Path]:
+    """Every slice's signature directory, in file-number order (split, worker): the order the
+    bucket tasks number their nodes by (the kept-copy rule never looks at it)."""
+    from stacklm.prebuild.jobs import job_name
+    from stacklm.prebuild.plan import STATE_DIR
+
+    return [Path(plan.out) / STATE_DIR / SIG_DIR / job_name(s, w) for s in plan.splits for w in range(plan.tasks_per_split)]
+
+
+def bucket_tasks(plan: TaskPlan) -> list[tuple[str, int, int]]:
+    """``(column, range, ranges)`` of every bucket task: ``exact_ranges`` digest ranges (when exact
+    dedup is on), then ``near_ranges`` key ranges of each band (when near dedup is on)."""
+    from stacklm.data.dedup.minhash import MinHasher
+    from stacklm.data.nodes import PipelineConfig
+
+    dedup = PipelineConfig.from_dict(plan.config).dedup
+    out = [("digest", r, plan.exact_ranges) for r in range(plan.exact_ranges)] if dedup.exact else []
+    if dedup.near:
+        out += [(f"band{b}", r, plan.near_ranges) for b in range(MinHasher().num_bands) for r in range(plan.near_ranges)]
+    return out
+
+
 class StackDedupSignatures(_StackStep):
-    """Global dedup, step 1 (``T`` tasks per split): this task's slice of every source through
-    holdout and filter, as signature records saved to ``.prebuild/dedup-sig-<job>.npz`` (plain
-    arrays, read back with ``allow_pickle=False``)."""
+    """Global dedup, stage 1 (``T`` tasks per split, datatrove's ``MinhashDedupSignature``): this
+    task's slice of every source through holdout and filter, as signature columns in
+    ``.prebuild/dedup-sig/<job>/`` (``staged.write_signature_dir``: band keys and digests sorted,
+    plain ``.npy`` read back with ``allow_pickle=False``). Our own step, not datatrove's: the
+    keys must be the stream path's (``MinHasher`` over ``normalize_text``)."""
 
     name = "stacklm dedup signatures"
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.storage.shards import atomic_write_shard_file
-        from stacklm.prebuild.dedup_pass import slice_bytes
-        from stacklm.prebuild.jobs import job_name
-        from stacklm.prebuild.plan import STATE_DIR
+        from stacklm.data.dedup.staged import write_signature_dir
+        from stacklm.prebuild.dedup_pass import signature_slice
 
         split, worker = self.plan.job_of(rank, world_size)
-        blob = slice_bytes((self.plan.config, split, worker, self.plan.tasks_per_split))
-        atomic_write_shard_file(Path(self.plan.out) / STATE_DIR / f"dedup-sig-{job_name(split, worker)}.npz", blob)
-        self.stat_update("slices")
+        sig = signature_slice(self.plan.config, split, worker, self.plan.tasks_per_split)
+        meta = write_signature_dir(sig, split, _sig_dirs(self.plan)[rank])
+        self.stat_update("docs", value=meta["n"])
         return
         yield
 
 
-class StackDedupDecision(_StackStep):
-    """Global dedup, step 2 (one task): all slices' signatures of all splits -> one decision
-    (a set with copies in two splits keeps its val copy) -> the removed-id index the packing tasks drop (``.prebuild/dedup_index.npz``), exactly as ``stacklm prebuild`` makes it."""
+class StackDedupBuckets(_StackStep):
+    """Global dedup, stage 2 (datatrove's ``MinhashDedupBuckets``: one task per band and key
+    range; here also one per digest range for exact dedup): the duplicate pairs of its range
+    over every slice, to ``.prebuild/dedup-pairs/<column>-r<range>.npy``. It reads only its
+    range of each slice's sorted columns, sorting at most ``staged.DEFAULT_CHUNK`` records at
+    once, so its memory does not grow with the corpus."""
 
-    name = "stacklm dedup decision"
+    name = "stacklm dedup buckets"
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.prebuild.dedup_pass import INDEX_FILE, decide_index, slice_from_bytes
-        from stacklm.prebuild.jobs import job_name
+        from stacklm.data.dedup.staged import bucket_pairs, key_range, save_pairs
+        from stacklm.prebuild.plan import STATE_DIR
+
+        tasks = bucket_tasks(self.plan)
+        if world_size != len(tasks):
+            raise ValueError(f"the bucket executor runs {world_size} tasks but the plan has {len(tasks)}; build the executors with `prebuild_executors`")
+        column, r, ranges = tasks[rank]
+        pairs = bucket_pairs(_sig_dirs(self.plan), column, *key_range(r, ranges))
+        save_pairs(pairs, Path(self.plan.out) / STATE_DIR / PAIRS_DIR / f"{column}-r{r:04d}.npy")
+        self.stat_update("pairs", value=int(pairs.shape[0]))
+        return
+        yield
+
+
+class StackDedupCluster(_StackStep):
+    """Global dedup, stages 3 and 4 (one task; datatrove's ``MinhashDedupCluster`` then the
+    removed ids ``MinhashDedupFilter`` reads): union-find over the duplicate pairs only, the
+    kept copy of each set its smallest canonical key (split priority: val wins, then mix entry,
+    part, row: ``staged.cluster_pairs``, the rule of ``decide_splits``, so the same for every
+    ``T``), then one removed-id shard per packing task (``.prebuild/dedup-index/<job>.npz``),
+    which that task alone loads. Our own cluster, not datatrove's: its root is the
+    union-by-size one of task-rank ids (changes with ``T``) and it has no cross-split rule."""
+
+    name = "stacklm dedup cluster"
+    type = "🫂 - DEDUP"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.dedup.staged import cluster_pairs, load_pairs, write_index_shards
+        from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR
 
         plan = self.built()
         state = plan.out / STATE_DIR
-        slices = {
-            split: [slice_from_bytes((p := state / f"dedup-sig-{job_name(split, w)}.npz").read_bytes(), str(p)) for w in range(plan.workers)]
-            for split in plan.splits
-        }
-        decide_index(plan.config, slices).save(state / INDEX_FILE)
-        for path in state.glob("dedup-sig-*.npz"):
-            path.unlink()
+        pairs = {column: [] for column in ("exact", "near")}
+        for column, r, _ in bucket_tasks(self.plan):
+            path = state / PAIRS_DIR / f"{column}-r{r:04d}.npy"
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing: the dedup bucket task for {column} range {r} has not finished; rerun the prebuild")
+            pairs["exact" if column == "digest" else "near"].append(load_pairs(path))
+        dirs = _sig_dirs(self.plan)
+        removed = cluster_pairs(dirs, pairs["exact"], pairs["near"])
+        totals = write_index_shards(dirs, removed, state / INDEX_SHARDS, {"dedup": dataclasses.asdict(plan.config.dedup)})
+        for split, counts in totals.items():
+            for reason, n in counts.items():
+                self.stat_update(f"{split}/{reason}", value=n)
+        shutil.rmtree(state / SIG_DIR, ignore_errors=True)
+        shutil.rmtree(state / PAIRS_DIR, ignore_errors=True)
         return
         yield
 
@@ -321,13 +388,17 @@ def prebuild_executors(
     splits: tuple[str, ...] = SPLITS,
     executor: str = "local",
     logging_dir: str | None = None,
+    dedup_ranges: int = 1,
     **executor_kwargs: Any,
 ):
     """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
 
     ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
-    ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
-    directory is checked/claimed here, like ``stacklm prebuild`` does.
+    ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. ``dedup_ranges``:
+    key ranges per band (and digest ranges) of the dedup bucket stage, so it runs
+    ``dedup_ranges * (1 + num_bands)`` tasks (13 by default); raise it to spread a large corpus
+    over more machines (each task's memory is bounded either way). The output directory is
+    checked/claimed here, like ``stacklm prebuild`` does.
     """
     from stacklm.prebuild.build import resolve_tokenizer
     from stacklm.prebuild.manifests import prepare
@@ -337,7 +408,8 @@ def prebuild_executors(
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
-    task_plan = TaskPlan(config.to_dict(), tok.to_dict(), str(plan.out), plan.workers, plan.tokens_per_shard, plan.splits)
+    task_plan = TaskPlan(config.to_dict(), tok.to_dict(), str(plan.out), plan.workers, plan.tokens_per_shard, plan.splits,
+                         int(dedup_ranges), int(dedup_ranges))
     # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor
     # still writes logs, and OUT must end up exactly as `stacklm prebuild` leaves it.
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
@@ -348,13 +420,15 @@ def prebuild_executors(
     from stacklm.prebuild.dedup_pass import uses_global_dedup
 
     dedup = uses_global_dedup(plan.config)
+    n_buckets = len(bucket_tasks(task_plan))
     if executor == "local":
         from datatrove.executor import LocalPipelineExecutor
 
         before = None
-        if dedup:  # global dedup first: signatures (all tasks) -> decision (one task)
+        if dedup:  # global dedup first: signatures (all tasks) -> buckets (per range) -> cluster (one task)
             sigs = LocalPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = LocalPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
+            buckets = LocalPipelineExecutor([StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", depends=sigs, **executor_kwargs)
+            before = LocalPipelineExecutor([StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", depends=buckets)
         main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
         merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
     elif executor == "slurm":
@@ -366,8 +440,11 @@ def prebuild_executors(
             sigs = SlurmPipelineExecutor(
                 [StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", job_name="stacklm-dedup-sig", **executor_kwargs
             )
+            buckets = SlurmPipelineExecutor(
+                [StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", job_name="stacklm-dedup-buckets", depends=sigs, **executor_kwargs
+            )
             before = SlurmPipelineExecutor(
-                [StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", job_name="stacklm-dedup-decide", depends=sigs, **merge_kwargs
+                [StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", job_name="stacklm-dedup-cluster", depends=buckets, **merge_kwargs
             )
         main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", depends=before, **executor_kwargs)
         merge = SlurmPipelineExecutor(
@@ -379,7 +456,8 @@ def prebuild_executors(
         before = None
         if dedup:
             sigs = RayPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = RayPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
+            buckets = RayPipelineExecutor([StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", depends=sigs, **executor_kwargs)
+            before = RayPipelineExecutor([StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", depends=buckets)
         main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
         merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
     else:
