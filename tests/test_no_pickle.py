@@ -214,8 +214,9 @@ def test_a_step_log_frame_is_refused(tmp_path):
 
 
 def test_a_batch_file_and_a_lightning_checkpoint_load_weights_only(built, tmp_path, capsys):
-    """``inspect BATCH.pt`` and a fit's ``--ckpt_path`` (Lightning's ``TorchCheckpointIO``, which
-    leaves ``weights_only`` to torch's default, True since torch 2.6) refuse a planted pickle."""
+    """``inspect BATCH.pt``, a fit's ``--ckpt_path`` (Lightning's ``TorchCheckpointIO``, which
+    leaves ``weights_only`` to torch's default, True since torch 2.6) and ``model.init_from``
+    refuse a planted pickle."""
     import torch
     from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
 
@@ -227,6 +228,11 @@ def test_a_batch_file_and_a_lightning_checkpoint_load_weights_only(built, tmp_pa
     assert str(evil) in one_line(capsys.readouterr().err)
     with pytest.raises(pickle.UnpicklingError):
         TorchCheckpointIO().load_checkpoint(evil)
+    from stacklm.errors import ConfigError
+    from stacklm.train.module import load_init_weights
+
+    with pytest.raises(ConfigError, match=r"^model\.init_from: .*batch\.pt: not a readable checkpoint \(UnpicklingError"):
+        load_init_weights(None, str(evil))  # `model.init_from`: refused before the module is touched
     assert not marker.exists()
 
 
