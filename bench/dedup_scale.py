@@ -117,12 +117,13 @@ def task(args) -> None:
         staged.save_pairs(pairs, root / "pairs" / f"{column}-r{r:04d}.npy")
     elif args.task == "cluster":
         files = sorted((root / "pairs").glob("*.npy"))
-        ex = [staged.load_pairs(p) for p in files if p.name.startswith("digest")]
-        nr = [staged.load_pairs(p) for p in files if not p.name.startswith("digest")]
+        ex = [staged.load_pair_files([p for p in files if p.name.startswith("digest")])]
+        nr = [staged.load_pair_files([p for p in files if not p.name.startswith("digest")])]
         removed = staged.cluster_pairs(dirs, ex, nr)
         staged.write_index_shards(dirs, removed, root / "index")
         (root / "new.json").write_text(json.dumps({"hash": staged.load_shards(sorted((root / "index").glob("*.npz"))).content_hash,
-                                                   "pairs": int(sum(p.shape[0] for p in ex + nr))}))
+                                                   "pairs": int(sum(p.shape[0] for p in ex + nr)),
+                                                   "pairs_written": int(sum(staged.load_pairs(p).shape[0] for p in files))}))
     elif args.task == "old":
         from stacklm.data.dedup.global_index import DedupIndex, decide_splits
 
@@ -183,14 +184,14 @@ def main() -> None:
             print(f"{n:>11,} {name:>8} {count:>5} {row['max_rss_mb']:>10,.1f} {row['max_wall_s']:>10.2f} {row['sum_wall_s']:>10.2f}"
                   f" {row['max_cpu_s']:>9.2f} {row['sum_cpu_s']:>9.2f}", flush=True)
         new = json.loads((Path(args.root) / "new.json").read_text())
-        line = f"{n:>11,} pairs {new['pairs']:,}"
+        line = f"{n:>11,} pairs {new['pairs_written']:,} written by the bucket tasks, {new['pairs']:,} distinct (held by the cluster)"
         if old:
             ref = json.loads((Path(args.root) / "old.json").read_text())
             if ref["hash"] != new["hash"]:
                 raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the staged decision removed other ids than decide_splits")
             line += f"; removed ids identical to decide_splits ({json.dumps(ref['counts'], sort_keys=True)})"
         print(line, flush=True)
-        rows.append({"docs": n, "pairs": new["pairs"], "identical_to_old": old or None})
+        rows.append({"docs": n, "pairs": new["pairs"], "pairs_written": new["pairs_written"], "identical_to_old": old or None})
         shutil.rmtree(args.root, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))

@@ -220,9 +220,9 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
     shard_dir = state_dir_of(plan.out) / "dedup-index"  # dedup_pass.INDEX_SHARDS: the staged decision's
     index = None
     if index_path.exists():  # the global dedup pass that decided the exact_dup/near_dup drops
-        from stacklm.data.dedup.global_index import DedupIndex
+        from stacklm.prebuild.dedup_pass import load_build_index
 
-        index = DedupIndex.load(index_path)
+        index = load_build_index(index_path)
     elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts
         from stacklm.data.dedup.staged import load_shards
 

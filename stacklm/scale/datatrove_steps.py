@@ -9,10 +9,10 @@ budget, exactly like ``stacklm prebuild --workers T``. When dedup is on, three e
 first, in the shape of datatrove's MinHash dedup (``stacklm.data.dedup.staged``):
 ``StackDedupSignatures`` (every task: its slice's signature columns), ``StackDedupBuckets``
 (one task per band and key range, and per digest range: the duplicate pairs) and
-``StackDedupCluster`` (one task holding only the pairs: the removed ids, one shard per packing
-task); each packing task drops the ids of its own shard. The decision is the one
-``stacklm prebuild`` makes in one process (``decide_splits``: the same removed ids), and it
-does not depend on ``T``. Three steps run in each packing task:
+``StackDedupCluster`` (the ``decision`` stage, one task holding only the pairs: the removed
+ids, one shard per packing task); each packing task drops the ids of its own shard. The
+decision is the one ``stacklm prebuild`` makes in one process (``decide_splits``: the same
+removed ids), and it does not depend on ``T``. Three steps run in each packing task:
 
 1. ``StackMixedDocuments`` (reader): source -> holdout -> filter -> dedup -> tokenize -> mix
    -> shuffle, yielding tokenized documents;
@@ -222,20 +222,20 @@ class StackDedupCluster(_StackStep):
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.dedup.staged import cluster_pairs, load_pairs, write_index_shards
+        from stacklm.data.dedup.staged import cluster_pairs, load_pair_files, write_index_shards
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR
 
         plan = self.built()
         state = plan.out / STATE_DIR
-        pairs = {column: [] for column in ("exact", "near")}
+        paths: dict[str, list[Path]] = {"exact": [], "near": []}
         for column, r, _ in bucket_tasks(self.plan):
             path = state / PAIRS_DIR / f"{column}-r{r:04d}.npy"
             if not path.exists():
                 raise FileNotFoundError(f"{path} is missing: the dedup bucket task for {column} range {r} has not finished; rerun the prebuild")
-            pairs["exact" if column == "digest" else "near"].append(load_pairs(path))
+            paths["exact" if column == "digest" else "near"].append(path)
         dirs = _sig_dirs(self.plan)
-        removed = cluster_pairs(dirs, pairs["exact"], pairs["near"])
+        removed = cluster_pairs(dirs, [load_pair_files(paths["exact"])], [load_pair_files(paths["near"])])
         totals = write_index_shards(dirs, removed, state / INDEX_SHARDS, {"dedup": dataclasses.asdict(plan.config.dedup)})
         for split, counts in totals.items():
             for reason, n in counts.items():
@@ -388,22 +388,36 @@ def prebuild_executors(
     splits: tuple[str, ...] = SPLITS,
     executor: str = "local",
     logging_dir: str | None = None,
+    cluster=None,
     dedup_ranges: int = 1,
     **executor_kwargs: Any,
 ):
     """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
 
     ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
-    ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. ``dedup_ranges``:
-    key ranges per band (and digest ranges) of the dedup bucket stage, so it runs
-    ``dedup_ranges * (1 + num_bands)`` tasks (13 by default); raise it to spread a large corpus
-    over more machines (each task's memory is bounded either way). The output directory is
-    checked/claimed here, like ``stacklm prebuild`` does.
+    ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. ``dedup_ranges``
+    (``R``): key ranges per band (and digest ranges) of the dedup ``buckets`` stage, which runs
+    ``13 R`` tasks; raise it to spread a large corpus over more machines (each task's memory is
+    bounded either way, the decision is the same). The output
+    directory is checked/claimed here, like ``stacklm prebuild`` does. Every executor of the
+    chain carries its stage name (``stacklm_stage``: ``signatures``, ``buckets``, ``decision``,
+    ``main``, ``merge``; ``stage_chain(merge)`` lists them) and, on Slurm and Ray, that stage's own
+    resources from ``cluster`` (a ``stacklm.scale.resources.ClusterPlan``; without one, the
+    built-in defaults and any ``partition``/``time``/``cpus_per_task``/``mem_per_cpu_gb``/
+    ``qos``/``env_command``/``sbatch_args`` keyword). Other keywords go to every executor.
     """
     from stacklm.prebuild.build import resolve_tokenizer
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
+    from stacklm.scale.resources import ClusterPlan, LogTaskResources
 
+    if executor not in ("local", "slurm", "ray"):
+        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+    if cluster is None:
+        legacy = ("partition", "time", "cpus_per_task", "mem_per_cpu_gb", "qos", "env_command", "sbatch_args")
+        cluster = ClusterPlan.resolve(**{k: executor_kwargs.pop(k) for k in legacy if k in executor_kwargs})
+    if executor == "slurm":
+        cluster.slurm_kwargs("main")  # no partition: refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
@@ -415,51 +429,45 @@ def prebuild_executors(
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
     if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
         shutil.rmtree(logs)
-    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
     n_tasks = plan.workers * len(plan.splits)
     from stacklm.prebuild.dedup_pass import uses_global_dedup
 
-    dedup = uses_global_dedup(plan.config)
-    n_buckets = len(bucket_tasks(task_plan))
-    if executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
+    def make(stage: str, steps: list, n: int, log_dir: str, job_name: str, depends=None):
+        """The executor of one stage, with that stage's resources."""
+        if executor == "local":
+            from datatrove.executor import LocalPipelineExecutor
 
-        before = None
-        if dedup:  # global dedup first: signatures (all tasks) -> buckets (per range) -> cluster (one task)
-            sigs = LocalPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            buckets = LocalPipelineExecutor([StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", depends=sigs, **executor_kwargs)
-            before = LocalPipelineExecutor([StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", depends=buckets)
-        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    elif executor == "slurm":
-        from datatrove.executor import SlurmPipelineExecutor
+            ex = LocalPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **executor_kwargs)
+        elif executor == "slurm":
+            from stacklm.scale.slurm import StackSlurmExecutor
 
-        merge_kwargs = {k: v for k, v in executor_kwargs.items() if k in ("partition", "time", "qos", "env_command", "condaenv", "venv_path", "sbatch_args")}
-        before = None
-        if dedup:
-            sigs = SlurmPipelineExecutor(
-                [StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", job_name="stacklm-dedup-sig", **executor_kwargs
-            )
-            buckets = SlurmPipelineExecutor(
-                [StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", job_name="stacklm-dedup-buckets", depends=sigs, **executor_kwargs
-            )
-            before = SlurmPipelineExecutor(
-                [StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", job_name="stacklm-dedup-cluster", depends=buckets, **merge_kwargs
-            )
-        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", depends=before, **executor_kwargs)
-        merge = SlurmPipelineExecutor(
-            [StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", job_name="stacklm-merge", depends=main, **merge_kwargs
-        )
-    elif executor == "ray":
-        from datatrove.executor.ray import RayPipelineExecutor
+            steps = [*steps, LogTaskResources(stage, cluster.resources[stage].describe())]
+            ex = StackSlurmExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", job_name=job_name, depends=depends,
+                                    **cluster.slurm_kwargs(stage), **executor_kwargs)
+        else:
+            from datatrove.executor.ray import RayPipelineExecutor
 
-        before = None
-        if dedup:
-            sigs = RayPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            buckets = RayPipelineExecutor([StackDedupBuckets(task_plan)], tasks=n_buckets, logging_dir=f"{logs}/dedup-buckets", depends=sigs, **executor_kwargs)
-            before = RayPipelineExecutor([StackDedupCluster(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-cluster", depends=buckets)
-        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    else:
-        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+            steps = [*steps, LogTaskResources(stage, cluster.ray_describe(stage))]
+            ex = RayPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **cluster.ray_kwargs(stage), **executor_kwargs)
+        ex.stacklm_stage = stage
+        return ex
+
+    before = None
+    if uses_global_dedup(plan.config):  # global dedup first: signatures (all tasks) -> buckets (per range) -> decision (one task)
+        sigs = make("signatures", [StackDedupSignatures(task_plan)], n_tasks, "dedup-sig", "stacklm-dedup-sig")
+        buckets = make("buckets", [StackDedupBuckets(task_plan)], len(bucket_tasks(task_plan)), "dedup-buckets", "stacklm-dedup-buckets", sigs)
+        before = make("decision", [StackDedupCluster(task_plan)], 1, "dedup-decide", "stacklm-dedup-decide", buckets)
+    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
+    main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
+    merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
     return main, merge
+
+
+def stage_chain(last) -> list:
+    """The executors ``last`` depends on, first to run first, and ``last``; read it before
+    ``run()`` (datatrove's Slurm executor drops ``depends`` once it has submitted)."""
+    chain = []
+    while last is not None:
+        chain.append(last)
+        last = last.depends
+    return chain[::-1]

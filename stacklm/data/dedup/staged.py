@@ -15,8 +15,9 @@
    ``chunk`` records whatever the corpus size: a range holding more is processed in key
    sub-ranges (keys are hashes, so sub-ranges split evenly and a bucket never straddles two).
 3. **cluster** (``cluster_pairs``, one task): union-find over the pairs only (vectorised
-   min-label propagation with pointer jumping), so it holds the duplicate pairs and the
-   documents in them, never every document. The kept copy of a set is its smallest
+   min-label propagation with pointer jumping), so it holds the distinct duplicate pairs
+   (``load_pair_files``: a set seen in several bands is held once) and the documents in them,
+   never every document. The kept copy of a set is its smallest
    *canonical* key (split priority, mix entry, part label, row), looked up for the paired
    documents only from the memory-mapped slice columns: the same rule as ``decide_splits``,
    so the removed ids are identical to the single-process decision and to each other for
@@ -190,6 +191,28 @@ def load_pairs(path: str | Path) -> np.ndarray:
     return a.reshape(-1, 2).astype(np.uint64, copy=False)
 
 
+def unique_pairs(pairs: np.ndarray) -> np.ndarray:
+    """``pairs`` without repeated rows (sorted)."""
+    pairs = np.ascontiguousarray(pairs, dtype=np.uint64).reshape(-1, 2)
+    if pairs.shape[0] < 2:
+        return pairs
+    order = np.lexsort((pairs[:, 1], pairs[:, 0]))
+    pairs = pairs[order]
+    keep = np.ones(pairs.shape[0], dtype=bool)
+    keep[1:] = (pairs[1:] != pairs[:-1]).any(axis=1)
+    return pairs[keep]
+
+
+def load_pair_files(paths: Sequence[str | Path]) -> np.ndarray:
+    """The distinct pairs of all ``paths``, read one file at a time: a duplicate set shows up
+    in many bands (an exact copy in all 12, a near copy in most), always as the same (first,
+    other) pair, so the cluster holds each pair once, not once per band."""
+    acc = np.zeros((0, 2), dtype=np.uint64)
+    for p in paths:
+        acc = unique_pairs(np.concatenate([acc, load_pairs(p)]))
+    return acc
+
+
 # -- 3. cluster ---------------------------------------------------------------------------------------
 def _components(u: np.ndarray, v: np.ndarray, label: np.ndarray) -> np.ndarray:
     """Smallest ``label`` of each node's connected component over the edges ``u``-``v``
@@ -324,4 +347,4 @@ def staged_decision(
     nb = max((m["num_bands"] for m in metas), default=0)
     exact = [bucket_pairs(sig_dirs, "digest", *key_range(r, exact_ranges), chunk=chunk) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
     near = [bucket_pairs(sig_dirs, f"band{b}", *key_range(r, ranges), chunk=chunk) for b in range(nb) for r in range(ranges)]
-    return cluster_pairs(sig_dirs, exact, near, priority)
+    return cluster_pairs(sig_dirs, [unique_pairs(np.concatenate(exact))] if exact else [], [unique_pairs(np.concatenate(near))] if near else [], priority)
