@@ -92,6 +92,12 @@ class StackDataModule(L.LightningDataModule):
             (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
+        verify_shards: shards mode: check each shard's content hash against its manifest the
+            first time a process (the main one or a loader worker) reads a row of it, before
+            the row reaches a batch (``PackedMemmapDataset(verify_content=...)``), so bit rot
+            that stays inside the vocabulary is an error naming the shard and ``stacklm verify``
+            rather than training data. ``True`` (default); ``False`` skips it (cost:
+            ``bench/loader.py``, docs/prebuild.md).
     """
 
     def __init__(
@@ -109,6 +115,7 @@ class StackDataModule(L.LightningDataModule):
         snapshot_every_n_steps: int | None = None,
         logical_streams: int | None = None,
         step_log: bool | str = True,
+        verify_shards: bool = True,
     ) -> None:
         super().__init__()
         # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
@@ -116,7 +123,7 @@ class StackDataModule(L.LightningDataModule):
             mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
             seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
             train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
-            step_log=step_log,
+            step_log=step_log, verify_shards=verify_shards,
         )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
@@ -138,6 +145,7 @@ class StackDataModule(L.LightningDataModule):
         self.logical_streams = None if logical_streams is None else int(logical_streams)
         self._logical_streams_arg = self.logical_streams
         self.step_log = step_log
+        self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
         self._tok = None
         self._train_loader = None
@@ -261,7 +269,7 @@ class StackDataModule(L.LightningDataModule):
     def shards_dataset(self, split: str):
         from stacklm.data.storage.dataset import PackedMemmapDataset
 
-        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
+        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer, verify_content=self.verify_shards)
         if ds.seq_len != self.seq_len:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "
