@@ -125,7 +125,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors  # without datatrove: an error naming [scale]
     config, settings = load_config(args.config)
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -142,7 +142,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
         splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
     )
-    merge.run()
+    run_executors(merge)  # a task that dies or raises: TaskFailed, one line naming it and its log, exit 2
     return 0
 
 
