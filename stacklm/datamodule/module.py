@@ -105,6 +105,12 @@ class StackDataModule(L.LightningDataModule):
             (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
+        verify_shards: shards mode: check each shard's content hash against its manifest the
+            first time a process (the main one or a loader worker) reads a row of it, before
+            the row reaches a batch (``PackedMemmapDataset(verify_content=...)``), so bit rot
+            that stays inside the vocabulary is an error naming the shard and ``stacklm verify``
+            rather than training data. ``True`` (default); ``False`` skips it (cost:
+            ``bench/loader.py``, docs/prebuild.md).
     """
 
     def __init__(
@@ -122,6 +128,7 @@ class StackDataModule(L.LightningDataModule):
         snapshot_every_n_steps: int | None = None,
         logical_streams: int | None = None,
         step_log: bool | str = True,
+        verify_shards: bool = True,
     ) -> None:
         super().__init__()
         if mode not in MODES:
@@ -136,6 +143,8 @@ class StackDataModule(L.LightningDataModule):
                 f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
                 f"got {snapshot_every_n_steps}"
             )
+        if not isinstance(verify_shards, bool):
+            raise DataConfigError(f"StackDataModule: verify_shards must be true or false, got {verify_shards!r}")
         if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
             raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
         self.save_hyperparameters()
@@ -153,6 +162,7 @@ class StackDataModule(L.LightningDataModule):
         self.logical_streams = None if logical_streams is None else int(logical_streams)
         self._logical_streams_arg = self.logical_streams
         self.step_log = step_log
+        self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
         self._tok = None
         self._train_loader = None
@@ -276,7 +286,7 @@ class StackDataModule(L.LightningDataModule):
     def shards_dataset(self, split: str):
         from stacklm.data.storage.dataset import PackedMemmapDataset
 
-        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
+        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer, verify_content=self.verify_shards)
         if ds.seq_len != self.seq_len:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "

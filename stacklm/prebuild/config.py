@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH, Config
 from stacklm.errors import ConfigError
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError
+from stacklm.scale.resources import ClusterSettings
 
 MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits
 
@@ -21,6 +22,7 @@ class PrebuildSettings(Config):
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
     workers: int = 1
     splits: tuple[str, ...] = SPLITS
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)  # prebuild-datatrove on Slurm/Ray
 
     def __post_init__(self) -> None:
         bad = [s for s in self.splits if s not in SPLITS]
@@ -34,8 +36,9 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     the pipeline config under ``data.pipeline`` (``seq_len``/``batch_size``/``seed`` default to
     the module's), ``data.tokenizer`` and ``data.data_dir`` (the default ``--out``). An optional
     top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
-    ``workers``, ``splits``, ``out``; other top-level sections (model, trainer) are the trainer's.
-    ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``.
+    ``workers``, ``splits``, ``out``, and ``cluster`` (``prebuild-datatrove``'s partition, QOS,
+    env command, sbatch arguments and per-stage resources: ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
+    ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``, ``cluster``.
     ``path`` may also name a packaged config (``demo``, ``stack-100m``; ``stacklm.configs``).
     """
     import yaml
@@ -74,5 +77,6 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         "tokens_per_shard": section.tokens_per_shard,
         "workers": section.workers,
         "splits": section.splits,
+        "cluster": section.cluster,
     }
     return config, settings

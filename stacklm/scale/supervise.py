@@ -58,8 +58,9 @@ def chain_of(last) -> list:
 
 
 def stage_name(executor) -> str:
-    """A stage is named by its logging folder (``main``, ``merge``, ...)."""
-    return Path(executor.logging_dir.path.rstrip("/")).name
+    """A stage's name: ``stacklm_stage`` (``prebuild_executors``: ``signatures``, ``decision``,
+    ``main``, ``merge``), else its logging folder."""
+    return getattr(executor, "stacklm_stage", None) or Path(executor.logging_dir.path.rstrip("/")).name
 
 
 def task_log(executor, rank: int) -> str:
@@ -214,13 +215,11 @@ def _run_ray(ex, ranks: list[int], describe: Describe | None, poll_s: float) -> 
 
     if not ray.is_initialized():
         ray.init()  # RAY_ADDRESS, else the cluster started on this node, else a new local one
-    opts: dict[str, Any] = {
-        "num_cpus": ex.cpus_per_task, "num_gpus": ex.gpus_per_task,
-        "memory": int(ex.mem_per_cpu_gb * ex.cpus_per_task * 1024**3), **(ex.ray_remote_kwargs or {}), "max_retries": 0,
-    }
+    memory = int(ex.mem_per_cpu_gb * ex.cpus_per_task * 1024**3)  # 0: none reserved
+    opts: dict[str, Any] = {"num_cpus": ex.cpus_per_task, "num_gpus": ex.gpus_per_task, **({"memory": memory} if memory else {}),
+                            **(ex.ray_remote_kwargs or {}), "max_retries": 0}
     have = ray.cluster_resources()
-    short = [f"{k} {opts[k if k != 'CPU' else 'num_cpus']}" for k in ("CPU", "memory")
-             if opts[k if k != "CPU" else "num_cpus"] > have.get(k, 0)]
+    short = [f"{key} {opts[opt]}" for key, opt in (("CPU", "num_cpus"), ("memory", "memory")) if opts.get(opt, 0) > have.get(key, 0)]
     if short:  # Ray would queue the task forever
         raise PrebuildError(
             f"datatrove stage {stage_name(ex)!r}: each task asks Ray for {', '.join(short)} but the cluster has only "
