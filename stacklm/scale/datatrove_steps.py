@@ -125,7 +125,7 @@ def run_executors(last) -> None:
     """Run ``prebuild_executors``' chain to the end. Local and Ray: stage by stage, each task
     supervised (``stacklm.scale.supervise.run_chain``): a task that dies or raises ends the run
     with ``TaskFailed`` naming it and its log, instead of datatrove's wait that never ends.
-    Slurm: ``last.run()`` submits the jobs (their dependencies wait in Slurm)."""
+    Slurm: submits the jobs (``submit_chain``; their dependencies wait in Slurm)."""
     from datatrove.executor import LocalPipelineExecutor
 
     from stacklm.scale.supervise import run_chain
@@ -140,7 +140,9 @@ def run_executors(last) -> None:
     if isinstance(last, kinds):
         run_chain(last, describe=describe_task)
     else:
-        last.run()
+        from stacklm.scale.slurm import submit_chain
+
+        submit_chain(stage_chain(last))  # the CLI's --wait then watches them (stacklm.scale.slurm.wait_for_chain)
 
 
 def _without_summary(data: DocumentsPipeline, summary: dict[str, Any]) -> Iterator[Document]:
