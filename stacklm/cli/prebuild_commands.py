@@ -165,9 +165,10 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     chain = stage_chain(merge)
     if args.executor != "local":
         print(f"stacklm prebuild-datatrove: per-task resources: {cluster.table(args.executor)}", file=sys.stderr)
-    merge.run()
     if args.executor == "slurm":
-        from stacklm.scale.slurm import wait_for_chain
+        from stacklm.scale.slurm import submit_chain, wait_for_chain
+
+        submit_chain(chain)
 
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
@@ -176,6 +177,8 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"{out}: every slurm task completed")
         else:
             print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
+    else:
+        merge.run()
     return 0
 
 
