@@ -31,15 +31,15 @@ import hashlib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 
 from stacklm.data.nodes import PipelineConfig
 from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.modes import MODE_CLASSES, MODES
+from stacklm.datamodule.modes import MODE_CLASSES
+from stacklm.datamodule.section import DataSection, check_pipeline
 from stacklm.config import PIPELINE_PATH
-from stacklm.errors import ConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
@@ -49,19 +49,6 @@ class PipelineSpec(dict):
     """The type of ``StackDataModule``'s ``pipeline`` argument: a plain dict, which
     ``check_pipeline`` parses when ``LightningCLI`` reads the YAML (registered with jsonargparse
     below), so ``python -m trainer fit --config X --print_config`` already refuses a typo."""
-
-
-def check_pipeline(value: Any) -> dict[str, Any]:
-    """``value`` as a plain dict, after parsing it as the config it is (``SFTConfig`` when it
-    lists ``sources``, else ``PipelineConfig``): unknown keys and wrong types raise here."""
-    from stacklm.data.sft import SFTConfig
-
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{PIPELINE_PATH}: expected a mapping (the pipeline config), got {value!r}")
-    d = dict(value)
-    if d:
-        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
-    return d
 
 
 try:  # jsonargparse comes with lightning's CLI; without it there is no CLI to check for
@@ -115,7 +102,7 @@ class StackDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        mode: str = "shards",
+        mode: Literal["shards", "stream", "sft", "preference"] = "shards",
         tokenizer: str | None = None,
         data_dir: str | None = None,
         pipeline: PipelineSpec | None = None,
@@ -131,22 +118,18 @@ class StackDataModule(L.LightningDataModule):
         verify_shards: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise DataConfigError(f"StackDataModule: mode must be one of {MODES}, got {mode!r}")
+        # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
+        DataSection.parse(
+            mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
+            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
+            train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
+            step_log=step_log, verify_shards=verify_shards,
+        )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
         MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
         if pipeline:
-            pipeline = check_pipeline(pipeline)
-        if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
-            raise DataConfigError(
-                f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
-                f"got {snapshot_every_n_steps}"
-            )
-        if not isinstance(verify_shards, bool):
-            raise DataConfigError(f"StackDataModule: verify_shards must be true or false, got {verify_shards!r}")
-        if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
-            raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
+            pipeline = dict(pipeline)
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
