@@ -2,6 +2,7 @@
 
     python3 bench/loader.py [--batch 8] [--seq-len 2048] [--seconds 3] [--prebuild-tokens 400000]
     python3 bench/loader.py --skip-loading --skip-prebuild --stream-seconds 20   # stream mode only
+    python3 bench/loader.py --verify-only [--rows 8192]                           # the content-hash check only
 
 Part 1 — loading. Real text (``stacklm.corpus``) tokenized by a small BPE trained here, packed
 best-fit into ``seq_len`` windows and written as shards (tiled to ``--rows`` rows, several
@@ -17,6 +18,16 @@ random batches of rows (the same index arrays, in the same order):
 * both again through ``torch.utils.data.DataLoader`` (main process, ``batch_size=None`` over a
   batch sampler), since that is how a trainer consumes them; and per-item ``ds[i]`` + the
   default collate (what ``DistributedSampler`` with ``batch_size=B`` does).
+
+Part 1b — the content-hash check (``--skip-verify`` to leave out, ``--verify-only`` for just
+this). ``PackedMemmapDataset(verify_content=True)`` (the default) hashes each shard the first
+time a process reads it. Side by side, on the same shards, one whole epoch in the sampler's
+random order through ``get_batch`` with the check on and off, each from a fresh dataset (a
+fresh process state, as a new loader worker has): a cold-ish first pass (the shard files
+dropped from the page cache with ``posix_fadvise(DONTNEED)`` before it, so both variants read
+them from disk), a warm first pass (files cached, nothing checked yet) and a second pass
+(everything checked: the steady state of a long run). The ratio is the check's cost in loader
+throughput.
 
 Part 3 — stream mode (``--skip-stream`` to leave out). ``StackDataModule(mode="stream")`` over
 real text (the embedded corpus written as jsonl files, a local source) with exact + near
@@ -137,6 +148,69 @@ def bench_loading(args, tok) -> list[tuple[str, float]]:
     return results
 
 
+def _evict(paths: list[Path]) -> None:
+    """Drop the files' clean pages from the page cache (no root needed), so the next read is cold."""
+    import os
+
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def bench_verify(args, tok) -> None:
+    """Part 1b: an epoch through ``get_batch`` with and without the content-hash check."""
+    from stacklm.data.storage.shards import tokens_path
+
+    tmp = Path(tempfile.mkdtemp(prefix="stacklm-bench-verify-"))
+    build_shards(tmp / "train", tok, args.seq_len, args.rows, args.rows_per_shard, args.text_bytes)
+    probe = PackedMemmapDataset(tmp, verify_content=False)
+    files = [tokens_path(probe.path, name) for name in probe.shard_names]
+    sampler = ElasticSampler(probe, args.batch, seed=0, rank=0, world_size=1, loop=False)
+    batches = list(sampler.batches())  # one epoch, every row once, in random order
+    mb = sum(f.stat().st_size for f in files) / 1e6
+
+    def epoch(ds) -> float:
+        t0 = time.perf_counter()
+        for b in batches:
+            ds.get_batch(b)
+        return len(batches) / (time.perf_counter() - t0)
+
+    print(f"\ncontent-hash check: {len(files)} shards, {mb:.0f} MB, one epoch = {len(batches)} batches of B={args.batch}, "
+          f"T={args.seq_len - 1} in random order, get_batch in one process")
+    print(f"{'pass':34s} {'check off b/s':>14s} {'check on b/s':>13s} {'on/off':>7s}")
+    for label, cold in (("first pass, page cache dropped", True), ("first pass, files cached", False)):
+        rates = {}
+        for verify in (False, True, False, True):  # twice each, interleaved; the better of two
+            ds = PackedMemmapDataset(tmp, verify_content=verify, sample_rows=0)
+            if cold:
+                _evict(files)
+            rates[verify] = max(rates.get(verify, 0.0), epoch(ds))
+        print(f"{label:34s} {rates[False]:14,.0f} {rates[True]:13,.0f} {rates[True] / rates[False]:7.1%}")
+    on = PackedMemmapDataset(tmp, sample_rows=0)
+    off = PackedMemmapDataset(tmp, verify_content=False, sample_rows=0)
+    epoch(on)  # every shard checked from here on
+    r_off, r_on = max(epoch(off), epoch(off)), max(epoch(on), epoch(on))
+    print(f"{'second pass (all checked)':34s} {r_off:14,.0f} {r_on:13,.0f} {r_on / r_off:7.1%}")
+    # The check alone, files cached: less noisy than the difference of two timed epochs on a busy machine.
+    hash_s = min(_time_hashes(on) for _ in range(3))
+    epoch_s = len(batches) / max(r_off, rates[False])
+    print(f"hashing all {len(files)} shards alone: {hash_s * 1e3:.1f} ms ({mb / 1e3 / hash_s:.2f} GB/s) = {hash_s / epoch_s:.1%} of one "
+          f"epoch's get_batch time ({epoch_s * 1e3:.0f} ms): a first pass runs at {epoch_s / (epoch_s + hash_s):.1%} of the "
+          "unchecked throughput, later passes of the same process at 100%")
+
+
+def _time_hashes(ds) -> float:
+    from stacklm.data.storage.shards import check_content_hash
+
+    t0 = time.perf_counter()
+    for entry in ds.manifest["shards"]:
+        check_content_hash(ds.path, entry, ds.path / "manifest.json")
+    return time.perf_counter() - t0
+
+
 def text_bytes_read(out: Path, config) -> dict[str, int]:
     """Exact UTF-8 bytes of every document the synthetic sources read, per split, from the
     manifests' per-task counts (each worker reads documents worker, worker + N, ...)."""
@@ -250,6 +324,8 @@ def main() -> None:
     p.add_argument("--skip-prebuild", action="store_true")
     p.add_argument("--skip-loading", action="store_true")
     p.add_argument("--skip-stream", action="store_true")
+    p.add_argument("--skip-verify", action="store_true", help="leave out part 1b (the content-hash check)")
+    p.add_argument("--verify-only", action="store_true", help="run only part 1b (the content-hash check)")
     p.add_argument("--stream-workers", type=int, default=2)
     p.add_argument("--stream-seconds", type=float, default=20.0, help="steady-state measurement of the stream loader")
     p.add_argument("--stream-text-bytes", type=int, default=30_000_000, help="real text behind the stream source")
@@ -260,8 +336,13 @@ def main() -> None:
 
     tok = train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer
     tokens_per_batch = args.batch * (args.seq_len - 1)
+    if args.verify_only:
+        bench_verify(args, tok)
+        return
     if not args.skip_loading:
         report_loading(args, tok, tokens_per_batch)
+    if not args.skip_verify:
+        bench_verify(args, tok)
     if not args.skip_stream:
         bench_stream(args, tok)
     if args.skip_prebuild:

@@ -311,6 +311,30 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
     assert again.data_stats()["realized"] == stats["realized"]  # totals continue from the checkpoint
 
 
+def test_shards_mode_refuses_a_rotten_shard_unless_told_not_to_check(tokenizer_dir, shards_dir, tmp_path):
+    """One flipped bit inside the vocabulary: the loader workers refuse the shard at its first
+    read, naming it and `stacklm verify`; ``verify_shards=False`` trains on it."""
+    import shutil
+
+    from stacklm.data.storage.shards import ShardError, tokens_path
+
+    data = tmp_path / "shards"
+    shutil.copytree(shards_dir, data)
+    path = tokens_path(data / "train", "shard_00000")
+    raw = bytearray(path.read_bytes())
+    raw[2 * 70] ^= 1  # the low byte of token 70: the id changes by one, staying inside the (even) vocab
+    path.write_bytes(bytes(raw))
+    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2)
+    dm.setup("fit")
+    with pytest.raises(ShardError, match=r"shard_00000.tokens.bin: content hash .* `stacklm verify"):
+        list(dm.train_dataloader())
+    quiet = _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2, verify_shards=False)
+    quiet.setup("fit")
+    assert len(list(quiet.train_dataloader())) == len(quiet.train_dataloader())
+    with pytest.raises(DataConfigError, match="verify_shards must be true or false"):
+        _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, verify_shards="off")
+
+
 @pytest.mark.parametrize("mode, num_workers", [("stream", 0), ("stream", 2), ("shards", 2)])
 def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_dir, mode, num_workers):
     """The train loader alone, no Trainer: its state saved mid-epoch goes through ``torch.save`` +

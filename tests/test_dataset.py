@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -218,11 +219,87 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
     raw = bytearray(tokens_path(d, "shard_00000").read_bytes())
     raw[10] ^= 1
     tokens_path(d, "shard_00000").write_bytes(bytes(raw))
-    PackedMemmapDataset(d)  # size and sampled ids are fine...
+    PackedMemmapDataset(d)  # size and sampled ids are fine (opening does not hash)...
     with pytest.raises(ShardError, match="content hash"):
         verify_shard_set(d, progress=False)  # ...the full check is not
     report = verify_shard_set(fresh("good"), tokenizer=tok, progress=False)
     assert report["train"]["rows"] == 40 and report["train"]["max_id"] < tok.vocab_size
+
+
+def _flip_inside_vocab(path, tok, at: int) -> None:
+    """Flip the lowest bit of the ``at``-th token id of a shard file: an even id becomes the next
+    odd one and vice versa, so with an even vocab size it stays inside the vocabulary."""
+    raw = bytearray(path.read_bytes())
+    assert tok.vocab_size % 2 == 0 and token_dtype(tok.vocab_size).itemsize == 2
+    raw[2 * at] ^= 1  # little-endian: the low byte comes first
+    path.write_bytes(bytes(raw))
+
+
+def test_content_hash_is_checked_where_rows_are_first_read(tmp_path, tok, windows):
+    """Bit rot inside the vocabulary, a zeroed or garbled hash in the manifest: each is an error
+    naming the shard, the manifest and `stacklm verify` at the first read of that shard (the
+    main process and each loader worker for itself); untouched data and the opt-out read on."""
+    w = windows["best_fit"][:40]
+    specials = (tok.bos_id, tok.eos_id, tok.pad_id)
+
+    def fresh(name):
+        d = tmp_path / name / "train"
+        write_shard_set(d, tok, [w[:20], w[20:]])
+        return d
+
+    good = PackedMemmapDataset(fresh("good"))
+    _same(good.get_batch(np.arange(40)), collate(w, *specials))  # every shard hashed, every row served
+    assert good._all_verified_in is not None
+
+    d = fresh("flipped")
+    _flip_inside_vocab(tokens_path(d, "shard_00001"), tok, at=5 * SEQ_LEN + 7)  # row 25 of the split
+    rotten = PackedMemmapDataset(d)  # opening checks sizes and a sample of ids: all fine
+    _same(rotten.get_batch([0, 19]), collate(w[[0, 19]], *specials))  # shard 0 is intact: served
+    msg = (rf"{re.escape(str(tokens_path(d, 'shard_00001')))}: content hash [0-9a-f]{{16}} differs from [0-9a-f]{{16}} "
+           rf"listed for shard 'shard_00001' in {re.escape(str(d / 'manifest.json'))}: .*`stacklm verify {re.escape(str(d))}`")
+    for _ in range(2):  # and again: a failed check is not remembered as passed
+        with pytest.raises(ShardError, match=msg):
+            rotten.get_batch([3, 21])
+    loader = torch.utils.data.DataLoader(_Batches(PackedMemmapDataset(d), [[0, 1], [30, 2]]), batch_size=None, num_workers=1)
+    with pytest.raises(ShardError, match="shard_00001.tokens.bin: content hash"):  # from a loader worker
+        list(loader)
+    quiet = PackedMemmapDataset(d, verify_content=False)  # the opt-out reads it without a word
+    flipped = quiet.rows(np.arange(40))
+    assert (flipped != w).sum() == 1 and flipped.max() < tok.vocab_size
+    _same(quiet.get_batch(np.arange(40)), collate(flipped, *specials))
+
+    # Checked per process: the main process has checked both shards, then one rots; a loader
+    # worker (forked, so it inherits the main process's attributes) checks for itself.
+    d = fresh("rots_later")
+    ds = PackedMemmapDataset(d)
+    ds.get_batch(np.arange(40))
+    _flip_inside_vocab(tokens_path(d, "shard_00000"), tok, at=3)
+    ds.get_batch([0])  # this process checked shard 0 already: not hashed again
+    loader = torch.utils.data.DataLoader(_Batches(ds, [[0]]), batch_size=None, num_workers=1, multiprocessing_context="fork")
+    with pytest.raises(ShardError, match="shard_00000.tokens.bin: content hash"):
+        list(loader)
+
+    for label, value in (("zeroed", "0" * 16), ("garbled", "not-a-hash"), ("empty", ""), ("missing", None)):
+        d = fresh(label)
+        m = mf.read_manifest(d)
+        if value is None:
+            del m["shards"][1]["xxh64"]
+        else:
+            m["shards"][1]["xxh64"] = value
+        mf.write_manifest(d, m)
+        ds = PackedMemmapDataset(d)
+        ds.get_batch([0, 1])  # shard 0's hash is intact
+        if label == "zeroed":  # well formed, just wrong
+            match = rf"differs from 0{{16}} listed for shard 'shard_00001' in {re.escape(str(d / 'manifest.json'))}.*stacklm verify"
+        else:
+            match = rf"{re.escape(str(d / 'manifest.json'))}: shard 'shard_00001' lists content hash \(field 'xxh64'\) .*not 16 hex digits.*stacklm verify"
+        with pytest.raises(ShardError, match=match):
+            ds.get_batch([33])
+        with pytest.raises(ShardError, match=match):
+            verify_shard_set(d, progress=False)  # `verify` refuses the same manifest the same way
+        PackedMemmapDataset(d, verify_content=False).get_batch([33])
+    with pytest.raises(TypeError, match="verify_content must be True or False"):
+        PackedMemmapDataset(fresh("typed"), verify_content="no")
 
 
 # ---------------------------------------------------------------------------------------

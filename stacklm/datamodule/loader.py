@@ -59,7 +59,8 @@ def gather_from_ranks(state: Any) -> list[Any]:
     rank, world = rank_world()
     if world == 1:
         return [state]
-    # pre-pickled numpy/plain containers (tensor pickling across processes is fragile here)
+    # pre-pickled numpy/plain containers (tensor pickling across processes is fragile here); in-memory
+    # between our own ranks, never read from disk (the checkpoint holds to_checkpoint_safe's tensors)
     out: list[Any] | None = [None] * world if rank == 0 else None
     torch.distributed.gather_object(pickle.dumps(state), out, dst=0)
     if rank != 0:

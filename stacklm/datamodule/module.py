@@ -31,15 +31,15 @@ import hashlib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 
 from stacklm.data.nodes import PipelineConfig
 from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.modes import MODE_CLASSES, MODES
+from stacklm.datamodule.modes import MODE_CLASSES
+from stacklm.datamodule.section import DataSection, check_pipeline
 from stacklm.config import PIPELINE_PATH
-from stacklm.errors import ConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
@@ -49,19 +49,6 @@ class PipelineSpec(dict):
     """The type of ``StackDataModule``'s ``pipeline`` argument: a plain dict, which
     ``check_pipeline`` parses when ``LightningCLI`` reads the YAML (registered with jsonargparse
     below), so ``python -m trainer fit --config X --print_config`` already refuses a typo."""
-
-
-def check_pipeline(value: Any) -> dict[str, Any]:
-    """``value`` as a plain dict, after parsing it as the config it is (``SFTConfig`` when it
-    lists ``sources``, else ``PipelineConfig``): unknown keys and wrong types raise here."""
-    from stacklm.data.sft import SFTConfig
-
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{PIPELINE_PATH}: expected a mapping (the pipeline config), got {value!r}")
-    d = dict(value)
-    if d:
-        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
-    return d
 
 
 try:  # jsonargparse comes with lightning's CLI; without it there is no CLI to check for
@@ -105,6 +92,12 @@ class StackDataModule(L.LightningDataModule):
             (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
+        verify_shards: shards mode: check each shard's content hash against its manifest the
+            first time a process (the main one or a loader worker) reads a row of it, before
+            the row reaches a batch (``PackedMemmapDataset(verify_content=...)``), so bit rot
+            that stays inside the vocabulary is an error naming the shard and ``stacklm verify``
+            rather than training data. ``True`` (default); ``False`` skips it (cost:
+            ``bench/loader.py``, docs/prebuild.md).
         gate: run ``stacklm inspect``'s checks on a sample of the real loader output before the
             first step (``stacklm.datamodule.gate``): sft/preference modes on this rank's first
             batches, drawn from fresh pipeline graphs before the train loader exists; shards and
@@ -117,7 +110,7 @@ class StackDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        mode: str = "shards",
+        mode: Literal["shards", "stream", "sft", "preference"] = "shards",
         tokenizer: str | None = None,
         data_dir: str | None = None,
         pipeline: PipelineSpec | None = None,
@@ -130,23 +123,22 @@ class StackDataModule(L.LightningDataModule):
         snapshot_every_n_steps: int | None = None,
         logical_streams: int | None = None,
         step_log: bool | str = True,
+        verify_shards: bool = True,
         gate: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise DataConfigError(f"StackDataModule: mode must be one of {MODES}, got {mode!r}")
+        # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
+        DataSection.parse(
+            mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
+            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
+            train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
+            step_log=step_log, verify_shards=verify_shards, gate=gate,
+        )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
         MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
         if pipeline:
-            pipeline = check_pipeline(pipeline)
-        if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
-            raise DataConfigError(
-                f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
-                f"got {snapshot_every_n_steps}"
-            )
-        if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
-            raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
+            pipeline = dict(pipeline)
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
@@ -162,6 +154,7 @@ class StackDataModule(L.LightningDataModule):
         self.logical_streams = None if logical_streams is None else int(logical_streams)
         self._logical_streams_arg = self.logical_streams
         self.step_log = step_log
+        self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
         self.gate = bool(gate)
         self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
@@ -311,7 +304,7 @@ class StackDataModule(L.LightningDataModule):
     def shards_dataset(self, split: str):
         from stacklm.data.storage.dataset import PackedMemmapDataset
 
-        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer)
+        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer, verify_content=self.verify_shards)
         if ds.seq_len != self.seq_len:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "

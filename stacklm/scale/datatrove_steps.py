@@ -321,18 +321,32 @@ def prebuild_executors(
     splits: tuple[str, ...] = SPLITS,
     executor: str = "local",
     logging_dir: str | None = None,
+    cluster=None,
     **executor_kwargs: Any,
 ):
     """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
 
     ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
     ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
-    directory is checked/claimed here, like ``stacklm prebuild`` does.
+    directory is checked/claimed here, like ``stacklm prebuild`` does. Every executor of the
+    chain carries its stage name (``stacklm_stage``: ``signatures``, ``decision``, ``main``,
+    ``merge``; ``stage_chain(merge)`` lists them) and, on Slurm and Ray, that stage's own
+    resources from ``cluster`` (a ``stacklm.scale.resources.ClusterPlan``; without one, the
+    built-in defaults and any ``partition``/``time``/``cpus_per_task``/``mem_per_cpu_gb``/
+    ``qos``/``env_command``/``sbatch_args`` keyword). Other keywords go to every executor.
     """
     from stacklm.prebuild.build import resolve_tokenizer
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
+    from stacklm.scale.resources import ClusterPlan, LogTaskResources
 
+    if executor not in ("local", "slurm", "ray"):
+        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+    if cluster is None:
+        legacy = ("partition", "time", "cpus_per_task", "mem_per_cpu_gb", "qos", "env_command", "sbatch_args")
+        cluster = ClusterPlan.resolve(**{k: executor_kwargs.pop(k) for k in legacy if k in executor_kwargs})
+    if executor == "slurm":
+        cluster.slurm_kwargs("main")  # no partition: refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
@@ -343,45 +357,44 @@ def prebuild_executors(
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
     if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
         shutil.rmtree(logs)
-    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
     n_tasks = plan.workers * len(plan.splits)
     from stacklm.prebuild.dedup_pass import uses_global_dedup
 
-    dedup = uses_global_dedup(plan.config)
-    if executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
+    def make(stage: str, steps: list, n: int, log_dir: str, job_name: str, depends=None):
+        """The executor of one stage, with that stage's resources."""
+        if executor == "local":
+            from datatrove.executor import LocalPipelineExecutor
 
-        before = None
-        if dedup:  # global dedup first: signatures (all tasks) -> decision (one task)
-            sigs = LocalPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = LocalPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
-        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    elif executor == "slurm":
-        from datatrove.executor import SlurmPipelineExecutor
+            ex = LocalPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **executor_kwargs)
+        elif executor == "slurm":
+            from stacklm.scale.slurm import StackSlurmExecutor
 
-        merge_kwargs = {k: v for k, v in executor_kwargs.items() if k in ("partition", "time", "qos", "env_command", "condaenv", "venv_path", "sbatch_args")}
-        before = None
-        if dedup:
-            sigs = SlurmPipelineExecutor(
-                [StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", job_name="stacklm-dedup-sig", **executor_kwargs
-            )
-            before = SlurmPipelineExecutor(
-                [StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", job_name="stacklm-dedup-decide", depends=sigs, **merge_kwargs
-            )
-        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", depends=before, **executor_kwargs)
-        merge = SlurmPipelineExecutor(
-            [StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", job_name="stacklm-merge", depends=main, **merge_kwargs
-        )
-    elif executor == "ray":
-        from datatrove.executor.ray import RayPipelineExecutor
+            steps = [*steps, LogTaskResources(stage, cluster.resources[stage].describe())]
+            ex = StackSlurmExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", job_name=job_name, depends=depends,
+                                    **cluster.slurm_kwargs(stage), **executor_kwargs)
+        else:
+            from datatrove.executor.ray import RayPipelineExecutor
 
-        before = None
-        if dedup:
-            sigs = RayPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = RayPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
-        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    else:
-        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+            steps = [*steps, LogTaskResources(stage, cluster.ray_describe(stage))]
+            ex = RayPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **cluster.ray_kwargs(stage), **executor_kwargs)
+        ex.stacklm_stage = stage
+        return ex
+
+    before = None
+    if uses_global_dedup(plan.config):  # global dedup first: signatures (all tasks) -> decision (one task)
+        sigs = make("signatures", [StackDedupSignatures(task_plan)], n_tasks, "dedup-sig", "stacklm-dedup-sig")
+        before = make("decision", [StackDedupDecision(task_plan)], 1, "dedup-decide", "stacklm-dedup-decide", sigs)
+    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
+    main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
+    merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
     return main, merge
+
+
+def stage_chain(last) -> list:
+    """The executors ``last`` depends on, first to run first, and ``last``; read it before
+    ``run()`` (datatrove's Slurm executor drops ``depends`` once it has submitted)."""
+    chain = []
+    while last is not None:
+        chain.append(last)
+        last = last.depends
+    return chain[::-1]

@@ -6,7 +6,8 @@
 (``input_ids``, ``position_ids``, ``seq_ids``, ``targets``) is derived from the tokens, exactly as
 ``stacklm.data.packing.pack.collate`` derives it for the streaming pipes. It validates the shard set
 when opened (manifest, file sizes, dtype, special ids, a sample of token ids, optionally the
-tokenizer hash); ``verify_shard_set`` reads every id.
+tokenizer hash), and checks each shard's content hash against the manifest the first time a
+process reads a row of it (``verify_content``); ``verify_shard_set`` also reads every id.
 
 ``ElasticSampler`` orders the epoch by one global seeded permutation, consumed in global steps
 of ``world_size x batch_size`` samples; its whole state is ``(seed, epoch, consumed)``. Resuming
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Iterator, Sequence, Sized
 from functools import lru_cache
 from pathlib import Path
@@ -29,7 +31,7 @@ from torchdata.nodes import BaseNode
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.storage.shards import ShardError, check_shard_files, file_xxh64, list_shard_files, open_tokens, parse_dtype, tokens_path
+from stacklm.data.storage.shards import ShardError, check_content_hash, check_shard_files, list_shard_files, open_tokens, parse_dtype, tokens_path
 from stacklm.dist import rank_world
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
@@ -115,6 +117,16 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
     derive a whole batch in one vectorised pass (use it with ``batch_size=None`` and a batch
     sampler, or with ``ElasticBatchNode``). Memmaps are opened lazily per process and never
     pickled, so ``DataLoader`` workers (fork or spawn) share the page cache, not copies.
+
+    ``verify_content`` (default on): the first time a process reads a row of a shard, the
+    shard's whole ``tokens.bin`` is hashed (xxh64, ``shards.check_content_hash``, the same check
+    as ``stacklm verify``) and compared with the manifest before the row is returned, so a
+    flipped bit that stays inside the vocabulary, or a damaged hash in the manifest, is a
+    ``ShardError`` naming the shard, the manifest and ``stacklm verify`` instead of training
+    data. Once per shard per process (each ``DataLoader`` worker checks the shards it reads;
+    a worker of a later epoch again), then nothing: one ``os.getpid()`` per batch. Cost:
+    ``bench/loader.py --verify-only``. ``False`` reads without it (the size, id-range and
+    per-batch vocab checks stay).
     """
 
     def __init__(
@@ -125,7 +137,11 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         tokenizer=None,
         sample_rows: int = DEFAULT_SAMPLE_ROWS,
         seed: int = 0,
+        verify_content: bool = True,
     ) -> None:
+        if not isinstance(verify_content, bool):
+            raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
+        self.verify_content = verify_content
         self.path = resolve_split_dir(path, split)
         self.manifest = read_manifest(self.path, required=SPLIT_REQUIRED)
         m = self.manifest
@@ -158,6 +174,8 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
                 path=self.path,
             )
         self._maps: list[np.ndarray] | None = None
+        self._verified: tuple[int, np.ndarray, threading.Lock] | None = None  # (pid, shard checked?, lock)
+        self._all_verified_in: int | None = None  # pid of the process that has checked every shard
         self.check_sample(sample_rows, seed)
 
     # -- files ---------------------------------------------------------------------------
@@ -172,7 +190,29 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_maps"] = None  # a pickled memmap would copy the whole shard
+        state["_verified"] = state["_all_verified_in"] = None  # each process checks for itself
         return state
+
+    def _verify(self, shards: np.ndarray) -> None:
+        """Check the content hash of each of ``shards`` not yet checked in this process.
+
+        Per process, keyed by pid: a forked ``DataLoader`` worker inherits the parent's
+        attributes, and its own check is what the docstring promises. The lock makes threads
+        of one process (a threaded mapper) hash each shard once and never read an unchecked one."""
+        pid = os.getpid()
+        state = self._verified
+        if state is None or state[0] != pid:
+            state = self._verified = (pid, np.zeros(len(self.shard_names), dtype=bool), threading.Lock())
+        _, done, lock = state
+        todo = np.unique(shards[~done[shards]])
+        if todo.size:
+            with lock:
+                for s in todo.tolist():
+                    if not done[s]:
+                        check_content_hash(self.path, self.manifest["shards"][s], self.path / "manifest.json")
+                        done[s] = True
+        if done.all():
+            self._all_verified_in = pid
 
     # -- indexing ------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -196,8 +236,13 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
                 raise IndexError(f"row index out of range for a split of {self.num_rows} rows: {lo}..{hi}")
             if lo < 0:
                 idx = np.where(idx < 0, idx + self.num_rows, idx)
+        return self._read(idx, verify=self.verify_content)
+
+    def _read(self, idx: np.ndarray, *, verify: bool) -> np.ndarray:
         maps = self._maps if self._maps is not None else self._open()
         shard, local = self.locate(idx)
+        if verify and self._all_verified_in != os.getpid():
+            self._verify(shard)
         out = np.empty((len(idx), self.seq_len), dtype=self.dtype)
         for j, (s, r) in enumerate(zip(shard.tolist(), local.tolist())):
             out[j] = maps[s][r]
@@ -246,7 +291,8 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if len(self.shard_rows) * 2 <= sample_rows:
             picks = np.union1d(picks, np.concatenate([self.shard_starts, self.shard_starts + self.shard_rows - 1]))
         picks = np.sort(picks)
-        rows = self.rows(picks)
+        # not content-checked here: opening stays cheap; the hash is checked where rows are read to train on
+        rows = self._read(picks, verify=False)
         over = rows >= self.vocab_size
         if over.any():
             r = int(np.argmax(over.any(axis=1)))
@@ -293,7 +339,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
         raise ManifestError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
     report: dict[str, Any] = {}
     for split, directory in splits.items():
-        ds = PackedMemmapDataset(directory, tokenizer=tokenizer, sample_rows=0)
+        ds = PackedMemmapDataset(directory, tokenizer=tokenizer, sample_rows=0, verify_content=False)  # hashed below, in order
         shards = ds.manifest["shards"]
         bar = None
         if progress:
@@ -303,9 +349,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
         max_id = -1
         for k, entry in enumerate(shards):
             tpath = tokens_path(directory, entry["name"])
-            digest = file_xxh64(tpath)
-            if entry.get("xxh64") and digest != entry["xxh64"]:
-                raise ShardError(f"{tpath}: content hash {digest} differs from the manifest's {entry['xxh64']}: the file was changed after the build; rebuild with `stacklm prebuild`", path=tpath)
+            check_content_hash(directory, entry, directory / "manifest.json")
             data = ds._open()[k]
             step = max(1, (1 << 22) // ds.seq_len)
             for lo in range(0, len(data), step):
