@@ -125,6 +125,17 @@ def test_slurm_without_partition_is_refused_before_anything_is_claimed(tmp_path,
     assert "--wait is for --executor slurm" in capsys.readouterr().err
 
 
+def test_a_request_no_node_holds_is_refused_at_submission(tmp_path, tok_dir, slurm, capsys, monkeypatch):
+    monkeypatch.setenv("FAKE_SLURM_NODE", "cpus=8,mem_gb=64")
+    cfg = write_config(tmp_path / "c.yaml", tok_dir)
+    assert cli("--config", cfg, "--out", tmp_path / "out", "--tasks", 1, "--executor", "slurm", "--partition", "cpu",
+               "--stage-resources", "signatures=cpus:2,mem_gb:100") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("stacklm prebuild-datatrove: error: sbatch refused the job of stage 'signatures' (exit 1")
+    assert "--stage-resources signatures=cpus:N,mem_gb:G,time:T (asked: 2 CPUs x 50G, 04:00:00)" in err
+    assert slurm.jobs() == []
+
+
 def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
     """The chain's executors as built (no cluster needed): Slurm and Ray each get the stage's
     CPUs, memory and time, not one size for all (the decision was 1 CPU / 2 GB whatever the flags)."""

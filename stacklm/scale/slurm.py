@@ -51,6 +51,23 @@ class SlurmTaskFailed(PrebuildError):
     """A task of the chain ended without completing (its message names the task and its logs)."""
 
 
+def submit_chain(chain: Sequence[SlurmPipelineExecutor]) -> None:
+    """Submit every stage (``chain[-1].run()``: datatrove submits the ones it depends on first).
+    ``sbatch`` refusing a job (a request no node of the partition can hold, an unknown QOS or
+    account) is one line naming the stage and what to check, not a ``CalledProcessError``."""
+    try:
+        chain[-1].run()
+    except subprocess.CalledProcessError as e:
+        stage = next((ex for ex in chain if ex.job_id is None), chain[-1])
+        done = [f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1)]
+        raise PrebuildError(
+            f"sbatch refused the job of stage {stage.stacklm_stage!r} (exit {e.returncode}; its message is above): check "
+            f"--partition {stage.partition!r}, --qos, --sbatch-arg and --stage-resources {stage.stacklm_stage}=cpus:N,mem_gb:G,time:T "
+            f"(asked: {stage.cpus_per_task} CPUs x {stage.mem_per_cpu_gb}G, {stage.time}) against `sinfo -o '%P %c %m %l'`"
+            + (f"; already submitted: {', '.join(done)} (scancel them, or let them run: a rerun skips what completes)" if done else "")
+        ) from None
+
+
 def _run(cmd: Sequence[str]) -> str | None:
     """stdout of a Slurm command, or ``None`` when it is missing or fails (then the caller
     falls back on what the others say)."""
