@@ -134,7 +134,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
 
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors, stage_chain  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors, stage_chain  # without datatrove: an error naming [scale]
     from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
 
     config, settings = load_config(args.config)
@@ -177,8 +177,8 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"{out}: every slurm task completed")
         else:
             print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
-    else:
-        merge.run()
+    else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
+        run_executors(merge)
     return 0
 
 
