@@ -105,10 +105,15 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     from stacklm.data import ledger
 
+    from stacklm.data.storage import manifest as mf
+
     top = Path(args.dir) / "manifest.json"
     if not top.exists():
         raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
-    m = json.loads(top.read_text())
+    m = mf.read_manifest(args.dir)
+    for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
+        if (Path(args.dir) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
+            mf.read_manifest(Path(args.dir) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
@@ -129,7 +134,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
 
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors, stage_chain  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors, stage_chain  # without datatrove: an error naming [scale]
     from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
 
     config, settings = load_config(args.config)
@@ -173,8 +178,8 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"{out}: every slurm task completed")
         else:
             print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
-    else:
-        merge.run()
+    else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
+        run_executors(merge)
     return 0
 
 
