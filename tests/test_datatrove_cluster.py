@@ -193,19 +193,25 @@ def test_a_killed_slurm_task_fails_the_run_and_a_rerun_resumes(tmp_path, tok_dir
     local, remote = tmp_path / "local", tmp_path / "slurm"
     assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
     monkeypatch.setenv("FAKE_SLURM_KILL", "stacklm-prebuild:1:1.5")  # main task 1 dies (SIGKILL) 1.5 s in
-    args = ("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "slurm", "--partition", "cpu", "--wait", "--poll-seconds", 0.1)
+    # arrays of at most 3 tasks: the 4 main tasks are two arrays (RUN_OFFSET 0 and 1), as a cluster's MaxArraySize splits them
+    args = ("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "slurm", "--partition", "cpu", "--max-array-size", 3,
+            "--wait", "--poll-seconds", 0.1)
     t0 = time.monotonic()
     assert cli(*args) == 2
     assert time.monotonic() - t0 < 300
     err = capsys.readouterr().err.strip().splitlines()[-1]
     logs = tmp_path / "slurm.datatrove-logs" / "main"
-    main_job = next(j for j in slurm.jobs() if j["name"] == "stacklm-prebuild")
+    main_arrays = [j for j in slurm.jobs() if j["name"] == "stacklm-prebuild" and "launch_pickled_pipeline" in j["script"]]
+    assert [len(j["array"]) for j in main_arrays] == [3, 3]  # datatrove submits the same 0-2 again; tasks past the end return
+    main_job = main_arrays[0]
     assert err.startswith("stacklm prebuild-datatrove: error: slurm stage 'main': task 1 ")
     assert f"(job {main_job['id']}_1, FAILED, killed by signal 9) failed" in err
     assert f"logs: {logs / 'logs' / 'task_00001.log'} and {logs / 'slurm_logs' / (main_job['id'] + '_1.out')}" in err
     assert "cancelled 3 job(s)" in err  # the merge and the two stats merges after main and "rerun the same command" in err
     merge_job = next(j for j in slurm.jobs() if j["name"] == "stacklm-merge" and "launch_pickled_pipeline" in j["script"])
     assert merge_job["tasks"] == {} and merge_job["state"] == "CANCELLED"  # afterok: never ran, and not left pending
+    # on both of main's arrays: datatrove alone waits on the last one only, and the merge ran after a failed task
+    assert merge_job["dependency"] == f"afterok:{main_arrays[0]['id']}:{main_arrays[1]['id']}"
     assert main_job["tasks"]["0"]["state"] == "COMPLETED" and not (remote / "manifest.json").exists()
     # the re-run submits only what did not complete: main task 1 (of 4) and the merge
     monkeypatch.delenv("FAKE_SLURM_KILL")
