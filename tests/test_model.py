@@ -284,6 +284,73 @@ def test_token_count_survives_checkpoint_resume(tmp_path):
     assert int(resumed.tokens_seen) == rec1.tokens + rec2.tokens  # continued, not restarted
 
 
+class _FirstWeights(L.Callback):
+    """The model's weights at the first training batch (after init_from / a resume restored them)."""
+
+    def __init__(self):
+        self.weights = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.weights is None:
+            self.weights = {k: v.detach().clone() for k, v in pl_module.model.state_dict().items()}
+
+
+def test_init_from_starts_a_new_run_from_another_runs_weights(tmp_path, capsys):
+    """Pre-training -> SFT: init_from loads the weights and nothing else (step, optimizer and data
+    start fresh); a resume keeps its own weights; another shape or tokenizer is one clear line."""
+    from stacklm.errors import ConfigError
+
+    def run(max_steps, module, ckpt_path=None):
+        first = _FirstWeights()
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, limit_val_batches=0, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, callbacks=[first], default_root_dir=tmp_path)
+        trainer.fit(module, datamodule=ContractDataModule(seq_len=64, batch_size=4, n_docs=40), ckpt_path=ckpt_path)
+        return trainer, first.weights
+
+    torch.manual_seed(0)
+    pre, _ = run(3, GPTModule(tiny_config(n_layer=1), OptimConfig(warmup_steps=1)))
+    pre.save_checkpoint(tmp_path / "pre.ckpt")
+    saved = {k.removeprefix("model."): v for k, v in torch.load(tmp_path / "pre.ckpt", weights_only=True)["state_dict"].items()
+             if k.startswith("model.")}
+    torch.manual_seed(1)  # another random init, so equality below means the weights were loaded
+    sft, at_start = run(2, GPTModule(tiny_config(n_layer=1), OptimConfig(warmup_steps=1), init_from=str(tmp_path / "pre.ckpt")))
+    assert sft.global_step == 2  # a fresh run: its own steps from 0, not 3 -> 5
+    assert at_start.keys() == saved.keys() and all(torch.equal(at_start[k], saved[k]) for k in saved)
+    assert "model.init_from: " in capsys.readouterr().out
+    sft.save_checkpoint(tmp_path / "sft.ckpt")
+    sft_saved = torch.load(tmp_path / "sft.ckpt", weights_only=True)
+    assert sft_saved["hyper_parameters"]["init_from"] == str(tmp_path / "pre.ckpt")
+
+    # a resume of the SFT run restores the SFT run's weights, not init_from's
+    _, resumed_start = run(3, GPTModule(tiny_config(n_layer=1), OptimConfig(warmup_steps=1), init_from=str(tmp_path / "pre.ckpt")),
+                           ckpt_path=tmp_path / "sft.ckpt")
+    sft_weights = {k.removeprefix("model."): v for k, v in sft_saved["state_dict"].items() if k.startswith("model.")}
+    assert all(torch.equal(resumed_start[k], sft_weights[k]) for k in sft_weights)
+    assert not all(torch.equal(resumed_start[k], saved[k]) for k in saved)
+
+    # refusals: another shape, a tokenizer that is not the data's, not a checkpoint
+    with pytest.raises(ConfigError, match=r"another shape .*d_model 128 vs 64"):
+        run(1, GPTModule(tiny_config(n_layer=1, d_model=64), init_from=str(tmp_path / "pre.ckpt")))
+    bad = torch.load(tmp_path / "pre.ckpt", weights_only=True)
+    bad["StackDataModule"] = {"identity": {"tokenizer": "f" * 64}}
+    torch.save(bad, tmp_path / "other_tok.ckpt")
+
+    class WithTokenizer(ContractDataModule):
+        def tokenizer_hash(self):
+            return "0" * 64
+
+    module = GPTModule(tiny_config(n_layer=1), init_from=str(tmp_path / "other_tok.ckpt"))
+    trainer = L.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, default_root_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"trained with tokenizer ffff.*this run's data.tokenizer is 0000"):
+        trainer.fit(module, datamodule=WithTokenizer(seq_len=64, batch_size=4, n_docs=40))
+    (tmp_path / "junk.ckpt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError, match="junk.ckpt: not a readable checkpoint"):
+        run(1, GPTModule(tiny_config(n_layer=1), init_from=str(tmp_path / "junk.ckpt")))
+    with pytest.raises(ConfigError, match="no such file"):
+        run(1, GPTModule(tiny_config(n_layer=1), init_from=str(tmp_path / "absent.ckpt")))
+
+
 @pytest.mark.parametrize(
     "dm_kwargs, message",
     [({"vocab_size": 1000}, "vocab_size = 1000 but the model embedding has 512 rows"), ({"seq_len": 32}, "seq_len = 32 but the model's seq_len = 64")],

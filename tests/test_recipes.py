@@ -268,11 +268,17 @@ def test_recipe_g_sft_on_your_conversations(workdir):
             with open(workdir / "chats.jsonl", "a") as f:
                 f.write("".join(json.dumps(r) + "\n" for r in rows))
 
-    inspected, _ = run_recipe("g", workdir, between=more_conversations)
+    pre = torch.load(workdir / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    inspected, fit, pairs = run_recipe("g", workdir, between=more_conversations)
     assert "chats.jsonl (conversations, 2 sequences)" in inspected.stdout  # the block's own two, before the fit
     assert "<|assistant|>4.<|end|><|eos|>" in inspected.stdout and "of 2 conversations -- kept: 2" in inspected.stdout
+    # pre-training -> SFT: started from recipe a's weights, as a new run (steps from 0)
+    assert "model.init_from: " in fit.stdout and f"that run's step {pre['global_step']}" in fit.stdout
     ckpt = torch.load(workdir / "ckpt_sft" / "last.ckpt", map_location="cpu", weights_only=False)
     assert ckpt["global_step"] == 2 and ckpt["StackDataModule"]["mode"] == "sft"
+    assert ckpt["hyper_parameters"]["init_from"] == "ckpt/last.ckpt"
+    # -> preference data: both sides of both pairs, the completions trained
+    assert "pairs.jsonl (preference pairs (chosen and rejected sides), 4 sequences)" in pairs.stdout
     assert ckpt["datamodule_hyper_parameters"]["pipeline"]["sources"][0]["path"] == ["chats.jsonl"]
 
 

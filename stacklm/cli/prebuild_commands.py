@@ -36,6 +36,8 @@ DEDUP_INDEX_EXAMPLES = """examples:
 DATATROVE_EXAMPLES = """examples:
   stacklm prebuild-datatrove --config my.yaml --out shards/ --tasks 8 --workers 4
   stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu
+  stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu \\
+      --env-command 'source /shared/venv/bin/activate' --stage-resources decision=mem_gb:64,time:12:00:00 --wait
 """
 
 
@@ -103,10 +105,15 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     from stacklm.data import ledger
 
+    from stacklm.data.storage import manifest as mf
+
     top = Path(args.dir) / "manifest.json"
     if not top.exists():
         raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
-    m = json.loads(top.read_text())
+    m = mf.read_manifest(args.dir)
+    for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
+        if (Path(args.dir) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
+            mf.read_manifest(Path(args.dir) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
@@ -123,26 +130,56 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
+    import sys
+
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors, stage_chain  # without datatrove: an error naming [scale]
+    from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
+
     config, settings = load_config(args.config)
+    cluster = ClusterPlan.resolve(
+        settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
+        cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
+        partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
+        max_array_size=args.max_array_size,
+    )
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
         kwargs["workers"] = args.workers
-    elif args.executor == "slurm":
-        kwargs.update(partition=args.partition, time=args.time, cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
-    else:
-        kwargs.update(cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb)
+        set_here = [f for f, v in (("--partition", args.partition), ("--time", args.time), ("--cpus-per-task", args.cpus_per_task),
+                                   ("--mem-per-cpu-gb", args.mem_per_cpu_gb), ("--stage-resources", args.stage_resources),
+                                   ("--qos", args.qos), ("--env-command", args.env_command), ("--sbatch-arg", args.sbatch_arg)) if v]
+        if set_here:
+            print(f"stacklm prebuild-datatrove: warning: {', '.join(set_here)} apply to --executor slurm/ray; the local executor ignores them",
+                  file=sys.stderr)
+    if args.wait and args.executor != "slurm":
+        raise CliError("--wait is for --executor slurm (the local and ray executors wait anyway)")
     out = args.out or settings["out"]
     if not out:
         raise CliError("pass --out DIR (or set data.data_dir in the config)")
     _, merge = prebuild_executors(
         config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, **kwargs,
+        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, cluster=cluster, **kwargs,
     )
-    merge.run()
+    chain = stage_chain(merge)
+    if args.executor != "local":
+        print(f"stacklm prebuild-datatrove: per-task resources: {cluster.table(args.executor)}", file=sys.stderr)
+    if args.executor == "slurm":
+        from stacklm.scale.slurm import submit_chain, wait_for_chain
+
+        submit_chain(chain)
+
+        jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
+        print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
+        if args.wait:
+            wait_for_chain(chain, poll_seconds=args.poll_seconds, say=lambda m: print(m, file=sys.stderr))
+            print(f"{out}: every slurm task completed")
+        else:
+            print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
+    else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
+        run_executors(merge)
     return 0
 
 
@@ -216,8 +253,21 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--workers", type=int_at_least(1, also=(-1,), what=" (all)"), default=-1,
                    help="local: tasks run at once (default -1: all)")
     d.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
-    d.add_argument("--partition", help="slurm partition")
-    d.add_argument("--time", default="04:00:00", help="slurm time limit per task (default 04:00:00)")
-    d.add_argument("--cpus-per-task", type=positive_int, default=2, help="slurm/ray: CPUs per task (default 2)")
-    d.add_argument("--mem-per-cpu-gb", type=positive_int, default=4, help="slurm/ray: memory per CPU in GB (default 4)")
+    d.add_argument("--partition", help="slurm partition (required for slurm, here or as prebuild.cluster.partition)")
+    d.add_argument("--qos", help="slurm QOS (default: the cluster's default; none is passed)")
+    d.add_argument("--env-command", help="slurm: shell line each batch script runs first, e.g. 'source /shared/venv/bin/activate' "
+                   "(default: none; the job inherits the submitting shell's environment)")
+    d.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
+                   help="slurm: extra '#SBATCH --KEY=VALUE' line for every job (repeatable), e.g. account=myproj")
+    d.add_argument("--max-array-size", type=positive_int,
+                   help="slurm: the cluster's MaxArraySize (`scontrol show config`); a stage with more tasks is several job arrays (default 1001)")
+    d.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
+                   help="slurm/ray: one stage's per-task resources (repeatable; stages: signatures, decision, main, merge; "
+                   "any subset of the fields), e.g. decision=mem_gb:64,time:12:00:00")
+    d.add_argument("--time", help="slurm: time limit per task of the parallel stages (signatures, main; default 04:00:00)")
+    d.add_argument("--cpus-per-task", type=positive_int, help="slurm/ray: CPUs per task of the parallel stages (default 2)")
+    d.add_argument("--mem-per-cpu-gb", type=positive_int, help="slurm/ray: memory per CPU in GB for the parallel stages (default 4)")
+    d.add_argument("--wait", action="store_true",
+                   help="slurm: wait for every job; exit non-zero at the first failed task, naming it and its log")
+    d.add_argument("--poll-seconds", type=float, default=30.0, help="slurm --wait: seconds between queue checks (default 30)")
     d.set_defaults(func=cmd_prebuild_datatrove)

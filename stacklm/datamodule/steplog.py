@@ -200,10 +200,13 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
         if pos + _HEADER.size + length > len(data):
             return  # the torn last frame of a killed run
         try:
-            with np.load(io.BytesIO(data[pos + _HEADER.size : pos + _HEADER.size + length])) as z:
+            with np.load(io.BytesIO(data[pos + _HEADER.size : pos + _HEADER.size + length]), allow_pickle=False) as z:
                 yield {k: z[k] for k in z.files}
         except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
-            raise StepLogError(f"{path}: the frame at byte {pos} is damaged ({type(e).__name__}: {e})") from None
+            from stacklm.data.storage.statefile import load_error_detail
+
+            raise StepLogError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e)}); move the file away "
+                               "to read the rest of the log") from None
         pos += _HEADER.size + length
 
 

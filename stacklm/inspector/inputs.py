@@ -265,7 +265,12 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
     try:
         batch = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001
-        raise InspectError(f"{path}: cannot load a saved batch ({type(e).__name__}: {e}); save one with torch.save(batch_dict, path)") from None
+        import pickle
+
+        # torch's own text for a refused pickle is many lines and suggests loading it unsafely
+        detail = ("it holds pickled objects other than tensors, which stacklm never loads" if isinstance(e, pickle.UnpicklingError)
+                  else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        raise InspectError(f"{path}: cannot load a saved batch ({detail}); save one with torch.save(batch_dict, path)") from None
     if not isinstance(batch, Mapping):
         raise InspectError(f"{path}: expected a dict of tensors (a batch), got {type(batch).__name__}")
     kind = "batch"
@@ -295,6 +300,10 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
             raise InspectError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(manifest, dict):
+            from stacklm.data.storage.manifest import check_names
+
+            check_names(manifest, mpath)  # a shard name that leaves the directory: the manifest is not to be trusted
     seq_len = manifest.get("seq_len")
     dtype = manifest.get("dtype")
     meta = files[0].with_name(files[0].name.replace(".tokens.bin", ".meta.bin"))

@@ -149,6 +149,8 @@ def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgres
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     # The tokenizer travels as its artifact dict: its caches (a tiktoken core) need not pickle.
+    # This pickle is in-memory IPC from this process to the workers it spawns (the pool's own
+    # channel pickles anyway); it never touches disk, so no file anyone else wrote is unpickled.
     blob = pickle.dumps((dataclasses.replace(plan, tokenizer=None), plan.tokenizer.to_dict()))
     results = []
     # Workers die with this process (stacklm.parent_death): the death signal is set before

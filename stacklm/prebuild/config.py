@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH, Config
 from stacklm.errors import ConfigError
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError
+from stacklm.scale.resources import ClusterSettings
 
 MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits
 
@@ -21,11 +22,31 @@ class PrebuildSettings(Config):
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
     workers: int = 1
     splits: tuple[str, ...] = SPLITS
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)  # prebuild-datatrove on Slurm/Ray
 
     def __post_init__(self) -> None:
         bad = [s for s in self.splits if s not in SPLITS]
         if bad or not self.splits:
             raise ConfigError(f"prebuild.splits must be a non-empty subset of {SPLITS}, got {list(self.splits)}")
+
+
+class PrebuildSpec(dict):
+    """The type of the trainer's ``--prebuild`` argument (the top-level ``prebuild:`` section):
+    a plain dict that ``PrebuildSettings`` validates when ``stacklm-train`` reads the YAML
+    (registered with jsonargparse below), so both commands read the shared file the same way."""
+
+
+def _check_prebuild_spec(value: Any) -> dict[str, Any]:
+    PrebuildSettings.coerce(value, "prebuild")
+    return dict(value or {})
+
+
+try:  # jsonargparse comes with lightning's CLI; without it there is no trainer to check for
+    from jsonargparse.typing import register_type
+
+    register_type(PrebuildSpec, serializer=dict, deserializer=_check_prebuild_spec)
+except ImportError:  # pragma: no cover
+    pass
 
 
 def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
@@ -34,14 +55,18 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     the pipeline config under ``data.pipeline`` (``seq_len``/``batch_size``/``seed`` default to
     the module's), ``data.tokenizer`` and ``data.data_dir`` (the default ``--out``). An optional
     top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
-    ``workers``, ``splits``, ``out``; other top-level sections (model, trainer) are the trainer's.
-    ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``.
+    ``workers``, ``splits``, ``out``, and ``cluster`` (``prebuild-datatrove``'s partition, QOS,
+    env command, sbatch arguments and per-stage resources: ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
+    ``data:`` is checked with the trainer's schema (``stacklm.datamodule.section.DataSection``) and
+    the top-level keys against the trainer's, so the prebuild refuses what the trainer refuses.
+    ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``, ``cluster``.
     ``path`` may also name a packaged config (``demo``, ``stack-100m``; ``stacklm.configs``).
     """
     import yaml
 
     from stacklm.configs import resolve_config
     from stacklm.data.nodes import PipelineConfig
+    from stacklm.datamodule.section import DATA_PATH, DataSection, check_top_level
 
     path = resolve_config(path)
     try:
@@ -57,6 +82,11 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
             "see the packaged demo config (`stacklm prebuild --config demo`)",
             path=path,
         )
+    try:  # the trainer's schema of the file: what `stacklm-train fit` refuses, the prebuild refuses
+        check_top_level(doc, str(path))
+        DataSection.from_dict(data, path=DATA_PATH)
+    except ConfigError as e:
+        raise PrebuildError(f"{e}" if str(e).startswith(str(path)) else f"{path}: {e}", path=path) from None
     if data.get("mode") in ("sft", "preference"):
         raise PrebuildError(f"{path}: data.mode is {data['mode']!r}; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
     fields = dict(data["pipeline"])
@@ -74,5 +104,6 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         "tokens_per_shard": section.tokens_per_shard,
         "workers": section.workers,
         "splits": section.splits,
+        "cluster": section.cluster,
     }
     return config, settings

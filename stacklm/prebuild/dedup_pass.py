@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import zipfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -85,15 +86,27 @@ def build_dedup_index(
     return decide_index(config, slices)
 
 
+def load_build_index(path: Path):
+    """A build's own ``.prebuild/dedup_index.npz`` (data only, ``allow_pickle=False``); a file that
+    is not one is refused, naming it and saying to delete it (the next run rebuilds it)."""
+    from stacklm.data.dedup.global_index import DedupIndex
+    from stacklm.errors import ConfigError
+    from stacklm.prebuild.plan import PrebuildError
+
+    try:
+        return DedupIndex.load(path, fix="delete it and re-run the same command (the dedup pass runs again)")
+    except ConfigError as e:  # not the user's `dedup.index` setting: the build's own state
+        raise PrebuildError(str(e).removeprefix("dedup.index: "), path=path) from None
+
+
 def load_or_build(plan, run_all=None):
     """The build's index: read back on a resume (it was saved before any packing job), else built
     and saved atomically."""
-    from stacklm.data.dedup.global_index import DedupIndex
     from stacklm.prebuild.plan import state_dir_of
 
     path = state_dir_of(plan.out) / INDEX_FILE
     if Path(path).exists():
-        return DedupIndex.load(path)
+        return load_build_index(path)
     index = build_dedup_index(plan.config, plan.splits, plan.workers, run_all)
     index.save(path)
     return index
@@ -117,5 +130,7 @@ def slice_from_bytes(blob: bytes, where: str = "dedup signatures") -> dict[str, 
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             return {k: z[k] for k in SLICE_FIELDS}
-    except (ValueError, KeyError, OSError) as e:
-        raise ValueError(f"{where}: not a stacklm dedup signature file ({type(e).__name__}: {e}); delete it and re-run the signature step") from None
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as e:
+        from stacklm.data.storage.statefile import load_error_detail
+
+        raise ValueError(f"{where}: not a stacklm dedup signature file ({load_error_detail(e)}); delete it and re-run the signature step") from None

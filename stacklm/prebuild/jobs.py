@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import pickle
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.data.storage import statefile
 from stacklm.data.storage.provenance import prov_path
 from stacklm.data.storage.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
 from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
@@ -22,13 +22,22 @@ def job_name(split: str, worker: int) -> str:
     return f"{split}-w{worker:03d}"
 
 
-def _load_pickle(path: Path) -> Any:
+def load_checkpoint(path: Path) -> dict[str, Any] | None:
+    """A job's resume checkpoint, or None when there is none. Data only (``statefile``: JSON and
+    arrays, never unpickled), because the output directory may be shared storage that others
+    write: a crafted or foreign file is refused, naming it and the fix, and nothing in it runs."""
     try:
-        return pickle.loads(path.read_bytes())
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    except Exception as e:  # a checkpoint is written atomically, so this is outside damage
-        raise PrebuildError(f"{path}: unreadable checkpoint ({type(e).__name__}: {e}); delete it to redo that job from the start") from None
+    fix = "delete it (that job then starts over) and re-run the same command"
+    try:
+        ckpt = statefile.loads(data, path, fix)
+    except statefile.StateFileError as e:
+        raise PrebuildError(str(e), path=path) from None
+    if not isinstance(ckpt, dict) or not {"shards", "state", "tracker"} <= ckpt.keys():
+        raise PrebuildError(f"{path}: not a prebuild checkpoint (fields shards, state, tracker missing); {fix}", path=path)
+    return ckpt
 
 
 def run_job(
@@ -64,7 +73,7 @@ def run_job(
 
     pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan), provenance=plan.provenance)
     windows = pipe.windows
-    ckpt = _load_pickle(ckpt_path)
+    ckpt = load_checkpoint(ckpt_path)
     shards: list[dict] = list(ckpt["shards"]) if ckpt else []
     windows.reset(ckpt["state"] if ckpt else None)
     tracker = ShardTracker(windows, plan.provenance)  # delivered per source; provenance side files
@@ -80,9 +89,8 @@ def run_job(
             last_report[0] = clock()
 
     def checkpoint() -> None:
-        atomic_write_shard_file(
-            ckpt_path, pickle.dumps({"shards": shards, "state": windows.state_dict(), "tracker": tracker.state()}, protocol=5)
-        )
+        # what a resume needs and no more: the shards so far, the pipeline's state, the delivered counts
+        atomic_write_shard_file(ckpt_path, statefile.dumps({"shards": shards, "state": windows.state_dict(), "tracker": tracker.state()}))
         report()
 
     def tick() -> None:
@@ -124,15 +132,14 @@ def job_pipeline_args(plan: PrebuildPlan, split: str, worker: int) -> tuple:
 
 def job_dedup_index(plan: PrebuildPlan):
     """The build's global dedup index (saved before any packing job), or None without dedup."""
-    from stacklm.data.dedup.global_index import DedupIndex
-    from stacklm.prebuild.dedup_pass import INDEX_FILE, uses_global_dedup
+    from stacklm.prebuild.dedup_pass import INDEX_FILE, load_build_index, uses_global_dedup
 
     if not uses_global_dedup(plan.config):
         return None
     path = state_dir_of(plan.out) / INDEX_FILE
     if not path.exists():
         raise PrebuildError(f"{path} is missing: the global dedup pass must run before the packing jobs; re-run the prebuild", path=path)
-    return DedupIndex.load(path)
+    return load_build_index(path)
 
 
 def write_job_shards(

@@ -218,9 +218,9 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
     top = top_manifest(plan, identity, per_split)
     index_path = state_dir_of(plan.out) / "dedup_index.npz"  # dedup_pass.INDEX_FILE
     if index_path.exists():  # the global dedup pass that decided the exact_dup/near_dup drops
-        from stacklm.data.dedup.global_index import DedupIndex
+        from stacklm.prebuild.dedup_pass import load_build_index
 
-        index = DedupIndex.load(index_path)
+        index = load_build_index(index_path)
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
     mf.write_manifest(plan.out, top)
     shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)

@@ -85,10 +85,64 @@ class _StackStep(PipelineStep):
         super().__init__()
         self.plan = plan
 
+    def __call__(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        _die_with_parent_if_worker()
+        return super().__call__(data, rank, world_size)
+
     def built(self):
         """The live objects, rebuilt inside each task and never kept on the step: datatrove
         pickles and deep-copies steps, and a tokenizer's tiktoken core does not copy."""
         return self.plan.prebuild_plan()
+
+
+def _die_with_parent_if_worker() -> None:
+    """A task running in a process started for it (a ``multiprocess`` pool worker of datatrove's
+    local executor, the pool child of a datatrove Ray actor, a ``run_chain`` task process) dies
+    with its parent, so a killed worker or actor leaves no orphan writing the shards its retry
+    writes. A task run in the command's own process (``workers=1``, a Ray worker) is left alone."""
+    import multiprocessing
+
+    import multiprocess
+
+    if multiprocess.parent_process() is not None or multiprocessing.parent_process() is not None:
+        from stacklm.parent_death import die_with_parent
+
+        die_with_parent()
+
+
+def describe_task(executor, rank: int) -> str:
+    """What datatrove task ``rank`` of one of ``prebuild_executors``' stages builds, for an error
+    message: "split train, worker 1" (per-split stages), "" for the one-task stages."""
+    step = executor.pipeline[0] if executor.pipeline else None
+    plan = getattr(step, "plan", None)
+    if isinstance(plan, TaskPlan) and executor.world_size == plan.tasks_per_split * len(plan.splits):
+        split, worker = plan.job_of(rank, executor.world_size)
+        return f"split {split}, worker {worker} of {plan.tasks_per_split}"
+    return ""
+
+
+def run_executors(last) -> None:
+    """Run ``prebuild_executors``' chain to the end. Local and Ray: stage by stage, each task
+    supervised (``stacklm.scale.supervise.run_chain``): a task that dies or raises ends the run
+    with ``TaskFailed`` naming it and its log, instead of datatrove's wait that never ends.
+    Slurm: submits the jobs (``submit_chain``; their dependencies wait in Slurm)."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    from stacklm.scale.supervise import run_chain
+
+    kinds: tuple[type, ...] = (LocalPipelineExecutor,)
+    try:
+        from datatrove.executor.ray import RayPipelineExecutor
+
+        kinds += (RayPipelineExecutor,)
+    except ImportError:
+        pass
+    if isinstance(last, kinds):
+        run_chain(last, describe=describe_task)
+    else:
+        from stacklm.scale.slurm import submit_chain
+
+        submit_chain(stage_chain(last))  # the CLI's --wait then watches them (stacklm.scale.slurm.wait_for_chain)
 
 
 def _without_summary(data: DocumentsPipeline, summary: dict[str, Any]) -> Iterator[Document]:
@@ -297,7 +351,11 @@ class StackManifestMerger(_StackStep):
         from stacklm.prebuild.manifests import finalize
         from stacklm.prebuild.plan import STATE_DIR, PrebuildError
 
+        from stacklm.data.storage.shards import remove_temp_files
+
         plan = self.built()
+        for split in plan.splits:  # leftovers of writes killed midway; every writer has finished now
+            remove_temp_files(plan.out / split)
         summaries = []
         for split in plan.splits:
             for worker in range(plan.workers):
@@ -321,18 +379,34 @@ def prebuild_executors(
     splits: tuple[str, ...] = SPLITS,
     executor: str = "local",
     logging_dir: str | None = None,
+    cluster=None,
     **executor_kwargs: Any,
 ):
     """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
 
-    ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
+    ``merge`` depends on ``main``; ``run_executors(merge)`` runs them all, stage by stage, and
+    fails naming the task when one dies or raises (local, Ray), or submits them all (Slurm).
+    datatrove's own ``merge.run()`` also runs them, but waits forever after a killed task.
     ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. The output
-    directory is checked/claimed here, like ``stacklm prebuild`` does.
+    directory is checked/claimed here, like ``stacklm prebuild`` does. Every executor of the
+    chain carries its stage name (``stacklm_stage``: ``signatures``, ``decision``, ``main``,
+    ``merge``; ``stage_chain(merge)`` lists them) and, on Slurm and Ray, that stage's own
+    resources from ``cluster`` (a ``stacklm.scale.resources.ClusterPlan``; without one, the
+    built-in defaults and any ``partition``/``time``/``cpus_per_task``/``mem_per_cpu_gb``/
+    ``qos``/``env_command``/``sbatch_args`` keyword). Other keywords go to every executor.
     """
     from stacklm.prebuild.build import resolve_tokenizer
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
+    from stacklm.scale.resources import ClusterPlan, LogTaskResources
 
+    if executor not in ("local", "slurm", "ray"):
+        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+    if cluster is None:
+        legacy = ("partition", "time", "cpus_per_task", "mem_per_cpu_gb", "qos", "env_command", "sbatch_args")
+        cluster = ClusterPlan.resolve(**{k: executor_kwargs.pop(k) for k in legacy if k in executor_kwargs})
+    if executor == "slurm":
+        cluster.slurm_kwargs("main")  # no partition: refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
@@ -343,45 +417,44 @@ def prebuild_executors(
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
     if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
         shutil.rmtree(logs)
-    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
     n_tasks = plan.workers * len(plan.splits)
     from stacklm.prebuild.dedup_pass import uses_global_dedup
 
-    dedup = uses_global_dedup(plan.config)
-    if executor == "local":
-        from datatrove.executor import LocalPipelineExecutor
+    def make(stage: str, steps: list, n: int, log_dir: str, job_name: str, depends=None):
+        """The executor of one stage, with that stage's resources."""
+        if executor == "local":
+            from datatrove.executor import LocalPipelineExecutor
 
-        before = None
-        if dedup:  # global dedup first: signatures (all tasks) -> decision (one task)
-            sigs = LocalPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = LocalPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
-        main = LocalPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = LocalPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    elif executor == "slurm":
-        from datatrove.executor import SlurmPipelineExecutor
+            ex = LocalPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **executor_kwargs)
+        elif executor == "slurm":
+            from stacklm.scale.slurm import StackSlurmExecutor
 
-        merge_kwargs = {k: v for k, v in executor_kwargs.items() if k in ("partition", "time", "qos", "env_command", "condaenv", "venv_path", "sbatch_args")}
-        before = None
-        if dedup:
-            sigs = SlurmPipelineExecutor(
-                [StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", job_name="stacklm-dedup-sig", **executor_kwargs
-            )
-            before = SlurmPipelineExecutor(
-                [StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", job_name="stacklm-dedup-decide", depends=sigs, **merge_kwargs
-            )
-        main = SlurmPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", job_name="stacklm-prebuild", depends=before, **executor_kwargs)
-        merge = SlurmPipelineExecutor(
-            [StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", job_name="stacklm-merge", depends=main, **merge_kwargs
-        )
-    elif executor == "ray":
-        from datatrove.executor.ray import RayPipelineExecutor
+            steps = [*steps, LogTaskResources(stage, cluster.resources[stage].describe())]
+            ex = StackSlurmExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", job_name=job_name, depends=depends,
+                                    **cluster.slurm_kwargs(stage), **executor_kwargs)
+        else:
+            from datatrove.executor.ray import RayPipelineExecutor
 
-        before = None
-        if dedup:
-            sigs = RayPipelineExecutor([StackDedupSignatures(task_plan)], tasks=n_tasks, logging_dir=f"{logs}/dedup-sig", **executor_kwargs)
-            before = RayPipelineExecutor([StackDedupDecision(task_plan)], tasks=1, logging_dir=f"{logs}/dedup-decide", depends=sigs)
-        main = RayPipelineExecutor(steps, tasks=n_tasks, logging_dir=f"{logs}/main", depends=before, **executor_kwargs)
-        merge = RayPipelineExecutor([StackManifestMerger(task_plan)], tasks=1, logging_dir=f"{logs}/merge", depends=main)
-    else:
-        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+            steps = [*steps, LogTaskResources(stage, cluster.ray_describe(stage))]
+            ex = RayPipelineExecutor(steps, tasks=n, logging_dir=f"{logs}/{log_dir}", depends=depends, **cluster.ray_kwargs(stage), **executor_kwargs)
+        ex.stacklm_stage = stage
+        return ex
+
+    before = None
+    if uses_global_dedup(plan.config):  # global dedup first: signatures (all tasks) -> decision (one task)
+        sigs = make("signatures", [StackDedupSignatures(task_plan)], n_tasks, "dedup-sig", "stacklm-dedup-sig")
+        before = make("decision", [StackDedupDecision(task_plan)], 1, "dedup-decide", "stacklm-dedup-decide", sigs)
+    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
+    main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
+    merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
     return main, merge
+
+
+def stage_chain(last) -> list:
+    """The executors ``last`` depends on, first to run first, and ``last``; read it before
+    ``run()`` (datatrove's Slurm executor drops ``depends`` once it has submitted)."""
+    chain = []
+    while last is not None:
+        chain.append(last)
+        last = last.depends
+    return chain[::-1]

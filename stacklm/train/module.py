@@ -8,6 +8,11 @@ Logs (per optimizer step, written at Lightning's ``log_every_n_steps``):
   - ``train/tokens_per_s`` — trained tokens per wall-clock second since the last log point.
 Validation logs ``val/loss``, token-weighted over the whole validation set.
 
+``init_from=CKPT`` starts a new run from another run's weights (pre-training -> SFT): at fit start
+the checkpoint's ``model.*`` tensors are loaded into the model, nothing else (not its data
+position, optimizer, schedule or step), after checking that the model shape and the tokenizer
+match (``load_init_weights``). A resume (``ckpt_path``) restores its own weights instead.
+
 Before the first step it checks the datamodule (``vocab_size`` <= embedding rows,
 ``seq_len`` == the model's) and the first batch (keys, dtypes, id and position ranges), so
 mismatched data fails with a message instead of a device-side assert mid-run.
@@ -57,13 +62,19 @@ class GPTModule(L.LightningModule):
     """Trains ``GPT(config)``; ``optim`` sets AdamW and the schedule; ``compile`` wraps the
     model with ``torch.compile`` (in place, so checkpoint keys are unchanged)."""
 
-    def __init__(self, config: GPTConfig | None = None, optim: OptimConfig | None = None, compile: bool = False) -> None:
+    def __init__(
+        self, config: GPTConfig | None = None, optim: OptimConfig | None = None, compile: bool = False,
+        init_from: str | None = None,
+    ) -> None:
+        """``init_from``: a checkpoint (``.ckpt``) whose model weights this run starts from."""
         super().__init__()
         self.config = GPTConfig.coerce(config)
         self.optim = OptimConfig.coerce(optim)
         self.compile_model = compile
+        self.init_from = str(init_from) if init_from else None
         # Plain dicts, so checkpoints and W&B configs hold no pickled project classes.
-        self.save_hyperparameters({"config": self.config.to_dict(), "optim": asdict(self.optim), "compile": compile})
+        self.save_hyperparameters({"config": self.config.to_dict(), "optim": asdict(self.optim), "compile": compile,
+                                   "init_from": self.init_from})
         self.model = GPT(self.config)
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self._batch_checked = False
@@ -93,6 +104,15 @@ class GPTModule(L.LightningModule):
         self.tokens_seen += sum_across_ranks(n_tokens.detach().to(torch.long))
         self.log("train/loss", loss, prog_bar=True)
         return loss
+
+    def on_fit_start(self) -> None:
+        # After Lightning restored a resumed run's checkpoint (trainer.ckpt_path set): then the
+        # run's own weights win and init_from is not read. The optimizer already holds these
+        # parameters; loading copies into them in place.
+        if self.init_from and self.trainer.ckpt_path is None:
+            summary = load_init_weights(self, self.init_from, getattr(self.trainer, "datamodule", None))
+            if self.trainer.is_global_zero:
+                print(summary, flush=True)
 
     def on_train_start(self) -> None:
         self._last_log_time = time.perf_counter()
@@ -149,15 +169,61 @@ def sum_across_ranks(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def load_init_weights(module: GPTModule, path: str, datamodule=None) -> str:
+    """Copy the ``model.*`` tensors of checkpoint ``path`` into ``module.model`` and return a
+    one-line summary. Refused, with a line naming the checkpoint and the field: a file that is
+    not a Lightning checkpoint of this model, another model shape (``model.config`` fields
+    differ: listed with both values), or another tokenizer than ``datamodule``'s (the checkpoint's
+    data identity holds the tokenizer hash of the data it trained on; embedding rows of one
+    tokenizer mean nothing under another). ``seq_len`` may differ (RoPE tables are not weights).
+    Read with ``weights_only=True``: a checkpoint is data, never code."""
+    from stacklm.errors import ConfigError
+
+    where = f"model.init_from: {path}"
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file; give the pre-training run's checkpoint (e.g. ckpt/last.ckpt)") from None
+    except Exception as e:  # noqa: BLE001 -- anything torch cannot read as a data-only checkpoint
+        raise ConfigError(f"{where}: not a readable checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+    weights = ckpt.get("state_dict") if isinstance(ckpt, dict) else None
+    if not isinstance(weights, dict) or not any(k.startswith("model.") for k in weights):
+        raise ConfigError(f"{where}: holds no 'state_dict' with model.* weights; is it a stacklm-train checkpoint?")
+    saved = (ckpt.get("hyper_parameters") or {}).get("config") or {}
+    mine = module.config.to_dict()
+    shape_fields = ("vocab_size", "n_layer", "n_head", "d_model", "mlp_ratio")
+    diffs = [f"{k} {saved.get(k)} vs {mine[k]}" for k in shape_fields if k in saved and saved[k] != mine[k]]
+    if diffs:
+        raise ConfigError(f"{where}: the checkpoint's model has another shape (checkpoint vs this run: {', '.join(diffs)}); "
+                          "set model.config to the pre-training run's values")
+    ident = ((ckpt.get("StackDataModule") or {}).get("identity") or {}).get("tokenizer")
+    now = datamodule.tokenizer_hash() if datamodule is not None and hasattr(datamodule, "tokenizer_hash") else None
+    if ident and now and ident != now:
+        raise ConfigError(f"{where}: trained with tokenizer {ident[:16]}..., this run's data.tokenizer is {now[:16]}...; "
+                          "use the pre-training run's tokenizer (its embedding rows belong to those ids)")
+    model_weights = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    mine_sd = module.model.state_dict()
+    missing = sorted(set(mine_sd) - set(model_weights))
+    extra = sorted(set(model_weights) - set(mine_sd))
+    bad = [k for k in set(mine_sd) & set(model_weights) if mine_sd[k].shape != model_weights[k].shape]
+    if missing or extra or bad:
+        raise ConfigError(f"{where}: weights do not fit this model (missing {missing[:3]}, unexpected {extra[:3]}, "
+                          f"other shapes {sorted(bad)[:3]})")
+    with torch.no_grad():
+        module.model.load_state_dict(model_weights, strict=True)
+    return (f"model.init_from: {len(model_weights)} weight tensors from {path} (that run's step {ckpt.get('global_step', '?')}); "
+            "data position, optimizer and schedule start fresh")
+
+
 def check_datamodule(datamodule, config: GPTConfig) -> None:
     """Refuse a datamodule whose ``vocab_size`` exceeds the embedding or whose ``seq_len``
     differs from the model's. Attributes that are absent (or None) are not checked."""
     if datamodule is None:
         return
+    from stacklm.errors import ConfigError
+
     name = type(datamodule).__name__
     if getattr(datamodule, "mode", None) == "preference":
-        from stacklm.errors import ConfigError
-
         raise ConfigError(
             f"{name}(mode='preference') yields chosen/rejected pair batches, which the built-in GPT "
             "(a next-token loss on the batch contract) cannot train; use your own LightningModule with a "
@@ -165,13 +231,13 @@ def check_datamodule(datamodule, config: GPTConfig) -> None:
         )
     vocab = getattr(datamodule, "vocab_size", None)
     if vocab is not None and int(vocab) > config.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"{name}.vocab_size = {vocab} but the model embedding has {config.vocab_size} rows; "
             f"set model.config.vocab_size >= {vocab} or use the tokenizer the model was built for"
         )
     seq_len = getattr(datamodule, "seq_len", None)
     if seq_len is not None and int(seq_len) != config.seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"{name}.seq_len = {seq_len} but the model's seq_len = {config.seq_len}; "
             "set both to the same value (data windows and RoPE tables must agree)"
         )

@@ -281,22 +281,29 @@ class DedupIndex:
         atomic_write_bytes(Path(path), self.to_bytes())
 
     @classmethod
-    def load(cls, path: str | Path) -> DedupIndex:
+    def load(cls, path: str | Path, fix: str | None = None) -> DedupIndex:
+        """The index at ``path`` (data only: ``allow_pickle=False``, so a pickle or an object
+        array in its place is refused, never run). ``fix`` ends the error of an unreadable file
+        (default: rebuild it with ``stacklm dedup-index``, for the ``dedup.index`` setting)."""
         import json
 
         from stacklm.errors import ConfigError
 
         path = Path(path)
+        fix = fix or "rebuild it with `stacklm dedup-index`"
         try:
-            with np.load(path) as z:
+            with np.load(path, allow_pickle=False) as z:
                 meta = json.loads(bytes(z["meta"]).decode())
                 arrays = {k: z[k] for k in z.files if k != "meta"}
         except FileNotFoundError:
             raise ConfigError(f"dedup.index: {path} does not exist; build it with `stacklm dedup-index --config C.yaml --out {path}`") from None
         except Exception as e:
-            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({type(e).__name__}: {e}); rebuild it with `stacklm dedup-index`") from None
-        if meta.get("format") != INDEX_FORMAT:
-            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index (format {meta.get('format')!r})")
+            from stacklm.data.storage.statefile import load_error_detail
+
+            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({load_error_detail(e)}); {fix}") from None
+        if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index (format {found!r}); {fix}")
         splits: dict[str, dict[str, np.ndarray]] = {}
         for key, a in arrays.items():
             s, _, r = key.partition("__")

@@ -21,7 +21,7 @@ compress to a few bytes a piece (``bench/provenance.py`` measures it against the
 from __future__ import annotations
 
 import io
-import json
+import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -77,11 +77,20 @@ def encode_rows(rows: Sequence[Sequence[tuple[int, ...]]]) -> bytes:
     return buf.getvalue()
 
 
-def decode_rows(data: bytes | Path) -> tuple[np.ndarray, np.ndarray]:
+def decode_rows(data: bytes | Path, where: str | Path | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(row_ptr, pieces)``: row ``i``'s pieces are ``pieces[row_ptr[i]:row_ptr[i+1]]``, each a
-    ``PIECE_FIELDS`` row (``row_start``/``row_end`` restored)."""
-    with np.load(io.BytesIO(data) if isinstance(data, bytes) else data) as z:
-        return columns_to_pieces(z)
+    ``PIECE_FIELDS`` row (``row_start``/``row_end`` restored). Read with ``allow_pickle=False``:
+    a side file sits in a shard directory anyone may have written, so a pickle (or an object
+    array) in its place is a ``ShardError`` naming it, never run."""
+    where = where if where is not None else (data if isinstance(data, Path) else "provenance side file")
+    try:
+        with np.load(io.BytesIO(data) if isinstance(data, bytes) else data, allow_pickle=False) as z:
+            return columns_to_pieces(z)
+    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, AttributeError) as e:
+        from stacklm.data.storage.statefile import load_error_detail
+
+        raise ShardError(f"{where}: not a stacklm provenance side file ({load_error_detail(e)}); rebuild the prebuild, "
+                         "or restore the file from the build", path=where) from None
 
 
 def columns_to_pieces(columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
@@ -171,7 +180,9 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     top = d / "manifest.json"
     if not top.exists():
         raise ShardError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
-    m = json.loads(top.read_text())
+    from stacklm.data.storage import manifest as mf
+
+    m = mf.read_manifest(d)  # names checked: a split path from the manifest never leaves d
     if "splits" in m:
         if split not in m["splits"]:
             raise ShardError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
@@ -250,7 +261,7 @@ class RowProvenance:
             path = prov_path(self.split_dir, shard["name"])
             if not path.exists():
                 raise ShardError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
-            ptr, pieces = decode_rows(path.read_bytes())
+            ptr, pieces = decode_rows(path.read_bytes(), path)
             if len(ptr) - 1 != n:
                 raise ShardError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build",
                                  path=path)
