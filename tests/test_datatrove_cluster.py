@@ -260,7 +260,10 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
     local, remote = tmp_path / "local", tmp_path / "ray"
     assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2)
+    # a private TMPDIR for the workers: datatrove's Ray task writes its log to TMPDIR/ray_logs/logs/task_N.log
+    # before copying it, a path shared by every stage, build and user of the node
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2,
+             runtime_env={"env_vars": {"TMPDIR": str(tmp_path / "ray-tmp")}})
     try:
         assert cli("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "ray",
                    "--stage-resources", "signatures=cpus:1,mem_gb:0.25", "--stage-resources", "decision=cpus:2,mem_gb:0.5,time:00:20:00",
@@ -269,9 +272,15 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
         ray.shutdown()
     assert tree(remote) == tree(local)
     logs = tmp_path / "ray.datatrove-logs"
-    asked = {"dedup-sig": "cpus:1,mem_gb:0.25,time:none", "dedup-decide": "cpus:2,mem_gb:0.5,time:1200",
-             "main": "cpus:1,mem_gb:0.5,time:none", "merge": "cpus:1,mem_gb:not reserved,time:none"}
-    for stage_dir, want in asked.items():
-        text = (logs / stage_dir / "logs" / "task_00000.log").read_text()
-        assert f"task 0: asked for {want}; given" in text, stage_dir
+    gib = 1024**3
+    asked = {  # log dir: (stage, tasks, what it asked for, what Ray assigned to the task)
+        "dedup-sig": ("signatures", 4, "cpus:1,mem_gb:0.25,time:none", {"CPU": 1.0, "memory": 0.25 * gib}),
+        "dedup-decide": ("decision", 1, "cpus:2,mem_gb:0.5,time:1200", {"CPU": 2.0, "memory": 0.5 * gib}),
+        "main": ("main", 4, "cpus:1,mem_gb:0.5,time:none", {"CPU": 1.0, "memory": 0.5 * gib}),
+        "merge": ("merge", 1, "cpus:1,mem_gb:not reserved,time:none", {"CPU": 1.0}),
+    }
+    for stage_dir, (stage, n, want, given) in asked.items():
+        for rank in range(n):
+            text = (logs / stage_dir / "logs" / f"task_{rank:05d}.log").read_text()
+            assert f"stacklm stage {stage!r} task {rank}: asked for {want}; given {{'ray': {given}}}" in text, (stage, rank)
     assert "merge cpus:1,mem_gb:not reserved,time:none" in capsys.readouterr().err

@@ -170,7 +170,6 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         from stacklm.scale.slurm import submit_chain, wait_for_chain
 
         submit_chain(chain)
-
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
         if args.wait:
