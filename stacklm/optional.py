@@ -3,9 +3,10 @@
 ``stacklm``'s core (tokenizer, pipes, shards, ``StackDataModule``) needs none of them; each
 belongs to an extra: ``[hf]`` (``transformers``, ``datasets``: hub streams, parquet files,
 Hugging Face tokenizers), ``[wandb]`` (the W&B mix table), ``[scale]`` (``datatrove``
-executors). ``require`` imports one and, when it is missing, raises a ``StackLMError`` that
-names the package and the ``pip install`` that fixes it -- one line from the CLI, exit 2 --
-instead of a bare ``ModuleNotFoundError`` from deep inside a pipe.
+executors), ``[ray]`` (``ray``, for datatrove's Ray executor). ``require`` imports one and,
+when it is missing, raises a ``StackLMError`` that names the package and the ``pip install``
+that fixes it -- one line from the CLI, exit 2 -- instead of a bare ``ModuleNotFoundError``
+from deep inside a pipe.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from types import ModuleType
 
 from stacklm.errors import StackLMError
 
-EXTRAS = {"hf": ("transformers", "datasets"), "wandb": ("wandb",), "scale": ("datatrove",)}
+EXTRAS = {"hf": ("transformers", "datasets"), "wandb": ("wandb",), "scale": ("datatrove",), "ray": ("ray",)}
 
 
 class MissingDependencyError(StackLMError, ImportError):

@@ -14,7 +14,9 @@ stages in dependency order, so each job's dependencies have ended by then. A job
 their output in ``--output`` (``%A``/``%a``/``%j`` filled in); ``srun`` runs its command.
 ``--time`` is enforced (state ``TIMEOUT``); ``FAKE_SLURM_KILL=JOBNAME:INDEX[:SECONDS]`` kills
 that array task's process group with SIGKILL after SECONDS (default 0.5), a task dying as a
-node loss or the OOM killer would make it; ``sacct`` and ``squeue`` report the states.
+node loss or the OOM killer would make it; ``sacct`` and ``squeue`` report the states. The one
+node is ``FAKE_SLURM_NODE`` (default ``cpus=64,mem_gb=512``): a bigger request is refused at
+submission, as a real ``sbatch`` refuses it.
 """
 
 from __future__ import annotations
@@ -136,6 +138,12 @@ def sbatch(argv: list[str]) -> int:
     directives = _options([line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")])
     cli = _options(argv[:-1])
     opts = {**directives, **cli}
+    node = dict(kv.split("=") for kv in os.environ.get("FAKE_SLURM_NODE", "cpus=64,mem_gb=512").split(","))
+    cpus = int(opts.get("cpus-per-task", "1"))
+    mem_mb = int(_megabytes(opts.get("mem-per-cpu", "1G"))) * cpus
+    if cpus > int(node["cpus"]) or mem_mb > int(node["mem_gb"]) * 1024:  # what a real sbatch says for a too-big request
+        print("sbatch: error: Batch job submission failed: Requested node configuration is not available", file=sys.stderr)
+        return 1
     with _locked():
         counter = _root() / "next_id"
         job_id = str(int(counter.read_text()) if counter.exists() else 1000)

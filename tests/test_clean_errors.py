@@ -200,7 +200,8 @@ def trainer_config(tmp_path: Path, tok_dir, **data) -> Path:
                  "pipeline": pipeline(), **data},
         "model": {"config": {"vocab_size": 512, "seq_len": SEQ_LEN, "n_layer": 1, "n_head": 2, "d_model": 32}},
         "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "enable_checkpointing": False,
-                    "enable_progress_bar": False, "limit_val_batches": 1},
+                    "enable_progress_bar": False, "limit_val_batches": 1,
+                    "default_root_dir": str(tmp_path)},  # in-process fits save config.yaml there, not in the cwd
     }
     path = tmp_path / "train.yaml"
     path.write_text(json.dumps(doc))
@@ -216,8 +217,14 @@ def _plain_argv(monkeypatch):
 
 
 def run_trainer(capsys, *argv: str) -> tuple[int, str]:
+    import logging
+
     from stacklm.train.cli import main
 
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):  # their handlers hold an earlier test's captured stream
+        for handler in logging.getLogger(name).handlers:
+            if isinstance(handler, logging.StreamHandler):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed one
     with pytest.raises(SystemExit) as info:
         main(list(argv))
     return info.value.code, capsys.readouterr().err
@@ -388,3 +395,104 @@ def test_sft_and_preference_sources_name_the_glob_that_matches_nothing(node, kin
     assert isinstance(info.value, StackLMError)
     assert "'chats'" in str(info.value) and "nope/*." in str(info.value) and "matched no files" in str(info.value)
     assert "StopIteration" not in str(info.value)
+
+
+# --- class: configs (one schema for `data:`; the prebuild refuses what the trainer refuses) --
+CONFIG_CASES = {
+    "unknown data.mode": (lambda d: d["data"].update(mode="turbo"), ["data.mode", "turbo"]),
+    "unknown data key": (lambda d: d["data"].update(bogus=1), ["bogus"]),
+    "unknown top-level section": (lambda d: d.update(whatever={"x": 1}), ["whatever"]),
+    "prebuild section typo": (lambda d: d.update(prebuild={"workerz": 2}), ["workerz", "did you mean 'workers'"]),
+    "data.batch_size 0": (lambda d: d["data"].update(batch_size=0), ["data.batch_size", ">= 1", "got 0"]),
+    "data.num_workers -1": (lambda d: d["data"].update(num_workers=-1), ["data.num_workers", ">= 0", "use 0"]),
+    "data.snapshot_every_n_steps 0": (lambda d: d["data"].update(snapshot_every_n_steps=0), ["data.snapshot_every_n_steps"]),
+    "negative shuffle_buffer": (lambda d: d["data"]["pipeline"].update(shuffle_buffer=-1), ["shuffle_buffer", ">= 1", "got -1"]),
+    "zero pack_buffer_docs": (lambda d: d["data"]["pipeline"].update(pack_buffer_docs=0), ["pack_buffer_docs", ">= 1"]),
+    "zero num_threads": (lambda d: d["data"]["pipeline"].update(num_threads=0), ["num_threads", ">= 1"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONFIG_CASES))
+def test_prebuild_and_trainer_refuse_the_same_config(case, tmp_path, tok_dir, capsys):
+    """One file in the shared layout, two entry points: the prebuild (was: accepted mode turbo,
+    unknown data keys and sections; a traceback for a negative shuffle_buffer) and
+    ``stacklm-train fit`` (was: torch's traceback for num_workers -1) both end in one line
+    naming the file and the field."""
+    edit, must = CONFIG_CASES[case]
+    cfg = trainer_config(tmp_path, tok_dir)
+    doc = json.loads(cfg.read_text())
+    edit(doc)
+    cfg.write_text(json.dumps(doc))
+    rc, out, err = run_cli(capsys, "prebuild", "--config", str(cfg), "--out", str(tmp_path / "out"), "--no-progress")
+    assert_clean(rc, err, str(cfg), *must)
+    assert not (tmp_path / "out").exists()
+    code, err = run_trainer(capsys, "fit", "--config", str(cfg))
+    lines = [line for line in err.splitlines() if line.strip() and "error:" in line]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("stacklm-train fit: error: ") and str(cfg) in lines[0], err[-3000:]
+    for text in must:
+        assert text in lines[0], (text, lines[0])
+
+
+def test_the_data_schema_is_the_datamodule_signature():
+    """``DataSection`` (what the prebuild checks) has exactly ``StackDataModule``'s arguments,
+    defaults and modes, and the top-level sections are the trainer parser's plus ``prebuild``."""
+    import dataclasses
+    import inspect as pyinspect
+
+    from stacklm.datamodule.modes import MODES
+    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.section import MODE_NAMES, DataSection
+
+    params = {n: p.default for n, p in pyinspect.signature(StackDataModule.__init__).parameters.items() if n != "self"}
+    fields = {f.name: f.default for f in dataclasses.fields(DataSection)}
+    assert fields == params
+    assert MODE_NAMES == MODES
+
+
+def test_top_level_sections_are_the_trainers(capsys):
+    import yaml
+
+    from stacklm.datamodule.section import TOP_LEVEL_SECTIONS
+    from stacklm.train.cli import main
+
+    with pytest.raises(SystemExit) as info:  # the real parser's keys (defaults only)
+        main(["fit", "--print_config"])
+    assert info.value.code in (0, None)
+    keys = set(yaml.safe_load(capsys.readouterr().out))
+    assert keys == set(TOP_LEVEL_SECTIONS), keys ^ set(TOP_LEVEL_SECTIONS)
+
+
+def _junk(tmp: Path) -> str:
+    (tmp / "junk.ckpt").write_bytes(b"junk\n")
+    return str(tmp / "junk.ckpt")
+
+
+def _zip_not_torch(tmp: Path) -> str:
+    import zipfile
+
+    with zipfile.ZipFile(tmp / "z.ckpt", "w") as z:
+        z.writestr("archive/data.pkl", b"garbage")
+    return str(tmp / "z.ckpt")
+
+
+TRAINER_RUN_CASES = {  # (extra arguments, what the one line says); each was a traceback
+    "model vocab below the tokenizer's": (lambda tmp: ["--model.config.vocab_size", "100"],
+                                          ["model.config.vocab_size >= 512"]),
+    "junk --ckpt_path": (lambda tmp: ["--ckpt_path", _junk(tmp)], ["junk.ckpt", "not a PyTorch checkpoint", "'last'"]),
+    "zip --ckpt_path torch cannot read": (lambda tmp: ["--ckpt_path", _zip_not_torch(tmp)], ["z.ckpt", "torch cannot read"]),
+    "directory --ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp)], ["is a directory", "last.ckpt"]),
+    "missing --ckpt_path": (lambda tmp: ["--ckpt_path", str(tmp / "nope.ckpt")], ["nope.ckpt", "no such checkpoint"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TRAINER_RUN_CASES))
+def test_trainer_values_past_the_parser_are_one_line(case, tmp_path, tok_dir, capsys):
+    make, must = TRAINER_RUN_CASES[case]
+    cfg = trainer_config(tmp_path, tok_dir)
+    code, err = run_trainer(capsys, "fit", "--config", str(cfg), *make(tmp_path))
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
+    assert lines[0].startswith("stacklm-train fit: error: "), lines
+    for text in must:
+        assert text in lines[0], (text, lines[0])

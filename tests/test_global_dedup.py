@@ -501,7 +501,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     index (hash and counts) for T = 1/2/4, equal to the single-process ``build_dedup_index``
     whose leakage test_no_duplicate_set_keeps_members_in_train_and_val pins at 0, and at T = 2
     byte-identical output to ``stacklm prebuild --workers 2``."""
-    from stacklm.scale.datatrove_steps import prebuild_executors
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors
 
     from tests.test_prebuild import tree
 
@@ -513,7 +513,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     for t in (1, 2, 4):
         out = tmp_path / f"dt{t}"
         main, merge = prebuild_executors(cfg, tokenizer_512, out, tasks=t, tokens_per_shard=128 * 16, workers=1)
-        merge.run()
+        run_executors(merge)
         top = mf.read_manifest(out)
         seen.add((top["global_dedup"]["index_sha256"], json.dumps(top["global_dedup"]["removed"], sort_keys=True)))
         for s in ("train", "val"):

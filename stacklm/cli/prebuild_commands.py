@@ -105,10 +105,15 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     from stacklm.data import ledger
 
+    from stacklm.data.storage import manifest as mf
+
     top = Path(args.dir) / "manifest.json"
     if not top.exists():
         raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
-    m = json.loads(top.read_text())
+    m = mf.read_manifest(args.dir)
+    for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
+        if (Path(args.dir) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
+            mf.read_manifest(Path(args.dir) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
@@ -129,7 +134,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
 
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors, stage_chain  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors, stage_chain  # without datatrove: an error naming [scale]
     from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
 
     config, settings = load_config(args.config)
@@ -137,6 +142,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
         cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
         partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
+        max_array_size=args.max_array_size,
     )
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -161,10 +167,10 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     chain = stage_chain(merge)
     if args.executor != "local":
         print(f"stacklm prebuild-datatrove: per-task resources: {cluster.table(args.executor)}", file=sys.stderr)
-    merge.run()
     if args.executor == "slurm":
-        from stacklm.scale.slurm import wait_for_chain
+        from stacklm.scale.slurm import submit_chain, wait_for_chain
 
+        submit_chain(chain)
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
         if args.wait:
@@ -172,6 +178,8 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"{out}: every slurm task completed")
         else:
             print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
+    else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
+        run_executors(merge)
     return 0
 
 
@@ -254,6 +262,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    "(default: none; the job inherits the submitting shell's environment)")
     d.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
                    help="slurm: extra '#SBATCH --KEY=VALUE' line for every job (repeatable), e.g. account=myproj")
+    d.add_argument("--max-array-size", type=positive_int,
+                   help="slurm: the cluster's MaxArraySize (`scontrol show config`); a stage with more tasks is several job arrays (default 1001)")
     d.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
                    help="slurm/ray: one stage's per-task resources (repeatable; stages: signatures, decision, main, merge; "
                    "any subset of the fields), e.g. decision=mem_gb:64,time:12:00:00")

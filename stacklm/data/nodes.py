@@ -78,6 +78,16 @@ class PipelineConfig(Config):
             raise ConfigError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ConfigError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
+        # checked here, where the field is named, not first by the stage that uses it (a traceback)
+        for name, what in (("shuffle_buffer", "the documents the shuffle holds; 1 = no shuffle"),
+                           ("pack_buffer_docs", "the documents the packer holds"),
+                           ("tokenize_batch_docs", "documents per encode call"),
+                           ("num_threads", "encode threads")):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"pipeline config: field {name!r} must be >= 1, got {getattr(self, name)} ({what})")
+        for name in ("exact_max_docs", "near_max_docs"):
+            if getattr(self.dedup, name) < 1:
+                raise ConfigError(f"pipeline config: field 'dedup.{name}' must be >= 1, got {getattr(self.dedup, name)}")
 
     def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
               provenance: bool = False) -> Pipeline:
@@ -123,7 +133,7 @@ def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec) 
     chain: dict[str, BaseNode] = {"source": src}
     if config.holdout_fraction > 0 or split == "val":
         node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
-    chain["filter"] = FilterNode(node, config.filters)
+    chain["filter"] = FilterNode(node, config.filters, entry.filter_rules())
     return chain
 
 

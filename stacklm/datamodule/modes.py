@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import warnings
 from pathlib import Path
@@ -200,7 +199,9 @@ class ShardsMode(DataMode):
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:
-        return json.loads((Path(self.dm.data_dir) / "manifest.json").read_text())
+        from stacklm.data.storage.manifest import read_manifest
+
+        return read_manifest(self.dm.data_dir)  # checked: its split paths are joined to data_dir
 
     def data_config_hash(self) -> str:
         """Content, not place: a moved or copied shard directory has the same hash."""

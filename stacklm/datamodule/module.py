@@ -31,15 +31,15 @@ import hashlib
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 
 from stacklm.data.nodes import PipelineConfig
 from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.modes import MODE_CLASSES, MODES
+from stacklm.datamodule.modes import MODE_CLASSES
+from stacklm.datamodule.section import DataSection, check_pipeline
 from stacklm.config import PIPELINE_PATH
-from stacklm.errors import ConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
@@ -49,19 +49,6 @@ class PipelineSpec(dict):
     """The type of ``StackDataModule``'s ``pipeline`` argument: a plain dict, which
     ``check_pipeline`` parses when ``LightningCLI`` reads the YAML (registered with jsonargparse
     below), so ``python -m trainer fit --config X --print_config`` already refuses a typo."""
-
-
-def check_pipeline(value: Any) -> dict[str, Any]:
-    """``value`` as a plain dict, after parsing it as the config it is (``SFTConfig`` when it
-    lists ``sources``, else ``PipelineConfig``): unknown keys and wrong types raise here."""
-    from stacklm.data.sft import SFTConfig
-
-    if not isinstance(value, Mapping):
-        raise ConfigError(f"{PIPELINE_PATH}: expected a mapping (the pipeline config), got {value!r}")
-    d = dict(value)
-    if d:
-        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
-    return d
 
 
 try:  # jsonargparse comes with lightning's CLI; without it there is no CLI to check for
@@ -111,11 +98,19 @@ class StackDataModule(L.LightningDataModule):
             that stays inside the vocabulary is an error naming the shard and ``stacklm verify``
             rather than training data. ``True`` (default); ``False`` skips it (cost:
             ``bench/loader.py``, docs/prebuild.md).
+        gate: run ``stacklm inspect``'s checks on a sample of the real loader output before the
+            first step (``stacklm.datamodule.gate``): sft/preference modes on this rank's first
+            batches, drawn from fresh pipeline graphs before the train loader exists; shards and
+            stream modes on the first batches the train loader hands out. An error finding
+            (a turn closer or stop token never trained, loss outside the policy's turns,
+            attention across conversations, positions not reset, ids out of range, a reply cut at
+            the row end, ...) raises ``DataGateError`` naming it, where it was seen and the fix,
+            before any step. ``False`` (``data.gate: false``) turns it off.
     """
 
     def __init__(
         self,
-        mode: str = "shards",
+        mode: Literal["shards", "stream", "sft", "preference"] = "shards",
         tokenizer: str | None = None,
         data_dir: str | None = None,
         pipeline: PipelineSpec | None = None,
@@ -129,24 +124,21 @@ class StackDataModule(L.LightningDataModule):
         logical_streams: int | None = None,
         step_log: bool | str = True,
         verify_shards: bool = True,
+        gate: bool = True,
     ) -> None:
         super().__init__()
-        if mode not in MODES:
-            raise DataConfigError(f"StackDataModule: mode must be one of {MODES}, got {mode!r}")
+        # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
+        DataSection.parse(
+            mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
+            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
+            train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
+            step_log=step_log, verify_shards=verify_shards, gate=gate,
+        )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
         MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
         if pipeline:
-            pipeline = check_pipeline(pipeline)
-        if snapshot_every_n_steps is not None and int(snapshot_every_n_steps) < 1:
-            raise DataConfigError(
-                f"StackDataModule: snapshot_every_n_steps must be >= 1 (or None to follow the checkpoint interval), "
-                f"got {snapshot_every_n_steps}"
-            )
-        if not isinstance(verify_shards, bool):
-            raise DataConfigError(f"StackDataModule: verify_shards must be true or false, got {verify_shards!r}")
-        if logical_streams is not None and (isinstance(logical_streams, bool) or int(logical_streams) < 1):
-            raise DataConfigError(f"StackDataModule: logical_streams must be >= 1 (or None: ranks x workers), got {logical_streams}")
+            pipeline = dict(pipeline)
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
@@ -164,6 +156,8 @@ class StackDataModule(L.LightningDataModule):
         self.step_log = step_log
         self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
+        self.gate = bool(gate)
+        self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
@@ -224,11 +218,33 @@ class StackDataModule(L.LightningDataModule):
         return min(steps) if steps else DEFAULT_SNAPSHOT_STEPS
 
     def train_dataloader(self):
+        gate = self._data_gate()
         self._train_loader = self._mode.train_loader()
         writer = self._step_log()
         if writer is not None:
             self._train_loader.step_log = writer
+        if gate is not None and gate.checked < gate.n_batches:
+            self._train_loader.gate = gate
         return self._train_loader
+
+    def _data_gate(self):
+        """Under a trainer's fit with ``gate`` on: in sft/preference modes, check a fresh sample
+        now (raises ``DataGateError``); in pre-training modes, the ``InFlightGate`` the train
+        loader runs on its first batches. Once per fit (a loader rebuilt per epoch is not
+        re-gated)."""
+        if not self.gate or getattr(self, "trainer", None) is None:
+            return None
+        from stacklm.datamodule import gate as data_gate
+
+        if self._gate is None:
+            if self.mode in ("sft", "preference"):
+                found = data_gate.check_batches(data_gate.sample_sft(self), data_gate.inspect_tokenizer(self),
+                                                data_gate.GateRules.of(self))
+                data_gate.judge(found, f"the first {self.mode} training batches")
+                self._gate = True
+            else:
+                self._gate = data_gate.InFlightGate(self)
+        return self._gate if isinstance(self._gate, data_gate.InFlightGate) else None
 
     def _step_log(self):
         """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
@@ -274,6 +290,8 @@ class StackDataModule(L.LightningDataModule):
         return meta
 
     def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            self._gate = None  # the next fit is gated afresh
         if stage == "fit" and self._step_log_writer is not None:
             self._step_log_writer.close()
             self._step_log_writer = None

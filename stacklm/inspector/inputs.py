@@ -300,6 +300,10 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
             raise InspectError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if isinstance(manifest, dict):
+            from stacklm.data.storage.manifest import check_names
+
+            check_names(manifest, mpath)  # a shard name that leaves the directory: the manifest is not to be trusted
     seq_len = manifest.get("seq_len")
     dtype = manifest.get("dtype")
     meta = files[0].with_name(files[0].name.replace(".tokens.bin", ".meta.bin"))

@@ -30,6 +30,25 @@ class PrebuildSettings(Config):
             raise ConfigError(f"prebuild.splits must be a non-empty subset of {SPLITS}, got {list(self.splits)}")
 
 
+class PrebuildSpec(dict):
+    """The type of the trainer's ``--prebuild`` argument (the top-level ``prebuild:`` section):
+    a plain dict that ``PrebuildSettings`` validates when ``stacklm-train`` reads the YAML
+    (registered with jsonargparse below), so both commands read the shared file the same way."""
+
+
+def _check_prebuild_spec(value: Any) -> dict[str, Any]:
+    PrebuildSettings.coerce(value, "prebuild")
+    return dict(value or {})
+
+
+try:  # jsonargparse comes with lightning's CLI; without it there is no trainer to check for
+    from jsonargparse.typing import register_type
+
+    register_type(PrebuildSpec, serializer=dict, deserializer=_check_prebuild_spec)
+except ImportError:  # pragma: no cover
+    pass
+
+
 def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """``(PipelineConfig, settings)`` from a YAML config in the trainer's layout (the one
     ``python -m trainer fit --config`` reads): ``data:`` holds ``StackDataModule``'s arguments,
@@ -38,6 +57,8 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
     ``workers``, ``splits``, ``out``, and ``cluster`` (``prebuild-datatrove``'s partition, QOS,
     env command, sbatch arguments and per-stage resources: ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
+    ``data:`` is checked with the trainer's schema (``stacklm.datamodule.section.DataSection``) and
+    the top-level keys against the trainer's, so the prebuild refuses what the trainer refuses.
     ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``, ``cluster``.
     ``path`` may also name a packaged config (``demo``, ``stack-100m``; ``stacklm.configs``).
     """
@@ -45,6 +66,7 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
 
     from stacklm.configs import resolve_config
     from stacklm.data.nodes import PipelineConfig
+    from stacklm.datamodule.section import DATA_PATH, DataSection, check_top_level
 
     path = resolve_config(path)
     try:
@@ -60,6 +82,11 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
             "see the packaged demo config (`stacklm prebuild --config demo`)",
             path=path,
         )
+    try:  # the trainer's schema of the file: what `stacklm-train fit` refuses, the prebuild refuses
+        check_top_level(doc, str(path))
+        DataSection.from_dict(data, path=DATA_PATH)
+    except ConfigError as e:
+        raise PrebuildError(f"{e}" if str(e).startswith(str(path)) else f"{path}: {e}", path=path) from None
     if data.get("mode") in ("sft", "preference"):
         raise PrebuildError(f"{path}: data.mode is {data['mode']!r}; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
     fields = dict(data["pipeline"])

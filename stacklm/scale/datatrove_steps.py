@@ -90,10 +90,67 @@ class _StackStep(PipelineStep):
         super().__init__()
         self.plan = plan
 
+    def __call__(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        _die_with_parent_if_worker()
+        return super().__call__(data, rank, world_size)
+
     def built(self):
         """The live objects, rebuilt inside each task and never kept on the step: datatrove
         pickles and deep-copies steps, and a tokenizer's tiktoken core does not copy."""
         return self.plan.prebuild_plan()
+
+
+def _die_with_parent_if_worker() -> None:
+    """A task running in a process started for it (a ``multiprocess`` pool worker of datatrove's
+    local executor, the pool child of a datatrove Ray actor, a ``run_chain`` task process) dies
+    with its parent, so a killed worker or actor leaves no orphan writing the shards its retry
+    writes. A task run in the command's own process (``workers=1``, a Ray worker) is left alone."""
+    import multiprocessing
+
+    import multiprocess
+
+    if multiprocess.parent_process() is not None or multiprocessing.parent_process() is not None:
+        from stacklm.parent_death import die_with_parent
+
+        die_with_parent()
+
+
+def describe_task(executor, rank: int) -> str:
+    """What datatrove task ``rank`` of one of ``prebuild_executors``' stages builds, for an error
+    message: "split train, worker 1" (per-split stages), "" for the one-task stages."""
+    step = executor.pipeline[0] if executor.pipeline else None
+    plan = getattr(step, "plan", None)
+    if isinstance(step, StackDedupBuckets):
+        column, r, ranges = bucket_tasks(plan)[rank]
+        return f"dedup {column}, key range {r} of {ranges}"
+    if isinstance(plan, TaskPlan) and executor.world_size == plan.tasks_per_split * len(plan.splits):
+        split, worker = plan.job_of(rank, executor.world_size)
+        return f"split {split}, worker {worker} of {plan.tasks_per_split}"
+    return ""
+
+
+def run_executors(last) -> None:
+    """Run ``prebuild_executors``' chain to the end. Local and Ray: stage by stage, each task
+    supervised (``stacklm.scale.supervise.run_chain``): a task that dies or raises ends the run
+    with ``TaskFailed`` naming it and its log, instead of datatrove's wait that never ends.
+    Slurm: submits the jobs (``submit_chain``; their dependencies wait in Slurm)."""
+    from datatrove.executor import LocalPipelineExecutor
+
+    from stacklm.scale.supervise import run_chain
+
+    kinds: tuple[type, ...] = (LocalPipelineExecutor,)
+    try:
+        from datatrove.executor.ray import RayPipelineExecutor
+
+        kinds += (RayPipelineExecutor,)
+    except ImportError:
+        pass
+    if isinstance(last, kinds):
+        run_chain(last, describe=describe_task)
+    else:
+        from stacklm.scale.slurm import submit_chain
+
+        submit_chain(stage_chain(last))  # the CLI's --wait then watches them (stacklm.scale.slurm.wait_for_chain)
 
 
 def _without_summary(data: DocumentsPipeline, summary: dict[str, Any]) -> Iterator[Document]:
@@ -364,7 +421,11 @@ class StackManifestMerger(_StackStep):
         from stacklm.prebuild.manifests import finalize
         from stacklm.prebuild.plan import STATE_DIR, PrebuildError
 
+        from stacklm.data.storage.shards import remove_temp_files
+
         plan = self.built()
+        for split in plan.splits:  # leftovers of writes killed midway; every writer has finished now
+            remove_temp_files(plan.out / split)
         summaries = []
         for split in plan.splits:
             for worker in range(plan.workers):
@@ -394,7 +455,9 @@ def prebuild_executors(
 ):
     """``(main, merge)`` executors of the given kind (``local``, ``slurm`` or ``ray``).
 
-    ``merge`` depends on ``main``; ``merge.run()`` runs both (local) or submits both (Slurm).
+    ``merge`` depends on ``main``; ``run_executors(merge)`` runs them all, stage by stage, and
+    fails naming the task when one dies or raises (local, Ray), or submits them all (Slurm).
+    datatrove's own ``merge.run()`` also runs them, but waits forever after a killed task.
     ``tasks`` is per split (``T``): ``main`` runs ``T * len(splits)`` tasks. ``dedup_ranges``
     (``R``): key ranges per band (and digest ranges) of the dedup ``buckets`` stage, which runs
     ``13 R`` tasks; raise it to spread a large corpus over more machines (each task's memory is

@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, StackLMError
 from stacklm.user_errors import is_user_error, user_error_message
 
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
@@ -141,12 +141,61 @@ def _cli_class() -> type:
     from lightning.pytorch.loggers import CSVLogger
 
     class StackCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            # The shared layout's prebuild settings: validated here (the prebuild's schema),
+            # otherwise ignored by the trainer, so one file serves both commands.
+            from stacklm.prebuild.config import PrebuildSpec
+
+            parser.add_argument("--prebuild", type=PrebuildSpec | None, default=None,
+                                help="the `stacklm prebuild` settings of this config (out, tokens_per_shard, workers, "
+                                "splits); ignored by the trainer")
+
+        def _parse_ckpt_path(self) -> None:
+            # LightningCLI torch.loads --ckpt_path here (for its hyperparameters), before the fit
+            subcommand = self.config.get("subcommand")
+            ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+            check_ckpt_path(ckpt_path)
+            try:
+                super()._parse_ckpt_path()
+            except StackLMError:
+                raise
+            except Exception as e:  # a zip archive torch cannot read: damaged, or not a checkpoint
+                raise ConfigError(
+                    f"--ckpt_path {ckpt_path}: torch cannot read this checkpoint ({type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}); it is damaged "
+                    "or not one the trainer wrote: pass another .ckpt file (e.g. the previous one), or 'last'"
+                ) from e
+
         def _instantiate_trainer(self, config, callbacks):
             if config.get("logger") in (None, True):  # Trainer(logger=None) is its default logger too
                 config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
             return super()._instantiate_trainer(config, callbacks)
 
     return StackCLI
+
+
+def check_ckpt_path(ckpt_path: str | None) -> None:
+    """Refuse a ``--ckpt_path`` that is no checkpoint before Lightning loads it (a junk file
+    ended in torch's unpickler traceback). Lightning's keywords (``last``, ``best``, ...) and
+    remote URLs pass; a local file must be the zip archive ``torch.save`` writes."""
+    import zipfile
+
+    if ckpt_path is None or str(ckpt_path) in ("last", "best", "hpc", "registry") or "://" in str(ckpt_path):
+        return
+    path = Path(str(ckpt_path))
+    if not path.exists():
+        raise ConfigError(f"--ckpt_path {ckpt_path}: no such checkpoint file; pass a .ckpt file written by the trainer, or 'last'")
+    if path.is_dir():
+        raise ConfigError(f"--ckpt_path {ckpt_path}: is a directory; pass a .ckpt file inside it (e.g. last.ckpt)")
+    try:
+        with zipfile.ZipFile(path) as z:
+            ok = any(name.endswith("/data.pkl") or name == "data.pkl" for name in z.namelist())
+    except (zipfile.BadZipFile, OSError, ValueError):
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"--ckpt_path {ckpt_path}: not a PyTorch checkpoint (not the zip archive torch.save writes; truncated "
+            "or another file); pass a .ckpt file written by the trainer (ModelCheckpoint), or 'last'"
+        )
 
 
 class _NoAdvert(logging.Filter):
@@ -230,7 +279,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         if debug or not is_user_error(e):
             raise
         command = next((a for a in args if a in SUBCOMMANDS), "")
-        print(f"stacklm-train{' ' + command if command else ''}: error: {user_error_message(e)}", file=sys.stderr)
+        text = user_error_message(e)
+        config = _config_paths(_ARGS or [])
+        if isinstance(e, ConfigError) and config and not text.startswith("--") and not any(c in text for c in config):
+            text = f"{', '.join(config)}: {text}"  # a value of the config (or of its command-line overrides)
+        print(f"stacklm-train{' ' + command if command else ''}: error: {text}", file=sys.stderr)
         sys.exit(2)
 
 

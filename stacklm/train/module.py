@@ -220,10 +220,10 @@ def check_datamodule(datamodule, config: GPTConfig) -> None:
     differs from the model's. Attributes that are absent (or None) are not checked."""
     if datamodule is None:
         return
+    from stacklm.errors import ConfigError
+
     name = type(datamodule).__name__
     if getattr(datamodule, "mode", None) == "preference":
-        from stacklm.errors import ConfigError
-
         raise ConfigError(
             f"{name}(mode='preference') yields chosen/rejected pair batches, which the built-in GPT "
             "(a next-token loss on the batch contract) cannot train; use your own LightningModule with a "
@@ -231,13 +231,13 @@ def check_datamodule(datamodule, config: GPTConfig) -> None:
         )
     vocab = getattr(datamodule, "vocab_size", None)
     if vocab is not None and int(vocab) > config.vocab_size:
-        raise ValueError(
+        raise ConfigError(
             f"{name}.vocab_size = {vocab} but the model embedding has {config.vocab_size} rows; "
             f"set model.config.vocab_size >= {vocab} or use the tokenizer the model was built for"
         )
     seq_len = getattr(datamodule, "seq_len", None)
     if seq_len is not None and int(seq_len) != config.seq_len:
-        raise ValueError(
+        raise ConfigError(
             f"{name}.seq_len = {seq_len} but the model's seq_len = {config.seq_len}; "
             "set both to the same value (data windows and RoPE tables must agree)"
         )

@@ -101,7 +101,47 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
     missing = [k for k in required if k not in data]
     if missing:
         raise ManifestError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
+    check_names(data, path)
     return data
+
+
+def is_plain_name(value: Any) -> bool:
+    """A file name that stays inside the directory it is joined to: a non-empty string with no
+    path separator, not ``.`` or ``..``, not absolute, no NUL."""
+    return (isinstance(value, str) and value not in ("", ".", "..") and "/" not in value and "\\" not in value
+            and "\0" not in value and not os.path.isabs(value) and (os.altsep is None or os.altsep not in value))
+
+
+def check_names(data: Mapping[str, Any], path: str | os.PathLike) -> None:
+    """Refuse a manifest whose names would leave its directory: every shard ``name`` (a split
+    manifest) and every split key and ``path`` (the top manifest) is joined to the manifest's
+    directory by every reader, so ``../../elsewhere/x`` or ``/abs/x`` would make the loader and
+    ``verify`` read (and vouch for) files of someone else's choosing. Called by ``read_manifest``,
+    so every reader gets it; one line naming the file, the field and the value."""
+    path = Path(path)
+
+    def bad(field: str, value: Any, what: str) -> ManifestError:
+        return ManifestError(
+            f"{path}: field '{field}' is {value!r}, not {what} inside {path.parent} (no '/', no '..', not absolute, not "
+            "empty): the manifest is damaged or was not written by stacklm; rebuild with `stacklm prebuild`", path=path)
+
+    if "shards" in data:
+        shards = data["shards"]
+        if not isinstance(shards, list):
+            raise bad("shards", type(shards).__name__, "a list of shards")
+        for i, entry in enumerate(shards):
+            name = entry.get("name") if isinstance(entry, Mapping) else entry
+            if not is_plain_name(name):
+                raise bad(f"shards[{i}].name", name, "a plain shard file name")
+    splits = data.get("splits")
+    if splits is not None:
+        if not isinstance(splits, Mapping):
+            raise bad("splits", type(splits).__name__, "a table of splits")
+        for key, entry in splits.items():
+            if not is_plain_name(key):
+                raise bad("splits", key, "a plain split directory name")
+            if isinstance(entry, Mapping) and "path" in entry and not is_plain_name(entry["path"]):
+                raise bad(f"splits.{key}.path", entry["path"], "a plain split directory name")
 
 
 # ---------------------------------------------------------------------------------------

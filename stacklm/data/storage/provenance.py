@@ -21,7 +21,6 @@ compress to a few bytes a piece (``bench/provenance.py`` measures it against the
 from __future__ import annotations
 
 import io
-import json
 import zipfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -181,7 +180,9 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     top = d / "manifest.json"
     if not top.exists():
         raise ShardError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
-    m = json.loads(top.read_text())
+    from stacklm.data.storage import manifest as mf
+
+    m = mf.read_manifest(d)  # names checked: a split path from the manifest never leaves d
     if "splits" in m:
         if split not in m["splits"]:
             raise ShardError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
