@@ -200,7 +200,8 @@ def trainer_config(tmp_path: Path, tok_dir, **data) -> Path:
                  "pipeline": pipeline(), **data},
         "model": {"config": {"vocab_size": 512, "seq_len": SEQ_LEN, "n_layer": 1, "n_head": 2, "d_model": 32}},
         "trainer": {"accelerator": "cpu", "max_steps": 1, "logger": False, "enable_checkpointing": False,
-                    "enable_progress_bar": False, "limit_val_batches": 1},
+                    "enable_progress_bar": False, "limit_val_batches": 1,
+                    "default_root_dir": str(tmp_path)},  # in-process fits save config.yaml there, not in the cwd
     }
     path = tmp_path / "train.yaml"
     path.write_text(json.dumps(doc))

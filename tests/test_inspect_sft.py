@@ -49,7 +49,7 @@ def test_stop_token_never_trained_is_an_error(tok, dirs, convs, tmp_path):
     no_stop = LossPolicy(train_stop_token=False)
     torch.save(padded_batch(tok, [tag_loss(*render_conversation(c, tok, policy=no_stop)) for c in convs[:6]]), tmp_path / "b.pt")
     report = inspect_input(tmp_path / "b.pt", dirs["ours"])
-    assert checks(report) == {"stop_token_never_trained"}
+    assert checks(report) == {"stop_token_never_trained", "turn_closer_not_trained"}
     f = report.by_check("stop_token_never_trained")[0]
     want = sum(int(render_conversation(c, tok, policy=no_stop)[1].sum()) for c in convs[:6])
     assert f"{want} tokens carry loss" in f.message and report.trained_stop_tokens == 0
@@ -58,6 +58,28 @@ def test_stop_token_never_trained_is_an_error(tok, dirs, convs, tmp_path):
     ok = inspect_input(tmp_path / "ok.pt", dirs["ours"])
     assert not ok.errors and ok.trained_stop_tokens == sum(
         sum(t["role"] == "assistant" for t in c) + 1 for c in convs[:6])  # each assistant <|end|> + the final <|eos|>
+
+
+def test_end_never_trained_while_eos_is_is_an_error(tok, dirs, convs, tmp_path):
+    """The known gap: every <|eos|> trained, no <|end|> -- the stop-token check passed it, yet a
+    model trained on it never ends a turn. Each trained turn's closer must carry loss."""
+    end = tok.token_id("<|end|>")
+    pieces = []
+    for c in convs[:6]:
+        ids, mask = render_conversation(c, tok)
+        pieces.append(tag_loss(ids, np.where(ids == end, 0, mask)))  # the bug: a mask that stops before <|end|>
+    torch.save(padded_batch(tok, pieces), tmp_path / "b.pt")
+    report = inspect_input(tmp_path / "b.pt", dirs["ours"])
+    assert checks(report) == {"turn_closer_not_trained"}
+    turns = sum(t["role"] == "assistant" for c in convs[:6] for t in c)
+    assert f"{turns} of {turns} trained turns" in report.by_check("turn_closer_not_trained")[0].message
+    assert report.trained_stop_tokens == 6  # the final <|eos|> of each conversation: why the old check passed it
+    code, out = run(tmp_path / "b.pt", "--tokenizer", dirs["ours"])
+    assert code == 1 and "ERROR    turn_closer_not_trained" in out
+    # last_assistant_turn: earlier replies are untrained context, their closers need no loss
+    last = LossPolicy(mode="last_assistant_turn")
+    torch.save(padded_batch(tok, [tag_loss(*render_conversation(c, tok, policy=last)) for c in convs[:6]]), tmp_path / "last.pt")
+    assert not inspect_input(tmp_path / "last.pt", dirs["ours"]).errors
 
 
 @pytest.mark.parametrize("marker,check", [

@@ -4,6 +4,7 @@ shards once (locally or on a datatrove executor) and check them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -87,15 +88,22 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     from stacklm.prebuild.dedup_pass import build_dedup_index
 
     config, settings = load_config(args.config)
+    out = args.out or config.dedup.index
+    if not out:
+        raise PrebuildError(f"{args.config}: no --out given and data.pipeline.dedup.index is not set; say where to write the index")
+    if config.dedup.index and not (config.dedup.exact or config.dedup.near):
+        # The stream config that *reads* an index turns in-flight dedup off (exact/near false);
+        # the index it reads is the full exact + near decision.
+        config = dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=True, near=True, index=None))
     if not (config.dedup.exact or config.dedup.near):
-        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off; nothing to index")
+        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
     workers = max(1, args.workers)
     splits = tuple(args.splits or settings["splits"])
     index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs))
-    index.save(args.out)
+    index.save(out)
     for split, c in index.counts().items():
-        print(f"{args.out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
-    print(f"stream mode: set data.pipeline.dedup.index: {args.out} (sha256 {index.content_hash[:16]}...)")
+        print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
+    print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
     return 0
 
 
@@ -142,6 +150,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
         cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
         partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
+        max_array_size=args.max_array_size,
     )
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -169,7 +178,6 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         from stacklm.scale.slurm import submit_chain, wait_for_chain
 
         submit_chain(chain)
-
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
         if args.wait:
@@ -231,7 +239,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
-    x.add_argument("--out", required=True, help="index file to write (.npz)")
+    x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index)")
     x.add_argument("--workers", type=positive_int, default=1, help="processes computing signatures (>= 1; the result does not depend on it)")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
     x.set_defaults(func=cmd_dedup_index)
@@ -258,6 +266,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    "(default: none; the job inherits the submitting shell's environment)")
     d.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
                    help="slurm: extra '#SBATCH --KEY=VALUE' line for every job (repeatable), e.g. account=myproj")
+    d.add_argument("--max-array-size", type=positive_int,
+                   help="slurm: the cluster's MaxArraySize (`scontrol show config`); a stage with more tasks is several job arrays (default 1001)")
     d.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
                    help="slurm/ray: one stage's per-task resources (repeatable; stages: signatures, decision, main, merge; "
                    "any subset of the fields), e.g. decision=mem_gb:64,time:12:00:00")

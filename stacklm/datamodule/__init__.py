@@ -8,7 +8,8 @@
 - ``logical``: stream mode's logical streams, dealt to (rank x worker) at run time (elastic resume);
 - ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes;
 - ``workers``: how stream/sft loader workers start (a forkserver that preloads only the data side);
-- ``delivery``: per-source counts of what the batches delivered to the training step.
+- ``delivery``: per-source counts of what the batches delivered to the training step;
+- ``gate``: the data gate, ``stacklm inspect``'s checks on the loader's output before the first step.
 
 Names load on first use (PEP 562): ``import stacklm.datamodule`` imports neither torch nor
 lightning (which pulls in transformers through torchmetrics), so a CLI or a config check
@@ -32,6 +33,7 @@ _WHERE = {
     "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
     "LogicalStreamDataset": "logical",
+    "DataGateError": "gate",
 }
 
 __all__ = sorted([*_WHERE, "DataConfigError"])

@@ -114,6 +114,7 @@ class StackDataLoader(StatefulDataLoader):
         self.consumed: dict[int, int] = {}
         self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
         self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)
+        self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
 
     @property
     def batches_yielded(self) -> int:
@@ -192,6 +193,8 @@ class StackDataLoader(StatefulDataLoader):
                     for source in s.get("ran_dry", ()):
                         self.delivered.note_dry(source, rank=int(s.get("rank", 0)), worker=int(s["worker"]))
                     warn_fallback(s)
+            if self.gate is not None:  # the data gate's checks, before the batch's step
+                self.gate(batch, self.batches_yielded - 1)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

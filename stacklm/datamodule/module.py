@@ -98,6 +98,14 @@ class StackDataModule(L.LightningDataModule):
             that stays inside the vocabulary is an error naming the shard and ``stacklm verify``
             rather than training data. ``True`` (default); ``False`` skips it (cost:
             ``bench/loader.py``, docs/prebuild.md).
+        gate: run ``stacklm inspect``'s checks on a sample of the real loader output before the
+            first step (``stacklm.datamodule.gate``): sft/preference modes on this rank's first
+            batches, drawn from fresh pipeline graphs before the train loader exists; shards and
+            stream modes on the first batches the train loader hands out. An error finding
+            (a turn closer or stop token never trained, loss outside the policy's turns,
+            attention across conversations, positions not reset, ids out of range, a reply cut at
+            the row end, ...) raises ``DataGateError`` naming it, where it was seen and the fix,
+            before any step. ``False`` (``data.gate: false``) turns it off.
     """
 
     def __init__(
@@ -116,6 +124,7 @@ class StackDataModule(L.LightningDataModule):
         logical_streams: int | None = None,
         step_log: bool | str = True,
         verify_shards: bool = True,
+        gate: bool = True,
     ) -> None:
         super().__init__()
         # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
@@ -123,7 +132,7 @@ class StackDataModule(L.LightningDataModule):
             mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
             seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
             train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
-            step_log=step_log, verify_shards=verify_shards,
+            step_log=step_log, verify_shards=verify_shards, gate=gate,
         )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
@@ -147,6 +156,8 @@ class StackDataModule(L.LightningDataModule):
         self.step_log = step_log
         self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
+        self.gate = bool(gate)
+        self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
         self._tok = None
         self._train_loader = None
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
@@ -207,11 +218,33 @@ class StackDataModule(L.LightningDataModule):
         return min(steps) if steps else DEFAULT_SNAPSHOT_STEPS
 
     def train_dataloader(self):
+        gate = self._data_gate()
         self._train_loader = self._mode.train_loader()
         writer = self._step_log()
         if writer is not None:
             self._train_loader.step_log = writer
+        if gate is not None and gate.checked < gate.n_batches:
+            self._train_loader.gate = gate
         return self._train_loader
+
+    def _data_gate(self):
+        """Under a trainer's fit with ``gate`` on: in sft/preference modes, check a fresh sample
+        now (raises ``DataGateError``); in pre-training modes, the ``InFlightGate`` the train
+        loader runs on its first batches. Once per fit (a loader rebuilt per epoch is not
+        re-gated)."""
+        if not self.gate or getattr(self, "trainer", None) is None:
+            return None
+        from stacklm.datamodule import gate as data_gate
+
+        if self._gate is None:
+            if self.mode in ("sft", "preference"):
+                found = data_gate.check_batches(data_gate.sample_sft(self), data_gate.inspect_tokenizer(self),
+                                                data_gate.GateRules.of(self))
+                data_gate.judge(found, f"the first {self.mode} training batches")
+                self._gate = True
+            else:
+                self._gate = data_gate.InFlightGate(self)
+        return self._gate if isinstance(self._gate, data_gate.InFlightGate) else None
 
     def _step_log(self):
         """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
@@ -257,6 +290,8 @@ class StackDataModule(L.LightningDataModule):
         return meta
 
     def teardown(self, stage: str) -> None:
+        if stage == "fit":
+            self._gate = None  # the next fit is gated afresh
         if stage == "fit" and self._step_log_writer is not None:
             self._step_log_writer.close()
             self._step_log_writer = None

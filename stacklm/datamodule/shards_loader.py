@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from stacklm.datamodule.stream import _padding_batch
+from stacklm.parent_death import WorkerInit
 
 TAILS = ("pad", "drop")
 
@@ -92,6 +93,7 @@ class ShardsLoader:
         # counts (``provenance.row_source_counts``), in the main process as batches are taken.
         self.delivered, self.row_counts = delivered, row_counts
         self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
+        self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
         self._set_position(position or start_position())
 
     # -- position --------------------------------------------------------------------------
@@ -151,6 +153,7 @@ class ShardsLoader:
         start, self.dropped_tail = self.rows_served, 0
         loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
+            worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
         )
         for t, batch in enumerate(loader, start=1):
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead
@@ -167,6 +170,8 @@ class ShardsLoader:
             if self.delivered is not None:
                 self.delivered.add(self.batch_size * (self.dataset.seq_len - 1), self._delivery(plan[t - 1][0]),
                                    padding_rows=plan[t - 1][1])
+            if self.gate is not None:  # the data gate's checks, before the batch's step
+                self.gate(batch, self.steps - 1)
             yield batch
 
     def _delivery(self, rows: np.ndarray) -> dict[str, np.ndarray] | None:

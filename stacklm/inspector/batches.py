@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,8 +94,14 @@ def view_windows(windows: np.ndarray, tok: InspectTokenizer) -> BatchView:
     return view_batch(collate(np.asarray(windows, dtype=np.int64), tok.bos_id, tok.eos_id, tok.pad_id), tok.pad_id, "shard")
 
 
-def check_view(view: BatchView, tok: InspectTokenizer, where: str, complete: bool = False) -> tuple[list[Finding], list[RowScan]]:
-    """Every batch-level check over a ``BatchView``."""
+def check_view(
+    view: BatchView, tok: InspectTokenizer, where: str, complete: bool = False, *,
+    trainable: frozenset[str] | None = None, closer_severity: str = ERROR,
+) -> tuple[list[Finding], list[RowScan]]:
+    """Every batch-level check over a ``BatchView``. ``trainable``: the token labels that may
+    carry loss (default ``TRAINABLE``: assistant and tool-call turns, plain text; a loss policy
+    with more ``roles_to_train`` widens it, ``trainable_labels``); ``closer_severity``: of
+    ``turn_closer_not_trained`` (a policy with ``train_stop_token: false`` asks for it)."""
     out = list(view.findings)
     B, L = view.ids.shape
     scans = [scan_row(view.ids[b], tok, complete) for b in range(B)]
@@ -113,13 +119,24 @@ def check_view(view: BatchView, tok: InspectTokenizer, where: str, complete: boo
             out.append(Finding("cross_conversation_attention", ERROR, f"{int(cross.sum())} conversation boundaries inside one attention "
                                f"segment in {len(rows)} of {B} rows (first: row {rows[0]}): packed conversations attend to each "
                                "other; give each its own seq_ids (or position_ids restarting at 0 for HF flattening)", where))
+        if tok.eos_id is not None and tok.eos_id != tok.pad_id:
+            # documents packed without <|bos|> (pre-training windows): one ends at its EOS, the
+            # next must not attend to it (segment_layout starts a segment after every EOS)
+            after_eos = same_seg & real & (view.ids[:, :-1] == tok.eos_id)
+            if after_eos.any():
+                rows = np.flatnonzero(after_eos.any(axis=1))
+                out.append(Finding("cross_conversation_attention", ERROR, f"{int(after_eos.sum())} tokens right after an EOS in "
+                                   f"the same attention segment in {len(rows)} of {B} rows (first: row {rows[0]}): packed "
+                                   "documents attend to the one before; start a segment (seq_ids) after every EOS", where))
         at_bos = (view.ids == tok.bos_id) & (view.pos != 0)
         stride = same_seg & real & (view.pos[:, 1:] != view.pos[:, :-1] + 1)
         if at_bos.any() or stride.any():
             out.append(Finding("positions_not_reset", ERROR, f"{int(at_bos.sum())} conversation starts with position != 0 and "
                                f"{int(stride.sum())} steps that are not +1 inside a segment", where))
     if tok.layout is not None:
-        out += _role_findings(view, scans, where)
+        allowed = TRAINABLE if trainable is None else frozenset(trainable)
+        out += _role_findings(view, scans, where, allowed)
+        out += _closer_findings(view, scans, where, allowed, closer_severity)
     if not complete:
         out += _row_end_findings(scans, tok, where)
     for b, s in enumerate(scans):
@@ -158,14 +175,53 @@ def _row_end_findings(scans: list[RowScan], tok: InspectTokenizer, where: str) -
     return out
 
 
-def _role_findings(view: BatchView, scans: list[RowScan], where: str) -> list[Finding]:
+def trainable_labels(roles: Iterable[str]) -> frozenset[str]:
+    """The labels that may carry loss when the turns of ``roles`` are trained (a loss policy's
+    ``roles_to_train``, ``stacklm.chat_policy``): ``TRAINABLE`` plus each role's text, closer
+    and the EOS after it."""
+    extra = {lab for r in roles for lab in (r, f"end:{r}", f"eos:{r}")}
+    return frozenset(TRAINABLE | extra | ({"eos"} if extra - TRAINABLE else set()))
+
+
+def _closer_findings(view: BatchView, scans: list[RowScan], where: str, allowed: frozenset[str], severity: str) -> list[Finding]:
+    """Every trained turn (its text carries loss) must train its closer, the ``<|end|>`` that
+    ends it: a batch that trains the final ``<|eos|>`` but no ``<|end|>`` passes the stop-token
+    check, and the model never learns to end a turn (multi-turn chat never hands back)."""
+    out: list[Finding] = []
+    roles = {lab for lab in allowed if ":" not in lab and lab not in ("text", "eos")}
+    n_turns = n_bad = 0
+    first: tuple[int, int] | None = None
+    for b, s in enumerate(scans):
+        trained = view.loss[b]
+        body = False  # the open turn's text carries loss
+        for j, lab in enumerate(s.labels):
+            if lab in roles:
+                body = body or bool(trained[j])
+            elif lab.startswith("end:") and lab[4:] in roles:
+                if body:
+                    n_turns += 1
+                    if not trained[j]:
+                        n_bad += 1
+                        first = first or (b, j)
+                body = False
+            elif lab in ("marker", "bos", "pad"):
+                body = False
+    if n_bad:
+        b, j = first
+        out.append(Finding("turn_closer_not_trained", severity, f"{n_bad} of {n_turns} trained turns do not train the <|end|> that "
+                           f"closes them (first: row {b} token {j}): the model never learns to end a turn; the loss mask must "
+                           "cover each trained turn's <|end|> (loss policy train_stop_token: true, the default)", where))
+    return out
+
+
+def _role_findings(view: BatchView, scans: list[RowScan], where: str, allowed: frozenset[str] = TRAINABLE) -> list[Finding]:
     out: list[Finding] = []
     wrong: Counter[str] = Counter()
     silent_convs = total_convs = 0
     for b, s in enumerate(scans):
         labels = np.array(s.labels)
         trained = view.loss[b]
-        bad = trained & ~np.isin(labels, list(TRAINABLE | UNJUDGED))
+        bad = trained & ~np.isin(labels, list(allowed | UNJUDGED))
         wrong.update(labels[bad].tolist())
         for c in np.unique(s.conv[s.conv >= 0]):
             sel = s.conv == c
@@ -177,7 +233,8 @@ def _role_findings(view: BatchView, scans: list[RowScan], where: str) -> list[Fi
     if wrong:
         parts = ", ".join(f"{n} {lab}" for lab, n in wrong.most_common())
         out.append(Finding("loss_on_non_assistant", ERROR, f"loss on {sum(wrong.values())} tokens that are not the assistant's: "
-                           f"{parts}; targets must be -100 outside assistant turns", where))
+                           f"{parts}; targets must be -100 outside the turns the loss policy trains (assistant turns "
+                           "by default)", where))
     if silent_convs:
         out.append(Finding("no_assistant_loss", ERROR, f"{silent_convs} of {total_convs} conversations have no loss on any "
                            "assistant token (an all-zero assistant mask)", where))
