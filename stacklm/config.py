@@ -84,6 +84,7 @@ class Config:
     # their own ``ClassVar`` annotation.
     config_error = ConfigError  # type[ConfigError]: the ConfigError subclass this config raises
     hash_exclude = ()  # tuple[str, ...]: fields config_hash() leaves out
+    renamed_fields = {}  # dict[str, str]: an earlier (or another tool's) field name -> ours, for the unknown-field hint
 
     # ------------------------------------------------------------------ parse
     @classmethod
@@ -101,8 +102,10 @@ class Config:
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         for key in data:
             if key not in fields:
+                hint = (f"; did you mean {cls.renamed_fields[key]!r}?" if key in cls.renamed_fields
+                        else did_you_mean(str(key), sorted(fields)))
                 raise err(
-                    f"unknown field {join_path(path, str(key))!r}{did_you_mean(str(key), sorted(fields))} "
+                    f"unknown field {join_path(path, str(key))!r}{hint} "
                     f"({cls.label(data)} fields: {', '.join(sorted(fields))})"
                 )
         missing = [n for n, f in fields.items() if n not in data and f.default is _MISSING and f.default_factory is _MISSING]

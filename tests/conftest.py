@@ -105,3 +105,44 @@ def _each_test_is_a_run():
 
     forget()
     yield
+
+
+@pytest.fixture(scope="module")
+def s3_server():
+    """moto's S3 server (``tests/s3_server.py``) on a free localhost port for one test module,
+    with the environment pointed at it (``AWS_ENDPOINT_URL``, dummy keys) so code that opens
+    ``s3://`` URLs through fsspec reaches it; stopped afterwards."""
+    import os
+
+    import s3fs
+
+    from tests.s3_server import S3Server
+
+    server = S3Server().start()
+    saved = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield server
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def s3_bucket(s3_server):
+    """A fresh bucket on ``s3_server`` and an ``s3fs.S3FileSystem`` reaching it: ``(fs, name)``.
+    The server's injected faults are cleared before and after."""
+    import uuid
+
+    s3_server.faults.clear()
+    fs = s3_server.filesystem()
+    name = f"stacklm-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(name)
+    yield fs, name
+    s3_server.faults.clear()

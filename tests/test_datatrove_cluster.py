@@ -193,19 +193,25 @@ def test_a_killed_slurm_task_fails_the_run_and_a_rerun_resumes(tmp_path, tok_dir
     local, remote = tmp_path / "local", tmp_path / "slurm"
     assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
     monkeypatch.setenv("FAKE_SLURM_KILL", "stacklm-prebuild:1:1.5")  # main task 1 dies (SIGKILL) 1.5 s in
-    args = ("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "slurm", "--partition", "cpu", "--wait", "--poll-seconds", 0.1)
+    # arrays of at most 3 tasks: the 4 main tasks are two arrays (RUN_OFFSET 0 and 1), as a cluster's MaxArraySize splits them
+    args = ("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "slurm", "--partition", "cpu", "--max-array-size", 3,
+            "--wait", "--poll-seconds", 0.1)
     t0 = time.monotonic()
     assert cli(*args) == 2
     assert time.monotonic() - t0 < 300
     err = capsys.readouterr().err.strip().splitlines()[-1]
     logs = tmp_path / "slurm.datatrove-logs" / "main"
-    main_job = next(j for j in slurm.jobs() if j["name"] == "stacklm-prebuild")
+    main_arrays = [j for j in slurm.jobs() if j["name"] == "stacklm-prebuild" and "launch_pickled_pipeline" in j["script"]]
+    assert [len(j["array"]) for j in main_arrays] == [3, 3]  # datatrove submits the same 0-2 again; tasks past the end return
+    main_job = main_arrays[0]
     assert err.startswith("stacklm prebuild-datatrove: error: slurm stage 'main': task 1 ")
     assert f"(job {main_job['id']}_1, FAILED, killed by signal 9) failed" in err
     assert f"logs: {logs / 'logs' / 'task_00001.log'} and {logs / 'slurm_logs' / (main_job['id'] + '_1.out')}" in err
     assert "cancelled 3 job(s)" in err  # the merge and the two stats merges after main and "rerun the same command" in err
     merge_job = next(j for j in slurm.jobs() if j["name"] == "stacklm-merge" and "launch_pickled_pipeline" in j["script"])
     assert merge_job["tasks"] == {} and merge_job["state"] == "CANCELLED"  # afterok: never ran, and not left pending
+    # on both of main's arrays: datatrove alone waits on the last one only, and the merge ran after a failed task
+    assert merge_job["dependency"] == f"afterok:{main_arrays[0]['id']}:{main_arrays[1]['id']}"
     assert main_job["tasks"]["0"]["state"] == "COMPLETED" and not (remote / "manifest.json").exists()
     # the re-run submits only what did not complete: main task 1 (of 4) and the merge
     monkeypatch.delenv("FAKE_SLURM_KILL")
@@ -254,7 +260,10 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
     local, remote = tmp_path / "local", tmp_path / "ray"
     assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2)
+    # a private TMPDIR for the workers: datatrove's Ray task writes its log to TMPDIR/ray_logs/logs/task_N.log
+    # before copying it, a path shared by every stage, build and user of the node
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2,
+             runtime_env={"env_vars": {"TMPDIR": str(tmp_path / "ray-tmp")}})
     try:
         assert cli("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "ray",
                    "--stage-resources", "signatures=cpus:1,mem_gb:0.25", "--stage-resources", "decision=cpus:2,mem_gb:0.5,time:00:20:00",
@@ -263,9 +272,15 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
         ray.shutdown()
     assert tree(remote) == tree(local)
     logs = tmp_path / "ray.datatrove-logs"
-    asked = {"dedup-sig": "cpus:1,mem_gb:0.25,time:none", "dedup-decide": "cpus:2,mem_gb:0.5,time:1200",
-             "main": "cpus:1,mem_gb:0.5,time:none", "merge": "cpus:1,mem_gb:not reserved,time:none"}
-    for stage_dir, want in asked.items():
-        text = (logs / stage_dir / "logs" / "task_00000.log").read_text()
-        assert f"task 0: asked for {want}; given" in text, stage_dir
+    gib = 1024**3
+    asked = {  # log dir: (stage, tasks, what it asked for, what Ray assigned to the task)
+        "dedup-sig": ("signatures", 4, "cpus:1,mem_gb:0.25,time:none", {"CPU": 1.0, "memory": 0.25 * gib}),
+        "dedup-decide": ("decision", 1, "cpus:2,mem_gb:0.5,time:1200", {"CPU": 2.0, "memory": 0.5 * gib}),
+        "main": ("main", 4, "cpus:1,mem_gb:0.5,time:none", {"CPU": 1.0, "memory": 0.5 * gib}),
+        "merge": ("merge", 1, "cpus:1,mem_gb:not reserved,time:none", {"CPU": 1.0}),
+    }
+    for stage_dir, (stage, n, want, given) in asked.items():
+        for rank in range(n):
+            text = (logs / stage_dir / "logs" / f"task_{rank:05d}.log").read_text()
+            assert f"stacklm stage {stage!r} task {rank}: asked for {want}; given {{'ray': {given}}}" in text, (stage, rank)
     assert "merge cpus:1,mem_gb:not reserved,time:none" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from stacklm.data.quality.filters import (
     CodeRules,
     FilterConfig,
     FilterNode,
+    MathRules,
     ProseRules,
     filter_reason,
     text_stats,
@@ -102,8 +103,10 @@ def test_routing_by_domain_math_is_lighter_than_prose():
     assert len(paragraph) > 1000
     assert filter_reason(doc(paragraph, "prose"), CFG) is None
     assert filter_reason(doc(paragraph, "code"), CFG) == "long_lines"
-    with pytest.raises(ValueError, match=r"'t/0'.*'web'"):
-        filter_reason(doc(PROSE, "web"), CFG)
+    # free labels: 'web' is one of the labels that pick prose by themselves; 'legal' picks none
+    assert filter_reason(doc(formulas, "web"), CFG) == filter_reason(doc(formulas, "prose"), CFG) is not None
+    with pytest.raises(ValueError, match=r"'t/0'.*'legal', which picks no filter rule set.*set the source's filters"):
+        filter_reason(doc(PROSE, "legal"), CFG)
 
 
 def test_real_text_mostly_passes_and_drops_are_named():
@@ -147,3 +150,70 @@ def test_filter_node_counts_per_source_and_resumes_exactly(tmp_path):
     strict = FilterNode(LocalFileSource("loc", str(tmp_path / "a.jsonl"), "prose"), FilterConfig.from_dict({"prose": {"min_chars": 10}}))
     with pytest.raises(ValueError, match="same filter thresholds"):
         strict.reset(states[-1])
+
+
+def test_filters_a_user_can_steer_off_per_source_and_by_label(tmp_path, caplog):
+    """``filters: false`` for the whole pipeline, ``filters: none`` for one source, a free
+    ``domain`` label with its own rule set; every document is still counted (kept or dropped by
+    reason), and a default config keeps its hash."""
+    import logging
+
+    from stacklm.data.nodes import PipelineConfig, document_chain
+    from stacklm.data.sources import ShardSpec
+    from stacklm.errors import ConfigError
+
+    short = ["tiny doc"] * 3  # too short for every rule set
+    good = [PROSE] * 2
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in short + good))
+
+    def counts(entry: dict, **pipeline) -> dict:
+        cfg = PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 100, "entries": [
+            {"name": "a", "kind": "local", "path": str(tmp_path / "a.jsonl"), "weight": 1.0, **entry}]},
+            "holdout_fraction": 0.0, **pipeline})
+        node = document_chain(cfg, cfg.mix.entries[0], "train", ShardSpec())["filter"]
+        node.reset(None)
+        kept = len(list(node))
+        st = node.stats.to_dict()["a"]
+        assert kept == st["kept"] and sum(st.values()) == 5  # every document counted once
+        return st
+
+    assert counts({"domain": "prose"}) == {"too_short": 3, "kept": 2}
+    assert counts({"domain": "prose"}, filters=False) == {"kept": 5}
+    assert counts({"domain": "prose", "filters": "none"}) == {"kept": 5}
+    assert counts({"domain": "legal", "filters": "prose"}) == {"too_short": 3, "kept": 2}
+    assert counts({"domain": "web"}) == {"too_short": 3, "kept": 2}  # a label that picks prose itself
+    with pytest.raises(ConfigError, match=r"source 'a': field 'domain' is 'legal'.*set the source's filters"):
+        counts({"domain": "legal"})
+    assert FilterConfig.from_dict({}).to_dict() == FilterConfig().to_dict() and "enabled" not in FilterConfig().to_dict()
+    assert FilterConfig._from_value(False, "filters") == FilterConfig(enabled=False)
+
+    # relative weights: normalized, said once
+    from stacklm.data.registry import DataMix
+
+    with caplog.at_level(logging.WARNING):
+        mix = DataMix.from_dict({"name": "rel", "total_tokens": 100, "entries": [
+            {"name": "x", "kind": "synthetic", "weight": 3, "domain": "prose"},
+            {"name": "y", "kind": "synthetic", "weight": 1, "domain": "code"}]})
+        DataMix.from_dict(mix.to_dict())  # already normalized: nothing more to say
+    assert mix.weights == {"x": 0.75, "y": 0.25}
+    said = [r.getMessage() for r in caplog.records if "normalized" in r.getMessage()]
+    assert said == ["data mix 'rel': the weights (x=3, y=1) sum to 4; taken as relative and normalized to x=0.7500, y=0.2500"]
+
+
+def test_the_documented_thresholds_are_the_defaults():
+    """docs/architecture.md's filter table lists every threshold at its default and every label
+    that picks a rule set, so the docs cannot drift from the code."""
+    import re
+    from pathlib import Path
+
+    from stacklm.data.quality.filters import DOMAIN_RULES
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    for rules, cls in (("prose", ProseRules), ("code", CodeRules), ("math", MathRules)):
+        (row,) = [line for line in text.splitlines() if line.startswith(f"| `{rules}` ")]
+        labels_cell, thresholds_cell = row.split("|")[2], row.split("|")[3]
+        assert set(re.findall(r"`(\w+)`", labels_cell)) == {d for d, r in DOMAIN_RULES.items() if r == rules}
+        documented = dict(re.findall(r"`(\w+)` ([\d.]+)", thresholds_cell))
+        numeric = {f.name: f.default for f in dataclasses.fields(cls) if isinstance(f.default, (int, float))}
+        assert set(documented) == set(numeric), (rules, set(documented) ^ set(numeric))
+        assert all(float(documented[k]) == float(v) for k, v in numeric.items())

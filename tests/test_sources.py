@@ -121,10 +121,11 @@ def test_mix_round_trips_through_yaml_and_pins_revisions():
 @pytest.mark.parametrize(
     "change, words",
     [
-        ({"weight": 0.5}, ["'weight'", "sum to 1"]),
+        ({"filters": "strict"}, ["'fineweb-edu'", "'filters'", "none"]),
         ({"weight": -0.1}, ["'fineweb-edu'", "'weight'"]),
         ({"kind": "s3"}, ["'fineweb-edu'", "'kind'", "s3"]),
-        ({"domain": "web"}, ["'fineweb-edu'", "'domain'"]),
+        ({"domain": "legal"}, ["'fineweb-edu'", "'domain'", "'legal'", "filters"]),
+        ({"domain": None}, ["'fineweb-edu'", "'domain'", "required"]),
         ({"text_colum": "text"}, ["'fineweb-edu'", "text_colum"]),
         ({"path": None}, ["'fineweb-edu'", "'path'"]),
     ],

@@ -142,6 +142,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
         cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
         partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
+        max_array_size=args.max_array_size,
     )
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
@@ -169,7 +170,6 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         from stacklm.scale.slurm import submit_chain, wait_for_chain
 
         submit_chain(chain)
-
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
         if args.wait:
@@ -258,6 +258,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
                    "(default: none; the job inherits the submitting shell's environment)")
     d.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
                    help="slurm: extra '#SBATCH --KEY=VALUE' line for every job (repeatable), e.g. account=myproj")
+    d.add_argument("--max-array-size", type=positive_int,
+                   help="slurm: the cluster's MaxArraySize (`scontrol show config`); a stage with more tasks is several job arrays (default 1001)")
     d.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
                    help="slurm/ray: one stage's per-task resources (repeatable; stages: signatures, decision, main, merge; "
                    "any subset of the fields), e.g. decision=mem_gb:64,time:12:00:00")

@@ -133,7 +133,7 @@ def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec) 
     chain: dict[str, BaseNode] = {"source": src}
     if config.holdout_fraction > 0 or split == "val":
         node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
-    chain["filter"] = FilterNode(node, config.filters)
+    chain["filter"] = FilterNode(node, config.filters, entry.filter_rules())
     return chain
 
 

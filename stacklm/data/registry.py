@@ -4,7 +4,7 @@ weight, from where.
 A ``SourceConfig`` (pre-training and SFT alike) names one source completely (hub path,
 config, ``data_dir``, split, text column, pinnable ``revision``), so a run's inputs can be written into a YAML config and into
 the shard manifest, and re-read later. A ``DataMix`` is the entries plus a token budget; its
-weights must sum to 1 so a config typo cannot silently reshape the mix.
+weights are relative (normalized to sum 1, with one line saying so when they did not).
 
 Both are ``stacklm.config.Config``s: they round-trip through plain dicts (``to_dict`` /
 ``from_dict``) and every validation error names the entry and the field, so a bad YAML line
@@ -14,6 +14,7 @@ is found without reading this file.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,10 +23,12 @@ from typing import Any, ClassVar
 from stacklm.config import Config, did_you_mean
 from stacklm.data.audit import ON_INVALID
 from stacklm.data.mix.schedule import MixScheduleConfig
+from stacklm.data.quality.filters import rules_for
 from stacklm.errors import ConfigError
+from stacklm.once import first_time
 
 KINDS = ("hf", "local", "synthetic")
-DOMAINS = ("prose", "code", "math")
+DOMAINS = ("prose", "code", "math")  # the synthetic corpus's domains (and the filter rule sets)
 # Weights are floats typed by humans in YAML; allow rounding slack, nothing more.
 WEIGHT_SUM_TOLERANCE = 1e-6
 DEFAULT_TEXT_COLUMN = "text"  # a pre-training source's text column when none is given
@@ -47,8 +50,11 @@ class SourceConfig(Config):
       - ``"synthetic"``: the deterministic offline corpus (``seed``, ``num_docs``); pre-training only.
     ``text_column``: the column holding the text (pre-training; ``None`` = ``"text"``) or the
     list of messages (SFT; ``None`` = ``messages``, else ShareGPT ``conversations``).
-    ``domain``: ``prose``/``code``/``math`` picks a pre-training source's quality filter; an
-    SFT source is ``chat`` (its default).
+    ``domain``: a free label of what the source is (``web``, ``legal``, ...); for a pre-training
+    source it also picks the quality filter's rule set when it is one of
+    ``filters.DOMAIN_RULES`` (``prose``/``code``/``math`` and a few aliases). ``filters``:
+    the rule set itself, ``prose``/``code``/``math``, or ``none`` for no quality filter on this
+    source; needed when the domain label picks none. An SFT source is ``chat`` (its default).
 
     SFT only, per source (so a mix can train each dataset its own way): ``format``
     (``chat_formats.FORMATS``; ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca
@@ -59,6 +65,8 @@ class SourceConfig(Config):
     """
 
     config_error: ClassVar[type[ConfigError]] = DataMixError
+    # the SFT schema's names before the one source schema (closer in spelling to 'filters')
+    renamed_fields: ClassVar[dict[str, str]] = {"files": "data_files", "column": "text_column"}
 
     name: str
     kind: str = "local"  # one of KINDS
@@ -82,12 +90,13 @@ class SourceConfig(Config):
     # A row with no document (bad JSON, no/null/non-string text): skip and count | raise.
     # None: skip for a pre-training source; the stream's ``on_invalid`` for an SFT source.
     on_invalid: str | None = None
+    filters: str | None = None  # pre-training: the quality rule set (prose|code|math|none); None: by domain
 
     # Fields added after configs were hashed: left out of to_dict() at their default, so an
     # existing config keeps its config_hash (a resume is not refused by an upgrade).
     _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {
         "format": "auto", "loss": "assistant_only", "roles_to_train": ["assistant"], "train_stop_token": True,
-        "reasoning_loss": "train", "overlong": None, "on_invalid": None,
+        "reasoning_loss": "train", "overlong": None, "on_invalid": None, "filters": None,
     }
 
     @classmethod
@@ -120,8 +129,15 @@ class SourceConfig(Config):
             raise DataMixError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
         if self.kind not in KINDS:
             raise self._fail("kind", f"must be one of {KINDS}, got {self.kind!r}")
-        if self.domain is not None and self.domain not in DOMAINS + ("chat",):
-            raise self._fail("domain", f"must be one of {DOMAINS + ('chat',)}, got {self.domain!r}")
+        if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
+            raise self._fail("domain", f"must be a non-empty label (e.g. 'prose', 'code', 'math', 'web') or null, got {self.domain!r}")
+        if self.kind == "synthetic" and self.domain is not None and self.domain not in DOMAINS:
+            raise self._fail("domain", f"of a synthetic source must be one of {DOMAINS} (the corpus it draws), got {self.domain!r}")
+        if self.filters is not None:
+            try:
+                rules_for(self.domain, self.filters)
+            except ValueError as e:
+                raise self._fail("filters", str(e).removeprefix("field 'filters' ")) from None
         if isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)):
             raise self._fail("weight", f"must be a number, got {self.weight!r}")
         if not math.isfinite(self.weight) or self.weight <= 0:
@@ -161,6 +177,13 @@ class SourceConfig(Config):
         policy = self.on_invalid or default
         return "skip" if policy == "drop" else policy
 
+    def filter_rules(self) -> str | None:
+        """The quality rule set of this pre-training source (``filters.rules_for``; None: no filter)."""
+        try:
+            return rules_for(self.domain, self.filters)
+        except ValueError as e:
+            raise DataMixError(f"source {self.name!r}: {e}") from None
+
     def loss_policy(self):
         """The ``stacklm.chat_policy.LossPolicy`` of an SFT source's fields."""
         from stacklm.chat_policy import LossPolicy
@@ -183,13 +206,13 @@ class SourceConfig(Config):
 
 @dataclass(frozen=True)
 class DataMix(Config):
-    """Pre-training sources whose weights sum to 1, plus the run's total token budget, and
+    """Pre-training sources with relative weights (normalized to sum 1), plus the run's total token budget, and
     optionally a mixture ``schedule`` (``stacklm.data.mix.schedule``: phases, temperature, caps)
     that makes the target mix a function of the tokens consumed; the entries' weights are its
     default.
 
-    A pre-training source needs a ``domain`` of ``prose``/``code``/``math`` (it picks the
-    quality filter) and reads ``text_column`` ``"text"`` unless told otherwise (filled in here,
+    A pre-training source needs a ``domain`` label that picks a quality rule set, or a
+    ``filters:`` of its own (``SourceConfig``), and reads ``text_column`` ``"text"`` unless told otherwise (filled in here,
     so the config and its hash say which column was read).
     """
 
@@ -221,6 +244,7 @@ class DataMix(Config):
             dataclasses.replace(e, text_column=DEFAULT_TEXT_COLUMN) if isinstance(e, SourceConfig) and e.text_column is None else e
             for e in self.entries
         ))
+        self._normalize_weights()
         if isinstance(self.schedule, Mapping):
             object.__setattr__(self, "schedule", MixScheduleConfig.from_dict(self.schedule, "schedule"))
         self.validate()
@@ -236,8 +260,10 @@ class DataMix(Config):
                 raise DataMixError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
             if entry.name in seen:
                 raise DataMixError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
-            if entry.domain not in DOMAINS:
-                raise entry._fail("domain", f"must be one of {DOMAINS} for pre-training, got {entry.domain!r}")
+            if entry.domain is None:
+                raise entry._fail("domain", f"is required for pre-training: a label such as {DOMAINS} (it picks the quality filter) "
+                                            "or your own with filters: prose|code|math|none")
+            entry.filter_rules()
             seen.add(entry.name)
         total = math.fsum(e.weight for e in self.entries)
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
@@ -245,6 +271,26 @@ class DataMix(Config):
             raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
         if self.schedule is not None:
             self.schedule.check_sources([e.name for e in self.entries])
+
+    def _normalize_weights(self) -> None:
+        """Weights are relative (as in Mosaic streaming's ``proportion`` and litdata's
+        ``weights``): entries summing to anything but 1 are divided by their sum, and one line
+        per process says so. The normalized weights are what the config (and its hash, the
+        manifest and the logs) then hold, so 2/1/1 and 0.5/0.25/0.25 are the same mix."""
+        ok = [e for e in self.entries if isinstance(e, SourceConfig) and not isinstance(e.weight, bool)
+              and isinstance(e.weight, (int, float)) and math.isfinite(e.weight) and e.weight > 0]
+        if len(ok) != len(self.entries) or not ok:
+            return  # validate() names the bad entry
+        total = math.fsum(e.weight for e in ok)
+        if abs(total - 1.0) <= WEIGHT_SUM_TOLERANCE:
+            return
+        entries = tuple(dataclasses.replace(e, weight=e.weight / total) for e in ok)
+        object.__setattr__(self, "entries", entries)
+        given = ", ".join(f"{e.name}={e.weight:g}" for e in ok)
+        now = ", ".join(f"{e.name}={e.weight:.4f}" for e in entries)
+        if first_time("normalized_weights", self.name, given):
+            logging.getLogger(__name__).warning(
+                "data mix %r: the weights (%s) sum to %g; taken as relative and normalized to %s", self.name, given, total, now)
 
     def __getitem__(self, name: str) -> SourceConfig:
         for entry in self.entries:

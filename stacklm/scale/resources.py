@@ -104,6 +104,7 @@ class ClusterSettings(Config):
             qos: normal                    # omitted: the cluster's default QOS
             env_command: source /shared/venv/bin/activate
             sbatch_args: {account: myproj}
+            max_array_size: 1001           # the cluster's MaxArraySize: more tasks run as several arrays
             stages:
               decision: {cpus: 1, mem_gb: 64, time: "12:00:00"}
               main: {cpus: 4, mem_gb: 16}
@@ -114,8 +115,11 @@ class ClusterSettings(Config):
     env_command: str | None = None  # shell line the batch script runs before the task
     sbatch_args: dict[str, str] = dataclasses.field(default_factory=dict)
     stages: dict[str, StageResources] = dataclasses.field(default_factory=dict)
+    max_array_size: int | None = None  # the cluster's MaxArraySize (`scontrol show config`); datatrove's default 1001
 
     def __post_init__(self) -> None:
+        if self.max_array_size is not None and self.max_array_size < 1:
+            raise ConfigError(f"prebuild.cluster.max_array_size must be >= 1, got {self.max_array_size}")
         for name in self.stages:
             check_stage(name, "prebuild.cluster.stages")
 
@@ -169,6 +173,7 @@ class ClusterPlan:
     qos: str | None = None
     env_command: str | None = None
     sbatch_args: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    max_array_size: int | None = None
 
     @classmethod
     def resolve(
@@ -183,6 +188,7 @@ class ClusterPlan:
         qos: str | None = None,
         env_command: str | None = None,
         sbatch_args: Mapping[str, str] | None = None,
+        max_array_size: int | None = None,
     ) -> ClusterPlan:
         """Layers, last wins: ``STAGES`` defaults < ``settings.stages`` < the legacy per-task
         flags (parallel stages only) < ``stage_flags``."""
@@ -205,6 +211,7 @@ class ClusterPlan:
             qos=qos or settings.qos,
             env_command=env_command or settings.env_command,
             sbatch_args={**settings.sbatch_args, **(sbatch_args or {})},
+            max_array_size=max_array_size or settings.max_array_size,
         )
 
     def slurm_kwargs(self, stage: str) -> dict[str, Any]:
@@ -221,6 +228,7 @@ class ClusterPlan:
             "partition": self.partition, "time": r.time, "cpus_per_task": r.cpus, "mem_per_cpu_gb": math.ceil(r.mem_gb / r.cpus),
             "qos": self.qos or "",  # "": no --qos line, the cluster's default QOS (datatrove's own default "normal" may not exist)
             "env_command": self.env_command, "sbatch_args": dict(self.sbatch_args),
+            **({"max_array_size": self.max_array_size} if self.max_array_size else {}),
         }
 
     def ray_kwargs(self, stage: str) -> dict[str, Any]:
@@ -265,7 +273,7 @@ class LogTaskResources:
             import ray
 
             if ray.is_initialized():
-                given["ray"] = {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items() if not k.startswith("bundle_group")}
+                given["ray"] = dict(sorted((k, v) for k, v in ray.get_runtime_context().get_assigned_resources().items() if not k.startswith("bundle_group")))
         except Exception:  # noqa: BLE001 - no ray, or not in a ray worker: nothing more to say
             pass
         logger.info(f"stacklm stage {self.stage!r} task {rank}: asked for {self.asked}; given {given or 'nothing the scheduler reports here'}")

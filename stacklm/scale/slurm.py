@@ -16,9 +16,10 @@ import re
 import subprocess
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
-from datatrove.executor.slurm import SlurmPipelineExecutor, launch_slurm_job
+from datatrove.executor.slurm import SlurmPipelineExecutor, default_job_id_retriever, launch_slurm_job
 
 from stacklm.prebuild.plan import PrebuildError
 
@@ -37,13 +38,41 @@ class StackSlurmExecutor(SlurmPipelineExecutor):
 
     merge_stats_job_id: str | None = None
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.array_job_ids: list[str] = []  # datatrove keeps only the last when tasks > max_array_size
+        self.job_id_retriever = self._record_array_job
+
+    def launch_job(self):
+        if self.depends is not None:
+            if not self.depends.job_id:
+                self.depends.launch_job()
+            self._upstream_arrays = [str(j) for j in getattr(self.depends, "array_job_ids", [])]
+        super().launch_job()
+
+    @property
+    def dependency(self) -> str:
+        """datatrove's, with ``afterok`` on every array of the stage before, not only its last:
+        datatrove chains a stage's arrays with ``afterany``, so the next stage started after a
+        failed task of an earlier array."""
+        dep = super().dependency
+        upstream = getattr(self, "_upstream_arrays", [])
+        if len(upstream) > 1 and self.depends_job_id and str(self.depends_job_id) == upstream[-1]:
+            dep = dep.replace(f"afterok:{self.depends_job_id}", "afterok:" + ":".join(upstream), 1)
+        return dep
+
+    def _record_array_job(self, sbatch_output: str) -> str:
+        job_id = default_job_id_retriever(sbatch_output, self.job_id_position)
+        self.array_job_ids.append(job_id)
+        return job_id
+
     def launch_merge_stats(self):
         self.merge_stats_job_id = launch_slurm_job(
             self.get_launch_file_contents(
-                {**self.get_sbatch_args(), "cpus-per-task": 1, "mem-per-cpu": "1G", "dependency": f"afterok:{self.job_id}"},
+                {**self.get_sbatch_args(), "cpus-per-task": 1, "mem-per-cpu": "1G", "dependency": "afterok:" + ":".join(self.array_job_ids or [str(self.job_id)])},
                 f"merge_stats {self.logging_dir.resolve_paths('stats')} -o {self.logging_dir.resolve_paths('stats.json')}",
             ),
-            self.job_id_retriever,
+            partial(default_job_id_retriever, job_id_position=self.job_id_position),
         )
 
 
@@ -106,6 +135,13 @@ def queued_jobs(job_ids: Sequence[str]) -> dict[str, str] | None:
     return queued
 
 
+def _arrays(ex: SlurmPipelineExecutor) -> list[tuple[str, int]]:
+    """``(job id, first index into ranks_to_run.json)`` of each job array of a stage: datatrove
+    splits more than ``max_array_size`` tasks into arrays run one after the other (``RUN_OFFSET``)."""
+    ids = getattr(ex, "array_job_ids", None) or [str(ex.job_id)]
+    return [(str(j), k * ex.max_array_size) for k, j in enumerate(ids)]
+
+
 def _ranks_to_run(ex: SlurmPipelineExecutor) -> list[int]:
     with ex.logging_dir.open("ranks_to_run.json", "r") as f:
         return json.load(f)
@@ -145,7 +181,7 @@ def wait_for_chain(chain: Sequence[SlurmPipelineExecutor], poll_seconds: float =
     live = [ex for ex in chain if ex.job_id not in (None, -1, "-1")]
     last_note = ""
     while True:
-        ids = [str(ex.job_id) for ex in live]
+        ids = [j for ex in live for j, _ in _arrays(ex)]
         states = array_states(ids) if ids else {}
         queued = queued_jobs(ids) if ids else {}
         pending = 0
@@ -155,24 +191,23 @@ def wait_for_chain(chain: Sequence[SlurmPipelineExecutor], poll_seconds: float =
                 continue
             pending += len(incomplete)
             ranks = _ranks_to_run(ex)
-            offset = 0  # datatrove: rank = ranks_to_run[index + RUN_OFFSET * max_array_size]; the last array's id is kept
-            if ex.max_array_size != -1 and len(ranks) > ex.max_array_size:
-                offset = (len(ranks) - 1) // ex.max_array_size * ex.max_array_size
+            arrays = _arrays(ex)
             failed = [
-                (idx, st) for (job, idx), st in sorted((states or {}).items())
-                if job == str(ex.job_id) and st[0] in FAILED_STATES and offset + idx < len(ranks) and ranks[offset + idx] in incomplete
+                (job, idx, st) for job, offset in arrays for (j, idx), st in sorted((states or {}).items())
+                if j == job and st[0] in FAILED_STATES and offset + idx < len(ranks) and ranks[offset + idx] in incomplete
             ]
-            gone = queued is not None and str(ex.job_id) not in queued and (states is None or all(
-                st[0] in DONE_STATES for (job, _), st in states.items() if job == str(ex.job_id)))
+            gone = queued is not None and all(job not in queued for job, _ in arrays) and (states is None or all(
+                st[0] in DONE_STATES for (j, _), st in states.items() if j in dict(arrays)))
             if failed or gone:
                 if failed:
-                    idx, (state, code) = failed[0]
-                    rank = ranks[offset + idx]
-                    what = f"task {rank} (job {ex.job_id}_{idx}, {state}{_exit(code)})"
-                    slurm_log = Path(ex.slurm_logs_folder) / f"{ex.job_id}_{idx}.out"
+                    job, idx, (state, code) = failed[0]
+                    rank = ranks[dict(arrays)[job] + idx]
+                    what = f"task {rank} (job {job}_{idx}, {state}{_exit(code)})"
+                    slurm_log = Path(ex.slurm_logs_folder) / f"{job}_{idx}.out"
                 else:
                     rank = min(incomplete)
-                    what = f"task {rank} (job {ex.job_id} left the queue without completing it; no sacct to say why)"
+                    what = f"task {rank} (its job {'s' if len(arrays) > 1 else ''}{', '.join(j for j, _ in arrays)} left the queue without completing it"
+                    what += "; no sacct to say why)" if states is None else ")"
                     slurm_log = Path(ex.slurm_logs_folder)
                 task_log = Path(ex.logging_dir.resolve_paths(f"logs/task_{rank:05d}.log"))
                 cancelled = cancel_after(chain, ex)
@@ -205,7 +240,7 @@ def cancel_after(chain: Sequence[SlurmPipelineExecutor], failed: SlurmPipelineEx
         if ex is failed:
             after = True
         elif after and ex.job_id not in (None, -1, "-1"):
-            ids.append(str(ex.job_id))
+            ids.extend(j for j, _ in _arrays(ex))
         if after and getattr(ex, "merge_stats_job_id", None):
             ids.append(str(ex.merge_stats_job_id))
     if ids:

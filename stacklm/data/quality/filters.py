@@ -29,6 +29,32 @@ from stacklm.config import Config
 from stacklm.data.stats import StageStats
 
 KEPT = "kept"
+RULE_SETS = ("prose", "code", "math")
+NO_FILTER = "none"  # a source's ``filters: none``: every document passes (counted as kept)
+# A pre-training source's ``domain`` is a free label (it names the source's kind in the logs);
+# these labels pick a rule set by themselves. Any other label needs the source's ``filters:``.
+DOMAIN_RULES = {
+    "prose": "prose", "web": "prose", "text": "prose", "books": "prose", "wiki": "prose", "news": "prose",
+    "papers": "prose", "docs": "prose",
+    "code": "code", "python": "code",
+    "math": "math",
+}
+
+
+def rules_for(domain: str | None, filters: str | None = None) -> str | None:
+    """The rule set a source's documents meet: ``filters`` when given (``none`` -> None, no
+    filter), else the one ``DOMAIN_RULES`` maps ``domain`` to; a ``ValueError`` saying what to
+    set when neither decides."""
+    if filters is not None:
+        if filters not in RULE_SETS + (NO_FILTER,):
+            raise ValueError(f"field 'filters' must be one of {RULE_SETS + (NO_FILTER,)}, got {filters!r}")
+        return None if filters == NO_FILTER else filters
+    if domain in DOMAIN_RULES:
+        return DOMAIN_RULES[domain]
+    raise ValueError(
+        f"field 'domain' is {domain!r}, which picks no filter rule set for pre-training (labels that do: {sorted(DOMAIN_RULES)}); "
+        f"set the source's filters: to one of {RULE_SETS + (NO_FILTER,)}"
+    )
 
 
 @dataclass(frozen=True)
@@ -78,6 +104,22 @@ class FilterConfig(Config):
     prose: ProseRules = field(default_factory=ProseRules)
     code: CodeRules = field(default_factory=CodeRules)
     math: MathRules = field(default_factory=MathRules)
+    # ``filters: false`` in a pipeline config: no document is dropped for quality (each
+    # source's FilterNode counts everything as kept). Left out of to_dict() when true, so
+    # configs hashed before this field keep their hash.
+    enabled: bool = True
+
+    @classmethod
+    def _from_value(cls, value: Any, path: str) -> FilterConfig:
+        if isinstance(value, bool):  # filters: false | true
+            return cls(enabled=value)
+        return super()._from_value(value, path)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d.get("enabled") is True:
+            del d["enabled"]
+        return d
 
 
 # ---------------------------------------------------------------------------------------
@@ -226,31 +268,39 @@ def _math_reason(text: str, r: MathRules) -> str | None:
     return None
 
 
-def filter_reason(doc: Mapping[str, Any], config: FilterConfig) -> str | None:
-    """Why ``doc`` is dropped (a short reason name), or None to keep it."""
-    domain = doc["domain"]
-    if domain == "prose":
+def filter_reason(doc: Mapping[str, Any], config: FilterConfig, rules: str | None = "auto") -> str | None:
+    """Why ``doc`` is dropped (a short reason name), or None to keep it. ``rules``: the rule set
+    (``RULE_SETS``; None: no filter); ``"auto"`` picks it from the document's domain."""
+    if rules == "auto":
+        try:
+            rules = rules_for(doc["domain"])
+        except ValueError as e:
+            raise ValueError(f"filter: document {doc.get('doc_id')!r} from source {doc.get('source')!r}: {e}") from None
+    if rules is None or not config.enabled:
+        return None
+    if rules == "prose":
         return _prose_reason(doc["text"], config.prose)
-    if domain == "code":
+    if rules == "code":
         return _code_reason(doc["text"], config.code)
-    if domain == "math":
+    if rules == "math":
         return _math_reason(doc["text"], config.math)
-    raise ValueError(
-        f"filter: document {doc.get('doc_id')!r} from source {doc.get('source')!r} has domain {domain!r}; "
-        f"expected 'prose', 'code' or 'math' (set the source's domain in the data mix)"
-    )
+    raise ValueError(f"filter: unknown rule set {rules!r}; expected one of {RULE_SETS} or None")
 
 
 class FilterNode(BaseNode[dict]):
     """Pass on the documents of ``source`` that ``filter_reason`` keeps, counting the rest.
 
     Stateless apart from its counters, so the state is the source's state plus those.
+    ``rules``: the source's rule set (``rules_for``; None: it passes everything, still counted,
+    so the ledger reads the same for a filtered and an unfiltered source); ``"auto"`` routes each
+    document by its domain.
     """
 
-    def __init__(self, source: BaseNode, config: FilterConfig | None = None) -> None:
+    def __init__(self, source: BaseNode, config: FilterConfig | None = None, rules: str | None = "auto") -> None:
         super().__init__()
         self.source = source
         self.config = config or FilterConfig()
+        self.rules = rules
         self.config_hash = self.config.config_hash()
         self.stats = StageStats("filter")
 
@@ -271,7 +321,7 @@ class FilterNode(BaseNode[dict]):
     def next(self) -> dict:
         while True:
             doc = next(self.source)
-            reason = filter_reason(doc, self.config)
+            reason = filter_reason(doc, self.config, self.rules)
             self.stats.add(doc["source"], reason or KEPT)
             if reason is None:
                 return doc
