@@ -127,15 +127,15 @@ def test_skip_steps_on_another_world_size(tokenizer_dir, shards_dir, tmp_path):
     def run(out, devices, *extra):
         import json
         import os
-        import subprocess
         import sys
+
+        from tests.lightning_helpers import run_program
 
         root = Path(__file__).resolve().parents[1]
         args = ["--tokenizer", str(tokenizer_dir), "--data-dir", str(shards_dir), "--out", str(out), "--devices", str(devices),
                 "--batch-size", "4", "--epochs", "1", *map(str, extra)]
         env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
-        res = subprocess.run([sys.executable, str(root / "tests" / "elastic_fit.py"), *args], cwd=root, env=env,
-                             capture_output=True, text=True, timeout=600)
+        res = run_program([sys.executable, str(root / "tests" / "elastic_fit.py"), *args], cwd=root, env=env, timeout=600)
         assert res.returncode == 0, res.stderr[-4000:]
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
         return {"ranks": ranks, "devices": devices, "batch": 4, "out": out}
