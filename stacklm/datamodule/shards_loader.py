@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from stacklm.datamodule.stream import _padding_batch
+from stacklm.parent_death import WorkerInit
 
 TAILS = ("pad", "drop")
 
@@ -152,6 +153,7 @@ class ShardsLoader:
         start, self.dropped_tail = self.rows_served, 0
         loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
+            worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
         )
         for t, batch in enumerate(loader, start=1):
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead

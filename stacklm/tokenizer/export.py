@@ -43,6 +43,7 @@ difference is a tie between two *different splits of the same token* at two posi
 from __future__ import annotations
 
 import base64
+import bisect
 import hashlib
 import json
 import os
@@ -202,12 +203,19 @@ def derive_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
     """Pair merges that make HF's pair-rank BPE reproduce tiktoken's byte-rank BPE: for every
     multi-byte token in rank order, every split into two tokens of the vocab (both halves
     ranked, lowest first) -- as transformers' ``TikTokenConverter``."""
+    # Only split points k where both halves have the length of some token are tried: a split
+    # test slices the token (O(k)), so trying every k was O(L^2) per token -- 160 s for the one
+    # 500,000-byte token a single-line document of repeated text trains (issue 23).
+    lengths = sorted({len(t) for t in ranks})
+    have = set(lengths)
     merges: list[tuple[bytes, bytes]] = []
     for token, _rank in sorted(ranks.items(), key=lambda x: x[1]):
-        if len(token) < 2:
+        n = len(token)
+        if n < 2:
             continue
         local = [
-            (token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ranks and token[k:] in ranks
+            (token[:k], token[k:]) for k in lengths[: bisect.bisect_left(lengths, n)]
+            if (n - k) in have and token[:k] in ranks and token[k:] in ranks
         ]
         local.sort(key=lambda p: (ranks[p[0]], ranks[p[1]]))
         merges.extend(local)
