@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stacklm.parent_death import exit_if_orphaned, orphaned
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -62,7 +64,11 @@ def atomic_write_bytes(
     the error propagates. ``fsync_parent=False`` skips the folder fsync (a caller renaming
     several files in one folder fsyncs it once, after the last). ``on_error(error, path,
     nbytes)`` turns a failed write's ``OSError`` into the exception raised instead (chained to
-    it), so a caller can say what the file is for and how to recover (see ``shards``)."""
+    it), so a caller can say what the file is for and how to recover (see ``shards``).
+
+    In a worker whose parent has died (``stacklm.parent_death``) it exits instead, before the
+    temporary file is created and again before the rename: an orphan writes nothing."""
+    exit_if_orphaned()
     path = Path(path)
     # pid and thread both in the name: concurrent writers of one path never share a temp file
     tmp = path.parent / f"{TMP_MARK}{path.name}.{os.getpid()}.{threading.get_ident()}"
@@ -73,6 +79,9 @@ def atomic_write_bytes(
                 _write_all(f, payload)
                 f.flush()
                 os.fsync(f.fileno())
+            if orphaned():  # the parent died during the write: leave nothing behind
+                tmp.unlink(missing_ok=True)
+                exit_if_orphaned()
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)

@@ -21,6 +21,8 @@ next to target share per source), ``data/share_over_time`` (realized and target 
 against the step), ``data/doc_length/<source>`` (a histogram of the delivered documents' lengths)
 and ``data/drops_bar`` (dropped documents by stage and reason). The hashes go into the run
 config under ``data/hashes`` at fit start, and ``data/offline_fallback`` when a source falls back.
+Beside every file logger's metrics (CSV, TensorBoard) the latest ``data_stats()`` is kept as
+``data_stats.json`` at the same interval, so ``stacklm report`` draws those charts without W&B.
 
 A source that runs dry is a warning naming the source, the step and its delivered vs target
 share (the datamodule warns when the worker's summary arrives; the callback logs the step).
@@ -60,6 +62,7 @@ callback prints one notice and does nothing else (``data_stats`` is never called
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -71,7 +74,17 @@ import numpy as np
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from stacklm.atomic import atomic_write_text
 from stacklm.once import first_time
+
+DATA_STATS_FILE = "data_stats.json"  # the latest data_stats() beside a file logger's metrics (``stacklm report``)
+
+
+def _plain_number(x: Any) -> Any:
+    """json.dumps fallback: numpy/torch scalars and arrays as plain numbers and lists."""
+    if hasattr(x, "tolist"):
+        return x.tolist()
+    raise TypeError(f"not JSON: {type(x).__name__}")
 
 
 def _wandb_logger(trainer: Trainer):
@@ -334,6 +347,23 @@ class DataStatsCallback(Callback):
                                         {s: r.get("target_weight") or 0.0 for s, r in stats["realized"].items()}))
         if self.use_wandb and with_table and stats and stats.get("realized"):
             self._log_wandb_charts(_wandb_logger(trainer), stats, step)
+        if with_table and stats:
+            self._write_snapshot(trainer, stats, step)
+
+    @staticmethod
+    def _write_snapshot(trainer: Trainer, stats: Mapping[str, Any], step: int) -> None:
+        """``DATA_STATS_FILE`` in each file logger's folder (CSV, TensorBoard): what the scalars
+        cannot carry (the document-length histograms, drops by stage and reason), so
+        ``stacklm report`` draws a run without W&B. Replaced atomically at every table step."""
+        keep = ("realized", "delivered", "dropped_docs", "dropped_tokens", "holdout_docs", "cut_docs",
+                "doc_length_hist", "padding_fraction", "hashes", "mix_phases")
+        snapshot = {"step": int(step), **{k: stats[k] for k in keep if k in stats}}
+        for logger in trainer.loggers:
+            log_dir = getattr(logger, "log_dir", None)
+            if type(logger).__name__ == "WandbLogger" or not isinstance(log_dir, str):
+                continue
+            os.makedirs(log_dir, exist_ok=True)
+            atomic_write_text(os.path.join(log_dir, DATA_STATS_FILE), json.dumps(snapshot, default=_plain_number))
 
     def _dry_sources(self, stats: Mapping[str, Any], step: int) -> dict[str, float]:
         """``data/ran_dry/<source>`` = the step it was first seen dry, with a log warning then."""

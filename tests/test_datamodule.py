@@ -331,7 +331,7 @@ def test_shards_mode_refuses_a_rotten_shard_unless_told_not_to_check(tokenizer_d
     quiet = _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2, verify_shards=False)
     quiet.setup("fit")
     assert len(list(quiet.train_dataloader())) == len(quiet.train_dataloader())
-    with pytest.raises(DataConfigError, match="verify_shards must be true or false"):
+    with pytest.raises(DataConfigError, match=r"'data.verify_shards' must be true or false, got 'off'"):
         _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, verify_shards="off")
 
 

@@ -136,6 +136,42 @@ def test_a_request_no_node_holds_is_refused_at_submission(tmp_path, tok_dir, slu
     assert slurm.jobs() == []
 
 
+def test_wait_waits_for_a_requeued_task_and_fails_one_that_never_returns(tmp_path, slurm):
+    """PREEMPTED / NODE_FAIL are final only if Slurm does not requeue the task (datatrove submits
+    with --requeue): while the job is back in the queue the wait goes on; once it has left the
+    queue without the task's completion mark, the run fails naming the task and its state."""
+    import json
+
+    from stacklm.scale.slurm import SlurmTaskFailed, StackSlurmExecutor, wait_for_chain
+
+    logs = tmp_path / "logs"
+    (logs / "completions").mkdir(parents=True)
+    (logs / "ranks_to_run.json").write_text("[0]")
+    ex = StackSlurmExecutor([], tasks=1, time="10", partition="cpu", logging_dir=str(logs))
+    ex.stacklm_stage, ex.job_id, ex.array_job_ids = "main", "1000", ["1000"]
+
+    def job(state, task_state, reason=""):
+        (slurm.root / "jobs" / "1000.json").write_text(json.dumps({
+            "id": "1000", "name": "stacklm-prebuild", "array": [0], "state": state, "reason": reason,
+            "tasks": {"0": {"state": task_state, "exit": "0:0"}}}))
+
+    job("PENDING", "PREEMPTED", "BeginTime")  # preempted, requeued: pending again
+    notes, polls = [], []
+
+    def comes_back(_):
+        polls.append(1)
+        job("COMPLETED", "COMPLETED")
+        (logs / "completions" / "00000").touch()
+
+    wait_for_chain([ex], poll_seconds=0, say=notes.append, sleep=comes_back)
+    assert polls == [1] and notes == ["waiting for 1 slurm task(s): main job 1000 (BeginTime)"]
+
+    (logs / "completions" / "00000").unlink()
+    job("PREEMPTED", "PREEMPTED")  # not requeued: gone for good
+    with pytest.raises(SlurmTaskFailed, match=r"slurm stage 'main': task 0 \(job 1000_0, PREEMPTED\) left the queue without completing it; logs: "):
+        wait_for_chain([ex], poll_seconds=0, say=notes.append, sleep=lambda _: pytest.fail("a task gone for good is not waited for"))
+
+
 def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
     """The chain's executors as built (no cluster needed): Slurm and Ray each get the stage's
     CPUs, memory and time, not one size for all (the decision was 1 CPU / 2 GB whatever the flags)."""
@@ -260,7 +296,10 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
     local, remote = tmp_path / "local", tmp_path / "ray"
     assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2)
+    # a private TMPDIR for the workers: datatrove's Ray task writes its log to TMPDIR/ray_logs/logs/task_N.log
+    # before copying it, a path shared by every stage, build and user of the node
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2,
+             runtime_env={"env_vars": {"TMPDIR": str(tmp_path / "ray-tmp")}})
     try:
         assert cli("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "ray",
                    "--stage-resources", "signatures=cpus:1,mem_gb:0.25", "--stage-resources", "decision=cpus:2,mem_gb:0.5,time:00:20:00",
@@ -269,9 +308,15 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
         ray.shutdown()
     assert tree(remote) == tree(local)
     logs = tmp_path / "ray.datatrove-logs"
-    asked = {"dedup-sig": "cpus:1,mem_gb:0.25,time:none", "dedup-decide": "cpus:2,mem_gb:0.5,time:1200",
-             "main": "cpus:1,mem_gb:0.5,time:none", "merge": "cpus:1,mem_gb:not reserved,time:none"}
-    for stage_dir, want in asked.items():
-        text = (logs / stage_dir / "logs" / "task_00000.log").read_text()
-        assert f"task 0: asked for {want}; given" in text, stage_dir
+    gib = 1024**3
+    asked = {  # log dir: (stage, tasks, what it asked for, what Ray assigned to the task)
+        "dedup-sig": ("signatures", 4, "cpus:1,mem_gb:0.25,time:none", {"CPU": 1.0, "memory": 0.25 * gib}),
+        "dedup-decide": ("decision", 1, "cpus:2,mem_gb:0.5,time:1200", {"CPU": 2.0, "memory": 0.5 * gib}),
+        "main": ("main", 4, "cpus:1,mem_gb:0.5,time:none", {"CPU": 1.0, "memory": 0.5 * gib}),
+        "merge": ("merge", 1, "cpus:1,mem_gb:not reserved,time:none", {"CPU": 1.0}),
+    }
+    for stage_dir, (stage, n, want, given) in asked.items():
+        for rank in range(n):
+            text = (logs / stage_dir / "logs" / f"task_{rank:05d}.log").read_text()
+            assert f"stacklm stage {stage!r} task {rank}: asked for {want}; given {{'ray': {given}}}" in text, (stage, rank)
     assert "merge cpus:1,mem_gb:not reserved,time:none" in capsys.readouterr().err

@@ -239,6 +239,7 @@ def test_compression_row_is_plain_data():
         "n_bytes": 10,
         "n_chars": 8,
         "n_tokens": 4,
+        "vocab_size": None,
         "bytes_per_token": 2.5,
         "chars_per_token": 2.0,
     }

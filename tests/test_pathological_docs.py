@@ -247,3 +247,40 @@ def test_train_tokenizer_cli_on_a_file_with_megabyte_runs(tmp_path, real_docs, c
     tok = StackTokenizer.load(tmp_path / "tok")
     assert tok.metadata["sample_audit"]["bytes_yielded"] == len(path.read_bytes())
     assert tok.decode_bytes(tok.encode(path.read_bytes().decode())) == path.read_bytes()
+
+
+def _derive_merges_reference(ranks):
+    """Every split point of every token (transformers' TikTokenConverter): O(L^2) per token."""
+    merges = []
+    for token, _ in sorted(ranks.items(), key=lambda x: x[1]):
+        local = [(token[:k], token[k:]) for k in range(1, len(token)) if token[:k] in ranks and token[k:] in ranks]
+        local.sort(key=lambda p: (ranks[p[0]], ranks[p[1]]))
+        merges.extend(local)
+    return merges
+
+
+def test_derive_merges_equals_the_every_split_reference(tokenizer_1024):
+    from stacklm.tokenizer.export import derive_merges
+
+    ranks = tokenizer_1024.mergeable_ranks
+    assert derive_merges(ranks) == _derive_merges_reference(ranks)
+
+
+def test_a_single_line_megabyte_document_trains_and_exports(tmp_path):
+    """One 1 MB line of one repeated character trains a token of 500,000+ bytes; the Hugging
+    Face export tried every split of it (O(L^2): 160 s at 500 kB, minutes more at 10 MB,
+    issue 23) and now tries only the lengths tokens have. Both exports encode it like
+    ``encode``."""
+    from tokenizers import Tokenizer
+
+    from stacklm.tokenizer.export import export_hf, load_tiktoken_encoding, save_tiktoken_ranks
+
+    doc = "a" * MB
+    tok = train_from_iterable(iter([doc]), 300).tokenizer
+    assert max(len(b) for b in tok.merged_tokens) >= MB // 2
+    export_hf(tok, tmp_path / "hf")
+    ranks_file = save_tiktoken_ranks(tok, tmp_path / "tok.tiktoken")
+    ids = tok.encode(doc)
+    assert tok.decode(ids) == doc
+    assert Tokenizer.from_file(str(tmp_path / "hf" / "tokenizer.json")).encode(doc, add_special_tokens=False).ids == ids
+    assert load_tiktoken_encoding(ranks_file).encode_ordinary(doc) == ids

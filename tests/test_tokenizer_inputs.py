@@ -296,3 +296,41 @@ def test_budget_takes_every_input_in_proportion_to_its_size(tmp_path):
     for p, g in zip(files, got):
         assert any(line.strip().startswith(f"{p}: {g:,} B") for line in lines), lines
     assert audit.to_dict()["file_sizes"] == dict(zip(files, sizes))
+
+
+def test_tok_eval_against_references_with_vocab_sizes_and_a_training_overlap_warning(tmp_path, capsys, tok_dir, monkeypatch):
+    """References a user has at hand: an HF tokenizer.json and a tiktoken ranks file, each row
+    with its vocabulary size; a tiktoken encoding name read from tiktoken's cache (offline here:
+    one line saying how to get it); and a warning when the evaluation files are ones the
+    tokenizer trained on."""
+    from stacklm.tokenizer.hf_baseline import train_hf_bpe
+
+    train_file = _write_jsonl(tmp_path / "train.jsonl", DOCS)
+    held_out = _write_jsonl(tmp_path / "held.jsonl", _docs(200, seed=1))
+    assert main(["train-tokenizer", "--input", train_file, "--vocab-size", "400", "--out", str(tmp_path / "tok"),
+                 "--no-progress"]) == 0
+    hf = train_hf_bpe(DOCS, vocab_size=350)
+    hf.save(str(tmp_path / "ref_tokenizer.json"))
+    report = tmp_path / "r.json"
+    rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tok"), "--input", held_out, "--compare",
+                         str(tmp_path / "ref_tokenizer.json"), str(tok_dir / "tokenizer.tiktoken"), "--json", str(report))
+    assert rc == 0, err
+    header = next(line for line in out.splitlines() if line.startswith("domain"))
+    assert "vocab" in header.split()
+    rows = {r["tokenizer"]: r for r in json.loads(report.read_text())["rows"]}
+    assert rows["stacklm"]["vocab_size"] == 400 and rows["ref_tokenizer.json"]["vocab_size"] == hf.get_vocab_size()
+    assert rows["tokenizer.tiktoken"]["vocab_size"] == 600
+    assert "overlaps" not in err  # held-out files: no warning
+    rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tok"), "--input", train_file)
+    assert rc == 0 and "warning: the evaluation text overlaps" in err and "train.jsonl" in err
+    rc, out, err = _eval(capsys, "--tokenizer", str(tok_dir), "--max-bytes-per-domain", "20000")  # trained on the embedded corpus? no metadata
+    assert "overlaps" not in err
+
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tok"), "--input", held_out, "--compare", "gpt2")
+    assert rc != 0 and "--compare gpt2: tiktoken has no cached copy" in err and "Traceback" not in err

@@ -6,6 +6,7 @@ import argparse
 
 from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.cli.prebuild_commands import add_prebuild_subcommands
+from stacklm.cli.report_command import add_report_subcommand
 from stacklm.cli.tokenizer_commands import add_tokenizer_subcommands
 
 DEBUG_HELP = "on an error, show the full traceback instead of one line"
@@ -16,6 +17,7 @@ EXAMPLES = """examples (each command has its own: stacklm COMMAND --help):
   stacklm prebuild --config my.yaml --tokenizer tok/ --out shards/
   stacklm verify shards/
   stacklm inspect shards/ --tokenizer tok/
+  stacklm report runs/my-run                                     # loss, mix, drops, lengths as one HTML page
 """
 
 
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_subcommands(sub)
     add_prebuild_subcommands(sub)
     add_inspect_subcommand(sub)
+    add_report_subcommand(sub)
     for command in sub.choices.values():
         # also accepted after the command; SUPPRESS keeps a `stacklm --debug CMD` from being reset
         command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)

@@ -4,6 +4,7 @@ shards once (locally or on a datatrove executor) and check them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -92,15 +93,22 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     from stacklm.prebuild.dedup_pass import build_dedup_index
 
     config, settings = load_config(args.config)
+    out = args.out or config.dedup.index
+    if not out:
+        raise PrebuildError(f"{args.config}: no --out given and data.pipeline.dedup.index is not set; say where to write the index")
+    if config.dedup.index and not (config.dedup.exact or config.dedup.near):
+        # The stream config that *reads* an index turns in-flight dedup off (exact/near false);
+        # the index it reads is the full exact + near decision.
+        config = dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=True, near=True, index=None))
     if not (config.dedup.exact or config.dedup.near):
-        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off; nothing to index")
+        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
     workers = max(1, args.workers)
     splits = tuple(args.splits or settings["splits"])
     index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs))
-    index.save(args.out)
+    index.save(out)
     for split, c in index.counts().items():
-        print(f"{args.out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
-    print(f"stream mode: set data.pipeline.dedup.index: {args.out} (sha256 {index.content_hash[:16]}...)")
+        print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
+    print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
     return 0
 
 
@@ -180,7 +188,6 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         from stacklm.scale.slurm import submit_chain, wait_for_chain
 
         submit_chain(chain)
-
         jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
         print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
         if args.wait:
@@ -242,7 +249,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
-    x.add_argument("--out", required=True, help="index file to write (.npz)")
+    x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index)")
     x.add_argument("--workers", type=positive_int, default=1, help="processes computing signatures (>= 1; the result does not depend on it)")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
     x.set_defaults(func=cmd_dedup_index)

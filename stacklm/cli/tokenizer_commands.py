@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -86,6 +87,50 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------- tok-eval
+TIKTOKEN_ENCODINGS = ("gpt2", "r50k_base", "p50k_base", "cl100k_base", "o200k_base")
+
+
+def _tiktoken_encoding(name: str):
+    """A reference tokenizer by tiktoken's name (``--compare gpt2``), from tiktoken's own cache:
+    tiktoken downloads a ranks file once and keeps it (``TIKTOKEN_CACHE_DIR``); with no copy
+    and no network this is one line saying how to get one."""
+    import os
+
+    import tiktoken
+
+    try:
+        return tiktoken.get_encoding(name)
+    except Exception as e:  # noqa: BLE001 -- network or cache errors of every kind
+        cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "tiktoken's temp-dir cache"
+        raise CliError(
+            f"--compare {name}: tiktoken has no cached copy of its ranks ({cache}) and could not download them "
+            f"({type(e).__name__}); run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"` once with network "
+            "(set TIKTOKEN_CACHE_DIR to keep it), or give a .tiktoken ranks file with --pattern"
+        ) from None
+
+
+def training_overlap(tokenizer, eval_globs: list[str] | None) -> list[str]:
+    """The evaluation inputs that were also in ``tokenizer``'s training sample, by its
+    ``metadata.inputs`` (what train-tokenizer read): the files both name (after globbing), or
+    the embedded corpus when both use it. Compression measured on training text is optimistic."""
+    import glob
+    import os
+
+    trained = list((getattr(tokenizer, "metadata", None) or {}).get("inputs") or [])
+    if not trained:
+        return []
+    if eval_globs is None:
+        return ["the embedded default corpus"] if "<embedded default corpus>" in trained else []
+
+    def files(patterns):
+        out = set()
+        for g in patterns:
+            out |= {os.path.realpath(f) for f in glob.glob(g, recursive=True)} or ({os.path.realpath(g)} if os.path.exists(g) else set())
+        return out
+
+    return sorted(files(eval_globs) & files([t for t in trained if not t.startswith(("dataset:", "<"))]))
+
+
 def _load_for_eval(spec: str, pattern: str | None):
     """A tokenizer from a path: our artifact (file or dir), an HF dir or tokenizer.json, or a
     tiktoken ranks file (ours with its sidecar, or a plain one with ``--pattern``)."""
@@ -94,8 +139,10 @@ def _load_for_eval(spec: str, pattern: str | None):
     from stacklm.tokenizer.export import tiktoken_sidecar_path
 
     p = Path(spec)
+    if not p.exists() and spec in TIKTOKEN_ENCODINGS:
+        return _tiktoken_encoding(spec)
     if not p.exists():
-        raise CliError(f"{spec}: no such tokenizer file or directory")
+        raise CliError(f"{spec}: no such tokenizer file or directory (or a tiktoken encoding: {', '.join(TIKTOKEN_ENCODINGS)})")
     if (p.is_dir() and (p / ARTIFACT_NAME).exists()) or p.name.endswith(".stacklm.json"):
         return StackTokenizer.load(p)
     if p.is_file() and p.suffix != ".json" and not tiktoken_sidecar_path(p).exists():
@@ -182,6 +229,12 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         metered = _Metered(sample)
         tokenizers[f"hf-bpe@{main_tok.vocab_size}"] = train_hf_bpe(metered, main_tok.vocab_size, pattern=main_tok.pattern)
         print(f"trained the HF BpeTrainer baseline on {metered.bytes:,} bytes of {described} in {time.perf_counter() - t:.1f}s")
+    eval_globs = None if not sources else [g for _, kw in sources for g in (kw.get("inputs") or [])]
+    overlap = training_overlap(main_tok, eval_globs)
+    if overlap:
+        print(f"warning: the evaluation text overlaps {args.tokenizer}'s training sample ({', '.join(overlap[:5])}"
+              f"{', ...' if len(overlap) > 5 else ''}): its compression here is optimistic; evaluate on held-out files "
+              "(--input / --domain-file)", file=sys.stderr)
     rows = evaluate.compression_report(tokenizers, texts, progress=not args.no_progress)
     overlaps = []
     if args.overlap_sizes:
@@ -270,8 +323,8 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
         epilog=EVAL_EXAMPLES, formatter_class=fmt,
     )
     e.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json)")
-    e.add_argument("--compare", nargs="+", metavar="PATH",
-                   help="other tokenizers: our artifacts, HF tokenizer dirs or tokenizer.json, tiktoken ranks files")
+    e.add_argument("--compare", nargs="+", metavar="PATH|NAME",
+                   help="other tokenizers: our artifacts, HF tokenizer dirs or tokenizer.json, tiktoken ranks files, or a tiktoken encoding name (gpt2, r50k_base, p50k_base, cl100k_base, o200k_base; from tiktoken's cache)")
     e.add_argument("--pattern", metavar="NAME_OR_REGEX",
                    help="pre-tokenizer of plain tiktoken ranks files (--tokenizer, --compare): gpt2, cl100k, o200k or a regex")
     e.add_argument("--input", nargs="+", metavar="GLOB", help="evaluate on these files as one domain, 'input'")

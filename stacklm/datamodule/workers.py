@@ -23,6 +23,8 @@ import multiprocessing
 import os
 from collections.abc import Mapping
 
+from stacklm.parent_death import die_with_parent
+
 START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_START_METHOD = "forkserver"
 
@@ -50,11 +52,16 @@ class WorkerEnv:
     creation. Why: a forkserver keeps the environment it started with (the first loader's), so
     a variable set later in the main process (``HF_HUB_OFFLINE``, ``HF_TOKEN``, a cache path)
     would not reach the workers of later loaders. Modules the server preloaded have already
-    read their import-time settings (``datasets.config``), so set those before the run starts."""
+    read their import-time settings (``datasets.config``), so set those before the run starts.
+
+    First of all it makes the worker die with the main process (``stacklm.parent_death``): the
+    forkserver exits when the main process does, and its workers with it, at once."""
 
     def __init__(self, env: Mapping[str, str]) -> None:
         self.env = dict(env)
+        self.parent = os.getpid()
 
     def __call__(self, worker_id: int) -> None:
+        die_with_parent(self.parent)
         os.environ.clear()
         os.environ.update(self.env)

@@ -16,6 +16,7 @@ from typing import Any
 
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import remove_temp_files
+from stacklm.parent_death import pool_initializer
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
@@ -138,25 +139,6 @@ def release_if_empty(plan: PrebuildPlan) -> bool:
     return True
 
 
-def die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``), so pool
-    workers of a killed prebuild never keep writing shards; then check the parent is still
-    there (it may have died before the call). Elsewhere the pool's own broken-pipe handling
-    ends them when they next report."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # no prctl: fall back on the parent check below
-        pass
-    if os.getppid() == 1:
-        os._exit(1)
-
-
 def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
     """``signature_slice`` over ``args`` in ``workers`` spawned processes, in order."""
     import multiprocessing as mp
@@ -164,7 +146,7 @@ def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
 
     from stacklm.prebuild.dedup_pass import slice_bytes, slice_from_bytes
 
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=die_with_parent) as pool:
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=pool_initializer, initargs=(os.getpid(),)) as pool:
         return [slice_from_bytes(b) for b in pool.map(slice_bytes, args)]
 
 
@@ -182,7 +164,10 @@ def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgres
     # channel pickles anyway); it never touches disk, so no file anyone else wrote is unpickled.
     blob = pickle.dumps((dataclasses.replace(plan, tokenizer=None), plan.tokenizer.to_dict()))
     results = []
-    with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=_init_pool_worker, initargs=(q,)) as pool:
+    # Workers die with this process (stacklm.parent_death): the death signal is set before
+    # they import the rest of stacklm, and they check the parent again before every write.
+    init_args = (os.getpid(), f"{__name__}:_init_pool_worker", q)
+    with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=pool_initializer, initargs=init_args) as pool:
         pending = {pool.submit(_pool_job, blob, s, w, interval) for s, w in jobs}
         try:
             while pending:
@@ -215,7 +200,6 @@ _QUEUE = None
 
 def _init_pool_worker(queue) -> None:
     global _QUEUE
-    die_with_parent()
     _QUEUE = queue
 
 

@@ -273,7 +273,7 @@ class LogTaskResources:
             import ray
 
             if ray.is_initialized():
-                given["ray"] = {k: v for k, v in ray.get_runtime_context().get_assigned_resources().items() if not k.startswith("bundle_group")}
+                given["ray"] = dict(sorted((k, v) for k, v in ray.get_runtime_context().get_assigned_resources().items() if not k.startswith("bundle_group")))
         except Exception:  # noqa: BLE001 - no ray, or not in a ray worker: nothing more to say
             pass
         logger.info(f"stacklm stage {self.stage!r} task {rank}: asked for {self.asked}; given {given or 'nothing the scheduler reports here'}")

@@ -13,6 +13,8 @@ tokenizer scores exactly 1.0); chars/token uses code points, which is what matte
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import numbers
 import os
@@ -112,6 +114,7 @@ class CompressionRow:
     n_bytes: int
     n_chars: int
     n_tokens: int
+    vocab_size: int | None = None  # the tokenizer's vocabulary (tokens compress better with more of them)
 
     @property
     def bytes_per_token(self) -> float:
@@ -128,8 +131,19 @@ class CompressionRow:
         return d
 
 
+def vocab_size_of(tokenizer: Any) -> int | None:
+    """The vocabulary size of any supported tokenizer (None when it does not say)."""
+    for attr in ("n_vocab", "vocab_size"):  # tiktoken.Encoding; ours, foreign, transformers
+        value = getattr(tokenizer, attr, None)
+        if isinstance(value, int):
+            return value
+    size = getattr(tokenizer, "get_vocab_size", None)  # tokenizers.Tokenizer
+    return int(size()) if callable(size) else None
+
+
 def measure_compression(tokenizer: Any, texts: Iterable[str], domain: str, name: str | None = None) -> CompressionRow:
     """Count bytes, characters and tokens of ``texts`` under one tokenizer."""
+    vocab = vocab_size_of(tokenizer)
     encoder = as_encoder(tokenizer, name)
     n_texts = n_bytes = n_chars = n_tokens = 0
     batch: list[str] = []
@@ -153,7 +167,7 @@ def measure_compression(tokenizer: Any, texts: Iterable[str], domain: str, name:
             n_tokens += flush()
             batch = []
     n_tokens += flush()
-    return CompressionRow(domain, encoder.name, n_texts, n_bytes, n_chars, n_tokens)
+    return CompressionRow(domain, encoder.name, n_texts, n_bytes, n_chars, n_tokens, vocab)
 
 
 def compression_report(
@@ -165,13 +179,14 @@ def compression_report(
     """
     if not tokenizers:
         raise ValueError("no tokenizers to evaluate; pass at least one {name: tokenizer}")
-    encoders = [as_encoder(tok, name) for name, tok in tokenizers.items()]
-    jobs = [(domain, enc) for domain in domain_texts for enc in encoders]
+    encoders = [(as_encoder(tok, name), vocab_size_of(tok)) for name, tok in tokenizers.items()]
+    jobs = [(domain, enc, vocab) for domain in domain_texts for enc, vocab in encoders]
     if progress:
         from tqdm.auto import tqdm
 
         jobs = tqdm(jobs, desc="tok-eval", unit="run")
-    return [measure_compression(enc, domain_texts[domain], domain) for domain, enc in jobs]
+    return [dataclasses.replace(measure_compression(enc, domain_texts[domain], domain), vocab_size=vocab)
+            for domain, enc, vocab in jobs]
 
 
 def domain_texts_from_corpus(
@@ -347,6 +362,7 @@ def format_report(
             [
                 r.domain,
                 r.tokenizer,
+                "?" if r.vocab_size is None else f"{r.vocab_size:,}",
                 f"{r.n_texts:,}",
                 f"{r.n_bytes:,}",
                 f"{r.n_tokens:,}",
@@ -356,8 +372,8 @@ def format_report(
             ]
         )
     ref_name = rows[0].tokenizer if rows else "first"
-    headers = ["domain", "tokenizer", "texts", "bytes", "tokens", "bytes/tok", "chars/tok", f"tokens vs {ref_name}"]
-    lines += _table(headers, body, right={2, 3, 4, 5, 6, 7})
+    headers = ["domain", "tokenizer", "vocab", "texts", "bytes", "tokens", "bytes/tok", "chars/tok", f"tokens vs {ref_name}"]
+    lines += _table(headers, body, right={2, 3, 4, 5, 6, 7, 8})
     empty = sorted({r.domain for r in rows if r.n_texts == 0})
     if empty:
         lines.append(f"n/a: no text for domain(s) {', '.join(empty)}")

@@ -33,6 +33,7 @@ import xxhash
 from stacklm import atomic
 from stacklm.atomic import TMP_MARK  # temporary files start with this; never matched as shards
 from stacklm.errors import StackLMError
+from stacklm.parent_death import exit_if_orphaned, orphaned
 
 SHARD_PREFIX = "shard_"
 TOKENS_SUFFIX = ".tokens.bin"
@@ -154,6 +155,9 @@ def write_shard(directory: str | os.PathLike, index: int, windows: np.ndarray, d
     name = shard_name(index)
     meta = np.array([w.shape[0], w.shape[1]], dtype=META_DTYPE)
     atomic_write_shard_file(tokens_path(directory, name), tokens, fsync_parent=False)
+    if orphaned():  # a pool worker whose prebuild died (stacklm.parent_death): no tokens file without its meta
+        tokens_path(directory, name).unlink(missing_ok=True)
+        exit_if_orphaned()
     try:
         atomic_write_shard_file(meta_path(directory, name), meta, fsync_parent=True)
     except BaseException:  # a tokens file without its meta is not a shard: do not leave one

@@ -1,0 +1,211 @@
+"""``stacklm report RUN``: one self-contained HTML page of a training run, from its own logs.
+
+For a run without W&B (or to look without opening it): the loss curve (train and validation,
+with a line where a resume started), the realized against the target mix over the steps,
+documents dropped by stage and reason, the delivered documents' length histogram per source and
+the padding fraction. Read from what the run wrote:
+
+- every ``metrics.csv`` a Lightning ``CSVLogger`` wrote under ``RUN`` (one ``version_N`` per fit:
+  a resume's rows continue the first fit's steps), with the scalars ``DataStatsCallback`` logs;
+- ``data_stats.json`` beside them (``stacklm.callbacks.DATA_STATS_FILE``, the newest by step):
+  the histograms and drops the scalars do not carry.
+
+Nothing is recomputed: every number drawn is one the run logged. matplotlib draws the PNGs
+(``pip install 'stacklm[report]'``); they are embedded in the HTML (base64) and also written
+beside it, ``<report>_files/*.png``, so each can be opened on its own.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import io
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from stacklm.errors import StackLMError
+
+
+class ReportError(StackLMError):
+    """The run folder holds nothing to report (the message says what was looked for)."""
+
+
+def _version_key(path: Path) -> tuple:
+    m = re.search(r"version_(\d+)", str(path))
+    return (int(m.group(1)) if m else -1, str(path))
+
+
+def read_run(run: str | Path) -> dict[str, Any]:
+    """The run's logged rows (all fits in order) and its newest data snapshot."""
+    from stacklm.callbacks import DATA_STATS_FILE
+
+    run = Path(run)
+    if not run.is_dir():
+        raise ReportError(f"{run}: not a directory; give the run's folder (its trainer.default_root_dir or CSV logger's save_dir)")
+    csvs = sorted(run.rglob("metrics.csv"), key=_version_key)
+    if not csvs:
+        raise ReportError(f"{run}: no metrics.csv under it; the report reads a Lightning CSVLogger's files "
+                          "(stacklm-train's default logger), so add one to trainer.logger")
+    rows: list[dict[str, float]] = []
+    starts: list[int] = []  # the first step of every fit after the first (a resume)
+    for i, path in enumerate(csvs):
+        fit_rows = []
+        with path.open(newline="") as f:
+            for r in csv.DictReader(f):
+                values = {k: float(v) for k, v in r.items() if k and v not in ("", None)}
+                if "step" in values:
+                    fit_rows.append(values)
+        if i and fit_rows:
+            starts.append(int(min(r["step"] for r in fit_rows)))
+        rows += fit_rows
+    snapshots = []
+    for path in run.rglob(DATA_STATS_FILE):
+        try:
+            snapshots.append(json.loads(path.read_text()))
+        except (OSError, ValueError) as e:
+            raise ReportError(f"{path}: not readable JSON ({e}); delete it or re-run the fit") from None
+    stats = max(snapshots, key=lambda s: s.get("step", -1)) if snapshots else {}
+    return {"run": str(run), "csv": [str(p) for p in csvs], "rows": rows, "resumes": starts, "stats": stats}
+
+
+def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
+    pts = sorted({r["step"]: r[key] for r in rows if key in r}.items())
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _columns(rows: list[dict[str, float]], prefix: str) -> list[str]:
+    return sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)})
+
+
+def figures(data: dict[str, Any]) -> dict[str, Any]:
+    """name -> matplotlib Figure, for every picture the run has data for."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, stats, out = data["rows"], data["stats"], {}
+
+    def resumes(ax) -> None:
+        for s in data["resumes"]:
+            ax.axvline(s, color="grey", ls=":", lw=1)
+            ax.annotate("resumed", (s, 1), xycoords=("data", "axes fraction"), fontsize=8, color="grey",
+                        ha="left", va="top", xytext=(2, -2), textcoords="offset points")
+
+    steps, loss = _series(rows, "train/loss")
+    if steps:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        ax.plot(steps, loss, lw=1.2, label="train/loss")
+        vs, vl = _series(rows, "val/loss")
+        if vs:
+            ax.plot(vs, vl, "o-", ms=4, label="val/loss")
+        resumes(ax)
+        ax.set(xlabel="step", ylabel="loss", title="Loss")
+        ax.legend()
+        out["loss"] = fig
+    sources = _columns(rows, "data/realized_weight/")
+    if sources:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for i, src in enumerate(sources):
+            color = f"C{i}"
+            ax.plot(*_series(rows, f"data/realized_weight/{src}"), color=color, lw=1.5, label=f"{src} realized")
+            ax.plot(*_series(rows, f"data/target_weight/{src}"), color=color, lw=1, ls="--", label=f"{src} target")
+        resumes(ax)
+        ax.set(xlabel="step", ylabel="share of tokens delivered", title="Mix: realized (solid) vs target (dashed)", ylim=(0, None))
+        ax.legend(fontsize=7, ncol=2)
+        out["mix"] = fig
+    drops: dict[str, int] = {}
+    for stage, by_source in (stats.get("dropped_docs") or {}).items():
+        for by_reason in by_source.values():
+            for reason, n in by_reason.items():
+                if n:
+                    drops[f"{stage}: {reason}"] = drops.get(f"{stage}: {reason}", 0) + int(n)
+    if drops:
+        names = sorted(drops, key=drops.get)
+        fig, ax = plt.subplots(figsize=(7, max(2.2, 0.9 + 0.32 * len(names))))
+        ax.barh(names, [drops[n] for n in names], color="C3")
+        for y, n in enumerate(names):
+            ax.annotate(f"{drops[n]:,}", (drops[n], y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
+        ax.set(xlabel="documents", title=f"Dropped documents by stage and reason (to step {stats.get('step')})")
+        out["drops"] = fig
+    hist = stats.get("doc_length_hist") or {}
+    if hist.get("counts") and any(sum(c) for c in hist["counts"].values()):
+        # Only the bins up to the last one holding a document, the open last bin (its edge is a
+        # huge sentinel) drawn as twice the width of the one before it.
+        used = max(i for c in hist["counts"].values() for i, n in enumerate(c) if n) + 1
+        lo = min(i for c in hist["counts"].values() for i, n in enumerate(c) if n)
+        edges = list(hist["edges"][: used + 1])
+        if used == len(hist["edges"]) - 1 and len(edges) > 2:
+            edges[-1] = 2 * edges[-2]
+        edges[0] = max(edges[0], 1)  # a log axis: the first bin [0, 8) drawn from 1
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for i, (src, counts) in enumerate(sorted(hist["counts"].items())):
+            ax.stairs(counts[lo:used], edges[lo:], label=f"{src} ({sum(counts):,} docs)", color=f"C{i}", lw=1.5)
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="document length (tokens)", ylabel="documents", title="Delivered document lengths per source")
+        ax.legend(fontsize=8)
+        out["doc_lengths"] = fig
+    ps, pad = _series(rows, "data/padding_fraction")
+    if ps:
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        ax.plot(ps, [100 * p for p in pad], color="C2")
+        resumes(ax)
+        ax.set(xlabel="step", ylabel="% of positions", title="Padding (of all positions delivered so far)", ylim=(0, None))
+        out["padding"] = fig
+    for fig in out.values():
+        fig.tight_layout()
+    return out
+
+
+def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
+    """(label, value) rows of the page's table: the run's last logged values."""
+    rows, stats = data["rows"], data["stats"]
+    items: list[tuple[str, str]] = [("run", data["run"]), ("fits (CSV versions)", str(len(data["csv"])))]
+    steps, loss = _series(rows, "train/loss")
+    if steps:
+        items.append(("last step logged", f"{int(steps[-1]):,} (train/loss {loss[-1]:.4f})"))
+    vs, vl = _series(rows, "val/loss")
+    if vs:
+        items.append(("last val/loss", f"{vl[-1]:.4f} at step {int(vs[-1]):,}"))
+    for src, r in sorted((stats.get("realized") or {}).items()):
+        items.append((f"source {src}", f"{int(r.get('tokens', 0)):,} tokens, {int(r.get('docs', 0)):,} docs; realized "
+                      f"{float(r.get('realized_weight') or 0):.3f} vs target {float(r.get('target_weight') or 0):.3f}"))
+    if "padding_fraction" in stats:
+        items.append(("padding", f"{100 * float(stats['padding_fraction']):.2f}% of positions"))
+    return items
+
+
+def write_report(run: str | Path, out: str | Path | None = None) -> Path:
+    """Write ``out`` (default ``RUN/report.html``) and its PNGs; returns the HTML's path."""
+    data = read_run(run)
+    try:
+        figs = figures(data)
+    except ModuleNotFoundError as e:
+        raise ReportError(f"stacklm report draws with matplotlib ({e}); pip install 'stacklm[report]'") from None
+    out = Path(out) if out else Path(run) / "report.html"
+    files = out.parent / f"{out.stem}_files"
+    files.mkdir(parents=True, exist_ok=True)
+    parts = [f"<!doctype html><meta charset='utf-8'><title>stacklm report: {html.escape(data['run'])}</title>",
+             "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}td{padding:2px 10px}"
+             "img{max-width:100%;border:1px solid #ddd;margin:8px 0}</style>",
+             f"<h1>Run report</h1><table>"]
+    parts += [f"<tr><td><b>{html.escape(k)}</b></td><td>{html.escape(v)}</td></tr>" for k, v in summary(data)]
+    parts.append("</table>")
+    import matplotlib.pyplot as plt
+
+    for name, fig in figs.items():
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=110)
+        plt.close(fig)
+        (files / f"{name}.png").write_bytes(buf.getvalue())
+        parts.append(f"<h2>{html.escape(name.replace('_', ' '))}</h2>"
+                     f"<img alt='{name}' src='data:image/png;base64,{base64.b64encode(buf.getvalue()).decode()}'>")
+    if not figs:
+        parts.append("<p>No step was logged yet.</p>")
+    parts.append(f"<p><small>From {len(data['csv'])} metrics.csv file(s) and data_stats.json at step "
+                 f"{data['stats'].get('step', '-')}.</small></p>")
+    out.write_text("\n".join(parts))
+    return out
