@@ -88,9 +88,12 @@ class S3Server:
             if hit is not None:
                 status, body = hit
                 start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
-                return [body]
+                return [] if environ["REQUEST_METHOD"] == "HEAD" else [body]  # a HEAD answer has no body
             return moto_app(environ, start_response)
 
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self._server = make_server("127.0.0.1", self.port, app, threaded=True)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

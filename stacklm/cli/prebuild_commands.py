@@ -56,7 +56,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
     from stacklm.prebuild.summary import summary_table
 
-    was_complete = (Path(out) / "manifest.json").exists()
+    from stacklm.data.storage import remote
+
+    if remote.is_remote(out):
+        was_complete = remote.read_bytes(remote.join(out, "manifest.json"), missing_ok=True) is not None
+    else:
+        was_complete = (Path(out) / "manifest.json").exists()
     t0 = time.perf_counter()
     top = prebuild(
         config,
@@ -114,14 +119,19 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from stacklm.data import ledger
 
     from stacklm.data.storage import manifest as mf
+    from stacklm.data.storage import remote
 
-    top = Path(args.dir) / "manifest.json"
+    shown = args.dir
+    d = args.dir
+    if remote.is_remote(d):  # its manifests, mirrored (no shard is downloaded for a ledger)
+        d = str(remote.mirror(d, manifests_only=True))
+    top = Path(d) / "manifest.json"
     if not top.exists():
-        raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
-    m = mf.read_manifest(args.dir)
+        raise CliError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
+    m = mf.read_manifest(d)
     for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
-        if (Path(args.dir) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
-            mf.read_manifest(Path(args.dir) / name, required=mf.SPLIT_REQUIRED)
+        if (Path(d) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
+            mf.read_manifest(Path(d) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")

@@ -65,7 +65,8 @@ class StackDataModule(L.LightningDataModule):
     Args:
         mode: ``"shards"``, ``"stream"``, ``"sft"`` or ``"preference"``.
         tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
-        data_dir: prebuilt shard directory (``shards`` mode).
+        data_dir: prebuilt shard directory (``shards`` mode), local or a remote URL (``s3://bucket/prefix``,
+            any fsspec protocol), mirrored into a local cache first (docs/prebuild.md, "Object storage").
         pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
             or the SFT config (``sft`` mode; see ``SFTConfig``); parsed on construction, so an
             unknown key or a wrong type is an error naming ``data.pipeline.<key>``.
@@ -151,7 +152,13 @@ class StackDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
-        self.data_dir = data_dir
+        from stacklm.data.storage import remote
+
+        # A remote data_dir (s3://..., any fsspec URL) is read from its local mirror: manifests
+        # read, shards downloaded and hash-checked once per node (``remote.mirror``), then the
+        # same memmap path as a local directory. The URL stays in ``data_url`` for messages.
+        self.data_url = data_dir if remote.is_remote(data_dir) else None
+        self.data_dir = str(remote.mirror(data_dir)) if self.data_url else data_dir
         self.pipeline_dict = dict(pipeline or {})
         self.seq_len = seq_len
         self.batch_size = batch_size

@@ -148,7 +148,10 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if not isinstance(verify_content, bool):
             raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
         self.verify_content = verify_content
-        self.path = resolve_split_dir(path, split)
+        from stacklm.data.storage import remote
+
+        self.url = str(path) if remote.is_remote(path) else None  # read from its local mirror (``remote.mirror``)
+        self.path = resolve_split_dir(remote.local_path(path), split)
         self.manifest = read_manifest(self.path, required=SPLIT_REQUIRED)
         m = self.manifest
         where = str(self.path / "manifest.json")
@@ -344,8 +347,12 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
 def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool = True) -> dict[str, Any]:
     """Full check of a prebuilt directory (top or split): every shard's size, content hash and
-    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals."""
-    path = Path(path)
+    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals.
+    A remote URL is mirrored first (each shard hash-checked on download, ``remote.mirror``),
+    then the mirror is checked as a local directory."""
+    from stacklm.data.storage import remote
+
+    path = Path(remote.local_path(path))
     top = read_manifest(path, required=REQUIRED)
     splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
     if not splits:
