@@ -27,6 +27,7 @@ class Faults:
     slowdowns: list = field(default_factory=list)  # [remaining, method, path_contains]
     bad_keys: set = field(default_factory=set)
     served: dict = field(default_factory=lambda: {"slow_down": 0, "bad_key": 0})
+    requests: list = field(default_factory=list)  # (method, path) of every request, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def slow_down(self, n: int, *, method: str | None = None, path_contains: str = "") -> None:
@@ -38,10 +39,12 @@ class Faults:
             self.slowdowns.clear()
             self.bad_keys.clear()
             self.served.update(slow_down=0, bad_key=0)
+            self.requests.clear()
 
     def pick(self, environ) -> tuple[str, bytes] | None:
         auth = environ.get("HTTP_AUTHORIZATION", "")
         with self.lock:
+            self.requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
             for key in self.bad_keys:
                 if f"Credential={key}/" in auth:
                     self.served["bad_key"] += 1

@@ -202,3 +202,50 @@ def test_lightning_fit_from_s3_with_two_workers_is_killed_and_resumes_exactly(s3
     s3_id = data_identity(StackDataModule(data_dir=url, **common))
     local_id = data_identity(StackDataModule(data_dir=str(local_build), **common))
     assert s3_id["data"] == local_id["data"] and s3_id["where"] == url
+
+
+def _mirror_in_child(url: str, cache: str, env: dict) -> str:
+    import os
+
+    os.environ.update(env)
+    os.environ["STACKLM_CACHE_DIR"] = cache
+    from stacklm.data.storage import remote as r
+
+    return str(r.mirror(url))
+
+
+@pytest.mark.slow
+def test_processes_of_a_node_download_each_shard_once_and_start_up_lists_nothing(s3_bucket, s3_server, local_build, cache_dir):
+    """Three processes (as the DDP ranks of a node) mirror the same URL at once into one cache:
+    each shard object is fetched once in all, and no request lists the prefix."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    fs, bucket = s3_bucket
+    fs.put(str(local_build) + "/", f"{bucket}/node", recursive=True)
+    s3_server.faults.requests.clear()
+    url = f"s3://{bucket}/node"
+    with ProcessPoolExecutor(3, mp_context=mp.get_context("spawn")) as pool:
+        dirs = list(pool.map(_mirror_in_child, [url] * 3, [str(cache_dir)] * 3, [s3_server.env()] * 3))
+    assert len(set(dirs)) == 1
+    gets = [p for m, p in s3_server.faults.requests if m == "GET" and p.endswith(".tokens.bin")]
+    n_shards = sum(len(PackedMemmapDataset(local_build, s).shard_names) for s in ("train", "val"))
+    assert len(gets) == len(set(gets)) == n_shards
+    assert not [p for m, p in s3_server.faults.requests if m == "GET" and p.rstrip("/").endswith(bucket)]  # no ListObjects
+    assert (PackedMemmapDataset(url).rows(range(4)) == PackedMemmapDataset(local_build).rows(range(4))).all()
+
+
+def test_cli_prebuild_to_s3_then_a_different_build_is_refused_naming_the_url(s3_bucket, tokenizer_dir, local_build, tmp_path, capsys):
+    fs, bucket = s3_bucket
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(json.dumps({"data": {"tokenizer": str(tokenizer_dir),
+                                        "pipeline": {**stream_pipeline(total_tokens=20_000), "seq_len": SEQ_LEN, "batch_size": BATCH}}}))
+    url = f"s3://{bucket}/cli"
+    args = ["prebuild", "--config", str(cfg), "--out", url, "--no-progress", "--tokens-per-shard"]
+    assert stacklm_main(args + [str(SEQ_LEN * 64)]) == 0
+    assert f"{url}" in capsys.readouterr().out
+    assert fs.cat_file(f"{bucket}/cli/manifest.json") == (local_build / "manifest.json").read_bytes()
+    assert stacklm_main(args + [str(SEQ_LEN * 32)]) != 0
+    err = capsys.readouterr().err
+    assert f"{url}/manifest.json belongs to a different build" in err and "tokens_per_shard" in err
+    assert "staging" not in err and not remote.staging_dir(url).exists()

@@ -223,11 +223,18 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
     stage = Path(stage or staging_dir(url))
     stage.mkdir(parents=True, exist_ok=True)
     remote_top = read_bytes(join(url, MANIFEST), missing_ok=True)
+    copied = False
+    built_here = any(p.is_dir() for p in stage.iterdir())  # split dirs or .prebuild: a local build to resume
+    if remote_top is None and (stage / MANIFEST).exists() and not built_here:
+        (stage / MANIFEST).unlink()  # a copy of a remote manifest that is gone now: nothing to trust
     if remote_top is not None and not (stage / MANIFEST).exists():
         atomic.atomic_write_bytes(stage / MANIFEST, remote_top)
+        copied = True
     try:
         top = build(stage)
     except PrebuildError as e:  # name the URL the user gave, not the staging directory
+        if copied:
+            shutil.rmtree(stage, ignore_errors=True)
         raise PrebuildError(str(e).replace(str(stage), url), path=url) from None
     if remote_top is not None and (stage / MANIFEST).read_bytes() == remote_top and not any(p.is_dir() for p in stage.iterdir()):
         shutil.rmtree(stage, ignore_errors=True)  # already complete there
