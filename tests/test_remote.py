@@ -249,3 +249,22 @@ def test_cli_prebuild_to_s3_then_a_different_build_is_refused_naming_the_url(s3_
     err = capsys.readouterr().err
     assert f"{url}/manifest.json belongs to a different build" in err and "tokens_per_shard" in err
     assert "staging" not in err and not remote.staging_dir(url).exists()
+
+
+def test_cache_limit_evicts_the_least_recently_used_mirror_not_one_in_use(s3_bucket, local_build, cache_dir, monkeypatch, capsys):
+    fs, bucket = s3_bucket
+    for name in ("a", "b", "c"):
+        fs.put(str(local_build) + "/", f"{bucket}/{name}", recursive=True)
+    size = sum(p.stat().st_size for p in local_build.rglob("*") if p.is_file())
+    tokens = sum(p.stat().st_size for p in local_build.rglob("*.tokens.bin"))  # what a mirror is sized by before download
+    monkeypatch.setenv("STACKLM_CACHE_MAX_BYTES", str(size + tokens // 2))  # room for one set, not two
+    a = remote.mirror(f"s3://{bucket}/a")
+    remote._IN_USE.pop(str(a)).close()  # the process that read it is done
+    b = remote.mirror(f"s3://{bucket}/b")  # in use from here on (this process)
+    assert not a.exists() and b.exists()
+    assert "evicted" in capsys.readouterr().err
+    c = remote.mirror(f"s3://{bucket}/c")  # b is open here: kept, and the excess is said
+    assert b.exists() and c.exists() and "open in running processes" in capsys.readouterr().err
+    monkeypatch.setenv("STACKLM_CACHE_MAX_BYTES", str(tokens // 2))
+    with pytest.raises(remote.RemoteError, match=rf"s3://{bucket}/a needs .* bytes of local cache but STACKLM_CACHE_MAX_BYTES"):
+        remote.mirror(f"s3://{bucket}/a")

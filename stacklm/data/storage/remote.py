@@ -296,6 +296,9 @@ def _evict_for(target: Path, need: int, limit: int, url: str) -> list[Path]:
         total -= used[p]
         removed.append(p)
         print(f"stacklm: cache {target.parent}: evicted {p.name} ({used[p]:,} bytes, least recently used) to fit {url}", file=sys.stderr)
+    if total + need > limit:  # what is left is open in running processes: never pulled from under them, but said
+        print(f"stacklm: cache {target.parent}: {total + need:,} bytes with {url}, over STACKLM_CACHE_MAX_BYTES={limit:,}: "
+              "the other mirrors are open in running processes; they are evicted once those end", file=sys.stderr)
     return removed
 
 
