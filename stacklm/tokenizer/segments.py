@@ -17,7 +17,7 @@ it is linear.
 The rule (part of how ``StackTokenizer`` tokenizes, applied by the fast path, the reference
 encoder and both training backends alike, so they always agree): a maximal whitespace run
 longer than ``MAX_WHITESPACE_RUN`` (4,096) characters is cut after every 4,096 characters, a
-maximal run of letters (``\p{L}``) or of symbols (neither whitespace, letter nor digit) longer
+maximal run of letters (``\\p{L}``) or of symbols (neither whitespace, letter nor digit) longer
 than ``MAX_LETTER_RUN`` (65,536) after every 65,536, and the pieces are encoded one after the
 other. Text without such a run (all real prose and code) is untouched, so tokenization there equals plain tiktoken with the
 same ranks; on a longer run the ids differ from an exported tiktoken/HF tokenizer (which does
