@@ -3,6 +3,7 @@
     python3 bench/loader.py [--batch 8] [--seq-len 2048] [--seconds 3] [--prebuild-tokens 400000]
     python3 bench/loader.py --skip-loading --skip-prebuild --stream-seconds 20   # stream mode only
     python3 bench/loader.py --verify-only [--rows 8192]                           # the content-hash check only
+    python3 bench/loader.py --remote-only [--remote-rows 8192]                    # s3:// (moto on localhost) vs local
 
 Part 1 — loading. Real text (``stacklm.corpus``) tokenized by a small BPE trained here, packed
 best-fit into ``seq_len`` windows and written as shards (tiled to ``--rows`` rows, several
@@ -34,6 +35,15 @@ real text (the embedded corpus written as jsonl files, a local source) with exac
 dedup and best-fit packing, ``--stream-workers`` loader workers: time to the first batch with
 each worker start method (``fork``, ``forkserver`` cold and warm, ``spawn``), then steady
 tokens/s delivered (non-pad tokens of the batches, from ``data_stats()``) and batches/s.
+
+Part 4 — object storage (``--skip-remote`` to leave out, ``--remote-only`` for just this). The
+same shards uploaded to moto's S3 server on localhost (``tests/s3_server.py``: a real S3
+protocol over HTTP, through s3fs; no network, so this measures the code path and the server's
+speed, not a cloud store's), read three ways, each from a fresh dataset: the local directory
+(memmap), ``s3://`` with a cold cache (an empty ``STACKLM_CACHE_DIR``: manifests, then every
+shard downloaded and hash-checked) and ``s3://`` with a warm cache (the mirror is there: only the
+manifests are read). Time to the first batch (dataset open + first ``get_batch``, content check
+on), and one epoch's throughput including that start-up, against the local one.
 
 Part 2 — prebuild. The demo mix (offline synthetic sources) with ``--workers 1`` and ``2``:
 MB of raw text read per second per worker (text bytes of every document the sources read,
@@ -211,6 +221,53 @@ def _time_hashes(ds) -> float:
     return time.perf_counter() - t0
 
 
+def bench_remote(args, tok) -> None:
+    """Part 4: local memmap vs ``s3://`` with a cold and a warm cache (see the module)."""
+    import os
+
+    from tests.s3_server import S3Server
+
+    tmp = Path(tempfile.mkdtemp(prefix="stacklm-bench-remote-"))
+    build_shards(tmp / "train", tok, args.seq_len, args.remote_rows, args.rows_per_shard, args.text_bytes)
+    server = S3Server().start()
+    os.environ.update(server.env())
+    fs = server.filesystem()
+    fs.mkdir("bench")
+    t0 = time.perf_counter()
+    fs.put(str(tmp) + "/", "bench/set", recursive=True)
+    mb = sum(p.stat().st_size for p in (tmp / "train").glob("*.tokens.bin")) / 1e6
+    print(f"\nobject storage: {mb:.0f} MB of shards uploaded to moto on localhost in {time.perf_counter() - t0:.1f}s")
+    url = "s3://bench/set/train"  # build_shards writes one split directory
+    probe = PackedMemmapDataset(tmp, verify_content=False, sample_rows=0)
+    batches = list(ElasticSampler(probe, args.batch, seed=0, rank=0, world_size=1, loop=False).batches())
+
+    def run(path, cache: Path) -> tuple[float, float]:
+        os.environ["STACKLM_CACHE_DIR"] = str(cache)
+        t0 = time.perf_counter()
+        ds = PackedMemmapDataset(path)
+        ds.get_batch(batches[0])
+        first = time.perf_counter() - t0
+        for b in batches[1:]:
+            ds.get_batch(b)
+        return first, len(batches) / (time.perf_counter() - t0)
+
+    results = {}
+    for rep in range(2):  # the better of two, each with fresh caches
+        cache = tmp / f"cache{rep}"
+        for name, path, c in (("local memmap", tmp, cache / "unused"), ("s3:// cold cache", url, cache / "s3"),
+                              ("s3:// warm cache", url, cache / "s3")):
+            first, bps = run(path, c)
+            old = results.get(name)
+            results[name] = (min(first, old[0]), max(bps, old[1])) if old else (first, bps)
+    server.stop()
+    print(f"one epoch = {len(batches)} batches of B={args.batch}, T={args.seq_len - 1}, random order, get_batch in one "
+          "process, content check on; batches/s include the start-up")
+    print(f"{'variant':18s} {'first batch s':>14s} {'batches/s':>10s} {'vs local':>9s}")
+    local = results["local memmap"][1]
+    for name, (first, bps) in results.items():
+        print(f"{name:18s} {first:14.3f} {bps:10,.0f} {bps / local:9.1%}")
+
+
 def text_bytes_read(out: Path, config) -> dict[str, int]:
     """Exact UTF-8 bytes of every document the synthetic sources read, per split, from the
     manifests' per-task counts (each worker reads documents worker, worker + N, ...)."""
@@ -326,6 +383,9 @@ def main() -> None:
     p.add_argument("--skip-stream", action="store_true")
     p.add_argument("--skip-verify", action="store_true", help="leave out part 1b (the content-hash check)")
     p.add_argument("--verify-only", action="store_true", help="run only part 1b (the content-hash check)")
+    p.add_argument("--skip-remote", action="store_true", help="leave out part 4 (s3:// on moto vs local)")
+    p.add_argument("--remote-only", action="store_true", help="run only part 4 (s3:// on moto vs local)")
+    p.add_argument("--remote-rows", type=int, default=8192, help="rows in the shard set of part 4")
     p.add_argument("--stream-workers", type=int, default=2)
     p.add_argument("--stream-seconds", type=float, default=20.0, help="steady-state measurement of the stream loader")
     p.add_argument("--stream-text-bytes", type=int, default=30_000_000, help="real text behind the stream source")
@@ -339,10 +399,15 @@ def main() -> None:
     if args.verify_only:
         bench_verify(args, tok)
         return
+    if args.remote_only:
+        bench_remote(args, tok)
+        return
     if not args.skip_loading:
         report_loading(args, tok, tokens_per_batch)
     if not args.skip_verify:
         bench_verify(args, tok)
+    if not args.skip_remote:
+        bench_remote(args, tok)
     if not args.skip_stream:
         bench_stream(args, tok)
     if args.skip_prebuild:

@@ -36,3 +36,8 @@ def _rebuild_error(cls: type, args: tuple, state: dict) -> StackLMError:
 
 class ConfigError(StackLMError, ValueError):
     """A config file, section, key or value is wrong; the message names where."""
+
+
+class ArgumentTypeError(StackLMError, TypeError):
+    """A library call got an argument of the wrong type; the message names the call, the
+    argument and what it accepts."""

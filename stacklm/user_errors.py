@@ -24,6 +24,7 @@ _OS_FIXES = {
     errno.EISDIR: "is a directory; give a file",
     errno.ENOTDIR: "a part of the path is not a directory; check the path",
     errno.EROFS: "read-only file system; write elsewhere",
+    errno.EEXIST: "exists and is not a directory where one is needed (e.g. --out names a file); pass a directory path",
 }
 
 

@@ -68,13 +68,15 @@ def main() -> None:
     ap.add_argument("--save-epoch-end", action="store_true")
     ap.add_argument("--resume")
     ap.add_argument("--step-log", help="StackDataModule(step_log=...): a shared step log root across runs")
+    ap.add_argument("--skip-steps", type=int, nargs="*", default=[], help="StackDataModule(skip_steps=...): a b [a b ...]")
     a = ap.parse_args()
     # A hung run (a collective one rank never joins, a loader worker that never exits) dumps every
     # thread's stack and exits, so the test fails with where it hung instead of a bare timeout.
     faulthandler.dump_traceback_later(420, exit=True)
     dm = StackDataModule(mode="shards", tokenizer=a.tokenizer, data_dir=a.data_dir, seq_len=a.seq_len,
                          batch_size=a.batch_size, num_workers=a.workers, val_batches=0,
-                         step_log=a.step_log if a.step_log else True)
+                         step_log=a.step_log if a.step_log else True,
+                         skip_steps=list(zip(a.skip_steps[::2], a.skip_steps[1::2])) or None)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(

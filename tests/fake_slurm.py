@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 TOOLS = ("sbatch", "srun", "scontrol", "squeue", "sacct", "scancel")
-TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
+TERMINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "PREEMPTED", "NODE_FAIL")
 
 
 class FakeSlurm:

@@ -1,9 +1,12 @@
 """Small real Lightning pieces shared by the datamodule tests: tiny models that train on the
-batch contract and on preference batches, and a callback that fingerprints every batch it sees."""
+batch contract and on preference batches, a callback that fingerprints every batch it sees, and
+``run_program`` for the tests that run a fit as its own program."""
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import tempfile
 
 import lightning as L
 import torch
@@ -107,3 +110,22 @@ class DeliveredTokenTally(L.Callback):
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens, self.bos = int(state["tokens"]), int(state["bos"])
+
+
+def run_program(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """``subprocess.run(cmd, capture_output=True, text=True)`` that waits for ``cmd`` itself, not
+    for every process that inherited its output. A fit's DDP ranks, loader workers or a
+    forkserver that outlive the program would hold a pipe open and ``communicate()`` would wait
+    for them until the timeout (CI hung 900 s twice in a resumed DDP fit); with files there is
+    no pipe to wait on, and ``timeout`` still bounds the program."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, **kwargs)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            out.seek(0), err.seek(0)
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out.read(), stderr=err.read()) from None
+        out.seek(0), err.seek(0)
+        return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())

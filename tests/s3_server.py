@@ -27,6 +27,7 @@ class Faults:
     slowdowns: list = field(default_factory=list)  # [remaining, method, path_contains]
     bad_keys: set = field(default_factory=set)
     served: dict = field(default_factory=lambda: {"slow_down": 0, "bad_key": 0})
+    requests: list = field(default_factory=list)  # (method, path) of every request, in order
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def slow_down(self, n: int, *, method: str | None = None, path_contains: str = "") -> None:
@@ -38,10 +39,12 @@ class Faults:
             self.slowdowns.clear()
             self.bad_keys.clear()
             self.served.update(slow_down=0, bad_key=0)
+            self.requests.clear()
 
     def pick(self, environ) -> tuple[str, bytes] | None:
         auth = environ.get("HTTP_AUTHORIZATION", "")
         with self.lock:
+            self.requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
             for key in self.bad_keys:
                 if f"Credential={key}/" in auth:
                     self.served["bad_key"] += 1
@@ -88,9 +91,12 @@ class S3Server:
             if hit is not None:
                 status, body = hit
                 start_response(status, [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
-                return [body]
+                return [] if environ["REQUEST_METHOD"] == "HEAD" else [body]  # a HEAD answer has no body
             return moto_app(environ, start_response)
 
+        import logging
+
+        logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
         self._server = make_server("127.0.0.1", self.port, app, threaded=True)
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
         self._thread.start()

@@ -496,3 +496,116 @@ def test_trainer_values_past_the_parser_are_one_line(case, tmp_path, tok_dir, ca
     assert lines[0].startswith("stacklm-train fit: error: "), lines
     for text in must:
         assert text in lines[0], (text, lines[0])
+
+
+# --- class: files and formats (what a path holds is not what the command reads) ------------
+def _tiktoken_junk(tmp: Path, tok) -> list[str]:
+    (tmp / "in.txt").write_text("hello world\n")
+    (tmp / "bad.tiktoken").write_text("not base64 at all\nxx yy\n")
+    return ["tok-eval", "--tokenizer", str(tok), "--compare", str(tmp / "bad.tiktoken"), "--pattern", "cl100k",
+            "--input", str(tmp / "in.txt")]
+
+
+def _out_is_a_file(tmp: Path, tok) -> list[str]:
+    (tmp / "afile").write_text("x")
+    return ["train-tokenizer", "--vocab-size", "300", "--max-bytes", "5000", "--out", str(tmp / "afile"), "--no-progress"]
+
+
+def _wordpiece_as_tokenizer(tmp: Path, tok) -> list[str]:
+    wp = tmp / "tokenizer.json"
+    wp.write_text(json.dumps({"version": "1.0", "model": {"type": "WordPiece", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"}}))
+    return ["prebuild", "--config", str(write_config(tmp, tok)), "--tokenizer", str(wp), "--out", str(tmp / "o"), "--no-progress"]
+
+
+def _binary_txt_source(tmp: Path, tok) -> list[str]:
+    (tmp / "latin.txt").write_bytes(bytes(range(128, 256)) * 50)  # not UTF-8 at all
+    cfg = write_config(tmp, tok, entries=local_entry(tmp / "latin.txt"))
+    return ["prebuild", "--config", str(cfg), "--out", str(tmp / "o"), "--no-progress"]
+
+
+def _binary_bin_to_inspect(tmp: Path, tok) -> list[str]:
+    (tmp / "ids.bin").write_bytes(np.arange(500, dtype=np.uint16).tobytes())  # raw ids, not torch.save
+    return ["inspect", str(tmp / "ids.bin"), "--tokenizer", str(tok)]
+
+
+FILE_CASES = {  # was: a traceback, [Errno 17], "missing field 'format'", "empty text", torch's unpickler text
+    "malformed .tiktoken with --pattern": (_tiktoken_junk, ["bad.tiktoken:1", "not a tiktoken ranks file"]),
+    "--out names a file": (_out_is_a_file, ["afile", "is not a directory", "pass a directory"]),
+    "WordPiece tokenizer.json as the tokenizer": (_wordpiece_as_tokenizer, ["Hugging Face tokenizer.json", "'WordPiece'",
+                                                                           "train-tokenizer"]),
+    "invalid-UTF-8 .txt source": (_binary_txt_source, ["latin.txt", "not UTF-8 text", "convert the files to UTF-8"]),
+    "raw .bin given to inspect": (_binary_bin_to_inspect, ["ids.bin", "not a saved batch", "torch.save"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FILE_CASES))
+def test_files_of_the_wrong_kind_are_one_line(case, tmp_path, tok_dir, capsys):
+    make, must = FILE_CASES[case]
+    rc, _, err = run_cli(capsys, *make(tmp_path, tok_dir))
+    assert_clean(rc, err, *must)
+    assert "Errno" not in err and "Unpickl" not in err and "'format'" not in err
+
+
+# --- class: types (the library's own arguments) ---------------------------------------------
+@pytest.fixture(scope="module")
+def shard_dir(tmp_path_factory, tok_dir):
+    from stacklm.prebuild import load_config, prebuild
+
+    tmp = tmp_path_factory.mktemp("shards")
+    config, _ = load_config(write_config(tmp, tok_dir))
+    prebuild(config, tok_dir, tmp / "out", tokens_per_shard=SEQ_LEN * 32, splits=("train",), progress=False)
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("index", [1.5, True, np.float32(2.0), "0", [[0, 1]], [0.5, 1.0], None])
+def test_a_wrong_index_type_is_a_typed_error(index, shard_dir):
+    """Was: ``ds[1.5]`` returned a 2-D batch (np.asarray(1.5) as a row index)."""
+    from stacklm.data.storage.dataset import IndexTypeError, PackedMemmapDataset
+    from stacklm.errors import StackLMError
+
+    ds = PackedMemmapDataset(shard_dir, "train")
+    with pytest.raises(IndexTypeError) as info:
+        ds[index]
+    assert isinstance(info.value, (StackLMError, TypeError)) and "an index is an int, a slice or a 1-D sequence of ints" in str(info.value)
+    assert ds[1]["input_ids"].ndim == 1 and ds[np.int64(1)]["input_ids"].ndim == 1
+    assert ds[[0, 1]]["input_ids"].shape[0] == 2 and ds[0:3]["input_ids"].shape[0] == 3
+
+
+@pytest.mark.parametrize("call", ["encode", "encode_ordinary", "encode_batch"])
+def test_encode_says_what_it_replaced(call, tokenizer_512):
+    """A lone surrogate cannot round-trip (UTF-8 cannot hold it): a warning naming the count,
+    or with strict=True a typed error; valid text never warns (was: replaced silently)."""
+    import warnings
+
+    from stacklm.tokenizer.bpe import LoneSurrogateError, LoneSurrogateWarning
+
+    fn = getattr(tokenizer_512, call)
+    run = (lambda text, **kw: fn([text], **kw)[0]) if call == "encode_batch" else fn
+    with pytest.warns(LoneSurrogateWarning, match=r"1 lone surrogate\(s\) \(first at character 3"):
+        ids = run("ok \ud800 x")
+    assert tokenizer_512.decode(ids) == "ok \ufffd x"
+    with pytest.raises(LoneSurrogateError, match="strict=True"):
+        run("ok \udc00", strict=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for text in ("plain", "café 😀 \ufffd", "\U0001F600" * 3):
+            assert tokenizer_512.decode(run(text)) == text
+
+
+# --- class: chat structure ------------------------------------------------------------------
+@pytest.mark.parametrize("messages, must", [
+    ([("assistant", "hi"), ("user", "q"), ("assistant", "a")], ["starts with an assistant message (message 0)"]),
+    ([("user", "q"), ("assistant", "a"), ("user", "again")], ["ends on a user message (message 2)"]),
+    ([("user", "q"), ("system", "be brief"), ("assistant", "a")], ["a system message at position 1"]),
+    ([("system", "s"), ("assistant", "a")], ["starts with an assistant message (message 1)"]),
+])
+def test_inspect_reports_roles_out_of_order(messages, must, tmp_path, tok_dir, capsys):
+    ok = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    rows = [{"messages": ok}, {"messages": [{"role": r, "content": c} for r, c in messages]}]
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc, out, _ = run_cli(capsys, "inspect", str(path), "--tokenizer", str(tok_dir))
+    assert rc == 1, out
+    assert "ERROR    roles_out_of_order: 1 finding(s)" in out and f"{path}:2" in out, out
+    for text in must:
+        assert text in out, (text, out)

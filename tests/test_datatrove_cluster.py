@@ -138,6 +138,42 @@ def test_a_request_no_node_holds_is_refused_at_submission(tmp_path, tok_dir, slu
     assert slurm.jobs() == []
 
 
+def test_wait_waits_for_a_requeued_task_and_fails_one_that_never_returns(tmp_path, slurm):
+    """PREEMPTED / NODE_FAIL are final only if Slurm does not requeue the task (datatrove submits
+    with --requeue): while the job is back in the queue the wait goes on; once it has left the
+    queue without the task's completion mark, the run fails naming the task and its state."""
+    import json
+
+    from stacklm.scale.slurm import SlurmTaskFailed, StackSlurmExecutor, wait_for_chain
+
+    logs = tmp_path / "logs"
+    (logs / "completions").mkdir(parents=True)
+    (logs / "ranks_to_run.json").write_text("[0]")
+    ex = StackSlurmExecutor([], tasks=1, time="10", partition="cpu", logging_dir=str(logs))
+    ex.stacklm_stage, ex.job_id, ex.array_job_ids = "main", "1000", ["1000"]
+
+    def job(state, task_state, reason=""):
+        (slurm.root / "jobs" / "1000.json").write_text(json.dumps({
+            "id": "1000", "name": "stacklm-prebuild", "array": [0], "state": state, "reason": reason,
+            "tasks": {"0": {"state": task_state, "exit": "0:0"}}}))
+
+    job("PENDING", "PREEMPTED", "BeginTime")  # preempted, requeued: pending again
+    notes, polls = [], []
+
+    def comes_back(_):
+        polls.append(1)
+        job("COMPLETED", "COMPLETED")
+        (logs / "completions" / "00000").touch()
+
+    wait_for_chain([ex], poll_seconds=0, say=notes.append, sleep=comes_back)
+    assert polls == [1] and notes == ["waiting for 1 slurm task(s): main job 1000 (BeginTime)"]
+
+    (logs / "completions" / "00000").unlink()
+    job("PREEMPTED", "PREEMPTED")  # not requeued: gone for good
+    with pytest.raises(SlurmTaskFailed, match=r"slurm stage 'main': task 0 \(job 1000_0, PREEMPTED\) left the queue without completing it; logs: "):
+        wait_for_chain([ex], poll_seconds=0, say=notes.append, sleep=lambda _: pytest.fail("a task gone for good is not waited for"))
+
+
 def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
     """The chain's executors as built (no cluster needed): Slurm and Ray each get the stage's
     CPUs, memory and time, not one size for all (the decision was 1 CPU / 2 GB whatever the flags)."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.lightning_helpers import run_program
 from tests.test_datamodule import shards_dir, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ SCRIPT = ROOT / "tests" / "ddp_fit.py"
 
 def run_ddp(*args: str, expect_crash: bool = False) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_program([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=600)
     if expect_crash:
         assert res.returncode != 0
     else:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.lightning_helpers import run_program
 from tests.test_datamodule import shards_dir, tokenizer_dir  # noqa: F401  (fixtures)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,7 +35,7 @@ def fit(tokenizer_dir, shards_dir, out: Path, *, devices=1, workers=0, batch=4, 
     if resume:
         args += ["--resume", str(resume)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    res = run_program([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
     lengths = [json.loads((out / f"lengths{r}.json").read_text()) for r in range(devices)]

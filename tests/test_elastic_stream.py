@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from stacklm.datamodule import DataConfigError
+from tests.lightning_helpers import run_program
 from tests.elastic_fit import row_ids
 from tests.test_datamodule import _dm, tokenizer_dir  # noqa: F401  (fixture)
 
@@ -142,7 +142,7 @@ def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(),
     if resume:
         args += ["--resume", str(resume)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    res = run_program([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=900)
     assert res.returncode == 0, res.stderr[-4000:]
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(devices)]
     stats = [json.loads((out / f"stats{r}.json").read_text()) for r in range(devices)]

@@ -140,6 +140,27 @@ def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, t
     assert not removed & set(ids) and len(ids) == 92 - dropped
 
 
+def test_dedup_index_writes_where_a_stream_config_reads(corpus, tmp_path):
+    """``stacklm dedup-index --config C`` on the config a stream run uses (``dedup: {index: P,
+    exact: false, near: false}``, as configs/stack-100m.yaml): it writes the full exact + near
+    decision to P, the file the run then reads; without --out or an index it says what to give."""
+    import yaml
+
+    from stacklm.cli import main
+
+    glob, _ = corpus
+    path = tmp_path / "idx.npz"
+    cfg = _config(glob, exact=False, near=False, index=str(path)).to_dict()
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump({"data": {"pipeline": cfg}}))
+    assert main(["dedup-index", "--config", str(tmp_path / "c.yaml"), "--splits", "train"]) == 0
+    assert DedupIndex.load(path).content_hash == build_dedup_index(_config(glob), ("train",), 1).content_hash
+    bare = _config(glob, exact=False, near=False).to_dict()
+    (tmp_path / "bare.yaml").write_text(yaml.safe_dump({"data": {"pipeline": bare}}))
+    res = subprocess.run([sys.executable, "-m", "stacklm", "dedup-index", "--config", str(tmp_path / "bare.yaml")],
+                         capture_output=True, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert res.returncode != 0 and "no --out given" in res.stderr and "Traceback" not in res.stderr
+
+
 def _iter_filtered(cfg, reader, readers):
     from stacklm.data.nodes import document_chain
 

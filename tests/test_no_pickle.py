@@ -165,23 +165,42 @@ def test_a_checkpoint_that_is_no_prebuild_state_is_refused(built, tmp_path, caps
 
 
 # --- the other readers ---------------------------------------------------------------------
-def test_datatrove_signature_slices_are_refused(built, tmp_path):
-    from stacklm.scale.datatrove_steps import StackDedupDecision, TaskPlan
+def test_datatrove_dedup_stage_files_are_refused(built, tmp_path):
+    """The staged dedup decision reads back signature columns (bucket tasks) and pair files (the
+    cluster task): a planted pickle or object array in either is refused naming the file, and
+    never runs."""
+    from stacklm.data.dedup.staged import write_signature_dir
+    from stacklm.scale.datatrove_steps import PAIRS_DIR, StackDedupBuckets, StackDedupCluster, TaskPlan, _sig_dirs, bucket_tasks
     from stacklm.tokenizer.bpe import StackTokenizer
 
     _, cfg = built
     tok = StackTokenizer.load(json.loads(cfg.read_text())["data"]["tokenizer"])
     out = tmp_path / "dt"
-    (out / ".prebuild").mkdir(parents=True)
+    plan = TaskPlan(config().to_dict(), tok.to_dict(), str(out), 1, TOKENS_PER_SHARD)
+    for d in _sig_dirs(plan):  # real signature columns of one record per slice
+        rec = {"ids": np.array([f"web/p0/{d.name}"]), "source": np.zeros(1, np.int32), "digest": np.array([7], np.uint64),
+               "bands": np.arange(1, 13, dtype=np.uint64).reshape(1, 12)}
+        write_signature_dir(rec, d.name.split("-")[0], d)
+    tasks = bucket_tasks(plan)
     marker = tmp_path / "pwned"
     for plant, make in PLANTS.items():
-        sig = out / ".prebuild" / "dedup-sig-train-w000.npz"
-        sig.write_bytes(make(marker))
-        step = StackDedupDecision(TaskPlan(config().to_dict(), tok.to_dict(), str(out), 1, TOKENS_PER_SHARD))
+        column = _sig_dirs(plan)[0] / "band0_key.npy"
+        good = column.read_bytes()
+        column.write_bytes(make(marker))
+        band0 = [t[0] for t in tasks].index("band0")
         with pytest.raises(ValueError) as e:
-            list(step.run())
+            list(StackDedupBuckets(plan).run(rank=band0, world_size=len(tasks)))
         line = str(e.value)
-        assert "\n" not in line and str(sig) in line and "delete it" in line, (plant, line)
+        assert "\n" not in line and str(column) in line and "delete it" in line, (plant, line)
+        column.write_bytes(good)
+        for rank in range(len(tasks)):  # the real pairs, then one planted pair file
+            list(StackDedupBuckets(plan).run(rank=rank, world_size=len(tasks)))
+        pairs = out / ".prebuild" / PAIRS_DIR / "band3-r0000.npy"
+        pairs.write_bytes(make(marker))
+        with pytest.raises(ValueError) as e:
+            list(StackDedupCluster(plan).run())
+        line = str(e.value)
+        assert "\n" not in line and str(pairs) in line and "delete it" in line, (plant, line)
         assert not marker.exists(), plant
 
 

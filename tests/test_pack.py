@@ -362,3 +362,17 @@ def test_mix_shuffle_pack_batch_chain_resumes_exactly(real_docs):
 
     full = check_save_load_state(build, lambda n: (2, n // 2, n - 1), state_round_trip="pickle")
     assert len(full) > 10
+
+
+def test_the_mask_example_in_the_docs_runs():
+    """docs/architecture.md's mask example (dense mask -> SDPA, BlockMask -> FlexAttention,
+    cu_seqlens), run exactly as written."""
+    import re
+    import warnings
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "architecture.md").read_text()
+    (block,) = re.findall(r"^```python example=masks\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+        exec(compile(block, "docs/architecture.md:masks", "exec"), {})

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +23,7 @@ from stacklm.datamodule import StackDataModule
 from stacklm.datamodule.steplog import MAGIC, StepLogError, StepLogWriter, find_step, frame_records, read_frames
 from stacklm.inspector.steps import step_provenance
 from tests.elastic_fit import row_ids
-from tests.lightning_helpers import TinyLM
+from tests.lightning_helpers import TinyLM, run_program
 from tests.test_datamodule import shards_dir, tokenizer_dir  # noqa: F401  (fixtures)
 from tests.test_ledger import SEQ_LEN, data_section, write_corpus
 
@@ -240,8 +239,7 @@ def test_a_source_changed_since_the_run_is_not_verified(stream_run, tmp_path, ca
 # ------------------------------------------------------------------ resume on another world size, real gloo DDP
 def _fit(script: str, args: list[str], out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run([sys.executable, str(ROOT / "tests" / script), *args, "--out", str(out)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = run_program([sys.executable, str(ROOT / "tests" / script), *args, "--out", str(out)], cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 

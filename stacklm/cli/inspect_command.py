@@ -64,6 +64,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise CliError("pass --row (a prebuilt row) or --step (a training run's step), not both")
     if args.step is not None and args.split:
         raise CliError("--split is for a prebuild directory; --step reads the train split the run trained on")
+    if args.step is None:
+        from stacklm.data.storage import remote
+
+        if remote.is_remote(args.input):  # a shard set in object storage: read from its local mirror
+            args.input = str(remote.mirror(args.input))
     if args.row is not None:
         return _inspect_row(args)
     if args.step is not None:
@@ -129,7 +134,8 @@ def _inspect_step(args: argparse.Namespace) -> int:
     from stacklm.inspector.steps import step_provenance
 
     out = step_provenance(args.input, args.step)
-    real = [r for r in out["rows"] if not r.get("padding")]
+    real = [r for r in out["rows"] if not r.get("padding") and not r.get("skipped")]
+    skipped = [r for r in out["rows"] if r.get("skipped")]
     unverified = sum(1 for r in real if not r.get("verified", True))
     if _json_only(out, args):
         return 1 if unverified else 0
@@ -138,9 +144,13 @@ def _inspect_step(args: argparse.Namespace) -> int:
     check = ("" if out["mode"] != "stream" else
              f"; {len(real) - unverified} of {len(real)} rebuilt from the source files and verified against the logged CRC")
     print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
-          f"{len(real)} rows, {len(out['rows']) - len(real)} padding rows{check}")
+          f"{len(real)} rows, {len(out['rows']) - len(real) - len(skipped)} padding rows{check}")
+    for rec in out.get("skip_steps", []):
+        a, b = rec["steps"]
+        print(f"step {out['step']} is in skip_steps {a}..{b}: its {len(skipped)} rows below (SKIPPED) were passed over, never "
+              f"trained; the rows it trained instead are listed without SKIPPED")
     for r in out["rows"]:
-        head = f"rank {r['rank']} batch {r['batch']} row {r['row_in_batch']}"
+        head = ("SKIPPED " if r.get("skipped") else "") + f"rank {r['rank']} batch {r['batch']} row {r['row_in_batch']}"
         if r.get("padding"):
             print(f"{head}: padding (no loss)")
         elif r["segments"] is None:

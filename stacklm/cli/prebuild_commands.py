@@ -4,6 +4,7 @@ shards once (locally or on a datatrove executor) and check them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
     from stacklm.prebuild.summary import summary_table
 
-    was_complete = (Path(out) / "manifest.json").exists()
+    from stacklm.data.storage import remote
+
+    if remote.is_remote(out):
+        was_complete = remote.read_bytes(remote.join(out, "manifest.json"), missing_ok=True) is not None
+    else:
+        was_complete = (Path(out) / "manifest.json").exists()
     t0 = time.perf_counter()
     top = prebuild(
         config,
@@ -87,15 +93,22 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     from stacklm.prebuild.dedup_pass import build_dedup_index
 
     config, settings = load_config(args.config)
+    out = args.out or config.dedup.index
+    if not out:
+        raise PrebuildError(f"{args.config}: no --out given and data.pipeline.dedup.index is not set; say where to write the index")
+    if config.dedup.index and not (config.dedup.exact or config.dedup.near):
+        # The stream config that *reads* an index turns in-flight dedup off (exact/near false);
+        # the index it reads is the full exact + near decision.
+        config = dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=True, near=True, index=None))
     if not (config.dedup.exact or config.dedup.near):
-        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off; nothing to index")
+        raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
     workers = max(1, args.workers)
     splits = tuple(args.splits or settings["splits"])
     index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs))
-    index.save(args.out)
+    index.save(out)
     for split, c in index.counts().items():
-        print(f"{args.out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
-    print(f"stream mode: set data.pipeline.dedup.index: {args.out} (sha256 {index.content_hash[:16]}...)")
+        print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
+    print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
     return 0
 
 
@@ -106,14 +119,19 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from stacklm.data import ledger
 
     from stacklm.data.storage import manifest as mf
+    from stacklm.data.storage import remote
 
-    top = Path(args.dir) / "manifest.json"
+    shown = args.dir
+    d = args.dir
+    if remote.is_remote(d):  # its manifests, mirrored (no shard is downloaded for a ledger)
+        d = str(remote.mirror(d, manifests_only=True))
+    top = Path(d) / "manifest.json"
     if not top.exists():
-        raise CliError(f"{top} is missing: {args.dir} is not a finished prebuild (run `stacklm prebuild` first)")
-    m = mf.read_manifest(args.dir)
+        raise CliError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
+    m = mf.read_manifest(d)
     for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
-        if (Path(args.dir) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
-            mf.read_manifest(Path(args.dir) / name, required=mf.SPLIT_REQUIRED)
+        if (Path(d) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
+            mf.read_manifest(Path(d) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
@@ -232,7 +250,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
-    x.add_argument("--out", required=True, help="index file to write (.npz)")
+    x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index)")
     x.add_argument("--workers", type=positive_int, default=1, help="processes computing signatures (>= 1; the result does not depend on it)")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
     x.set_defaults(func=cmd_dedup_index)

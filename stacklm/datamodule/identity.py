@@ -58,7 +58,7 @@ def data_identity(dm: StackDataModule) -> dict[str, Any]:
     if dm.mode == "shards":
         data = shards_content_hash(dm.data_dir)
         pipeline = _sha({"seed": dm.seed, "seq_len": dm.seq_len})
-        where = str(Path(dm.data_dir).resolve())
+        where = getattr(dm, "data_url", None) or str(Path(dm.data_dir).resolve())  # named only: the content is compared
     else:
         cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
         d = cfg.to_dict()

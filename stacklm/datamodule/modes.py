@@ -77,6 +77,10 @@ class ShardsMode(DataMode):
     def __init__(self, dm: StackDataModule) -> None:
         super().__init__(dm)
         self.restored: dict[str, int] | None = None  # the checkpoint's position, until the first loader takes it
+        # ``skip_steps`` resolved to stream positions: [{"steps": [a, b], "positions": [lo, hi], "step_rows": n}]
+        # (global position = epoch x rows + position in the epoch's permutation), in the checkpoint
+        self.skips: list[dict[str, Any]] = []
+        self.restored_step_rows: int | None = None  # rows per optimizer step of the run that wrote the checkpoint
         self._forced_reload = False
         self._delivered = None  # DeliveryCounter of the train rows taken, across epochs and loader rebuilds
 
@@ -97,6 +101,7 @@ class ShardsMode(DataMode):
             # else rebuilt before serving anything (Lightning moved on to the next epoch while
             # restoring a checkpoint saved at an epoch's last step): the same position
         self.restored = None
+        self.resolve_skips(position)
         loader = self._loader("train", position)
         trainer = getattr(dm, "trainer", None)
         if trainer is not None:
@@ -108,6 +113,54 @@ class ShardsMode(DataMode):
 
     def val_loader(self) -> ShardsLoader:
         return self._loader("val", None)
+
+    def resolve_skips(self, position: dict[str, int] | None) -> None:
+        """Turn each ``skip_steps`` range not yet resolved into the stream positions its steps
+        consume, walking from ``position`` (at the trainer's step now) as the loader serves:
+        at the rows per step of the run that wrote the checkpoint (those steps' own data), else
+        of this run. Shape-free from then on, kept in the checkpoint, so a resume on any shape
+        passes over exactly those rows."""
+        from stacklm.datamodule.shards_loader import walk_steps
+
+        dm = self.dm
+        done = {tuple(r["steps"]) for r in self.skips}
+        todo = sorted(tuple(r) for r in dm.skip_steps if tuple(r) not in done)
+        if not todo:
+            return
+        trainer = getattr(dm, "trainer", None)
+        now = int(trainer.global_step) if trainer is not None else 0
+        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
+        step_rows = self.restored_step_rows or dm.world_size * dm.batch_size * accumulate
+        n_rows = len(dm.shards_dataset("train"))
+        pos = position or {"epoch": 0, "rows_served": 0}
+        start = int(pos["epoch"]) * n_rows + int(pos["rows_served"])
+        for a, b in todo:
+            if a < now:
+                raise DataConfigError(
+                    f"StackDataModule: skip_steps ({a}, {b}) starts before this run's step {now} (the checkpoint's): the "
+                    f"steps from {a} on are already trained; resume from a checkpoint at or before step {a}"
+                )
+            gaps = [tuple(r["positions"]) for r in self.skips]
+            steps = list(walk_steps(start, b + 1 - now, step_rows, n_rows, gaps))
+            lo, hi = int(steps[a - now][0][0]), int(steps[-1][1])
+            self.skips.append({"steps": [a, b], "positions": [lo, hi], "step_rows": int(step_rows)})
+        self.skips.sort(key=lambda r: r["positions"][0])
+
+    def skipped_steps(self):
+        """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
+        for the step log."""
+        from stacklm.data.storage.dataset import ElasticSampler
+        from stacklm.datamodule.shards_loader import walk_steps
+
+        dm = self.dm
+        n_rows = len(dm.shards_dataset("train"))
+        order = ElasticSampler(n_rows, 1, seed=dm.seed, rank=0, world_size=1, shuffle=True, loop=False)
+        for r in self.skips:
+            a, b = r["steps"]
+            others = [tuple(o["positions"]) for o in self.skips if o is not r]
+            for k, (positions, _) in enumerate(walk_steps(r["positions"][0], b - a + 1, r["step_rows"], n_rows, others)):
+                epoch = int(positions[0]) // n_rows if len(positions) else 0
+                yield a + k, epoch, order.permutation(epoch)[positions - epoch * n_rows]
 
     def position(self) -> dict[str, int] | None:
         loader = self.dm._train_loader
@@ -128,6 +181,7 @@ class ShardsMode(DataMode):
         return ShardsLoader(
             ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
             tail="pad" if train else "drop", position=position,
+            skips=[tuple(r["positions"]) for r in self.skips] if train else None,
             delivered=self.delivered if train else None, row_counts=self._row_counts if train else None,
         )
 

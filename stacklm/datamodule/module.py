@@ -65,7 +65,8 @@ class StackDataModule(L.LightningDataModule):
     Args:
         mode: ``"shards"``, ``"stream"``, ``"sft"`` or ``"preference"``.
         tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
-        data_dir: prebuilt shard directory (``shards`` mode).
+        data_dir: prebuilt shard directory (``shards`` mode), local or a remote URL (``s3://bucket/prefix``,
+            any fsspec protocol), mirrored into a local cache first (docs/prebuild.md, "Object storage").
         pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
             or the SFT config (``sft`` mode; see ``SFTConfig``); parsed on construction, so an
             unknown key or a wrong type is an error naming ``data.pipeline.<key>``.
@@ -106,6 +107,14 @@ class StackDataModule(L.LightningDataModule):
             attention across conversations, positions not reset, ids out of range, a reply cut at
             the row end, ...) raises ``DataGateError`` naming it, where it was seen and the fix,
             before any step. ``False`` (``data.gate: false``) turns it off.
+        skip_steps: shards mode: ranges ``[(a, b), ...]`` of global steps (``a..b`` inclusive)
+            whose data the run passes over, the way a large run steps around a loss spike: resume
+            from a checkpoint at or before step ``a`` with ``skip_steps=[(a, b)]`` and step ``a``
+            trains what step ``b + 1`` would have, step ``k >= a`` what step ``k + b - a + 1``
+            would have. Resolved to stream positions at the first train loader (at the rows per
+            step of the run that wrote the checkpoint), kept in the checkpoint and the step log,
+            so it is exact on resume and on another world size; ``stacklm inspect RUN --step S``
+            lists a skipped step's rows as skipped.
     """
 
     def __init__(
@@ -125,6 +134,7 @@ class StackDataModule(L.LightningDataModule):
         step_log: bool | str = True,
         verify_shards: bool = True,
         gate: bool = True,
+        skip_steps: list[tuple[int, int]] | None = None,
     ) -> None:
         super().__init__()
         # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
@@ -132,7 +142,7 @@ class StackDataModule(L.LightningDataModule):
             mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
             seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
             train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
-            step_log=step_log, verify_shards=verify_shards, gate=gate,
+            step_log=step_log, verify_shards=verify_shards, gate=gate, skip_steps=skip_steps,
         )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
@@ -142,7 +152,13 @@ class StackDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.mode = mode
         self.tokenizer_path = tokenizer
-        self.data_dir = data_dir
+        from stacklm.data.storage import remote
+
+        # A remote data_dir (s3://..., any fsspec URL) is read from its local mirror: manifests
+        # read, shards downloaded and hash-checked once per node (``remote.mirror``), then the
+        # same memmap path as a local directory. The URL stays in ``data_url`` for messages.
+        self.data_url = data_dir if remote.is_remote(data_dir) else None
+        self.data_dir = str(remote.mirror(data_dir)) if self.data_url else data_dir
         self.pipeline_dict = dict(pipeline or {})
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -157,6 +173,7 @@ class StackDataModule(L.LightningDataModule):
         self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
         self.gate = bool(gate)
+        self.skip_steps = _check_skip_steps(skip_steps, mode)
         self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
         self._tok = None
         self._train_loader = None
@@ -223,6 +240,12 @@ class StackDataModule(L.LightningDataModule):
         writer = self._step_log()
         if writer is not None:
             self._train_loader.step_log = writer
+            if self.mode == "shards" and self.rank == 0 and not getattr(writer, "skips_logged", False):
+                writer.skips_logged = True  # this generation's record of the skipped steps, once
+                start = int(self.trainer.global_step) if getattr(self, "trainer", None) is not None else 0
+                for step, epoch, rows in self._mode.skipped_steps():
+                    if step >= start:
+                        writer.add_skipped(step, epoch, rows)
         if gate is not None and gate.checked < gate.n_batches:
             self._train_loader.gate = gate
         return self._train_loader
@@ -283,6 +306,7 @@ class StackDataModule(L.LightningDataModule):
             "tokenizer": str(Path(self.tokenizer_path).resolve()), "tokenizer_hash": self.tokenizer_hash(),
         }
         if self.mode == "shards":
+            meta["skip_steps"] = [dict(r) for r in self._mode.skips]
             meta["shards"] = {"data_dir": str(Path(self.data_dir).resolve()), "split": "train",
                               "manifest_hash": self.hashes["manifest"]}
         else:
@@ -410,6 +434,9 @@ class StackDataModule(L.LightningDataModule):
         state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
         if self.mode == "shards":
             state["position"] = self._mode.position()
+            state["skips"] = [{k: list(v) if isinstance(v, list) else v for k, v in r.items()} for r in self._mode.skips]
+            trainer = getattr(self, "trainer", None)
+            state["accumulate_grad_batches"] = int(trainer.accumulate_grad_batches) if trainer is not None else 1
             state["delivered"] = self._mode.delivered_state()
         elif self.mode == "stream":
             state["streams"] = self._mode.stream_state()
@@ -432,6 +459,10 @@ class StackDataModule(L.LightningDataModule):
             raise DataConfigError(f"refusing to resume: the checkpoint has seq_len {state.get('seq_len')}, this run {self.seq_len}; use the same seq_len")
         if self.mode == "shards":
             self._mode.restored = state.get("position")
+            self._mode.skips = [dict(r) for r in state.get("skips", [])]
+            old = state.get("shape") or {}
+            if old.get("world_size") and old.get("batch_size"):
+                self._mode.restored_step_rows = int(old["world_size"]) * int(old["batch_size"]) * int(state.get("accumulate_grad_batches", 1))
             if state.get("delivered"):
                 self._mode.restore_delivered(state["delivered"])
             return
@@ -474,6 +505,26 @@ class StackDataModule(L.LightningDataModule):
         self.logical_streams = saved
         self._mode.restored = dict(rec)
         self._mode.quota = None
+
+
+def _check_skip_steps(value: Any, mode: str) -> list[tuple[int, int]]:
+    """``skip_steps`` as sorted, disjoint ``(a, b)`` ranges with ``0 <= a <= b``; shards mode only."""
+    if not value:
+        return []
+    if mode != "shards":
+        raise DataConfigError(f"field 'data.skip_steps': only shards mode can skip a step range (this module is in {mode!r} "
+                              "mode); prebuild the data (`stacklm prebuild`) to skip steps")
+    out = []
+    for r in value:
+        if not isinstance(r, (list, tuple)) or len(r) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in r) \
+                or not 0 <= r[0] <= r[1]:
+            raise DataConfigError(f"field 'data.skip_steps': each range is [first_step, last_step] with 0 <= first <= last, got {r!r}")
+        out.append((int(r[0]), int(r[1])))
+    out.sort()
+    for (a0, b0), (a1, b1) in zip(out, out[1:]):
+        if a1 <= b0:
+            raise DataConfigError(f"field 'data.skip_steps': ranges ({a0}, {b0}) and ({a1}, {b1}) overlap; merge them into one")
+    return out
 
 
 def _quiet_len_warning() -> None:

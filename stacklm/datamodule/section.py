@@ -73,6 +73,7 @@ class DataSection(Config):
     step_log: bool | str = True
     verify_shards: bool = True
     gate: bool = True
+    skip_steps: list[tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         _at_least("seq_len", self.seq_len, 2, "a window needs at least 2 tokens (one input, one target)")

@@ -27,6 +27,37 @@ def start_position(epoch: int = 0, rows_served: int = 0, steps: int = 0) -> dict
     return {"epoch": int(epoch), "rows_served": int(rows_served), "steps": int(steps)}
 
 
+def available_positions(epoch: int, rows_served: int, num_rows: int, skips: list[tuple[int, int]]) -> np.ndarray:
+    """Positions ``rows_served..num_rows`` of epoch ``epoch``'s permutation, less those in the
+    skipped global intervals ``skips`` (global position = epoch x num_rows + position)."""
+    keep = np.ones(num_rows - rows_served, dtype=bool)
+    base = epoch * num_rows
+    for lo, hi in skips:
+        a, b = max(lo - base, rows_served), min(hi - base, num_rows)
+        if a < b:
+            keep[a - rows_served : b - rows_served] = False
+    return np.flatnonzero(keep) + rows_served
+
+
+def walk_steps(position: int, steps: int, step_rows: int, num_rows: int, skips: list[tuple[int, int]]):
+    """Yield ``(positions, position after)`` for each of ``steps`` global steps of ``step_rows``
+    rows from global stream position ``position``, as ``ShardsLoader`` serves them: skipped
+    positions passed over, an epoch's last step short, the next starting the next epoch."""
+    epoch, row = divmod(int(position), num_rows)
+    avail, i = available_positions(epoch, row, num_rows, skips), 0
+    for _ in range(steps):
+        empty = 0
+        while i >= len(avail):
+            epoch, i, empty = epoch + 1, 0, empty + 1
+            if empty > len(skips) + 1:
+                raise ValueError("skip_steps pass over every row of the data")
+            avail = available_positions(epoch, 0, num_rows, skips)
+        take = avail[i : i + step_rows]
+        i += len(take)
+        after = epoch * num_rows + int(avail[i]) if i < len(avail) else (epoch + 1) * num_rows
+        yield epoch * num_rows + take, after
+
+
 class _StepBatches(torch.utils.data.Sampler):
     """Feeds a ``DataLoader`` this rank's ``(indices, n_padding)`` per step (main process)."""
 
@@ -78,6 +109,7 @@ class ShardsLoader:
     def __init__(
         self, dataset, order, *, batch_size: int, rank: int, world_size: int, num_workers: int = 0,
         tail: str = "pad", position: dict[str, int] | None = None, delivered=None, row_counts=None,
+        skips: list[tuple[int, int]] | None = None,
     ) -> None:
         if tail not in TAILS:
             raise ValueError(f"tail must be one of {TAILS}, got {tail!r}")
@@ -94,6 +126,8 @@ class ShardsLoader:
         self.delivered, self.row_counts = delivered, row_counts
         self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
+        # Stream positions never served (``skip_steps``): global ``[lo, hi)``, position = epoch x rows + row.
+        self.skips = sorted((int(lo), int(hi)) for lo, hi in (skips or ()))
         self._set_position(position or start_position())
 
     # -- position --------------------------------------------------------------------------
@@ -118,8 +152,13 @@ class ShardsLoader:
     def step_size(self) -> int:
         return self.world_size * self.batch_size
 
+    def _available(self) -> np.ndarray:
+        """The positions of this epoch's permutation still to serve: from ``rows_served`` on,
+        less the skipped ones."""
+        return available_positions(self.epoch, self.rows_served, self.num_rows, self.skips)
+
     def _steps_left(self) -> int:
-        left = self.num_rows - self.rows_served
+        left = len(self._available()) if self.skips else self.num_rows - self.rows_served
         return math.ceil(left / self.step_size) if self.tail == "pad" else left // self.step_size
 
     def full_epoch_steps(self) -> int:
@@ -132,25 +171,29 @@ class ShardsLoader:
 
     # -- iteration ---------------------------------------------------------------------------
     def _plan(self) -> list[tuple[np.ndarray, int]]:
-        """This rank's ``(indices, n_padding)`` for every step left in the epoch."""
+        """This rank's ``(indices, n_padding)`` for every step left in the epoch; the position
+        after each step is in ``self._after``."""
         perm = self.order.permutation(self.epoch)
         W, B, r = self.world_size, self.batch_size, self.rank
-        plan = []
+        avail = self._available()
+        plan, self._after = [], []
         for t in range(self._steps_left()):
-            lo = self.rows_served + t * self.step_size
-            chunk = perm[lo : min(lo + self.step_size, self.num_rows)]
+            at = avail[t * self.step_size : (t + 1) * self.step_size]
+            chunk = perm[at]
             if len(chunk) == self.step_size:
                 mine = chunk[r * B : (r + 1) * B]
             else:  # the epoch's short last step: dealt evenly, so few ranks get no row at all
                 mine = chunk[r * len(chunk) // W : (r + 1) * len(chunk) // W]
             plan.append((mine, B - len(mine)))
+            last = (t + 1) * self.step_size >= len(avail)
+            self._after.append(self.num_rows if last else int(avail[(t + 1) * self.step_size]))
         return plan
 
     def __iter__(self):
         if self._steps_left() == 0:  # the epoch is finished (or only a dropped tail is left)
             self._set_position(start_position(self.epoch + 1))
         plan = self._plan()
-        start, self.dropped_tail = self.rows_served, 0
+        self.dropped_tail = 0
         loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
             worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
@@ -158,7 +201,7 @@ class ShardsLoader:
         for t, batch in enumerate(loader, start=1):
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead
             self.steps += 1
-            self.rows_served = min(self.num_rows, start + t * self.step_size)
+            self.rows_served = self._after[t - 1]  # the next position to serve (past any skipped ones)
             if t == len(plan) and self.tail == "drop":
                 self.dropped_tail = self.num_rows - self.rows_served
                 self.rows_served = self.num_rows

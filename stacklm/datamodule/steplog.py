@@ -57,7 +57,7 @@ MAGIC = b"SLF1"
 FRAME_BATCHES = 64
 FRAME_SECONDS = 30.0
 _HEADER = struct.Struct("<4sQ")
-_BATCH_COLUMNS = ("step", "epoch", "batch", "n_rows", "n_pad")
+_BATCH_COLUMNS = ("step", "epoch", "batch", "n_rows", "n_pad", "skipped")
 
 
 class StepLogError(StackLMError):
@@ -126,8 +126,8 @@ class StepLogWriter:
     def _step(self) -> int:
         return int(self.step_of()) if self.step_of is not None else self.batches
 
-    def _add(self, epoch: int, batch: int, n_rows: int, n_pad: int) -> None:
-        for key, value in zip(_BATCH_COLUMNS, (self._step(), epoch, batch, n_rows, n_pad)):
+    def _add(self, epoch: int, batch: int, n_rows: int, n_pad: int, step: int | None = None, skipped: bool = False) -> None:
+        for key, value in zip(_BATCH_COLUMNS, (self._step() if step is None else step, epoch, batch, n_rows, n_pad, skipped)):
             self._batch_cols[key].append(int(value))
         self.batches += 1
         if len(self._batch_cols["step"]) >= self.frame_batches or time.monotonic() - self._since >= self.frame_seconds:
@@ -138,6 +138,14 @@ class StepLogWriter:
         self._kind = "rows"
         self._rows.extend(np.asarray(rows, dtype=np.int64).tolist())
         self._add(epoch, batch, len(rows), n_pad)
+
+    def add_skipped(self, step: int, epoch: int, rows: np.ndarray) -> None:
+        """Shards mode: the rows global step ``step`` would have trained, passed over by
+        ``skip_steps`` (all ranks' rows in one record, ``batch`` -1, not counted as trained)."""
+        self._kind = "rows"
+        self._rows.extend(np.asarray(rows, dtype=np.int64).tolist())
+        self._add(epoch, -1, len(rows), 0, step=step, skipped=True)
+        self.batches -= 1  # not a batch handed to a step
 
     def add_pieces(self, epoch: int, batch: int, pieces: Sequence[Sequence[tuple[int, ...]] | None], crc: Sequence[int],
                    n_pad: int) -> None:
@@ -220,6 +228,7 @@ def frame_records(frame: Mapping[str, np.ndarray]) -> Iterator[dict[str, Any]]:
         ptr, pieces = columns_to_pieces(frame)
     for i in range(len(n_rows)):
         rec = {k: int(frame[k][i]) for k in ("step", "epoch", "batch", "n_pad")}
+        rec["skipped"] = bool(frame["skipped"][i]) if "skipped" in frame else False  # skip_steps (older logs: none)
         lo, hi = int(first[i]), int(first[i + 1])
         if "rows" in frame:
             rec["rows"] = frame["rows"][lo:hi].tolist()

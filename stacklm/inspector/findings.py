@@ -12,6 +12,7 @@ ERROR, WARNING, INFO = "error", "warning", "info"
 # The named checks, in report order.
 CHECKS: dict[str, str] = {
     "invalid_conversation": "rows that cannot be trained on (malformed JSON, unknown role, empty message, no assistant)",
+    "roles_out_of_order": "conversations that start with anything but a user turn, end on a user/system turn, or put a system message after the start",
     "foreign_template": "role markers of another chat-template family inside content or text",
     "special_string_in_text": "special-token strings in untrusted text (must stay bytes)",
     "template_mismatch": "the tokenizer's chat template renders other ids/mask than stacklm's render_conversation",

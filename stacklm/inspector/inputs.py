@@ -262,6 +262,14 @@ def _inspect_view(report: Report, view: BatchView, tok: InspectTokenizer, where:
 def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Report:
     import torch
 
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head.startswith(b"PK") and not head[:1] == b"\x80":  # torch.save: a zip archive (a pickle before torch 1.6)
+        raise InspectError(
+            f"{path}: not a saved batch (not a file torch.save wrote: neither a zip archive nor a pickle; raw token ids?); "
+            "inspect reads torch.save(batch_dict, path) files, a prebuilt shard directory (or its shard_*.tokens.bin) "
+            "and .jsonl/.parquet rows"
+        )
     try:
         batch = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001

@@ -30,7 +30,9 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
     ``stacklm inspect DIR --row N``: ``input_ids`` (the window) and ``segments`` (``source``,
     ``file``, ``record``, ``row_start``, ``row_end``, ``doc_offset``); shards mode adds the
     global ``row``, stream mode ``verified`` (the rebuilt window's CRC is the logged one).
-    Padding rows (no data, no loss) are ``{"padding": true}``."""
+    Padding rows (no data, no loss) are ``{"padding": true}``. A step inside a ``skip_steps``
+    range also lists the rows it would have had, each ``"skipped": true`` (``skip_steps``: the
+    range), beside the rows it trained (those of a later step)."""
     generation, meta, records = find_step(path, step)
     rows: list[dict[str, Any]] = []
     if meta["mode"] == "shards":
@@ -41,6 +43,8 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
         raise StepLogError(f"{generation}: mode {meta['mode']!r} has no step log reader")
     for rec in records:
         where = {"rank": rec["rank"], "epoch": rec["epoch"], "batch": rec["batch"]}
+        if rec.get("skipped"):  # skip_steps passed over these rows: what the step would have had
+            where["skipped"] = True
         real = fill(rec)
         for i, row in enumerate(real):
             rows.append({**where, "row_in_batch": i, **row})
@@ -48,7 +52,8 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
             rows.append({**where, "row_in_batch": len(real) + j, "padding": True, "input_ids": None, "segments": []})
     return {"step": int(step), "mode": meta["mode"], "generation": generation.name, "world_size": meta["world_size"],
             "batch_size": meta["batch_size"], "accumulate_grad_batches": meta.get("accumulate_grad_batches", 1),
-            "tokenizer": meta["tokenizer"], "rows": rows}
+            "tokenizer": meta["tokenizer"], "skip_steps": [r for r in meta.get("skip_steps", [])
+                                                           if r["steps"][0] <= step <= r["steps"][1]], "rows": rows}
 
 
 def _shard_rows(meta: dict[str, Any]):

@@ -38,12 +38,23 @@ def prebuild(
 ) -> dict[str, Any]:
     """Build (or resume, or confirm) the shard set in ``out``; returns the top manifest.
 
+    ``out`` may be a remote URL (``s3://bucket/prefix``, any fsspec protocol): the build runs in
+    a local staging directory and is uploaded, manifests last (``stacklm.data.storage.remote``).
+
     ``config`` is a ``PipelineConfig``; ``tokenizer`` a ``StackTokenizer`` or the path of its
     artifact. ``workers > 1`` runs the jobs in that many spawned processes. ``provenance``
     writes a side file per shard naming each row's document pieces (``stacklm.data.storage.provenance``).
     ``progress``: a live bar on stderr, updated every ``progress_interval`` seconds by each job
     (the summary table is ``stacklm.prebuild.summary``'s, printed by the CLI whatever this says).
     """
+    from stacklm.data.storage import remote
+
+    if remote.is_remote(out):  # build in a local staging dir, upload, manifests last (``remote``)
+        kw = dict(workers=workers, tokens_per_shard=tokens_per_shard, splits=splits, progress=progress,
+                  provenance=provenance, progress_interval=progress_interval)
+        tok = resolve_tokenizer(tokenizer)
+        return remote.prebuild_remote(str(out), lambda stage: prebuild(config, tok, stage, **kw),
+                                      say=(lambda m: print(m, file=sys.stderr)) if progress else None)
     tokenizer = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance))
     # The lock is taken before the directory is even checked and held to the end: a second

@@ -5,8 +5,10 @@ built differently), and the split and top manifests written once every job is do
 from __future__ import annotations
 
 import json
+import os
 import shutil
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -205,14 +207,72 @@ def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[s
     }
 
 
-def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Write the split manifests, then the top manifest (the "finished" mark), then drop the
-    resume state."""
+def _job(split: str, worker: int) -> str:
+    return f"split {split!r} job {worker}"
+
+
+def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str, int], str] = _job, *,
+                strict: bool | None = None) -> None:
+    """Refuse the jobs' counts before any manifest is written, naming the job (``name_task(split,
+    worker)``: a datatrove task's rank and log):
+
+    - a job whose own token ledger does not add up (``read = dropped + holdout + buffered +
+      kept``, ``kept = delivered + remainder``): the sum over jobs can add up while two jobs
+      are off in opposite directions, so each job is checked, then each split's sum;
+    - a job that read documents of its split (read minus the other split's holdout) and wrote
+      no sequence: a task that silently produced nothing (a reader that lost its input, a
+      writer that never ran) must not pass as a small share.
+
+    ``LedgerError`` / ``PrebuildError``; ``strict=False`` (or ``STACKLM_LEDGER_STRICT=0``)
+    makes the ledger failures a loud warning instead, recorded in the manifest.
+    """
+    strict = os.environ.get(ledger.STRICT_ENV, "") != "0" if strict is None else strict
+    problems, empty = [], []
+    for s in sorted(summaries, key=lambda s: (s["split"], int(s["worker"]))):
+        who = name_task(s["split"], int(s["worker"]))
+        if "ledger" not in s:  # counts of a job resumed from before stacklm kept a ledger
+            continue
+        problems += [f"{who}: {p}" for p in ledger.check(s["ledger"])]
+        own = {src: int(u["docs"]["read"]) - int(u["docs"]["holdout"]) for src, u in s["ledger"].items()}
+        n_seq = sum(int(d["n_seq"]) for d in s["shards"])
+        if sum(own.values()) > 0 and n_seq == 0:
+            merged = ledger.merge([s["ledger"]])
+            terms = "; ".join(
+                f"{src}: {n:,} read for this split, dropped {sum(merged[src]['docs']['dropped'].values()):,}, "
+                f"kept {merged[src]['docs']['kept']:,}, delivered {merged[src]['docs']['delivered']:,}"
+                for src, n in own.items() if n
+            )
+            empty.append(f"{who} read {sum(own.values()):,} documents of its split and wrote no sequence ({terms})")
+    for split in sorted({s["split"] for s in summaries}):
+        jobs = [s for s in summaries if s["split"] == split]
+        if jobs and all("ledger" in s for s in jobs):
+            problems += [f"split {split!r}, summed over its {len(jobs)} jobs: {p}" for p in ledger.check(ledger.merge(s["ledger"] for s in jobs))]
+    if empty:
+        raise PrebuildError(
+            "a job produced nothing where input existed: " + "; ".join(empty)
+            + ". Read its log, fix the cause (a source that cannot be read, a filter that drops everything), delete its "
+            "counts (.prebuild/<split>-w<k>.done.json; datatrove: its completions/ file) and re-run"
+        )
+    if problems:
+        message = ("the token ledger does not add up (a stage lost or repeated data without counting it): " + "; ".join(problems)
+                   + f". The shards are kept; set {ledger.STRICT_ENV}=0 to write the manifests anyway, with the failed identities recorded")
+        if strict:
+            raise ledger.LedgerError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+
+
+def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[Mapping[str, Any]],
+             name_task: Callable[[str, int], str] = _job) -> dict[str, Any]:
+    """Check the jobs' counts (``check_tasks``), write the split manifests, then the top manifest
+    (the "finished" mark), then drop the resume state."""
+    for split in plan.splits:
+        jobs = [s for s in summaries if s["split"] == split]
+        if len(jobs) != plan.workers:
+            raise PrebuildError(f"split {split!r}: {len(jobs)} of {plan.workers} jobs finished; re-run to complete the rest")
+    check_tasks(summaries, name_task)
     per_split = {}
     for split in plan.splits:
         jobs = sorted((s for s in summaries if s["split"] == split), key=lambda s: s["worker"])
-        if len(jobs) != plan.workers:
-            raise PrebuildError(f"split {split!r}: {len(jobs)} of {plan.workers} jobs finished; re-run to complete the rest")
         per_split[split] = split_manifest(plan, identity, split, jobs)
         mf.write_manifest(plan.out / split, per_split[split])
     top = top_manifest(plan, identity, per_split)

@@ -62,6 +62,7 @@ class TaskPlan:
     tasks_per_split: int
     tokens_per_shard: int
     splits: tuple[str, ...] = SPLITS
+    logs: str = ""  # the chain's datatrove logging folder (error messages name a task's log in it)
     exact_ranges: int = 1  # dedup bucket tasks: digest ranges (exact) and key ranges per band (near)
     near_ranges: int = 1
 
@@ -411,7 +412,9 @@ class TaskProgress:
 
 
 class StackManifestMerger(_StackStep):
-    """One task, after all the others: merge their counts into the split and top manifests."""
+    """One task, after all the others: merge their counts into the split and top manifests,
+    refusing a task whose ledger does not add up or that wrote nothing from its input
+    (``manifests.check_tasks``: the message names the task's rank and log)."""
 
     name = "stacklm manifest merge"
     type = "💽 - WRITER"
@@ -433,7 +436,11 @@ class StackManifestMerger(_StackStep):
                 if not path.exists():
                     raise PrebuildError(f"{path} is missing: task for split {split!r}, worker {worker} has not finished; rerun the main job first", path=path)
                 summaries.append(json.loads(path.read_text()))
-        top = finalize(plan, plan.identity(), summaries)
+        def name_task(split: str, worker: int) -> str:  # the main stage's rank of (split, worker), and its log
+            rank = plan.splits.index(split) * plan.workers + worker
+            return f"split {split!r} worker {worker} (datatrove stage 'main' task {rank}, log {self.plan.logs}/main/logs/task_{rank:05d}.log)"
+
+        top = finalize(plan, plan.identity(), summaries, name_task)
         self.stat_update("sequences", value=sum(s["n_seq"] for s in top["splits"].values()))
         return
         yield
@@ -485,11 +492,11 @@ def prebuild_executors(
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
-    task_plan = TaskPlan(config.to_dict(), tok.to_dict(), str(plan.out), plan.workers, plan.tokens_per_shard, plan.splits,
-                         int(dedup_ranges), int(dedup_ranges))
     # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor
     # still writes logs, and OUT must end up exactly as `stacklm prebuild` leaves it.
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
+    task_plan = TaskPlan(config.to_dict(), tok.to_dict(), str(plan.out), plan.workers, plan.tokens_per_shard, plan.splits, logs,
+                         int(dedup_ranges), int(dedup_ranges))
     if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
         shutil.rmtree(logs)
     n_tasks = plan.workers * len(plan.splits)

@@ -24,8 +24,11 @@ from datatrove.executor.slurm import SlurmPipelineExecutor, default_job_id_retri
 from stacklm.prebuild.plan import PrebuildError
 
 # sacct states after which an array task never completes
-FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE", "PREEMPTED", "REVOKED")
-DONE_STATES = ("COMPLETED",) + FAILED_STATES
+FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED")
+# final unless Slurm requeues the task (datatrove submits with --requeue): a failure only once its
+# job has also left the queue, so a requeued task is waited for, not reported
+REQUEUED_STATES = ("PREEMPTED", "NODE_FAIL")
+DONE_STATES = ("COMPLETED",) + FAILED_STATES + REQUEUED_STATES
 
 
 class StackSlurmExecutor(SlurmPipelineExecutor):
@@ -202,19 +205,23 @@ def wait_for_chain(chain: Sequence[SlurmPipelineExecutor], poll_seconds: float =
                 if failed:
                     job, idx, (state, code) = failed[0]
                     rank = ranks[dict(arrays)[job] + idx]
-                    what = f"task {rank} (job {job}_{idx}, {state}{_exit(code)})"
+                    what = f"task {rank} (job {job}_{idx}, {state}{_exit(code)}) failed"
                     slurm_log = Path(ex.slurm_logs_folder) / f"{job}_{idx}.out"
                 else:
                     rank = min(incomplete)
-                    what = f"task {rank} (its job {'s' if len(arrays) > 1 else ''}{', '.join(j for j, _ in arrays)} left the queue without completing it"
-                    what += "; no sacct to say why)" if states is None else ")"
-                    slurm_log = Path(ex.slurm_logs_folder)
+                    where = ranks.index(rank) if rank in ranks else -1
+                    k, idx = divmod(where, ex.max_array_size) if ex.max_array_size != -1 else (0, where)
+                    job = arrays[min(k, len(arrays) - 1)][0]
+                    state = (states or {}).get((job, idx))
+                    what = f"task {rank} (job {job}_{idx}{f', {state[0]}{_exit(state[1])}' if state else ''}) left the queue without completing it"
+                    what += " (no sacct to say why)" if states is None else ""
+                    slurm_log = Path(ex.slurm_logs_folder) / f"{job}_{idx}.out"
                 task_log = Path(ex.logging_dir.resolve_paths(f"logs/task_{rank:05d}.log"))
                 cancelled = cancel_after(chain, ex)
                 error = _last_error(task_log) or (_last_error(slurm_log) if slurm_log.is_file() else "")
                 more = len(failed) - 1
                 raise SlurmTaskFailed(
-                    f"slurm stage {ex.stacklm_stage!r}: {what} failed"
+                    f"slurm stage {ex.stacklm_stage!r}: {what}"
                     + (f" ({more} more task(s) of the stage failed too)" if more > 0 else "")
                     + (f": {error}" if error else "")
                     + f"; logs: {task_log} and {slurm_log}; cancelled {cancelled} job(s) that depended on it; "

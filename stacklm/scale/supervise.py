@@ -27,6 +27,7 @@ Slurm stays datatrove's: ``sbatch`` dependencies, not a process of ours, wait th
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections import deque
@@ -81,7 +82,8 @@ def _last_error(log: str) -> str:
         if "| ERROR" in lines[i]:
             # loguru: "... | ERROR    | module:function:line - message"; the traceback follows, its last line is "Type: message"
             tail = [line for line in lines[i + 1:] if line and not line.startswith((" ", "Traceback", "\u2502", "\u2514", "\u251c", "\u2570", "\u256d", ">"))]
-            return (tail[-1] if tail else lines[i].split(" - ", 1)[-1]).strip()
+            last = (tail[-1] if tail else lines[i].split(" - ", 1)[-1]).strip()
+            return re.sub(r"^(?:\w+\.)+(?=\w+: )", "", last)  # "stacklm.data.ledger.LedgerError: ..." -> "LedgerError: ..."
     return ""
 
 

@@ -105,6 +105,14 @@ def artifact_fields(data: dict[str, Any], source: str = "<dict>") -> tuple[list[
 
     if not isinstance(data, dict):
         raise bad("<root>", "expected a JSON object")
+    if "format" not in data and isinstance(data.get("model"), dict):  # a Hugging Face tokenizer.json
+        kind = data["model"].get("type")
+        raise TokenizerArtifactError(
+            f"{source}: a Hugging Face tokenizer.json (model {kind!r}), not a stacklm tokenizer artifact "
+            f"({ARTIFACT_NAME}); point to a directory holding {ARTIFACT_NAME} (train one with `stacklm train-tokenizer "
+            "--out DIR`)" + ("; a byte-level BPE tokenizer.json can be imported with stacklm.tokenizer.imports.load_foreign"
+                              if kind == "BPE" else "")
+        )
     if data.get("format") != ARTIFACT_FORMAT:
         raise bad("format", f"expected {ARTIFACT_FORMAT!r}, got {data.get('format')!r}")
     if data.get("version") != ARTIFACT_VERSION:

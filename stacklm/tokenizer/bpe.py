@@ -27,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import regex
 
+from stacklm.errors import StackLMError
 from stacklm.tokenizer.artifact import (
     SPECIAL_NAME,
     artifact_dict,
@@ -195,8 +196,10 @@ class StackTokenizer:
             self._cache.put(chunk, ids)
         return ids
 
-    def encode_ordinary(self, text: str) -> list[int]:
-        """Encode untrusted text: special-token strings in it are ordinary bytes (fast path)."""
+    def encode_ordinary(self, text: str, strict: bool = False) -> list[int]:
+        """Encode untrusted text: special-token strings in it are ordinary bytes (fast path);
+        lone surrogates as in ``encode``."""
+        check_surrogates(text, strict)
         return self._encode_fast(text, frozenset())
 
     def encode(
@@ -204,11 +207,18 @@ class StackTokenizer:
         text: str,
         allowed_special: AllowedSpecial = frozenset(),
         add_special_tokens: bool = False,
+        strict: bool = False,
     ) -> list[int]:
         """Encode ``text`` through the Rust core. By default special strings are ordinary bytes
         (untrusted text); a trusted call site opts in with ``allowed_special`` (a set of names
         or ``"all"``) and/or ``add_special_tokens=True`` (wraps the result in
-        ``<|bos|> ... <|eos|>``). Same ids as ``encode_reference``."""
+        ``<|bos|> ... <|eos|>``). Same ids as ``encode_reference``.
+
+        Every string that is valid Unicode round-trips (``decode(encode(t)) == t``). A lone
+        surrogate (a Python ``str`` can hold one, UTF-8 cannot) is replaced with U+FFFD, as
+        tiktoken does, with a ``LoneSurrogateWarning`` saying how many; ``strict=True`` raises
+        ``LoneSurrogateError`` instead."""
+        check_surrogates(text, strict)
         ids = self._encode_fast(text, self._resolve_allowed(allowed_special))
         if add_special_tokens:
             ids = [self.bos_id, *ids, self.eos_id]
@@ -303,8 +313,14 @@ class StackTokenizer:
         num_threads: int = 8,
         allowed_special: AllowedSpecial = frozenset(),
         add_special_tokens: bool = False,
+        strict: bool = False,
     ) -> list[list[int]]:
-        """Encode many texts through tiktoken's Rust core (threads release the GIL)."""
+        """Encode many texts through tiktoken's Rust core (threads release the GIL); lone
+        surrogates as in ``encode``."""
+        if not isinstance(texts, list):
+            texts = list(texts)
+        for text in texts:
+            check_surrogates(text, strict)
         core = self._core()
         allowed = self._resolve_allowed(allowed_special)
         if not isinstance(texts, list):
@@ -453,6 +469,36 @@ class StackTokenizer:
 
     def __repr__(self) -> str:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
+
+
+class LoneSurrogateError(StackLMError, ValueError):
+    """``encode(..., strict=True)`` of a string holding a lone surrogate (not encodable as UTF-8)."""
+
+
+class LoneSurrogateWarning(UserWarning):
+    """``encode`` replaced lone surrogates with U+FFFD: that string does not round-trip."""
+
+
+def check_surrogates(text: str, strict: bool = False) -> None:
+    """Say (warn, or raise with ``strict``) when ``text`` holds lone surrogates, which encoding
+    replaces with U+FFFD (issue 23: replaced silently although the README said every string
+    round-trips). Free for ASCII (``isascii`` is O(1)); one UTF-8 encode otherwise."""
+    if not isinstance(text, str) or text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    n = replace_lone_surrogates(text).count("\ufffd") - text.count("\ufffd")
+    first = next(i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff")
+    what = (f"the text holds {n} lone surrogate(s) (first at character {first}: {text[first]!r}), which UTF-8 cannot "
+            "encode")
+    if strict:
+        raise LoneSurrogateError(f"{what}; refused (strict=True): repair the text, e.g. decode its bytes with errors='replace'")
+    msg = (f"{what}; encoded as U+FFFD, so decode() will not give this text back. Repair the text (e.g. decode its "
+           "bytes with errors='replace'), or pass strict=True to refuse it")
+    warnings.warn(msg, LoneSurrogateWarning, stacklevel=3)
 
 
 _LAZY_INIT = threading.Lock()

@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.atomic import atomic_write_bytes, atomic_write_text
+from stacklm.tokenizer.artifact import TokenizerArtifactError
 from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.chat_template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN
 
@@ -139,7 +140,7 @@ def read_tiktoken_ranks(path: str | os.PathLike, expected_sha256: str | None = N
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no tiktoken ranks file here; write one with save_tiktoken_ranks") from None
     if expected_sha256 is not None and hashlib.sha256(data).hexdigest() != expected_sha256:
-        raise ValueError(
+        raise TokenizerArtifactError(
             f"{path}: sha256 differs from the one recorded in {tiktoken_sidecar_path(path).name}; the ranks file was "
             "edited or replaced without its sidecar -- re-export both with save_tiktoken_ranks"
         )
@@ -151,7 +152,10 @@ def read_tiktoken_ranks(path: str | os.PathLike, expected_sha256: str | None = N
             token, rank = line.split()
             ranks[base64.b64decode(token, validate=True)] = int(rank)
         except Exception:
-            raise ValueError(f"{path}:{lineno}: expected 'base64token rank', got {line[:80]!r}") from None
+            raise TokenizerArtifactError(
+                f"{path}:{lineno}: expected 'base64token rank', got {line[:80]!r}: not a tiktoken ranks file (or a damaged "
+                "one); pass a .tiktoken file of base64 tokens and ranks, one per line"
+            ) from None
     return ranks
 
 
@@ -165,17 +169,17 @@ def read_tiktoken_sidecar(path: str | os.PathLike) -> dict[str, Any]:
             "pass them explicitly (stacklm.tokenizer.imports.from_tiktoken(path, pattern=..., named_tokens=...))"
         ) from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{side}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise TokenizerArtifactError(f"{side}: not valid JSON ({e.msg} at line {e.lineno})") from None
     if not isinstance(meta, dict) or meta.get("format") != TIKTOKEN_SIDECAR_FORMAT:
-        raise ValueError(f"{side}: field 'format': expected {TIKTOKEN_SIDECAR_FORMAT!r}")
+        raise TokenizerArtifactError(f"{side}: field 'format': expected {TIKTOKEN_SIDECAR_FORMAT!r}")
     if meta.get("version") != TIKTOKEN_SIDECAR_VERSION:
-        raise ValueError(
+        raise TokenizerArtifactError(
             f"{side}: field 'version': this stacklm reads {TIKTOKEN_SIDECAR_VERSION}, got {meta.get('version')!r}"
         )
     fields = (("pattern", str), ("named_tokens", dict), ("ranks_sha256", str), ("n_ranks", int), ("vocab_size", int))
     for fld, typ in fields:
         if not isinstance(meta.get(fld), typ):
-            raise ValueError(f"{side}: field {fld!r}: missing or not a {typ.__name__}")
+            raise TokenizerArtifactError(f"{side}: field {fld!r}: missing or not a {typ.__name__}")
     return meta
 
 
@@ -186,7 +190,7 @@ def load_tiktoken_encoding(path: str | os.PathLike, name: str | None = None):
     meta = read_tiktoken_sidecar(path)
     ranks = read_tiktoken_ranks(path, expected_sha256=meta["ranks_sha256"])
     if len(ranks) != meta["n_ranks"]:
-        raise ValueError(f"{path}: {len(ranks)} ranks but the sidecar says n_ranks={meta['n_ranks']}")
+        raise TokenizerArtifactError(f"{path}: {len(ranks)} ranks but the sidecar says n_ranks={meta['n_ranks']}")
     named = {str(k): int(v) for k, v in meta["named_tokens"].items()}
     contiguous = len(ranks) + len(named) == meta["vocab_size"]
     return tiktoken.Encoding(

@@ -113,10 +113,16 @@ def _meta(d: Path) -> dict[str, Any]:
 
 
 def _col(d: Path, name: str) -> np.ndarray:
+    """One signature column, memory-mapped; data only (``allow_pickle=False``): a file that is
+    not a plain ``.npy`` array is refused naming it."""
+    path = Path(d) / f"{name}.npy"
     try:
-        return np.load(Path(d) / f"{name}.npy", mmap_mode="r", allow_pickle=False)
+        a = np.load(path, mmap_mode="r", allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{d}/{name}.npy: unreadable dedup signature column ({type(e).__name__}: {e}); re-run the signature step") from None
+        raise ValueError(f"{path}: not a stacklm dedup signature column ({type(e).__name__}: {e}); delete it and re-run the prebuild (the dedup stages run again)") from None
+    if not isinstance(a, np.ndarray) or a.dtype.hasobject:
+        raise ValueError(f"{path}: not a stacklm dedup signature column (not one plain array); delete it and re-run the prebuild (the dedup stages run again)")
+    return a
 
 
 # -- 2. buckets --------------------------------------------------------------------------------------
@@ -184,11 +190,16 @@ def save_pairs(pairs: np.ndarray, path: str | Path) -> None:
 
 
 def load_pairs(path: str | Path) -> np.ndarray:
+    """A bucket task's pairs; data only (``allow_pickle=False``), anything else refused naming the file."""
     try:
         a = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: unreadable dedup pair file ({type(e).__name__}: {e}); re-run the bucket step") from None
-    return a.reshape(-1, 2).astype(np.uint64, copy=False)
+        raise ValueError(f"{path}: not a stacklm dedup pair file ({type(e).__name__}: {e}); delete it and re-run the prebuild (the bucket task runs again)") from None
+    if not isinstance(a, np.ndarray) or a.dtype != np.uint64:
+        if not isinstance(a, np.ndarray):
+            a.close()
+        raise ValueError(f"{path}: not a stacklm dedup pair file (not one uint64 array); delete it and re-run the prebuild (the bucket task runs again)")
+    return a.reshape(-1, 2)
 
 
 def unique_pairs(pairs: np.ndarray) -> np.ndarray:

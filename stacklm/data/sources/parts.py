@@ -14,6 +14,9 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from stacklm.data.audit import (
+    BINARY_INVALID_FRACTION,
+    DROPPED_BINARY,
+    INVALID_UTF8,
     MISSING_TEXT,
     NON_STRING_TEXT,
     NULL_TEXT,
@@ -329,9 +332,16 @@ class TextPartSource(PartNode):
         if self._emitted:
             return
         if self._owned_rows:
+            binary = self.stats.get(self.name, DROPPED_BINARY)
+            if binary:  # not empty: undecodable (latin-1, UTF-16, a binary file named .txt)
+                why = (f"{binary} of them are not UTF-8 text (more than {BINARY_INVALID_FRACTION:.0%} invalid UTF-8, "
+                       f"{self.stats.get(self.name, INVALID_UTF8):,} invalid sequences): convert the files to UTF-8 "
+                       "(e.g. iconv -f latin1 -t utf-8) or drop them from the source")
+            else:
+                why = f"have empty text in column {self.text_column!r}"
             raise EmptySourceError(
-                f"source {self.name!r}: all {self._owned_rows} rows of {self._describe()} have empty text in "
-                f"column {self.text_column!r}",
+                f"source {self.name!r}: all {self._owned_rows} rows of {self._describe()} {why}" if not binary else
+                f"source {self.name!r}: no document left of the {self._owned_rows} rows of {self._describe()}: {why}",
                 source=self.name,
                 file=self._describe(),
             )

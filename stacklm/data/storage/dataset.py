@@ -33,6 +33,12 @@ from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer,
 from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
 from stacklm.data.storage.shards import ShardError, check_content_hash, check_shard_files, list_shard_files, open_tokens, parse_dtype, tokens_path
 from stacklm.dist import rank_world
+from stacklm.errors import ArgumentTypeError
+
+
+class IndexTypeError(ArgumentTypeError, IndexError):
+    """``PackedMemmapDataset[...]`` with an index that is not an int, a slice or 1-D ints."""
+
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
 _MIN_ROWS_FOR_BOS_CHECK = 32
@@ -142,7 +148,10 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if not isinstance(verify_content, bool):
             raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
         self.verify_content = verify_content
-        self.path = resolve_split_dir(path, split)
+        from stacklm.data.storage import remote
+
+        self.url = str(path) if remote.is_remote(path) else None  # read from its local mirror (``remote.mirror``)
+        self.path = resolve_split_dir(remote.local_path(path), split)
         self.manifest = read_manifest(self.path, required=SPLIT_REQUIRED)
         m = self.manifest
         where = str(self.path / "manifest.json")
@@ -273,11 +282,18 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         )
 
     def __getitem__(self, index):
-        if isinstance(index, (int, np.integer)):
+        """``ds[i]``: one row; ``ds[a:b]`` or ``ds[[i, j, ...]]``: a batch. Any other index (a
+        float, a bool, a 2-D array) is an ``IndexTypeError``: ``np.asarray(1.5)`` used to read
+        a 2-D batch of row 1."""
+        if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
             return {k: v[0] for k, v in self.get_batch([int(index)]).items()}
         if isinstance(index, slice):
             index = range(*index.indices(self.num_rows))
-        return self.get_batch(np.asarray(index))
+        rows = np.asarray(index)
+        if rows.ndim != 1 or not (rows.dtype.kind in "iu" or rows.size == 0):
+            got = type(index).__name__ + (f" of dtype {rows.dtype}, shape {rows.shape}" if rows.ndim else f" {index!r}")
+            raise IndexTypeError(f"PackedMemmapDataset[{index!r}]: an index is an int, a slice or a 1-D sequence of ints, got {got}")
+        return self.get_batch(rows.astype(np.int64, copy=False))
 
     # -- checks --------------------------------------------------------------------------
     def check_sample(self, sample_rows: int = DEFAULT_SAMPLE_ROWS, seed: int = 0) -> None:
@@ -331,8 +347,12 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
 def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool = True) -> dict[str, Any]:
     """Full check of a prebuilt directory (top or split): every shard's size, content hash and
-    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals."""
-    path = Path(path)
+    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals.
+    A remote URL is mirrored first (each shard hash-checked on download, ``remote.mirror``),
+    then the mirror is checked as a local directory."""
+    from stacklm.data.storage import remote
+
+    path = Path(remote.local_path(path))
     top = read_manifest(path, required=REQUIRED)
     splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
     if not splits:
