@@ -409,6 +409,8 @@ CONFIG_CASES = {
     "negative shuffle_buffer": (lambda d: d["data"]["pipeline"].update(shuffle_buffer=-1), ["shuffle_buffer", ">= 1", "got -1"]),
     "zero pack_buffer_docs": (lambda d: d["data"]["pipeline"].update(pack_buffer_docs=0), ["pack_buffer_docs", ">= 1"]),
     "zero num_threads": (lambda d: d["data"]["pipeline"].update(num_threads=0), ["num_threads", ">= 1"]),
+    "pipeline seq_len other than data.seq_len": (lambda d: d["data"]["pipeline"].update(seq_len=2 * d["data"]["seq_len"]),
+                                                 ["seq_len", "set them in one place"]),
 }
 
 

@@ -93,6 +93,13 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     for key in MODULE_DEFAULTS:
         if key in data:
             fields.setdefault(key, data[key])
+    # The trainer refuses a pipeline seq_len/batch_size other than the module's
+    # (StackDataModule.pipeline_config); shards built from such a file would not train.
+    clash = [f"{k} {fields[k]!r} vs data.{k} {data[k]!r}" for k in ("seq_len", "batch_size")
+             if k in data and k in data["pipeline"] and data["pipeline"][k] != data[k]]
+    if clash:
+        raise PrebuildError(f"{path}: field '{PIPELINE_PATH}' sets {'; '.join(f'{PIPELINE_PATH}.{c}' for c in clash)}; "
+                            "the trainer refuses a file where they differ: set them in one place (data.seq_len / data.batch_size)", path=path)
     try:
         config = PipelineConfig.from_dict(fields, path=PIPELINE_PATH)
         section = PrebuildSettings.coerce(doc.get("prebuild"), "prebuild")
