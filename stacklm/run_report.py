@@ -6,7 +6,9 @@ documents dropped by stage and reason, the delivered documents' length histogram
 the padding fraction. Read from what the run wrote:
 
 - every ``metrics.csv`` a Lightning ``CSVLogger`` wrote under ``RUN`` (one ``version_N`` per fit:
-  a resume's rows continue the first fit's steps), with the scalars ``DataStatsCallback`` logs;
+  a resume's rows continue the first fit's steps; a fit that starts over -- a new run in the
+  same folder, such as an SFT run after its pre-training -- is another run, and the newest run
+  is the one drawn), with the scalars ``DataStatsCallback`` logs;
 - ``data_stats.json`` beside them (``stacklm.callbacks.DATA_STATS_FILE``, the newest by step):
   the histograms and drops the scalars do not carry.
 
@@ -49,26 +51,44 @@ def read_run(run: str | Path) -> dict[str, Any]:
     if not csvs:
         raise ReportError(f"{run}: no metrics.csv under it; the report reads a Lightning CSVLogger's files "
                           "(stacklm-train's default logger), so add one to trainer.logger")
-    rows: list[dict[str, float]] = []
-    starts: list[int] = []  # the first step of every fit after the first (a resume)
-    for i, path in enumerate(csvs):
+    # Runs: a fit whose first logged step lies past the run's first one continues that run (a
+    # resume: from the last checkpoint, or from an earlier one after a crash, whose re-logged
+    # steps then replace the old ones); a fit that starts at the run's first step again is
+    # another run (a new fit, an SFT run started with init_from) logged into the same folder.
+    # The report draws the newest run.
+    runs: list[list[tuple[Path, list[dict[str, float]]]]] = []
+    for path in csvs:
         fit_rows = []
         with path.open(newline="") as f:
             for r in csv.DictReader(f):
                 values = {k: float(v) for k, v in r.items() if k and v not in ("", None)}
                 if "step" in values:
                     fit_rows.append(values)
-        if i and fit_rows:
-            starts.append(int(min(r["step"] for r in fit_rows)))
-        rows += fit_rows
+        if not fit_rows:
+            continue
+        first = runs[-1][0][1] if runs else None
+        if first is not None and min(r["step"] for r in fit_rows) > min(r["step"] for r in first) + 1:
+            runs[-1].append((path, fit_rows))
+        else:
+            runs.append([(path, fit_rows)])
+    if not runs:
+        raise ReportError(f"{run}: its metrics.csv files hold no logged step yet")
+    newest = runs[-1]
+    rows = [r for _, fit_rows in newest for r in fit_rows]
+    starts = [int(min(r["step"] for r in fit_rows)) for _, fit_rows in newest[1:]]
+    csvs = [p for p, _ in newest]
+    others = [str(p) for older in runs[:-1] for p, _ in older]
     snapshots = []
-    for path in run.rglob(DATA_STATS_FILE):
+    for path in (p.parent / DATA_STATS_FILE for p in csvs):
+        if not path.exists():
+            continue
         try:
             snapshots.append(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
             raise ReportError(f"{path}: not readable JSON ({e}); delete it or re-run the fit") from None
     stats = max(snapshots, key=lambda s: s.get("step", -1)) if snapshots else {}
-    return {"run": str(run), "csv": [str(p) for p in csvs], "rows": rows, "resumes": starts, "stats": stats}
+    return {"run": str(run), "csv": [str(p) for p in csvs], "rows": rows, "resumes": starts, "stats": stats,
+            "other_runs": others}
 
 
 def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
@@ -163,7 +183,10 @@ def figures(data: dict[str, Any]) -> dict[str, Any]:
 def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, value) rows of the page's table: the run's last logged values."""
     rows, stats = data["rows"], data["stats"]
-    items: list[tuple[str, str]] = [("run", data["run"]), ("fits (CSV versions)", str(len(data["csv"])))]
+    items: list[tuple[str, str]] = [("run", data["run"]), ("fits (CSV versions)", f"{len(data['csv'])}: "
+                                     + ", ".join(Path(p).parent.name for p in data["csv"]))]
+    if data.get("other_runs"):
+        items.append(("other runs in this folder (not drawn)", ", ".join(Path(p).parent.name for p in data["other_runs"])))
     steps, loss = _series(rows, "train/loss")
     if steps:
         items.append(("last step logged", f"{int(steps[-1]):,} (train/loss {loss[-1]:.4f})"))

@@ -48,10 +48,29 @@ def is_user_error(exc: BaseException) -> bool:
     return isinstance(exc, (StackLMError, OSError)) or extra_of(exc) is not None
 
 
+# torch's DataLoader re-raises a worker's exception as the same type, its message replaced by
+# "Caught X in DataLoader worker process N.\nOriginal Traceback (most recent call last): ...",
+# the worker's original message last.
+_WORKER_WRAPPED = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.\s*\nOriginal Traceback", re.S)
+
+
+def _unwrap_worker(exc: BaseException, text: str) -> str:
+    """A loader worker's user error as its own message (with the worker named), not torch's
+    wrapper with the worker's whole traceback folded into one line."""
+    m = _WORKER_WRAPPED.match(text)
+    if not m:
+        return text
+    name, worker = m.groups()
+    tail = text.rsplit(f"\n{name}: ", 1)
+    if len(tail) != 2:
+        tail = text.rsplit(f"{name}: ", 1)
+    return f"{tail[-1].strip()} (in DataLoader worker {worker})" if len(tail) == 2 else text
+
+
 def user_error_message(exc: BaseException) -> str:
     """The message of a user error, on one line (two at most), naming what is wrong and the fix."""
     if isinstance(exc, StackLMError):
-        text = str(exc)
+        text = _unwrap_worker(exc, str(exc))
     elif (found := extra_of(exc)) is not None:
         pkg, extra = found
         text = f"the optional package {pkg!r} is not installed ({exc}): pip install \"stacklm[{extra}]\""

@@ -611,3 +611,22 @@ def test_inspect_reports_roles_out_of_order(messages, must, tmp_path, tok_dir, c
     assert "ERROR    roles_out_of_order: 1 finding(s)" in out and f"{path}:2" in out, out
     for text in must:
         assert text in out, (text, out)
+
+
+def test_a_loader_workers_user_error_is_its_own_line():
+    """torch re-raises a worker's error as "Caught X in DataLoader worker process N. Original
+    Traceback ..."; the user sees the worker's own message, with the worker named."""
+    from torch._utils import ExceptionWrapper
+
+    from stacklm.data.storage.shards import ShardError
+    from stacklm.user_errors import user_error_message
+
+    try:
+        raise ShardError("shards/train/00001/tokens.bin: content hash 1 != manifest 2; run `stacklm verify shards`")
+    except ShardError:
+        wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
+    with pytest.raises(ShardError) as info:
+        wrapped.reraise()
+    assert "Original Traceback" in str(info.value)
+    assert user_error_message(info.value) == (
+        "shards/train/00001/tokens.bin: content hash 1 != manifest 2; run `stacklm verify shards` (in DataLoader worker 1)")

@@ -70,6 +70,13 @@ def test_report_draws_a_resumed_run_from_its_own_logs(tokenizer_dir, tmp_path, c
         assert f"{r['tokens']:,} tokens, {r['docs']:,} docs" in page
     assert "report: " in capsys.readouterr().out
 
+    # a new run in the same folder (an SFT run after its pre-training: steps from 0 again) is
+    # not a resume: the report draws the newest run alone and names the others
+    _fit(tokenizer_dir, tmp_path, 4)
+    newest = read_run(tmp_path)
+    assert len(newest["csv"]) == 1 and newest["resumes"] == [] and len(newest["other_runs"]) == 2
+    assert max(r["step"] for r in newest["rows"]) <= 4
+
 
 def test_report_refuses_a_folder_without_logs_in_one_line(tmp_path):
     with pytest.raises(ReportError, match="no metrics.csv under it"):
