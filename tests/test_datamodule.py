@@ -21,15 +21,19 @@ def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
     return saved_tokenizer_dir(tokenizer_512)
 
 
-@pytest.fixture(scope="module")
-def shards_dir(tokenizer_dir, tmp_path_factory):
+def build_shards(tokenizer_dir, out, total_tokens: int = 20_000):  # noqa: F811
+    """Prebuilt shards of ``stream_pipeline``'s two-source mix at the tests' seq_len and batch."""
     from stacklm.data.nodes import PipelineConfig
     from stacklm.prebuild import prebuild
 
-    out = tmp_path_factory.mktemp("shards")
-    cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=20_000), "seq_len": SEQ_LEN, "batch_size": BATCH})
+    cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=total_tokens), "seq_len": SEQ_LEN, "batch_size": BATCH})
     prebuild(cfg, tokenizer_dir, out, tokens_per_shard=SEQ_LEN * 64, progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tokenizer_dir, tmp_path_factory):
+    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))
 
 
 def stream_pipeline(total_tokens: int = 12_000) -> dict:

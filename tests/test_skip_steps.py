@@ -31,14 +31,9 @@ def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def shards_dir(tokenizer_dir, tmp_path_factory):
-    from stacklm.data.nodes import PipelineConfig
-    from stacklm.prebuild import prebuild
-    from tests.test_datamodule import stream_pipeline
+    from tests.test_datamodule import build_shards
 
-    out = tmp_path_factory.mktemp("shards")
-    cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=8_000), "seq_len": SEQ_LEN, "batch_size": BATCH})
-    prebuild(cfg, tokenizer_dir, out, tokens_per_shard=SEQ_LEN * 64, progress=False)
-    return out
+    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"), total_tokens=8_000)
 
 
 class RowRecorder(L.Callback):
