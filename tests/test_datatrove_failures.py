@@ -141,6 +141,7 @@ def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str
     print(f"\n{engine}: failed {failed_after:.1f} s after the kill: {lines[0]}")
     done = subprocess.run(_cli(cfg_file, out, *engine), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0].startswith(f"prebuild summary: {out}")  # the table `stacklm prebuild` prints
     clean = tmp_path / "clean"
     prebuild(config(total=total), tok_dir, clean, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     got, want = tree(out), tree(clean)

@@ -183,6 +183,7 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         dedup_ranges=args.dedup_ranges, **kwargs,
     )
     chain = stage_chain(merge)
+    t0 = time.perf_counter()
     if args.executor != "local":
         print(f"stacklm prebuild-datatrove: per-task resources: {cluster.table(args.executor)}", file=sys.stderr)
     if args.executor == "slurm":
@@ -194,11 +195,24 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         if args.wait:
             wait_for_chain(chain, poll_seconds=args.poll_seconds, say=lambda m: print(m, file=sys.stderr))
             print(f"{out}: every slurm task completed")
+            _print_summary(out, time.perf_counter() - t0)
         else:
             print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
     else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
         run_executors(merge)
+        _print_summary(out, time.perf_counter() - t0)
     return 0
+
+
+def _print_summary(out, seconds: float) -> None:
+    """The same summary table as ``stacklm prebuild`` ends with, from the merged top manifest."""
+    import json
+
+    from stacklm.prebuild.summary import summary_table
+
+    top = Path(out) / "manifest.json"
+    if top.exists():
+        print(summary_table(json.loads(top.read_text()), str(out), seconds))
 
 
 def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
