@@ -202,7 +202,11 @@ def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
 def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys):
     cfg = write_config(tmp_path / "c.yaml", tok_dir, cluster={"partition": "cpu", "qos": "low", "sbatch_args": {"account": "proj"}})
     resources = [a for stage, spec in STAGE_FLAGS.items() for a in ("--stage-resources", f"{stage}={spec}")]
-    for tasks in (1, 2, 4):
+    # T = 2 here (T = 1/2/4 were measured identical when this was written, 273-561 s each on a
+    # loaded 2-core box; the T-invariance of the dedup decision itself is checked on the local
+    # executor by tests/test_global_dedup.py::test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing),
+    # so CI spends one fake-Slurm chain on it.
+    for tasks in (2,):
         local, remote = tmp_path / f"local{tasks}", tmp_path / f"slurm{tasks}"
         assert cli("--config", cfg, "--out", local, "--tasks", tasks, "--workers", 1) == 0
         first = len(slurm.jobs())
