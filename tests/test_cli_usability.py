@@ -45,7 +45,7 @@ def test_every_example_parses():
     """The examples are real command lines: each parses, with the command it is listed under."""
     n = 0
     for name, parser in _parsers().items():
-        for line in parser.epilog.splitlines()[1:]:
+        for line in parser.epilog.replace("\\\n", " ").splitlines()[1:]:  # a shell line continued with a backslash
             line = line.split("  #")[0].strip()
             if not line.startswith("stacklm "):
                 continue
