@@ -422,7 +422,7 @@ def test_preference_mode_under_real_ddp_is_disjoint_complete_and_resumes(tokeniz
 
 def test_inspect_reads_a_saved_preference_batch(tok, saved_tokenizer_dir, pairs, tmp_path):
     """``stacklm inspect`` checks both sides of every pair: all clean with the default policy
-    (stop tokens counted: each side's <|end|> and <|eos|>), an error without trained stop tokens."""
+    (stop tokens counted: each side's <|end|> and <|eos|>), errors without trained stop tokens."""
     from stacklm.inspector import inspect_input
 
     tok_dir = saved_tokenizer_dir(tok)
@@ -433,7 +433,8 @@ def test_inspect_reads_a_saved_preference_batch(tok, saved_tokenizer_dir, pairs,
     batch = preference_batch(records, tok, 512, policy=LossPolicy(train_stop_token=False))
     torch.save(batch, tmp_path / "bad.pt")
     bad = inspect_input(tmp_path / "bad.pt", tok_dir)
-    assert {f.check for f in bad.errors} == {"stop_token_never_trained"}
+    # no <|end|> trained either: the turn-closer check (issue 26) says so too, as for SFT batches
+    assert {f.check for f in bad.errors} == {"stop_token_never_trained", "turn_closer_not_trained"}
 
 
 def test_the_packaged_preference_config_builds_a_datamodule(tokenizer_512, saved_tokenizer_dir, tmp_path):
