@@ -40,11 +40,11 @@ from stacklm.chat import (
     NO_MESSAGES,
     ROLES,
     UNKNOWN_ROLE,
-    ChatFormatError,
     Turn,
     render_conversation,
 )
 from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
+from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.chat_template import TOOLS_HEADER, TOOLS_SEPARATOR
 from stacklm.tokenizer.specials import ROLE_TOKENS
 

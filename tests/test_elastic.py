@@ -252,7 +252,7 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
     import shutil
 
     from stacklm.data.nodes import PipelineConfig
-    from stacklm.datamodule import DataConfigError
+    from stacklm.errors import DataConfigError
     from stacklm.datamodule.identity import shards_content_hash
     from stacklm.prebuild import prebuild
     from tests.test_datamodule import stream_pipeline
@@ -284,7 +284,8 @@ def test_sft_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, tmp
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from stacklm.datamodule import DataConfigError, StackDataModule
+    from stacklm.datamodule import StackDataModule
+    from stacklm.errors import DataConfigError
     from tests.lightning_helpers import BatchRecorder, TinyLM
     from tests.test_sft import make_conversations, write_jsonl
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stacklm.datamodule import DataConfigError
+from stacklm.errors import DataConfigError
 from tests.lightning_helpers import run_program
 from tests.elastic_fit import row_ids
 from tests.test_datamodule import _dm, tokenizer_dir  # noqa: F401  (fixture)

@@ -24,7 +24,8 @@ from stacklm.data.storage import shards as sh
 from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import DELIVERY_KEY
-from stacklm.prebuild import PrebuildError, load_config, prebuild
+from stacklm.prebuild import load_config, prebuild
+from stacklm.errors import DataError, PrebuildError, ShardWriteError
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ_LEN = 128
@@ -167,7 +168,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
         return real(f, data)
 
     monkeypatch.setattr(atomic, "_write_all", fills_up)
-    with pytest.raises(sh.ShardWriteError, match="disk is full.*re-run the same command"):
+    with pytest.raises(ShardWriteError, match="disk is full.*re-run the same command"):
         prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     # nothing half-written is visible: no manifest, no temp file, every shard is whole and right
     assert not (out / "manifest.json").exists() and not (out / "train" / "manifest.json").exists()
@@ -177,7 +178,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
     for name in visible:
         assert (out / "train" / f"{name}.tokens.bin").read_bytes() == (ref / "train" / f"{name}.tokens.bin").read_bytes()
         assert (out / "train" / f"{name}.meta.bin").exists()
-    with pytest.raises(mf.ManifestError, match="has not finished"):
+    with pytest.raises(DataError, match="has not finished"):
         PackedMemmapDataset(out)
     monkeypatch.setattr(atomic, "_write_all", real)
     prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)

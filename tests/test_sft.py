@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from stacklm.chat import IGNORE_INDEX, ChatFormatError, as_turns, render_conversation, sft_targets
+from stacklm.chat import IGNORE_INDEX, as_turns, render_conversation, sft_targets
+from stacklm.errors import ChatFormatError
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_code, iter_default_corpus, iter_prose
 from stacklm.data.contract import BATCH_KEYS
@@ -30,7 +31,8 @@ from stacklm.data.sft import (
     truncation_point,
     untag_loss,
 )
-from stacklm.data.sources import EmptySourceError, ShardSpec
+from stacklm.data.sources import ShardSpec
+from stacklm.errors import SourceError
 from stacklm.data.stats import StageStats
 from stacklm.tokenizer.bpe import train_from_iterable
 from tests.resume import check_save_load_state
@@ -257,7 +259,7 @@ def test_all_rejected_source_is_an_error_naming_the_reasons(tok, tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)])
     node = ConversationSource(SourceConfig("q", path=(str(path),)))
     node.reset()
-    with pytest.raises(EmptySourceError, match=r"all 5 conversations .* rejected .*no_assistant"):
+    with pytest.raises(SourceError, match=r"all 5 conversations .* rejected .*no_assistant"):
         list(node)
 
 

@@ -17,7 +17,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.datamodule import DataConfigError, StackDataModule
+from stacklm.datamodule import StackDataModule
+from stacklm.errors import DataConfigError
 from tests.lightning_helpers import TinyLM
 from tests.test_inspect import run
 

@@ -422,7 +422,8 @@ class StackManifestMerger(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.manifests import finalize
-        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
+        from stacklm.prebuild.plan import STATE_DIR
+        from stacklm.errors import PrebuildError
 
         from stacklm.data.storage.shards import remove_temp_files
 

@@ -11,7 +11,6 @@ from torchdata.nodes import BaseNode
 
 from stacklm.chat import (
     DEFAULT_ROLE_ALIASES,
-    ChatFormatError,
     as_turns,
     chat_tokens,
     validate_conversation,
@@ -24,6 +23,7 @@ from stacklm.data.packing.nodes import PackNode
 from stacklm.data.packing.pack import BestFitPacker, segment_layout
 from stacklm.data.sft.render import DROPPED_TOO_LONG, TURNS_CUT, render_for_sft, untag_loss
 from stacklm.data.stats import StageStats
+from stacklm.errors import ChatFormatError
 
 
 def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:

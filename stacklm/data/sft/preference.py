@@ -69,7 +69,6 @@ from stacklm.chat import (
     BAD_MESSAGE,
     DEFAULT_ROLE_ALIASES,
     NO_MESSAGES,
-    ChatFormatError,
     Turn,
     assemble,
     chat_tokens,
@@ -91,6 +90,7 @@ from stacklm.data.sft.render import (
     untag_loss,
 )
 from stacklm.data.stats import StageStats
+from stacklm.errors import ChatFormatError
 
 NO_SHARED_PROMPT = "no_shared_prompt"
 EMPTY_COMPLETION = "empty_completion"

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
-from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
+from stacklm.chat import Turn, chat_tokens, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
@@ -41,7 +41,7 @@ from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError
+from stacklm.errors import ChatFormatError, ConfigError
 
 
 class PreferenceSource(ConversationSource):
