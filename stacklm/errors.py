@@ -1,14 +1,31 @@
 """Every error stacklm raises for a reason outside its own code, and how the command line shows it.
 
-One root and four bases say whose move it is::
+One root and two bases say whose move it is (built-in bases in brackets)::
 
-    StackLMError                    root: the CLI prints it as one line, exit status 2
-    ├── UserError                   what the user gave is wrong: a config key or value, an
-    │                               argument, a path, a missing optional extra
-    ├── DataError (RuntimeError)    a data file is bad, damaged or does not match: a shard, a
-    │                               manifest, a state file, a step log, a source, a tokenizer file
-    │   └── RemoteError             object storage refused or failed a request for good
-    └── ResumeRefused (ValueError)  a checkpoint must not resume on this data / this set-up
+    StackLMError                      the root: the CLI prints it as one line, exit status 2
+    ├── UserError                     what the user gave is wrong: an argument, a config value,
+    │   │                             a path, an input the command does not read, a missing extra
+    │   ├── ConfigError [ValueError]
+    │   │   └── DataGateError
+    │   ├── ArgumentTypeError [TypeError]
+    │   ├── MissingDependencyError [ImportError]
+    │   ├── TextInputError [ValueError]
+    │   │   └── TextInputNotFoundError [FileNotFoundError]
+    │   └── LoneSurrogateError [ValueError]
+    └── DataError [RuntimeError]      a data file is bad, damaged or does not match: a shard, a
+        │                             manifest, a state file, a step log, a source, a tokenizer
+        ├── RemoteError
+        ├── ShardWriteError [OSError]
+        ├── StateFileError [ValueError]
+        ├── LedgerError
+        ├── PrebuildError
+        │   └── TaskFailed
+        ├── TokenizerArtifactError [ValueError]
+        ├── ChatFormatError [ValueError]
+        └── SourceError
+            ├── TextColumnError [ValueError]
+            ├── InvalidRecordError
+            └── SourceNotFoundError [FileNotFoundError]
 
 Every message names the file, field or package and says what to do. Both command lines
 (``stacklm <command>`` and ``stacklm-train`` / ``python -m trainer``) print a user error as
@@ -74,14 +91,6 @@ class DataError(StackLMError, RuntimeError):
     def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:
         super().__init__(message)
         self.path = str(path) if path is not None else None
-
-
-class ResumeRefused(StackLMError, ValueError):
-    """A checkpoint must not resume on this data or this set-up (other shards, sources, seq_len,
-    world size where the mode cannot reshape, a state ahead of what was delivered, ...).
-    Raised before the first step of the resumed fit, with a message starting "refusing to
-    resume" that names both sides and the fix; the CLI shows it as one line, exit 2.
-    (``ValueError``: what these refusals were.)"""
 
 
 # ---------------------------------------------------------------------------------------

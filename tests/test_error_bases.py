@@ -24,7 +24,6 @@ from stacklm.errors import (
     MissingDependencyError,
     PrebuildError,
     RemoteError,
-    ResumeRefused,
     ShardWriteError,
     SourceError,
     SourceNotFoundError,
@@ -37,7 +36,7 @@ from stacklm.errors import (
     UserError,
 )
 
-BASES = (UserError, DataError, ResumeRefused)
+BASES = (UserError, DataError)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +56,6 @@ BASES = (UserError, DataError, ResumeRefused)
         (ArgumentTypeError, TypeError),
         (MissingDependencyError, ImportError),
         (TextInputNotFoundError, FileNotFoundError),
-        (ResumeRefused, ValueError),
     ],
 )
 def test_user_errors_share_one_base_and_keep_their_builtin_one(cls, builtin):
@@ -190,7 +188,7 @@ def test_a_worker_error_arrives_as_its_own_class():
         next(iter(loader))
 
 
-_EACH_BASE = [UserError, DataError, ResumeRefused, RemoteError, ConfigError]
+_EACH_BASE = [UserError, DataError, RemoteError, ConfigError]
 
 
 @pytest.mark.parametrize("cls", _EACH_BASE, ids=lambda c: c.__name__)
