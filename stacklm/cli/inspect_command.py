@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from stacklm.cli.arg_types import int_at_least, non_negative_int, positive_int
+from stacklm.errors import UserError
 
 EXAMPLES = """examples:
   stacklm inspect chats.jsonl --tokenizer tok/                  # render, mask and check conversations
@@ -57,7 +58,6 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from stacklm.errors import UserError
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
     if args.row is not None and args.step is not None:

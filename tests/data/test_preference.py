@@ -15,7 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.chat import render_conversation
 from stacklm.errors import ChatFormatError
-from stacklm.chat_policy import LossPolicy
+from stacklm.chat.policy import LossPolicy
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.data.sft.preference import (
@@ -355,7 +355,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from stacklm.tokenizer.export import export_hf
+    from stacklm.chat.export import export_hf
     from tests.chat.test_chat_formats import _tiny_model
 
     hf_tok = AutoTokenizer.from_pretrained(export_hf(tok, tmp_path / "hf"))

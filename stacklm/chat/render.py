@@ -1,20 +1,31 @@
-"""Chat turns, their rendering into token ids with an assistant-only loss mask, and SFT targets.
+"""The SFT rendering: conversations -> token ids with the loss mask -> targets. The SFT loss
+mask is made here and nowhere else.
 
 Layout (docs/architecture.md, "Token id layout" for the specials; the exported Hugging Face chat
-template renders the same ids)::
+template, ``stacklm.chat.template``, renders the same ids)::
 
     <|bos|> <|role|> content <|end|> <|role|> content <|end|> ... <|eos|>
 
 or, with ``add_generation_prompt=True``, a trailing ``<|assistant|>`` in place of ``<|eos|>``.
 
-The mask (what the model is trained to produce) follows a ``LossPolicy``
-(``stacklm.chat_policy``). The default is 1 exactly on each assistant turn's text (a
-``reasoning_content`` think block included) and its closing ``<|end|>``, plus the final
-``<|eos|>`` when the conversation ends on an assistant turn without a generation prompt; 0 on
-``<|bos|>``, every role marker, an assistant turn of ``weight`` 0, and the system / user /
-tool_call / tool_result turns. This is the rule of the template's ``{% generation %}`` blocks
-(``stacklm.tokenizer.chat_template``), so HF's ``return_assistant_tokens_mask`` gives the same
-mask. Records in the common formats become turns in ``stacklm.chat_formats``.
+How the mask is made, in order (every step is in this module except the policy's choice):
+
+1. ``render_turns``: per turn, the ids ``<|role|> text <|end|>`` (the units truncation cuts).
+2. ``assemble``: ``<|bos|>`` + segments + ``<|eos|>`` (or the generation prompt) and the mask,
+   1 where the turn's ``LossPolicy`` (``stacklm.chat.policy``, which turns are trained) says so.
+   The default is 1 exactly on each assistant turn's text (a ``reasoning_content`` think block
+   included) and its closing ``<|end|>``, plus the final ``<|eos|>`` when the conversation ends
+   on an assistant turn without a generation prompt; 0 on ``<|bos|>``, every role marker, an
+   assistant turn of ``weight`` 0, and the system / user / tool_call / tool_result turns. This
+   is the rule of the template's ``{% generation %}`` blocks, so HF's
+   ``return_assistant_tokens_mask`` gives the same mask.
+3. ``render_for_sft``: the overlong rules (cut at a turn boundary, or drop) and ``tag_loss``:
+   the ids and the mask as ONE int32 array in which a loss-bearing token ``t`` is stored as
+   ``~t`` (``-t - 1``, always negative), so the shuffle buffer and the best-fit packer (and
+   their compact state) carry the mask with the ids without knowing about it.
+4. ``loss_targets``: the mask (``untag_loss`` of the tagged ids) -> next-token targets,
+   ``IGNORE_INDEX`` where no loss; used for one conversation (``sft_targets``), for packed rows
+   (``stacklm.data.sft.pack.collate_sft``) and for preference pairs.
 
 Content is untrusted: a ``<|end|>`` typed by a user is encoded as the bytes ``<``, ``|``, ...,
 never as the special id, so no message can close a turn or impersonate another role.
@@ -24,128 +35,17 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
-from stacklm.data.contract import IGNORE_INDEX
+from stacklm.chat.policy import DEFAULT_POLICY, OVERLONG_RULES, LossPolicy
+from stacklm.chat.template import BOS, END, EOS, THINK_CLOSE, THINK_OPEN
+from stacklm.chat.turns import ASSISTANT, EMPTY_CONVERSATION, Turn, as_turns
+from stacklm.constants import IGNORE_INDEX, KEPT
 from stacklm.errors import ChatFormatError
-from stacklm.tokenizer.chat_template import THINK_CLOSE, THINK_OPEN
 from stacklm.tokenizer.specials import ROLE_TOKENS
-
-ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
-ASSISTANT = "assistant"
-BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
-
-# Role names of other conversation formats and what they mean here. ShareGPT writes
-# human/gpt, Gemma "model", OpenAI-style tool results use "tool". Anything not here and not in
-# ROLES is an error (``unknown_role``): a silently guessed role is how loss lands on user text.
-DEFAULT_ROLE_ALIASES: dict[str, str] = {
-    "human": "user",
-    "gpt": "assistant",
-    "model": "assistant",
-    "tool": "tool_result",
-    "function": "tool_result",
-    "observation": "tool_result",
-    "function_call": "tool_call",
-}
-
-# Why a conversation was rejected; these are the reasons counted by the SFT pipes.
-MALFORMED_JSON = "malformed_json"
-NO_MESSAGES = "no_messages_column"
-BAD_MESSAGE = "bad_message"
-UNKNOWN_ROLE = "unknown_role"
-EMPTY_CONTENT = "empty_content"
-EMPTY_CONVERSATION = "empty_conversation"
-NO_ASSISTANT = "no_assistant"
-INVALID_REASONS = (MALFORMED_JSON, NO_MESSAGES, BAD_MESSAGE, UNKNOWN_ROLE, EMPTY_CONTENT, EMPTY_CONVERSATION, NO_ASSISTANT)
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One message. ``role`` is one of ``ROLES``; ``content`` is untrusted text.
-
-    ``reasoning``: an assistant's ``reasoning_content``, rendered as a think block before the
-    content (``turn_text``). ``weight``: the per-message weight of ShareGPT / OpenAI
-    fine-tuning data; 0 means never trained, ``None`` leaves it to the policy. ``completion``:
-    the turn came from a prompt/completion record's completion (``completion_only`` loss).
-    """
-
-    role: str
-    content: str
-    reasoning: str | None = None
-    weight: float | None = None
-    completion: bool = False
-
-    def __post_init__(self) -> None:
-        if self.role not in ROLE_TOKENS:
-            raise ChatFormatError(
-                f"unknown chat role {self.role!r}; known: {', '.join(ROLES)}", reason=UNKNOWN_ROLE
-            )
-        if not isinstance(self.content, str):
-            raise ChatFormatError(
-                f"{self.role} turn content is {type(self.content).__name__}, not str", reason=BAD_MESSAGE
-            )
-
-        if self.reasoning is not None and not isinstance(self.reasoning, str):
-            raise ChatFormatError(f"{self.role} turn reasoning is {type(self.reasoning).__name__}, not str", reason=BAD_MESSAGE)
-        if self.weight is not None and (isinstance(self.weight, bool) or not isinstance(self.weight, (int, float)) or self.weight < 0):
-            raise ChatFormatError(f"{self.role} turn weight {self.weight!r} is not a number >= 0 (0 = no loss)", reason=BAD_MESSAGE)
-
-    def text(self, reasoning: str = "train") -> str:
-        """What the turn renders between its role marker and ``<|end|>``: the think block
-        (unless the reasoning policy is ``drop``) and the content."""
-        if self.reasoning and reasoning != "drop":
-            return THINK_OPEN + self.reasoning + THINK_CLOSE + self.content
-        return self.content
-
-    def to_message(self) -> dict[str, Any]:
-        """The message dict ``apply_chat_template`` takes (the exported template renders it to
-        the same ids and, under the default policy, the same mask)."""
-        m: dict[str, Any] = {"role": self.role, "content": self.content}
-        if self.reasoning:
-            m["reasoning_content"] = self.reasoning
-        if self.weight is not None:
-            m["weight"] = self.weight
-        return m
-
-
-def as_turns(conversation: Iterable[Turn | Mapping[str, Any]]) -> list[Turn]:
-    """Accept ``Turn`` objects or ``{"role", "content"[, "reasoning_content", "weight"]}`` dicts
-    (exact role names, no aliases; ``stacklm.chat_formats`` reads the other formats)."""
-    out = []
-    for i, t in enumerate(conversation):
-        if isinstance(t, Turn):
-            out.append(t)
-        elif isinstance(t, Mapping):
-            try:
-                out.append(Turn(t.get("role"), t.get("content"), t.get("reasoning_content") or None, t.get("weight")))
-            except ChatFormatError as e:
-                raise ChatFormatError(str(e), reason=e.reason, where=f"message {i}") from None
-        else:
-            raise ChatFormatError(f"expected a Turn or a message dict, got {type(t).__name__}", reason=BAD_MESSAGE, where=f"message {i}")
-    return out
-
-
-def validate_conversation(turns: Sequence[Turn], *, require_assistant: bool = True, where: str = "conversation") -> None:
-    """Reject what cannot be trained on: no turns, an empty (blank) message, and -- for SFT,
-    where the assistant's tokens are the only loss -- a conversation with no assistant turn."""
-    if not turns:
-        raise ChatFormatError("conversation has no messages", reason=EMPTY_CONVERSATION, where=where)
-    for i, t in enumerate(turns):
-        if not t.text().strip():
-            raise ChatFormatError(f"message {i} ({t.role}) has empty content", reason=EMPTY_CONTENT, where=where)
-    if require_assistant and not any(t.role == ASSISTANT for t in turns):
-        raise ChatFormatError(
-            f"no assistant turn among {len(turns)} messages (roles: {', '.join(t.role for t in turns)}); "
-            "nothing to train on",
-            reason=NO_ASSISTANT,
-            where=where,
-        )
-
 
 # ---------------------------------------------------------------------------------------
 # Rendering
@@ -230,7 +130,7 @@ def assemble(
     policy: LossPolicy = DEFAULT_POLICY,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(ids, mask)`` from rendered turn segments: ``<|bos|>``, the segments, then ``<|eos|>``
-    or the generation prompt; mask per ``policy`` (module docstring of ``stacklm.chat_policy``)."""
+    or the generation prompt; mask per ``policy`` (module docstring of ``stacklm.chat.policy``)."""
     ct = chat_tokens(tokenizer)
     trained = policy.trained(turns)
     n = 2 + sum(len(s) for s in segments)
@@ -265,7 +165,7 @@ def render_conversation(
 
     ``tokenizer`` is a ``StackTokenizer`` or an HF tokenizer exported from one. ``turns``:
     ``Turn`` objects or ``{"role", "content"}`` dicts (for records in other formats --
-    ShareGPT, tool calls, prompt/completion, Alpaca -- use ``stacklm.chat_formats.render_record``).
+    ShareGPT, tool calls, prompt/completion, Alpaca -- use ``stacklm.chat.formats.render_record``).
     Raises ``ChatFormatError`` for an unknown role, non-text content or no turns; content is
     never parsed for special tokens.
     """
@@ -278,11 +178,19 @@ def render_conversation(
 # ---------------------------------------------------------------------------------------
 # SFT targets
 # ---------------------------------------------------------------------------------------
+def loss_targets(ids: np.ndarray, loss: np.ndarray) -> np.ndarray:
+    """Next-token targets along the last axis: ``ids[..., i+1]`` where ``loss[..., i+1]`` (the
+    model is trained to produce that token), else ``IGNORE_INDEX``; one shorter than ``ids``.
+    The one place a loss mask becomes targets: ``sft_targets`` (one conversation),
+    ``collate_sft`` (packed rows) and the preference collate (each side) all call it."""
+    ids, loss = np.asarray(ids), np.asarray(loss)
+    return np.where(loss[..., 1:].astype(bool, copy=False), ids[..., 1:], IGNORE_INDEX)
+
+
 def sft_targets(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """Next-token targets for one rendered conversation: ``ids[i+1]`` where ``mask[i+1]`` (the
     model is trained to produce that token), else ``IGNORE_INDEX``. Length ``len(ids) - 1``."""
-    ids, mask = np.asarray(ids), np.asarray(mask)
-    return np.where(mask[1:].astype(bool), ids[1:], IGNORE_INDEX).astype(np.int64)
+    return loss_targets(ids, mask).astype(np.int64)
 
 
 def sft_example(
@@ -297,3 +205,78 @@ def sft_example(
         "position_ids": torch.arange(T, dtype=torch.long),
         "seq_ids": torch.zeros(T, dtype=torch.long),
     }
+
+
+# ---------------------------------------------------------------------------------------
+# Loss tags and the overlong rules
+# ---------------------------------------------------------------------------------------
+TRUNCATED = "truncated"  # overlong: truncate -- the end cut off
+TRUNCATED_START = "truncated_start"  # overlong: keep_end -- the earliest turns after the system turn cut off
+TURNS_CUT = "turns_cut"
+DROPPED_TOO_LONG = "dropped_too_long"
+NOTHING_TO_TRAIN = "nothing_to_train"  # no turn carries loss under the source's policy (all weight 0, ...)
+
+
+def tag_loss(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """One int32 array carrying ids and loss mask: loss-bearing ``t`` stored as ``~t``."""
+    ids = np.asarray(ids, dtype=np.int32)
+    return np.where(np.asarray(mask, dtype=bool), ~ids, ids).astype(np.int32, copy=False)
+
+
+def untag_loss(tagged: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Inverse of ``tag_loss``: ``(ids, loss_mask)``, any shape."""
+    tagged = np.asarray(tagged)
+    loss = tagged < 0
+    return np.where(loss, ~tagged, tagged), loss
+
+
+def truncation_point(
+    turns: Sequence[Turn], segments: Sequence[np.ndarray], seq_len: int, policy: LossPolicy = DEFAULT_POLICY
+) -> int:
+    """Number of leading turns to keep: the longest prefix that ends on a turn the policy
+    trains and renders (``<|bos|>`` + turns + ``<|eos|>``) within ``seq_len`` tokens; 0 when none does."""
+    ends = 2 + np.cumsum([len(s) for s in segments])
+    for i in np.flatnonzero(ends <= seq_len)[::-1]:
+        if policy.can_end(turns, int(i)):
+            return int(i) + 1
+    return 0
+
+
+def keep_end_start(
+    turns: Sequence[Turn], segments: Sequence[np.ndarray], seq_len: int, policy: LossPolicy = DEFAULT_POLICY
+) -> int:
+    """For ``keep_end``: the first turn of the longest tail that starts at a user turn and, after
+    the leading system turn(s), fits in ``seq_len`` with a trained turn in it; 0 when none does."""
+    n_sys = next((i for i, t in enumerate(turns) if t.role != "system"), len(turns))
+    head = 2 + sum(len(s) for s in segments[:n_sys])
+    tail = np.cumsum([len(s) for s in segments[::-1]])[::-1]  # tail[i] = tokens of turns[i:]
+    for i in range(n_sys + 1, len(turns)):
+        if turns[i].role == "user" and head + int(tail[i]) <= seq_len and any(policy.trained([*turns[:n_sys], *turns[i:]])):
+            return i
+    return 0
+
+
+def render_for_sft(
+    turns: Sequence[Turn], tokenizer: Any, seq_len: int, overlong: str = "truncate", policy: LossPolicy = DEFAULT_POLICY
+) -> tuple[np.ndarray | None, str, int]:
+    """``(loss-tagged ids or None, outcome, turns cut)``; outcome is ``kept``, ``truncated``,
+    ``truncated_start``, ``dropped_too_long`` or ``nothing_to_train``. The ids are at most
+    ``seq_len`` long and carry loss per ``policy``."""
+    if overlong not in OVERLONG_RULES:
+        raise ValueError(f"overlong must be one of {OVERLONG_RULES}, got {overlong!r}")
+    if not any(policy.trained(turns)):
+        return None, NOTHING_TO_TRAIN, len(turns)
+    segments = render_turns(turns, tokenizer, policy.reasoning)
+    if 2 + sum(len(s) for s in segments) <= seq_len:
+        return tag_loss(*assemble(turns, segments, tokenizer, policy=policy)), KEPT, 0
+    if overlong == "keep_end":
+        i = keep_end_start(turns, segments, seq_len, policy)
+        if i == 0:
+            return None, DROPPED_TOO_LONG, len(turns)
+        n_sys = next(j for j, t in enumerate(turns) if t.role != "system")
+        kept = [*turns[:n_sys], *turns[i:]]
+        return tag_loss(*assemble(kept, [*segments[:n_sys], *segments[i:]], tokenizer, policy=policy)), TRUNCATED_START, i - n_sys
+    k = truncation_point(turns, segments, seq_len, policy) if overlong == "truncate" else 0
+    if k == 0:
+        return None, DROPPED_TOO_LONG, len(turns)
+    return tag_loss(*assemble(turns[:k], segments[:k], tokenizer, policy=policy)), TRUNCATED, len(turns) - k
