@@ -15,7 +15,7 @@ from stacklm.chat_policy import LossPolicy
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig, build_sft_pipeline, render_for_sft, sft_batch, untag_loss
 from stacklm.data.stats import StageStats
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.sft import make_conversations, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from stacklm.chat_formats import conversation_from_record
 from stacklm.chat_policy import LossPolicy
 from stacklm.data.sft import collate_sft, render_for_sft, tag_loss
 from stacklm.inspector import inspect_input
-from tests.inspector.test_inspect import run
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.cli import run
+from tests.helpers.sft import make_conversations, write_jsonl
 
 
 @pytest.fixture(scope="module")
