@@ -16,11 +16,11 @@ from stacklm.chat import (
     sft_targets,
     validate_conversation,
 )
-from stacklm.chat_formats import conversation_from_record, turns_from_messages
+from stacklm.chat.formats import conversation_from_record, turns_from_messages
 from stacklm.corpus import iter_default_corpus
 from stacklm.tokenizer.bpe import train_from_iterable
-from stacklm.tokenizer.chat_template import encode_chat
-from stacklm.tokenizer.export import export_hf
+from stacklm.chat.template import encode_chat
+from stacklm.chat.export import export_hf
 
 
 @pytest.fixture(scope="module")

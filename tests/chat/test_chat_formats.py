@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from stacklm.chat import ChatFormatError, render_conversation
-from stacklm.chat_formats import (
+from stacklm.chat.formats import (
     conversation_from_record,
     detect_format,
     read_record,
@@ -20,8 +20,8 @@ from stacklm.chat_formats import (
     render_record,
     tool_call_text,
 )
-from stacklm.chat_policy import LossPolicy
-from stacklm.tokenizer.export import export_hf
+from stacklm.chat.policy import LossPolicy
+from stacklm.chat.export import export_hf
 from tests.helpers.lightning import tiny_llama
 
 WORDS = ["hello", "world", " the", "Oslo", "<|end|>", "<|im_start|>x", "naïve", "数学", "\n", "  ", "x=1;", "é", "{", "}"]

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from stacklm.chat import Turn, render_conversation
-from stacklm.chat_formats import conversation_from_record
-from stacklm.chat_policy import LossPolicy
+from stacklm.chat.formats import conversation_from_record
+from stacklm.chat.policy import LossPolicy
 from stacklm.data.registry import SourceConfig
-from stacklm.data.sft import SFTConfig, build_sft_pipeline, render_for_sft, sft_batch, untag_loss
+from stacklm.chat.render import render_for_sft, untag_loss
+from stacklm.data.sft import SFTConfig, build_sft_pipeline, sft_batch
 from stacklm.data.stats import StageStats
 from tests.helpers.sft import make_conversations, write_jsonl
 

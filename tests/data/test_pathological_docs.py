@@ -275,7 +275,8 @@ def test_a_single_line_megabyte_document_trains_and_exports(tmp_path):
     a run: the documented exception, segments.py)."""
     from tokenizers import Tokenizer
 
-    from stacklm.tokenizer.export import export_hf, load_tiktoken_encoding, save_tiktoken_ranks
+    from stacklm.chat.export import export_hf
+    from stacklm.tokenizer.export import load_tiktoken_encoding, save_tiktoken_ranks
 
     doc = "a" * MB
     assert [len(p) for p in split_long_runs(doc)][:2] == [MAX_LETTER_RUN] * 2

@@ -14,7 +14,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.chat import ChatFormatError, render_conversation
-from stacklm.chat_policy import LossPolicy
+from stacklm.chat.policy import LossPolicy
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.data.sft.preference import (
@@ -354,7 +354,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from stacklm.tokenizer.export import export_hf
+    from stacklm.chat.export import export_hf
     from tests.helpers.lightning import tiny_llama
 
     hf_tok = AutoTokenizer.from_pretrained(export_hf(tok, tmp_path / "hf"))

@@ -16,17 +16,14 @@ from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.packing.masks import dense_mask
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.registry import SourceConfig
+from stacklm.chat.render import render_for_sft, tag_loss, truncation_point, untag_loss
 from stacklm.data.sft import (
     ConversationPacker,
     ConversationSource,
     SFTConfig,
     build_sft_pipeline,
     collate_sft,
-    render_for_sft,
     sft_batch,
-    tag_loss,
-    truncation_point,
-    untag_loss,
 )
 from stacklm.data.sources import EmptySourceError, ShardSpec
 from stacklm.data.stats import StageStats

@@ -15,15 +15,16 @@ import torch
 from stacklm.chat import render_conversation
 from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.data.packing.pack import pack_greedy
-from stacklm.data.sft import collate_sft, sft_batch, tag_loss
+from stacklm.chat.render import tag_loss
+from stacklm.data.sft import collate_sft, sft_batch
 from stacklm.inspector import (
     CHECKS,
     InspectTokenizer,
     inspect_input,
     load_tokenizer,
 )
-from stacklm.tokenizer.chat_template import CHAT_TEMPLATE
-from stacklm.tokenizer.export import export_hf
+from stacklm.chat.template import CHAT_TEMPLATE
+from stacklm.chat.export import export_hf
 from tests.helpers.sft import make_conversations, write_jsonl
 from tests.helpers.cli import run
 

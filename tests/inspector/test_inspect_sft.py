@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from stacklm.chat import render_conversation
-from stacklm.chat_formats import conversation_from_record
-from stacklm.chat_policy import LossPolicy
-from stacklm.data.sft import collate_sft, render_for_sft, tag_loss
+from stacklm.chat.formats import conversation_from_record
+from stacklm.chat.policy import LossPolicy
+from stacklm.chat.render import render_for_sft, tag_loss
+from stacklm.data.sft import collate_sft
 from stacklm.inspector import inspect_input
 from tests.helpers.cli import run
 from tests.helpers.sft import make_conversations, write_jsonl

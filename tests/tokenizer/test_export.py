@@ -17,10 +17,9 @@ import tiktoken.load
 from stacklm import corpus
 from stacklm.tokenizer import export
 from stacklm.tokenizer.bpe import train_from_iterable
-from stacklm.tokenizer.chat_template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, encode_chat
+from stacklm.chat.template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, encode_chat
+from stacklm.chat.export import export_all, export_hf
 from stacklm.tokenizer.export import (
-    export_all,
-    export_hf,
     load_tiktoken_encoding,
     read_tiktoken_ranks,
     save_tiktoken_ranks,

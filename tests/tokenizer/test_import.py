@@ -15,10 +15,9 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from stacklm import corpus
 from stacklm.tokenizer.bpe import StackTokenizer, train_from_iterable
+from stacklm.chat.export import export_all, export_hf
 from stacklm.tokenizer.export import (
     build_hf_tokenizer,
-    export_all,
-    export_hf,
     hf_to_token,
     save_tiktoken_ranks,
     tiktoken_ranks_bytes,

@@ -15,7 +15,7 @@ Formats (``FORMATS``; ``auto`` picks by the record's fields, in this order):
 The canonical form is what the exported chat template takes (``ChatRecord.messages`` and
 ``tools`` for ``apply_chat_template``; ``to_trl`` for TRL's SFTTrainer) and what
 ``record_turns`` turns into ``stacklm.chat.Turn``s, by the same rules as the template
-(``stacklm.tokenizer.chat_template``): ``tools`` are written into the system turn, each tool
+(``stacklm.chat.template``): ``tools`` are written into the system turn, each tool
 call becomes a ``tool_call`` turn, ``reasoning_content`` a think block. ``tool_call_id`` is
 read and not rendered: results follow their calls in order, and a model trained to reproduce
 random call ids learns nothing useful.
@@ -33,7 +33,10 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import (
+from stacklm.chat.policy import DEFAULT_POLICY, LossPolicy
+from stacklm.chat.render import render_conversation
+from stacklm.chat.template import TOOLS_HEADER, TOOLS_SEPARATOR
+from stacklm.chat.turns import (
     ASSISTANT,
     BAD_MESSAGE,
     DEFAULT_ROLE_ALIASES,
@@ -42,10 +45,7 @@ from stacklm.chat import (
     UNKNOWN_ROLE,
     ChatFormatError,
     Turn,
-    render_conversation,
 )
-from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
-from stacklm.tokenizer.chat_template import TOOLS_HEADER, TOOLS_SEPARATOR
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca")

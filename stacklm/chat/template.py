@@ -28,17 +28,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stacklm.tokenizer.specials import ROLE_TOKENS
+# The content escape is the tokenizer export's (its normalizer undoes it), so it lives below.
+from stacklm.tokenizer.specials import ESCAPED_SPECIAL_OPEN, ROLE_TOKENS, SPECIAL_OPEN
 
 BOS, EOS, END = "<|bos|>", "<|eos|>", "<|end|>"
 GENERATION_ROLE = "assistant"
-# Every "<|" inside message content is rendered as "<" + U+FDD0 + "|": a special-token string in
-# content then cannot match an added token, and the exported tokenizer's normalizer turns the
-# sequence back into "<|" before BPE, so the content bytes are encoded exactly. U+FDD0 is a
-# Unicode noncharacter (reserved for internal use), so real text essentially never holds it.
-CONTENT_ESCAPE_CHAR = "\ufdd0"
-SPECIAL_OPEN = "<|"
-ESCAPED_SPECIAL_OPEN = "<" + CONTENT_ESCAPE_CHAR + "|"
 
 
 # How the parts of a turn other than plain content become text (``stacklm.chat`` renders the
@@ -56,7 +50,7 @@ TEMPLATE_ROLE_ALIASES = {"tool": "tool_result"}
 def build_chat_template(role_tokens: Mapping[str, str] = ROLE_TOKENS) -> str:
     """The Jinja source for ``role_tokens`` (role name -> the special token opening its turn).
 
-    Besides ``{"role", "content"}`` messages it renders what ``stacklm.chat_formats`` reads:
+    Besides ``{"role", "content"}`` messages it renders what ``stacklm.chat.formats`` reads:
     an assistant message's ``tool_calls`` (content may be null) as ``tool_call`` turns,
     ``role: "tool"`` as a ``tool_result`` turn, ``reasoning_content`` as a think block,
     ``tools=`` into the system turn, and ``weight: 0`` as an assistant turn without loss.
@@ -159,7 +153,7 @@ def encode_chat(
     ``convert_tokens_to_ids``). This is the per-turn reference for plain ``{"role", "content"}``
     messages, and the escape hatch for HF users whose content may contain special-token
     strings; tool calls, ``tools``, reasoning and weights go through
-    ``stacklm.chat_formats.render_record`` (what the template is tested against on every format).
+    ``stacklm.chat.formats.render_record`` (what the template is tested against on every format).
     """
     _check_messages(messages, role_tokens)
     if hasattr(tokenizer, "convert_tokens_to_ids"):  # transformers tokenizer
