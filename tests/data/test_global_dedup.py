@@ -525,7 +525,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     byte-identical output to ``stacklm prebuild --workers 2``."""
     from stacklm.scale.datatrove_steps import prebuild_executors, run_executors
 
-    from tests.prebuild.test_prebuild import tree
+    from tests.helpers.prebuild import tree
 
     glob, _ = split_corpus
     cfg = dataclasses_replace_holdout(_config(glob), 0.5)

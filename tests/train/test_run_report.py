@@ -18,7 +18,7 @@ from stacklm.datamodule import StackDataModule
 from stacklm.run_report import read_run
 from stacklm.errors import UserError
 from tests.helpers.lightning import TinyLM
-from tests.datamodule.test_datamodule import BATCH, SEQ_LEN, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.helpers.datamodule import BATCH, SEQ_LEN, stream_pipeline
 
 
 class LoggingLM(TinyLM):
