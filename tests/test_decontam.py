@@ -168,6 +168,11 @@ def test_index_agrees_with_brute_force_on_planted_overlaps(data, tmp_path):
     assert planted == sum(1 for i in range(160) if i % 8 in (0, 4))  # exactly the planted copies hit
     # the normalization the docs state: case, punctuation and line breaks do not hide a copy
     assert words_of("The ANSWER,\nis -- 42!") == ["the", "answer", "is", "42"] == ref_words("The ANSWER,\nis -- 42!")
+    # the ASCII fast path finds the words the regex finds, over every ASCII character
+    rng = random.Random(1)
+    for _ in range(200):
+        text = "".join(chr(rng.randrange(128)) for _ in range(rng.randint(0, 80)))
+        assert words_of(text) == ref_words(text), repr(text)
     # built once: a second ensure in this process, and a fresh load, read the same folder
     assert dc.ensure_index(cfg) is index
     again = NgramIndex.load(index.folder)

@@ -53,8 +53,16 @@ def nfkc(text: str) -> str:
     return text if unicodedata.is_normalized("NFKC", text) else unicodedata.normalize("NFKC", text)
 
 
+# ASCII text (most of it) takes a faster path with the same result: there NFKC is the identity,
+# ``\w`` is [A-Za-z0-9_] and casefold is lower, so mapping every other character to a space and
+# splitting finds the same words as the regex (tests/test_decontam.py checks both paths).
+_ASCII_NON_WORD = {c: " " for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")}
+
+
 def words_of(text: str) -> list[str]:
     """The normalized words of ``text`` (module doc): ``\\w`` runs of its NFKC form, casefolded."""
+    if text.isascii():
+        return text.translate(_ASCII_NON_WORD).lower().split()
     found = _WORD.findall(nfkc(text))
     if not found:
         return []
@@ -111,9 +119,11 @@ def _multipliers(n: int, salt: int) -> np.ndarray:
 
 def word_hashes(words: Sequence[str]) -> np.ndarray:
     """One uint64 per word (the polynomial hash of its UTF-8 bytes, mixed)."""
-    if not words:
-        return np.zeros(0, dtype=np.uint64)
-    data = " ".join(words).encode()
+    return _word_hashes(" ".join(words).encode())[0] if words else np.zeros(0, dtype=np.uint64)
+
+
+def _word_hashes(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(hashes, starts, ends)`` of the space-separated words of ``data`` (byte offsets)."""
     b = np.frombuffer(data, dtype=np.uint8)
     pw, inv = _POWERS.upto(len(b) + 1)
     spaces = np.flatnonzero(b == 32)
@@ -123,7 +133,7 @@ def word_hashes(words: Sequence[str]) -> np.ndarray:
         prefix = np.zeros(len(b) + 1, dtype=np.uint64)
         np.cumsum((b.astype(np.uint64) + np.uint64(1)) * pw[: len(b)], dtype=np.uint64, out=prefix[1:])
         h = (prefix[ends] - prefix[starts]) * inv[starts]
-        return _fmix(h ^ (ends - starts).astype(np.uint64))
+        return _fmix(h ^ (ends - starts).astype(np.uint64)), starts, ends
 
 
 def ngram_hashes(wh: np.ndarray, n: int, salt: int = 0) -> np.ndarray:
@@ -164,29 +174,45 @@ class NgramIndex:
         arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r", allow_pickle=False) for name in FILES}
         return cls(folder, arrays, meta)
 
-    def _stored(self, entry: int) -> bytes:
-        p = int(self.pos[entry])
-        return bytes(self.text[int(self.starts[p]) : int(self.ends[p + self.n - 1])])
-
     def lookup(self, words: Sequence[str]) -> list[tuple[int, int]]:
         """``[(position, set index)]``: every n-gram of ``words`` that an evaluation set holds,
         confirmed word for word (a position appears once per set that holds its n-gram)."""
-        n = self.n
-        if len(words) < n or not len(self.hashes):
+        n, size = self.n, len(self.hashes)
+        if len(words) < n or not size:
             return []
-        g = ngram_hashes(word_hashes(words), n)
+        data = " ".join(words).encode()
+        wh, dstart, dend = _word_hashes(data)
+        g = ngram_hashes(wh, n)
         at = np.searchsorted(self.hashes, g)
-        ok = at < len(self.hashes)
-        cand = np.flatnonzero(ok)
+        cand = np.flatnonzero(at < size)
         cand = cand[self.hashes[at[cand]] == g[cand]]
+        if not len(cand):
+            return []
+        # every (position, entry) pair whose hashes agree: an entry run per hash, usually of one
+        pairs_i, pairs_j = [], []
+        j = at[cand]
+        live = cand
+        while len(live):
+            pairs_i.append(live)
+            pairs_j.append(j)
+            j = j + 1
+            keep = j < size
+            live, j = live[keep], j[keep]
+            keep = self.hashes[j] == g[live]
+            live, j = live[keep], j[keep]
+        pi, pj = np.concatenate(pairs_i), np.concatenate(pairs_j)
+        order = np.lexsort((pj, pi))
+        pi, pj = pi[order], pj[order]
+        p = self.pos[pj].astype(np.int64)
+        es, ee = self.starts[p].tolist(), self.ends[p + n - 1].tolist()
+        ds, de = dstart[pi].tolist(), dend[pi + n - 1].tolist()
+        sets = self.set_of[pj].tolist()
+        text = self.text
         out: list[tuple[int, int]] = []
-        for i in cand.tolist():
-            want = " ".join(words[i : i + n]).encode()
-            j, h = int(at[i]), g[i]
-            while j < len(self.hashes) and self.hashes[j] == h:
-                if self._stored(j) == want:  # the confirmation: a collision never counts
-                    out.append((i, int(self.set_of[j])))
-                j += 1
+        for i, a, b, c, d, s in zip(pi.tolist(), es, ee, ds, de, sets):
+            # the confirmation, word for word (the bytes of the n words): a collision never counts
+            if b - a == d - c and text[a:b].tobytes() == data[c:d]:
+                out.append((i, s))
         return out
 
 
