@@ -31,12 +31,12 @@ from typing import Any, Literal
 from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
+from stacklm.constants import KEPT
 from stacklm.data.quality.ngrams import NgramIndex, build_index, word_spans, words_of
 from stacklm.data.stats import StageStats
 from stacklm.errors import ConfigError
 
 STAGE = "decontam"
-KEPT = "kept"
 EXCERPT_CHARS = 240
 _LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".ndjson": "json", ".parquet": "parquet"}
 

@@ -55,7 +55,7 @@ def nfkc(text: str) -> str:
 
 # ASCII text (most of it) takes a faster path with the same result: there NFKC is the identity,
 # ``\w`` is [A-Za-z0-9_] and casefold is lower, so mapping every other character to a space and
-# splitting finds the same words as the regex (tests/test_decontam.py checks both paths).
+# splitting finds the same words as the regex (tests/data/test_decontam.py checks both paths).
 _ASCII_NON_WORD = {c: " " for c in range(128) if not (chr(c).isalnum() or chr(c) == "_")}
 
 
