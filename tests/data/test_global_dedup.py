@@ -25,7 +25,7 @@ from stacklm.data.dedup import (
     decide,
     id_key,
 )
-from stacklm.data.dedup.synthetic_edits import inject_edits
+from tests.helpers.synthetic_edits import inject_edits
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.prebuild import lock_out_dir, prebuild, state_dir_of
