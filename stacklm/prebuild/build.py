@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import remove_temp_files
 from stacklm.parent_death import pool_initializer
@@ -82,6 +81,8 @@ def prebuild(
     # folders itself would delete the temporary files other jobs are writing at that moment.
     for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
         remove_temp_files(folder)
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
+
     saved_cache = os.environ.get(PIECE_CACHE_ENV)
     try:
         index_pieces(plan.config, plan.workers, state_dir_of(plan.out) / "pieces")
