@@ -123,6 +123,7 @@ def index_pieces(config, readers: int, folder: Path) -> None:
     the task processes it starts at it (``STACKLM_PIECE_CACHE``): each task then reads only its
     own pieces instead of counting every file's lines again."""
     from stacklm.data.sources import ShardSpec, open_source
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 
     folder.mkdir(parents=True, exist_ok=True)
     os.environ[PIECE_CACHE_ENV] = str(folder)
