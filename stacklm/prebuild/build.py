@@ -85,14 +85,11 @@ def prebuild(
 
     saved_cache = os.environ.get(PIECE_CACHE_ENV)
     try:
-<<<<<<< HEAD
         index_pieces(plan.config, plan.workers, state_dir_of(plan.out) / "pieces")
-=======
         if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
             ensure_index(plan.config.decontaminate)
->>>>>>> main
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
