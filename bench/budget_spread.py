@@ -3,7 +3,7 @@
     python3 bench/budget_spread.py [--budget 60000] [--workers 1]
 
 Writes four JSON-lines files of very different sizes (about 1 : 4 : 16 : 64, real text from
-``stacklm.corpus``) as one source, trains a 512-id tokenizer, and prebuilds with a budget
+``stacklm.corpus`` cut into documents of at most 1,500 characters) as one source, trains a 512-id tokenizer, and prebuilds with a budget
 well under the corpus. Prints, per file, its share of the source's bytes and of the delivered
 documents' tokens (from the provenance side files), and the ledger's tokenized / kept tokens
 (``read`` / ``kept``) and read / kept documents.
@@ -25,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def write_corpus(folder: Path, total_docs: int = 3400) -> list[Path]:
     from stacklm.corpus import iter_default_corpus
 
-    docs = [d for d in iter_default_corpus(8_000_000) if d.strip()][:total_docs]
+    # documents of at most 1,500 characters, so shares count many documents, not a few modules
+    docs = [d[i : i + 1500] for d in iter_default_corpus(8_000_000) for i in range(0, len(d), 1500) if d[i : i + 1500].strip()]
+    docs = docs[:total_docs]
     sizes = [1, 4, 16, 64]
     counts = [total_docs * s // sum(sizes) for s in sizes]
     paths, start = [], 0
