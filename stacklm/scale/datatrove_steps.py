@@ -43,6 +43,7 @@ from typing import Any
 
 from stacklm.atomic import atomic_write_bytes
 from stacklm.data.splits import SPLITS
+from stacklm.errors import PrebuildError
 from stacklm.optional import require
 
 require("datatrove", "scale", "the datatrove prebuild (stacklm.scale)")  # missing: an error naming the extra
@@ -437,7 +438,7 @@ class StackManifestMerger(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.manifests import finalize
-        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
+        from stacklm.prebuild.plan import STATE_DIR
 
         from stacklm.data.storage.shards import remove_temp_files
 
