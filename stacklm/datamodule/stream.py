@@ -261,6 +261,20 @@ class SFTBuilder:
         return SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
 
 
+class PreferenceBuilder:
+    """Picklable factory of one reader's preference graph (``StackDataModule(mode="preference")``)."""
+
+    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
+        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+
+    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch
+        from stacklm.data.sft import SFTConfig
+        from stacklm.data.sft.preference_pipeline import build_preference_pipeline
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        return build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)
+
+
 class StreamDataset(IterableDataset):
     """A rank's share of a node-graph stream, split across loader workers."""
 
