@@ -231,7 +231,7 @@ class PipelineBuilder:
     evenly over all readers (ranks x workers), each reading its own shard of the sources.
 
     Its packers always track provenance (each window's document pieces), whether or not the
-    run writes a step log (``stacklm.datamodule.steplog``): the packer's state then has one
+    run writes a step log (``stacklm.data.storage.steplog``): the packer's state then has one
     layout, so a run may turn its step log on or off at a resume."""
 
     def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:

@@ -52,7 +52,7 @@ def _smallest_uint(values: np.ndarray) -> np.ndarray:
 def row_columns(rows: Sequence[Sequence[tuple[int, ...]]]) -> dict[str, np.ndarray]:
     """Rows of pieces (``rows[i]``: row ``i``'s ``PIECE_FIELDS`` tuples) as the compact columns
     both side files store (a shard's here, a training run's step log in
-    ``stacklm.datamodule.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
+    ``stacklm.data.storage.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
     ``record``, ``length``, ``doc_offset``, each in the smallest unsigned type."""
     flat = np.array([p for row in rows for p in row], dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
     counts = np.array([len(row) for row in rows], dtype=np.int64)
