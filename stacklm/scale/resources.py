@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stacklm.config import did_you_mean
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, PrebuildError
 from stacklm.prebuild.cluster import STAGES, ClusterSettings, StageResources, check_stage, time_seconds
 
 
@@ -124,7 +124,6 @@ class ClusterPlan:
 
     def slurm_kwargs(self, stage: str) -> dict[str, Any]:
         """``SlurmPipelineExecutor`` arguments of ``stage``."""
-        from stacklm.prebuild.plan import PrebuildError
 
         if not self.partition:
             raise PrebuildError(

@@ -24,8 +24,6 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from stacklm.data.audit import BINARY_INVALID_FRACTION, INVALID_RECORDS
-from stacklm.errors import StackLMError
-from stacklm.tokenizer.evaluate import DEFAULT_DOMAIN_BYTES
 from stacklm.data.sources.text_sample import (
     DEFAULT_CHUNK_BYTES,
     RECORD_COUNTERS,
@@ -38,6 +36,8 @@ from stacklm.data.sources.text_sample import (
     _safe_split,
     resolve_inputs,
 )
+from stacklm.errors import TextInputError, TextInputNotFoundError
+from stacklm.tokenizer.evaluate import DEFAULT_DOMAIN_BYTES
 
 FORMATS = ("auto", "txt")  # txt: every file is plain text (JSON too, on purpose)
 SNIFF_BYTES = 64 * 1024
@@ -54,15 +54,6 @@ _NODE_COUNTERS = {
 }
 # C0 controls that never occur in text (tab, newline, CR, form feed, vertical tab and escape do)
 _CONTROL = frozenset(chr(c) for c in range(32)) - set("\t\n\r\f\v\x1b")
-
-
-class TextInputError(StackLMError, ValueError):
-    """An input that cannot be tokenizer training/evaluation text; the message names the file
-    and the fix."""
-
-
-class TextInputNotFoundError(TextInputError, FileNotFoundError):
-    """An input path or glob that matches no file."""
 
 
 def input_format(path: str, fmt: str = "auto") -> str:

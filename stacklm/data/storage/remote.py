@@ -48,7 +48,8 @@ from typing import Any, TypeVar
 
 from stacklm import atomic
 from stacklm.data.storage.manifest import MANIFEST_NAME as MANIFEST
-from stacklm.data.storage.shards import ShardError, file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.data.storage.shards import file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.errors import RemoteError
 
 T = TypeVar("T")
 
@@ -60,10 +61,6 @@ RETRIES = {"count": 0}  # retries taken in this process (counted, and each one s
 _IN_USE: dict[str, Any] = {}  # mirror dir -> open file holding a shared lock while this process reads it
 _CREDENTIALS_FIX = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the fsspec "
                     "storage options) and the bucket name")
-
-
-class RemoteError(ShardError):
-    """Object storage refused or failed a request for good; the message names the URL and the fix."""
 
 
 def is_remote(path: Any) -> bool:
