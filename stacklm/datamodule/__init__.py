@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stacklm.datamodule.errors import DataConfigError as DataConfigError  # eager: errors are light
+from stacklm.errors import DataConfigError as DataConfigError  # eager: errors are light
 
 _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
@@ -30,7 +30,7 @@ _WHERE = {
     "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "PreferenceMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
     "DEFAULT_SNAPSHOT_STEPS": "module", "PipelineSpec": "module", "StackDataModule": "module", "check_pipeline": "module",
     "ShardsLoader": "shards_loader",
-    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
+    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream", "PreferenceBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
     "LogicalStreamDataset": "logical",
     "DataGateError": "gate",
