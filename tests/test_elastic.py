@@ -253,7 +253,7 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
 
     from stacklm.data.nodes import PipelineConfig
     from stacklm.datamodule import DataConfigError
-    from stacklm.datamodule.identity import shards_content_hash
+    from stacklm.datamodule.resume.identity import shards_content_hash
     from stacklm.prebuild import prebuild
     from tests.test_datamodule import stream_pipeline
 

@@ -33,7 +33,7 @@ import torch
 from stacklm.datamodule.errors import DataConfigError
 
 if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.stack_datamodule import StackDataModule
     from stacklm.inspector import Finding, InspectTokenizer
 
 GATE_BATCHES = 4  # batches per rank; the checks cost ~0.17 s per 16k tokens (Python per token, CPU)

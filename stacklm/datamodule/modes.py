@@ -20,13 +20,13 @@ from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
-from stacklm.datamodule.logical import LogicalStreamDataset, resume_segment
+from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
 
 if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.stack_datamodule import StackDataModule
 
 
 class DataMode:
@@ -259,7 +259,7 @@ class ShardsMode(DataMode):
 
     def data_config_hash(self) -> str:
         """Content, not place: a moved or copied shard directory has the same hash."""
-        from stacklm.datamodule.identity import shards_content_hash
+        from stacklm.datamodule.resume.identity import shards_content_hash
 
         dm = self.dm
         return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}".encode()).hexdigest()
@@ -322,7 +322,7 @@ class StreamMode(_WorkerStreamMode):
     """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources, as
     ``logical_streams`` logical streams (each its own graph over its own part of every source,
     with an equal token budget) dealt to (rank x worker) at run time
-    (``stacklm.datamodule.logical``): a resume may change world size, workers and batch size."""
+    (``stacklm.datamodule.resume.logical``): a resume may change world size, workers and batch size."""
 
     name = "stream"
 

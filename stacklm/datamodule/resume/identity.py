@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from stacklm.datamodule.errors import DataConfigError
 
 if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.stack_datamodule import StackDataModule
 
 COMPARED = ("mode", "data", "tokenizer", "pipeline")
 

@@ -84,7 +84,7 @@ class StackDataModule(L.LightningDataModule):
             (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
             ``DEFAULT_SNAPSHOT_STEPS``.
         logical_streams: stream mode: the number of logical streams the data is read as, fixed
-            for the run and recorded in the checkpoint (``stacklm.datamodule.logical``); they are
+            for the run and recorded in the checkpoint (``stacklm.datamodule.resume.logical``); they are
             dealt to (rank x worker) at run time, so a resume may change world size, workers and
             batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
             divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
@@ -425,7 +425,7 @@ class StackDataModule(L.LightningDataModule):
         """Stored in the checkpoint: what the data is (``identity``, content hashes), the shape
         that read it, in shards mode the shape-free position (``ShardsLoader``), and the online
         re-weightings (``set_mix_weights``)."""
-        from stacklm.datamodule.identity import data_identity
+        from stacklm.datamodule.resume.identity import data_identity
 
         if self._identity is None:
             self._identity = data_identity(self)
@@ -446,7 +446,7 @@ class StackDataModule(L.LightningDataModule):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Refuse, before the first step, a checkpoint of other data, or (sft mode) of another
         shape; in shards and stream modes, take its position for the next train loader."""
-        from stacklm.datamodule.identity import check_identity
+        from stacklm.datamodule.resume.identity import check_identity
 
         if "identity" not in state:
             raise DataConfigError(
