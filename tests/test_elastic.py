@@ -156,7 +156,7 @@ def _loader_at(dm, epoch: int):
     dm.setup("fit")
     loader = dm.train_dataloader()
     if dm.mode == "shards":
-        from stacklm.datamodule.shards_loader import start_position
+        from stacklm.datamodule.resume.shards import start_position
 
         loader.load_state_dict({"position": start_position(epoch)})
     else:

@@ -1,12 +1,14 @@
 """The Lightning side of stacklm: ``StackDataModule`` and its loaders.
 
 - ``stack_datamodule``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft`` / ``preference``);
-- ``modes``: one class per mode, chosen once by the module, with what differs between them;
+- ``modes``: one class per mode, chosen once by the module and called with explicit arguments,
+  with what differs between them;
+- ``resume/``: every resume rule: the checkpoint state's shape per mode and its checks, what the
+  data is (content hashes), shards mode's position and elastic sampler, stream mode's logical
+  streams and their replay (its ``__init__`` is the guide);
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
-- ``resume.logical``: stream mode's logical streams, dealt to (rank x worker) at run time (elastic resume);
-- ``resume.identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes;
 - ``workers``: how stream/sft loader workers start (a forkserver that preloads only the data side);
 - ``delivery``: per-source counts of what the batches delivered to the training step;
 - ``gate``: the data gate, ``stacklm inspect``'s checks on the loader's output before the first step.

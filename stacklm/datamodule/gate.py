@@ -205,9 +205,10 @@ def sample_sft(dm: StackDataModule, n_batches: int = GATE_BATCHES) -> list[tuple
     fresh graphs of the mode's own builder: what the loader workers will yield, not taken from
     them."""
     from stacklm.data.sources import ShardSpec
+    from stacklm.datamodule.modes import MODE_CLASSES
 
     cfg = dm.sft_config()
-    build = dm._mode.builder(cfg.to_dict(), dm.tokenizer_path, "train")
+    build = MODE_CLASSES[dm.mode].builder(cfg.to_dict(), dm.tokenizer_path, "train")
     workers = max(1, dm.num_workers)
     out: list[tuple[str, dict[str, Any]]] = []
     for w in range(workers):
