@@ -19,6 +19,9 @@ rank, at the same point), so every rank raises the same ``DataGateError`` or non
 Error findings stop the fit; warnings (a policy that asked for it, e.g. ``train_stop_token:
 false``; mostly-padding batches) are printed once and training goes on. Opt out with
 ``StackDataModule(gate=False)`` (``data.gate: false`` in YAML, ``--data.gate false``).
+
+The functions take the ``StackDataModule`` as ``dm`` and read its public facts only; this module
+does not import it (the datamodule imports the gate), so the two form no circle.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ import torch
 from stacklm.datamodule.errors import DataConfigError
 
 if TYPE_CHECKING:
-    from stacklm.datamodule.stack_datamodule import StackDataModule
     from stacklm.inspector import Finding, InspectTokenizer
 
 GATE_BATCHES = 4  # batches per rank; the checks cost ~0.17 s per 16k tokens (Python per token, CPU)
@@ -81,7 +83,7 @@ class GateRules:
         self.no_stop_sources = sorted(no_stop_sources)
 
     @classmethod
-    def of(cls, dm: StackDataModule) -> GateRules:
+    def of(cls, dm: Any) -> GateRules:
         if dm.mode not in ("sft", "preference"):
             return cls()
         sources = dm.sft_config().sources
@@ -194,13 +196,13 @@ def judge(findings: list[Finding], what: str) -> list[dict[str, str]]:
     return every
 
 
-def inspect_tokenizer(dm: StackDataModule) -> InspectTokenizer:
+def inspect_tokenizer(dm: Any) -> InspectTokenizer:
     from stacklm.inspector import InspectTokenizer
 
     return InspectTokenizer(dm.tokenizer, str(dm.tokenizer_path))
 
 
-def sample_sft(dm: StackDataModule, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[str, Any]]]:
+def sample_sft(dm: Any, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[str, Any]]]:
     """The first ``n_batches`` train batches of this rank's readers (worker 0 first), from
     fresh graphs of the mode's own builder: what the loader workers will yield, not taken from
     them."""
@@ -225,7 +227,7 @@ class InFlightGate:
     hands out, as it is taken (called by ``ShardsLoader`` / ``StackDataLoader`` on every rank
     in step; ``judge`` gathers, so a finding on one rank stops all). ``checked`` counts them."""
 
-    def __init__(self, dm: StackDataModule, n_batches: int = GATE_BATCHES) -> None:
+    def __init__(self, dm: Any, n_batches: int = GATE_BATCHES) -> None:
         self.mode, self.rank = dm.mode, dm.rank
         self.tok, self.rules, self.n_batches = inspect_tokenizer(dm), GateRules.of(dm), n_batches
         self.checked = 0

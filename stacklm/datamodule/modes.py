@@ -149,7 +149,7 @@ class DataMode:
         current train loader (``None`` before the first)."""
         return {}
 
-    def restore(self, saved: dict[str, Any], run: Run) -> None:
+    def restore(self, saved: dict[str, Any]) -> None:
         """Take a checkpoint's state (checked and in this mode's shape, ``resume.state.check_state``)
         for the next train loader."""
 
@@ -230,7 +230,7 @@ class ShardsMode(DataMode):
             "delivered": self.delivered_state(),
         }
 
-    def restore(self, saved: dict[str, Any], run: Run) -> None:
+    def restore(self, saved: dict[str, Any]) -> None:
         self.restored = saved["position"]
         self.skips = [dict(r) for r in saved["skips"]]
         old = saved["shape"] or {}
@@ -482,7 +482,7 @@ class StreamMode(_WorkerStreamMode):
     def state(self, loader: Any, run: Run) -> dict[str, Any]:
         return {"streams": self.stream_state(loader)}
 
-    def restore(self, saved: dict[str, Any], run: Run) -> None:
+    def restore(self, saved: dict[str, Any]) -> None:
         """Take the checkpoint's logical streams (``logical_streams``, quota, position) for the
         next train loader, which deals them to this run's shape."""
         rec = saved["streams"]

@@ -453,7 +453,7 @@ class StackDataModule(L.LightningDataModule):
         from stacklm.datamodule.resume.state import check_state
 
         saved = check_state(state, mode=self.mode, identity=self._data_identity(), seq_len=self.seq_len, shape=self.shape())
-        self._mode.restore(saved, self._run())
+        self._mode.restore(saved)
         if self.mode == "shards":
             return
         # the re-weightings made before the checkpoint replay at the same batches (epoch-relative per-rank batch indices)
