@@ -23,7 +23,6 @@ from typing import Any
 from stacklm.config import PIPELINE_PATH
 from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.resume.sampler import ElasticSampler
@@ -31,6 +30,7 @@ from stacklm.datamodule.resume.shards import next_position, resolve_skips, skipp
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
+from stacklm.errors import DataConfigError
 
 
 @dataclass(frozen=True)

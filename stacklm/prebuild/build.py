@@ -16,11 +16,12 @@ from typing import Any
 
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import remove_temp_files
+from stacklm.errors import PrebuildError
 from stacklm.parent_death import pool_initializer
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
-from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildPlan, state_dir_of
 from stacklm.prebuild.progress import BuildProgress
 
 

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.errors import ConfigError, PrebuildError
+
 INDEX_FILE = "dedup_index.npz"
 INDEX_SHARDS = "dedup-index"  # the staged decision's removed ids, one DedupIndex per job (``staged``)
 
@@ -91,8 +93,6 @@ def load_build_index(path: Path):
     """A build's own ``.prebuild/dedup_index.npz`` (data only, ``allow_pickle=False``); a file that
     is not one is refused, naming it and saying to delete it (the next run rebuilds it)."""
     from stacklm.data.dedup.global_index import DedupIndex
-    from stacklm.errors import ConfigError
-    from stacklm.prebuild.plan import PrebuildError
 
     try:
         return DedupIndex.load(path, fix="delete it and re-run the same command (the dedup pass runs again)")

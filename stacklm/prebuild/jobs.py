@@ -13,7 +13,8 @@ import numpy as np
 from stacklm.data.storage import statefile
 from stacklm.data.storage.provenance import prov_path
 from stacklm.data.storage.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
-from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
+from stacklm.errors import PrebuildError, StateFileError
+from stacklm.prebuild.plan import PrebuildPlan, state_dir_of, worker_config
 
 PROGRESS_INTERVAL = 2.0  # seconds between progress reports of a job (besides one per shard)
 
@@ -33,7 +34,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     fix = "delete it (that job then starts over) and re-run the same command"
     try:
         ckpt = statefile.loads(data, path, fix)
-    except statefile.StateFileError as e:
+    except StateFileError as e:
         raise PrebuildError(str(e), path=path) from None
     if not isinstance(ckpt, dict) or not {"shards", "state", "tracker"} <= ckpt.keys():
         raise PrebuildError(f"{path}: not a prebuild checkpoint (fields shards, state, tracker missing); {fix}", path=path)

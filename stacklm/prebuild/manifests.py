@@ -18,7 +18,8 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.data.storage.shards import atomic_write_shard_file, dtype_name
-from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.errors import LedgerError, PrebuildError
+from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildPlan, state_dir_of
 
 
 def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
@@ -264,7 +265,7 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
         message = ("the token ledger does not add up (a stage lost or repeated data without counting it): " + "; ".join(problems)
                    + f". The shards are kept; set {ledger.STRICT_ENV}=0 to write the manifests anyway, with the failed identities recorded")
         if strict:
-            raise ledger.LedgerError(message)
+            raise LedgerError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 

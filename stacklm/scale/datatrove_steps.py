@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.data.splits import SPLITS
+from stacklm.errors import PrebuildError
 from stacklm.optional import require
 
 require("datatrove", "scale", "the datatrove prebuild (stacklm.scale)")  # missing: an error naming the extra
@@ -424,7 +425,7 @@ class StackManifestMerger(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.manifests import finalize
-        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
+        from stacklm.prebuild.plan import STATE_DIR
 
         from stacklm.data.storage.shards import remove_temp_files
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from stacklm.datamodule import DataConfigError
 from stacklm.datamodule.resume.shards import next_position, resolve_skips, start_position
 from stacklm.datamodule.resume.state import SHAPES, EpochReload, check_state
+from stacklm.errors import DataConfigError
 
 IDENTITY = {"mode": "shards", "data": "d" * 64, "tokenizer": "t" * 64, "pipeline": "p" * 64, "where": "/data/a"}
 SHAPE = {"world_size": 2, "num_workers": 1, "batch_size": 4}

@@ -6,10 +6,10 @@ import glob as globlib
 import os
 from collections.abc import Sequence
 
-from stacklm.data.sources.errors import SourceError, SourceNotFoundError
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
+from stacklm.errors import SourceError, SourceNotFoundError
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
 _COMPRESSIONS = (".gz", ".zst", ".zstd")

@@ -24,15 +24,9 @@ from stacklm.data.audit import (
     clean_text,
     record_audit,
 )
-from stacklm.data.sources.errors import (
-    EmptySourceError,
-    InvalidRecordError,
-    SourceError,
-    column_error,
-)
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, InvalidRecordError, SourceError, column_error
 from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
@@ -309,7 +303,7 @@ class TextPartSource(PartNode):
         self.text_bytes += len(value) if isinstance(value, bytes) else (len(text) if text.isascii() else len(text.encode()))
         if not record_audit(self.stats, self.name, audit):
             if self._emitted == 0 and self._owned_rows >= self.first_rows_check:
-                raise EmptySourceError(
+                raise SourceError(
                     f"source {self.name!r}: the first {self._owned_rows} rows of {self._describe()} have no text in "
                     f"column {self.text_column!r} (last: {self._reader.where()}); check text_column and the files",
                     source=self.name,
@@ -339,14 +333,14 @@ class TextPartSource(PartNode):
                        "(e.g. iconv -f latin1 -t utf-8) or drop them from the source")
             else:
                 why = f"have empty text in column {self.text_column!r}"
-            raise EmptySourceError(
+            raise SourceError(
                 f"source {self.name!r}: all {self._owned_rows} rows of {self._describe()} {why}" if not binary else
                 f"source {self.name!r}: no document left of the {self._owned_rows} rows of {self._describe()}: {why}",
                 source=self.name,
                 file=self._describe(),
             )
         if self._global_row == 0:  # strided readers of a tiny source may legitimately own nothing
-            raise EmptySourceError(
+            raise SourceError(
                 f"source {self.name!r}: {self._describe()} contains no rows"
                 + (f" (parts of shard {self.shard.index}/{self.shard.count})" if self.shard.count > 1 else ""),
                 source=self.name,

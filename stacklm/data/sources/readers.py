@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stacklm.data.audit import MALFORMED_JSON, MISSING_TEXT, NOT_AN_OBJECT
-from stacklm.data.sources.errors import InvalidRecordError, column_error
+from stacklm.errors import InvalidRecordError, column_error
 
 
 def open_binary(path: str) -> io.BufferedIOBase:

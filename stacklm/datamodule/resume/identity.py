@@ -26,7 +26,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import DataConfigError
+
 
 COMPARED = ("mode", "data", "tokenizer", "pipeline")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import DataConfigError
 
 
 def start_position(epoch: int = 0, rows_served: int = 0, steps: int = 0) -> dict[str, int]:

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.resume.identity import check_identity
+from stacklm.errors import DataConfigError
 
 REQUIRED = object()  # a key a checkpoint of this mode must hold
 
