@@ -115,6 +115,7 @@ def run_job(
         "decontam": chain_report(pipe.chains),  # per evaluation set (None without decontaminate:)
         # the job's token ledger: delivered = what the shards hold (stacklm.data.ledger)
         "ledger": pipeline_ledger(pipe, tracker.delivered_by_source()),
+        "read": read_summary(pipe),
     }
     if plan.provenance:
         summary["provenance"] = {"files": {name: source_files(node) for name, node in pipe.sources.items()},
@@ -122,6 +123,13 @@ def run_job(
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
+
+
+def read_summary(pipe) -> dict[str, dict[str, int]]:
+    """The job's read volume (``manifests.read_volume``): input bytes its sources read, each
+    source's size, and the bytes of its piece index (``stacklm.data.sources.pieces``)."""
+    return {key: {name: int(getattr(node, attr, 0)) for name, node in pipe.sources.items()}
+            for key, attr in (("bytes", "bytes_in"), ("input_bytes", "input_bytes"), ("index_bytes", "index_bytes"))}
 
 
 def job_pipeline_args(plan: PrebuildPlan, split: str, worker: int) -> tuple:

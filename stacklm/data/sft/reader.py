@@ -129,7 +129,7 @@ class ConversationSource(PartNode):
             ) from e
         return [f"shard{j:05d}" for j in range(self._dataset.n_shards)]
 
-    def _open_part(self, part: int, position: dict | None):
+    def _open_part(self, part: int, position: dict | None, piece=None):
         if self.spec.kind == "hf":
             return DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
         path = self._parts[part]

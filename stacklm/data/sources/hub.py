@@ -147,7 +147,7 @@ class HFStreamSource(TextPartSource):
         self.part_labels = [f"shard{j:05d} ({files[j]})" for j in range(ds.n_shards)] if files else list(self._parts)
         self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
 
-    def _open_part(self, part: int, position: dict | None):
+    def _open_part(self, part: int, position: dict | None, piece=None):
         return DatasetsReader(self._hub_shard(part), self.text_column, self.name, f"{self._describe()} {self._parts[part]}", position)
 
     def reset(self, initial_state: dict | None = None) -> None:
