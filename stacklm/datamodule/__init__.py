@@ -33,7 +33,7 @@ _WHERE = {
     "DEFAULT_SNAPSHOT_STEPS": "stack_datamodule", "PipelineSpec": "stack_datamodule", "StackDataModule": "stack_datamodule",
     "check_pipeline": "stack_datamodule",
     "ShardsLoader": "shards_loader",
-    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
+    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream", "PreferenceBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
     "LogicalStreamDataset": "resume.logical",
     "DataGateError": "gate",

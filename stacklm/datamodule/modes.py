@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH
-from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.resume.sampler import ElasticSampler
 from stacklm.datamodule.resume.shards import next_position, resolve_skips, skipped_rows
 from stacklm.datamodule.shards_loader import ShardsLoader
-from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+from stacklm.datamodule.stream import PipelineBuilder, PreferenceBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
 from stacklm.errors import DataConfigError
 
