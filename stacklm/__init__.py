@@ -6,9 +6,11 @@ from are here (the way tiktoken's face is a handful of names over a fast core)::
     import stacklm
 
     tok = stacklm.train_tokenizer(texts, vocab_size=32768).tokenizer   # or stacklm.StackTokenizer.load(path)
-    pipe = stacklm.PipelineConfig.from_dict(cfg).build(tok)           # = stacklm.build_pipeline(cfg, tok)
-    stacklm.prebuild(cfg, tok, "shards/")                             # the same pipes, written once
-    dm = stacklm.StackDataModule(mode="shards", tokenizer=tok, data_dir="shards/", seq_len=2048, batch_size=8)
+    tok.save("tok.json")
+    config = stacklm.PipelineConfig.from_dict(cfg)                    # cfg: a YAML's data.pipeline dict
+    pipe = config.build(tok)                                          # = stacklm.build_pipeline(config, tok)
+    stacklm.prebuild(config, tok, "shards/")                          # the same pipes, written once
+    dm = stacklm.StackDataModule(mode="shards", tokenizer="tok.json", data_dir="shards/", seq_len=2048, batch_size=8)
 
 Everything else lives one import deeper, in the folder of its concern (docs/architecture.md
 draws the map). Names load on first use (PEP 562), so ``import stacklm`` imports neither
