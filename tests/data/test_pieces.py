@@ -144,7 +144,7 @@ def test_prebuild_reads_one_file_once_per_pass_and_says_so(files, tokenizer_512,
         vol = top["read_volume"]
         assert vol["input_total"] == size
         assert [(p["pass"], p["split"], p["total"]) for p in vol["passes"]] == [("dedup_signatures", "train", size), ("packing", "train", size)]
-        assert vol["index_bytes"] == (size if workers > 1 else 0)  # the piece index: one counting scan per build
+        assert vol["index_bytes"] == size  # the piece index (pieces for the spread order too): one counting scan per build
         assert "packing           train" in summary_table(top, str(out)) and "1.00x" in summary_table(top, str(out))
         delivered[workers] = _delivered(out)
     assert delivered[1] == delivered[3] and len(delivered[1]) == 601
