@@ -6,7 +6,8 @@ One root and two bases say whose move it is (built-in bases in brackets)::
     ├── UserError                     what the user gave is wrong: an argument, a config value,
     │   │                             a path, an input the command does not read, a missing extra
     │   ├── ConfigError [ValueError]
-    │   │   └── DataGateError
+    │   │   ├── DataGateError
+    │   │   └── ResumeRefused       a checkpoint must not resume on this data or set-up
     │   ├── ArgumentTypeError [TypeError]
     │   ├── MissingDependencyError [ImportError]
     │   ├── TextInputError [ValueError]
@@ -117,6 +118,15 @@ class DataGateError(ConfigError):
     def __init__(self, message: str = "", findings: list[dict[str, str]] | None = None) -> None:
         super().__init__(message)
         self.findings = list(findings or [])
+
+
+class ResumeRefused(ConfigError):
+    """A checkpoint must not resume on this data or this set-up (other data, seq_len, world
+    size where the mode cannot reshape, a state ahead of what was delivered, ...); raised
+    before the first step of the resumed fit, its message starts "refusing to resume" and
+    names both sides and the fix. Its own class so a caller (a launcher that would rather start
+    fresh) tells a refusal from a wrong value without reading the message; a ``ConfigError``
+    because the set-up given is what does not fit (``stacklm-train`` names the config file)."""
 
 
 class ArgumentTypeError(UserError, TypeError):
