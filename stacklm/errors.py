@@ -7,7 +7,7 @@ One root and two bases say whose move it is (built-in bases in brackets)::
     │   │                             a path, an input the command does not read, a missing extra
     │   ├── ConfigError [ValueError]
     │   │   ├── DataGateError
-    │   │   └── ResumeRefused       a checkpoint must not resume on this data or set-up
+    │   │   └── ResumeRefused         a checkpoint must not resume on this data or set-up
     │   ├── ArgumentTypeError [TypeError]
     │   ├── MissingDependencyError [ImportError]
     │   ├── TextInputError [ValueError]
@@ -36,11 +36,13 @@ its errno) and a ``ModuleNotFoundError`` of an optional extra's package (the mes
 extra) are shown the same way (``is_user_error``, ``user_error_message``). Any other exception is
 a bug in stacklm and keeps its traceback.
 
-A class below a base exists for one of two reasons only, said in its docstring: a caller catches
-it by name (``except ConfigError`` to add where a value sits, ``except SourceError`` to skip a
-part, ...), or it carries a built-in base that callers already catch and its base lacks
-(``ValueError``, ``FileNotFoundError``, ``ImportError``, ``OSError``) or fields a caller reads.
-Anything else raises the base itself.
+A class below a base exists only for a reason said in its docstring: a caller catches it by
+name (``except ConfigError`` to add where a value sits, ``except SourceError`` to skip a part,
+...); it carries a built-in base that callers already catch and its base lacks (``ValueError``,
+``FileNotFoundError``, ``ImportError``, ``OSError``); it carries fields or a name a caller reads
+(``DataGateError.findings``, ``TaskFailed.rank``, "raised LedgerError" in a task's failure); or
+its class is the answer a caller needs (``ResumeRefused``: start fresh instead). Anything else
+raises the base itself.
 """
 
 from __future__ import annotations
