@@ -16,7 +16,7 @@ import pytest
 import stacklm
 
 ROOT = Path(__file__).resolve().parents[1]
-FACE = ["PipelineConfig", "StackDataModule", "StackTokenizer", "build_pipeline", "prebuild", "train_tokenizer"]
+FACE = ["PipelineConfig", "StackDataModule", "StackTokenizer", "build_pipeline", "prebuild_shards", "train_tokenizer"]
 
 
 def test_the_face_is_small_and_named():
@@ -72,3 +72,17 @@ def test_the_readme_library_example_runs_as_written(tmp_path, monkeypatch):
     exec(compile(block, "README.md#Library", "exec"), scope)  # noqa: S102 -- the README's own code
     assert scope["first"]["input_ids"].shape == (8, 127)
     assert (tmp_path / "tok.json").exists() and (tmp_path / "shards").is_dir()
+
+
+def test_importing_every_subpackage_first_hides_no_public_name():
+    """Importing ``stacklm.x.y`` sets attribute ``x`` of the package: a public name equal to a
+    subpackage's (``stacklm.prebuild``, once the function's name here) would then be the module."""
+    code = (
+        "import importlib, pkgutil, stacklm\n"
+        "for m in pkgutil.walk_packages(stacklm.__path__, 'stacklm.'):\n"
+        "    if m.ispkg: importlib.import_module(m.name)\n"
+        "import types\n"
+        f"print([n for n in {FACE!r} if isinstance(getattr(stacklm, n), types.ModuleType)])"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]"
