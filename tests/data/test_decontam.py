@@ -196,7 +196,8 @@ def _stage_output(cfg: PipelineConfig, tok):
     pipe = build_pipeline(cfg, tok, "train")
     node = pipe.chains["web"]["decontam"]
     node.reset(None)
-    return list(node), node
+    # in file order (the source reads its pieces in a spread order: docs/architecture.md)
+    return sorted(node, key=lambda d: (d["file"], d["record"])), node
 
 
 def test_drop_mode_drops_exactly_the_contaminated_and_reports_them(data, tok):
