@@ -460,7 +460,7 @@ class StreamMode(_WorkerStreamMode):
         if cfg.decontaminate is not None:  # built here, once, before any worker starts: workers memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
-            ensure_index(cfg.decontaminate)
+            ensure_index(cfg.decontaminate, announce=True)
         build = PipelineBuilder(cfg.to_dict(), args.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=run.rank, world_size=world,
