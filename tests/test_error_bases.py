@@ -10,7 +10,7 @@ import torch
 
 from stacklm.chat import ChatFormatError
 from stacklm.data.storage.manifest import ManifestError
-from stacklm.data.registry import DataMixError
+from stacklm.data.sources.schema import DataMixError
 from stacklm.data.storage.shards import ShardError, ShardWriteError
 from stacklm.data.sources import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError
 from stacklm.errors import ConfigError, StackLMError

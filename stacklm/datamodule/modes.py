@@ -319,7 +319,7 @@ class _WorkerStreamMode(DataMode):
 
 
 class StreamMode(_WorkerStreamMode):
-    """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources, as
+    """The on-the-fly node graph (``stacklm.data.pipeline``) straight from the sources, as
     ``logical_streams`` logical streams (each its own graph over its own part of every source,
     with an equal token budget) dealt to (rank x worker) at run time
     (``stacklm.datamodule.logical``): a resume may change world size, workers and batch size."""

@@ -26,7 +26,7 @@ from stacklm.data.dedup import (
     id_key,
 )
 from stacklm.data.dedup.synthetic_edits import inject_edits
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.prebuild import PrebuildError, lock_out_dir, prebuild, state_dir_of
 from stacklm.prebuild.dedup_pass import build_dedup_index
@@ -162,7 +162,7 @@ def test_dedup_index_writes_where_a_stream_config_reads(corpus, tmp_path):
 
 
 def _iter_filtered(cfg, reader, readers):
-    from stacklm.data.nodes import document_chain
+    from stacklm.data.pipeline import document_chain
 
     node = document_chain(cfg, cfg.mix.entries[0], "train", ShardSpec(0, 1, reader, readers))["filter"]
     node.reset(None)
@@ -334,7 +334,7 @@ def split_corpus(tmp_path_factory):
 
 
 def _split_docs(cfg, split):
-    from stacklm.data.nodes import document_chain
+    from stacklm.data.pipeline import document_chain
 
     node = document_chain(cfg, cfg.mix.entries[0], split, ShardSpec(0, 1, 0, 1))["filter"]
     node.reset(None)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.registry import DataMixError, SourceConfig
+from stacklm.data.sources.schema import DataMixError, SourceConfig
 from stacklm.data.sources import (
     HFStreamSource,
     LocalFileSource,

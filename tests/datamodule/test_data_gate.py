@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from stacklm.data.sft.pack import CollateSFT
+from stacklm.data.sft.sft_pack import CollateSFT
 from stacklm.datamodule import DataGateError, StackDataModule
 from stacklm.datamodule.gate import GateRules, check_batches, inspect_tokenizer, sample_sft
 from tests.helpers.lightning import BatchRecorder, TinyLM
@@ -127,7 +127,7 @@ def test_the_rules_follow_the_sources_loss_policy(tokenizer_dir, chats):
 
 @pytest.fixture(scope="module")
 def shards_dir(tokenizer_dir, tmp_path_factory):
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
     from tests.datamodule.test_datamodule import stream_pipeline
 

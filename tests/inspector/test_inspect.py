@@ -25,7 +25,7 @@ from stacklm.inspector import (
     load_tokenizer,
 )
 from stacklm.chat.template import CHAT_TEMPLATE
-from stacklm.chat.export import export_hf
+from stacklm.chat.template_export import export_hf
 from tests.data.test_sft import make_conversations, write_jsonl
 
 CHATML_TEXT = (

@@ -24,7 +24,7 @@ from stacklm.data.packing.pack import Collate, collate, pack_greedy
 from stacklm.tokenizer.specials import special_token_ids
 from stacklm.train.attention import attend, build_attention_mask, reference_attention
 from stacklm.train.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss
-from stacklm.train.module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
+from stacklm.train.gpt_module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 512  # 256 byte tokens + room for merges + the 9 specials at the top

@@ -5,18 +5,20 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchdata.nodes import BaseNode
 
-from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
 from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, column_error
 from stacklm.data.sources.files import glob_files
-from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN, FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
 from stacklm.once import first_time, in_loader_worker
+
+if TYPE_CHECKING:  # the schema builds sources through ``entry``, which imports this module
+    from stacklm.data.sources.schema import SourceConfig
 
 FALLBACK_OFFLINE = "fallback_offline"
 
