@@ -146,3 +146,17 @@ def s3_bucket(s3_server):
     fs.mkdir(name)
     yield fs, name
     s3_server.faults.clear()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
+    """The 512-id tokenizer saved as a directory: what ``StackDataModule(tokenizer=...)`` takes."""
+    return saved_tokenizer_dir(tokenizer_512)
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tokenizer_dir, tmp_path_factory):
+    """Prebuilt shards of ``tests.helpers.datamodule.stream_pipeline`` (``build_shards``)."""
+    from tests.helpers.datamodule import build_shards
+
+    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))

@@ -22,7 +22,7 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import dtype_name, token_dtype, write_shard
 from stacklm.prebuild import load_config, prebuild
 from tests.runners.kill_probe import children, running
-from tests.prebuild.test_prebuild import TOKENS_PER_SHARD, _own_config, tree
+from tests.helpers.prebuild import TOKENS_PER_SHARD, own_config, tree
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = REPO / "tests" / "runners" / "kill_probe.py"
@@ -58,7 +58,7 @@ def _assert_nothing_ran_on(report: dict) -> None:
 @pytest.mark.slow
 def test_sigkilled_prebuild_leaves_no_worker_writing_and_resumes_byte_identical(tmp_path, tok_dir):
     # no dedup pass (it would start a pool of its own first): the packing jobs' pool is the subject
-    cfg = _own_config(tmp_path, tok_dir, 80_000, dedup={"exact": False, "near": False})
+    cfg = own_config(tmp_path, tok_dir, 80_000, dedup={"exact": False, "near": False})
     out = tmp_path / "killed"
     common = ("--config", str(cfg), "--out", str(out), "--workers", "2", "--tokens-per-shard", str(TOKENS_PER_SHARD))
 

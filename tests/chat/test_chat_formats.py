@@ -22,6 +22,7 @@ from stacklm.chat.formats import (
 )
 from stacklm.chat.policy import LossPolicy
 from stacklm.chat.template_export import export_hf
+from tests.helpers.lightning import tiny_llama
 
 WORDS = ["hello", "world", " the", "Oslo", "<|end|>", "<|im_start|>x", "naïve", "数学", "\n", "  ", "x=1;", "é", "{", "}"]
 TOOLS = [
@@ -202,21 +203,13 @@ def test_hf_template_matches_render_on_every_format(tok, hf_tok, records):
     assert all(n >= 10 for n in features.values()), features  # every feature exercised, not just generated
 
 
-def _tiny_model(vocab: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=4096)
-    return LlamaForCausalLM(cfg)
-
-
 def _trl_rows(hf_tok, rows, tmp_path, **cfg):
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
     args = SFTConfig(output_dir=str(tmp_path), report_to=[], max_length=None, packing=False, dataset_num_proc=None, use_cpu=True,
                      bf16=False, gradient_checkpointing=False, **cfg)
-    trainer = SFTTrainer(model=_tiny_model(len(hf_tok)), args=args, train_dataset=Dataset.from_list(rows), processing_class=hf_tok)
+    trainer = SFTTrainer(model=tiny_llama(len(hf_tok)), args=args, train_dataset=Dataset.from_list(rows), processing_class=hf_tok)
     return list(trainer.train_dataset)
 
 

@@ -16,7 +16,7 @@ from stacklm.data.sources.schema import SourceConfig
 from stacklm.chat.render import render_for_sft, untag_loss
 from stacklm.data.sft import SFTConfig, build_sft_pipeline, sft_batch
 from stacklm.data.stats import StageStats
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.sft import make_conversations, write_jsonl
 
 
 @pytest.fixture(scope="module")

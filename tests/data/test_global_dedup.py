@@ -25,7 +25,7 @@ from stacklm.data.dedup import (
     decide,
     id_key,
 )
-from stacklm.data.dedup.synthetic_edits import inject_edits
+from tests.helpers.synthetic_edits import inject_edits
 from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.prebuild import PrebuildError, lock_out_dir, prebuild, state_dir_of
@@ -524,7 +524,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     byte-identical output to ``stacklm prebuild --workers 2``."""
     from stacklm.scale.datatrove_steps import prebuild_executors, run_executors
 
-    from tests.prebuild.test_prebuild import tree
+    from tests.helpers.prebuild import tree
 
     glob, _ = split_corpus
     cfg = dataclasses_replace_holdout(_config(glob), 0.5)

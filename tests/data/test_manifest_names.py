@@ -21,7 +21,7 @@ from stacklm.cli import main as stacklm_main
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.dataset import PackedMemmapDataset
 from stacklm.prebuild import prebuild
-from tests.prebuild.test_prebuild import TOKENS_PER_SHARD, config
+from tests.helpers.prebuild import TOKENS_PER_SHARD, config
 
 
 @pytest.fixture(scope="module")

@@ -32,7 +32,7 @@ from stacklm.data.sources import ShardSpec
 from stacklm.data.stats import StageStats
 from tests.helpers.lightning import BatchRecorder, TinyDPO
 from tests.helpers.resume import check_save_load_state
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.sft import make_conversations, write_jsonl
 
 SEQ = 256
 
@@ -355,14 +355,14 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
     from trl import DPOConfig, DPOTrainer
 
     from stacklm.chat.template_export import export_hf
-    from tests.chat.test_chat_formats import _tiny_model
+    from tests.helpers.lightning import tiny_llama
 
     hf_tok = AutoTokenizer.from_pretrained(export_hf(tok, tmp_path / "hf"))
     tools = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
     records = pairs[:30] + [{**pairs[0], "tools": tools}, {"prompt": "Plain <|end|> q", "chosen": "A", "rejected": "B"}]
     args = DPOConfig(output_dir=str(tmp_path / "dpo"), report_to=[], max_length=None, dataset_num_proc=None, use_cpu=True,
                      bf16=False, gradient_checkpointing=False)
-    trainer = DPOTrainer(model=_tiny_model(len(hf_tok)), ref_model=_tiny_model(len(hf_tok)), args=args, train_dataset=dpo_dataset(records), processing_class=hf_tok)
+    trainer = DPOTrainer(model=tiny_llama(len(hf_tok)), ref_model=tiny_llama(len(hf_tok)), args=args, train_dataset=dpo_dataset(records), processing_class=hf_tok)
     rows = list(trainer.train_dataset)
     assert len(rows) == len(records)
     for rec, row in zip(records, rows, strict=True):
@@ -379,7 +379,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
 
     for kind in (0, 1):
         raw = [r for i, r in enumerate(pairs[:30]) if i % 3 == kind]
-        trainer = DPOTrainer(model=_tiny_model(len(hf_tok)), ref_model=_tiny_model(len(hf_tok)), args=args,
+        trainer = DPOTrainer(model=tiny_llama(len(hf_tok)), ref_model=tiny_llama(len(hf_tok)), args=args,
                              train_dataset=Dataset.from_list(raw), processing_class=hf_tok)
         for rec, row in zip(raw, trainer.train_dataset, strict=True):
             out = render_preference_record(rec, tok)
@@ -392,7 +392,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
 def test_preference_mode_under_real_ddp_is_disjoint_complete_and_resumes(tokenizer_512, saved_tokenizer_dir, tmp_path):
     """Two gloo processes (``tests/runners/ddp_fit.py``): equal step counts, disjoint pairs that together
     are the whole train split, and a crash resumed from a checkpoint on both ranks exactly."""
-    from tests.datamodule.test_ddp import run_ddp, seen
+    from tests.helpers.ddp import run_ddp, seen
 
     path = write_jsonl(tmp_path / "pairs.jsonl", make_pairs(36))
     pipeline = {"sources": [{"name": "p", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 4, "holdout_fraction": 0.1}

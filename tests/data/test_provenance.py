@@ -16,7 +16,7 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.storage.provenance import decode_rows, encode_rows, prov_path, row_provenance
 from stacklm.prebuild import prebuild
-from tests.data.test_ledger import SEQ_LEN, data_section, write_corpus
+from tests.helpers.ledger import SEQ_LEN, data_section, write_corpus
 
 
 @pytest.fixture(scope="module")

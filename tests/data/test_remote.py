@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 from stacklm.cli import main as stacklm_main  # noqa: E402
 from stacklm.data.storage import remote  # noqa: E402
 from stacklm.data.storage.dataset import PackedMemmapDataset  # noqa: E402
-from tests.datamodule.test_datamodule import BATCH, SEQ_LEN, _crash_and_resume, stream_pipeline  # noqa: E402
+from tests.helpers.datamodule import BATCH, SEQ_LEN, crash_and_resume, stream_pipeline  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +194,9 @@ def test_lightning_fit_from_s3_with_two_workers_is_killed_and_resumes_exactly(s3
     url = f"s3://{bucket}/fit"
     fs.put(str(local_build) + "/", f"{bucket}/fit", recursive=True)
     kw = dict(mode="shards", data_dir=url, pipeline=None, num_workers=2)
-    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path / "s3", 12, 5, **kw)
+    full, resumed = crash_and_resume(tokenizer_dir, tmp_path / "s3", 12, 5, **kw)
     assert resumed == full[5:]
-    local_full, _ = _crash_and_resume(tokenizer_dir, tmp_path / "local", 12, 5, **{**kw, "data_dir": str(local_build)})
+    local_full, _ = crash_and_resume(tokenizer_dir, tmp_path / "local", 12, 5, **{**kw, "data_dir": str(local_build)})
     assert full == local_full
     common = dict(mode="shards", tokenizer=str(tokenizer_dir), pipeline=None, seq_len=SEQ_LEN, batch_size=BATCH)
     s3_id = data_identity(StackDataModule(data_dir=url, **common))

@@ -26,7 +26,7 @@ def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def chats(tmp_path_factory):
-    from tests.data.test_sft import make_conversations, write_jsonl
+    from tests.helpers.sft import make_conversations, write_jsonl
 
     return write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", [{"messages": m} for m in make_conversations(60, seed=3)])
 
@@ -129,7 +129,7 @@ def test_the_rules_follow_the_sources_loss_policy(tokenizer_dir, chats):
 def shards_dir(tokenizer_dir, tmp_path_factory):
     from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
-    from tests.datamodule.test_datamodule import stream_pipeline
+    from tests.helpers.datamodule import stream_pipeline
 
     out = tmp_path_factory.mktemp("shards")
     cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=6_000), "seq_len": 64, "batch_size": 2})
@@ -180,7 +180,7 @@ def test_the_cli_turns_the_gate_off(tokenizer_dir, chats, tmp_path, monkeypatch)
     import yaml
 
     from stacklm.train.cli import cli_main
-    from tests.train.test_model import tiny_config
+    from tests.helpers.model import tiny_config
 
     monkeypatch.setattr("sys.argv", ["trainer"])
     config = {"model": {"config": {**tiny_config().to_dict(), "vocab_size": 512}},

@@ -2,91 +2,20 @@
 
 from __future__ import annotations
 
-import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.configs import CONFIG_DIR
 from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, DataConfigError, StackDataModule
-from tests.helpers.lightning import BatchRecorder, TinyLM
+from tests.helpers.lightning import TinyLM
 from tests.helpers.worker_probe import ThenProbe
 from tests.helpers.resume import check_save_load_state
-
-SEQ_LEN, BATCH = 64, 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
-
-
-def build_shards(tokenizer_dir, out, total_tokens: int = 20_000):  # noqa: F811
-    """Prebuilt shards of ``stream_pipeline``'s two-source mix at the tests' seq_len and batch."""
-    from stacklm.data.pipeline import PipelineConfig
-    from stacklm.prebuild import prebuild
-
-    cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=total_tokens), "seq_len": SEQ_LEN, "batch_size": BATCH})
-    prebuild(cfg, tokenizer_dir, out, tokens_per_shard=SEQ_LEN * 64, progress=False)
-    return out
-
-
-@pytest.fixture(scope="module")
-def shards_dir(tokenizer_dir, tmp_path_factory):
-    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))
-
-
-def stream_pipeline(total_tokens: int = 12_000) -> dict:
-    return {
-        "mix": {
-            "name": "tiny",
-            "total_tokens": total_tokens,
-            "entries": [
-                {"name": "web", "kind": "synthetic", "weight": 0.7, "domain": "prose", "seed": 1, "num_docs": 2000},
-                {"name": "code", "kind": "synthetic", "weight": 0.3, "domain": "code", "seed": 2, "num_docs": 800},
-            ],
-        },
-        "shuffle_buffer": 16,
-        "pack_buffer_docs": 16,
-        "holdout_fraction": 0.1,
-        "tokenize_batch_docs": 8,
-    }
-
-
-def _dm(tokenizer_dir, **kw) -> StackDataModule:
-    args = dict(mode="stream", tokenizer=str(tokenizer_dir), pipeline=stream_pipeline(), seq_len=SEQ_LEN,
-                batch_size=BATCH, num_workers=0, val_batches=2)
-    args.update(kw)
-    return StackDataModule(**args)
-
-
-def _crash_and_resume(tokenizer_dir, tmp_path, steps: int, k: int, **kw):
-    """The uninterrupted run's batches, and those of a run that checkpointed at step ``k``,
-    crashed two steps later and was resumed from that checkpoint by a fresh Trainer."""
-    full = BatchRecorder()
-    _trainer(tmp_path / "full", [full], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    crashed = BatchRecorder(crash_after_step=k + 2)
-    with pytest.raises((KeyboardInterrupt, SystemExit)):
-        _trainer(tmp_path / "run1", [ckpt, crashed], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw))
-    path = tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt"
-    assert path.exists(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())
-    assert crashed.seen[:k] == full.seen[:k]
-    resumed = BatchRecorder()
-    _trainer(tmp_path / "run2", [resumed], steps).fit(TinyLM(512), datamodule=_dm(tokenizer_dir, **kw), ckpt_path=path)
-    return full.seen, resumed.seen
-
-
-def _trainer(tmp_path, callbacks, max_steps):
-    return L.Trainer(
-        accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=1, callbacks=callbacks,
-        logger=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-        default_root_dir=tmp_path, num_sanity_val_steps=0,
-    )
+from tests.helpers.datamodule import SEQ_LEN, BATCH, stream_pipeline, stream_dm, crash_and_resume, cpu_trainer
 
 
 def test_stream_batches_follow_the_contract(tokenizer_dir):
-    dm = _dm(tokenizer_dir)
+    dm = stream_dm(tokenizer_dir)
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     assert len(batches) == 12_000 // (BATCH * SEQ_LEN)
@@ -104,11 +33,11 @@ def test_stream_workers_start_clean_and_fast(tokenizer_dir, tmp_path, monkeypatc
     import lightning  # noqa: F401  (in this process, as under a real fit)
     import wandb  # noqa: F401
 
-    warm = _dm(tokenizer_dir, num_workers=2)
+    warm = stream_dm(tokenizer_dir, num_workers=2)
     warm.setup("fit")
     next(iter(warm.train_dataloader()))  # the forkserver runs before the variable below exists
     monkeypatch.setenv("STACKLM_TEST_PROBE", str(tmp_path / "probe"))
-    dm = _dm(tokenizer_dir, num_workers=2)
+    dm = stream_dm(tokenizer_dir, num_workers=2)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert loader.multiprocessing_context.get_start_method() == "forkserver"
@@ -121,7 +50,7 @@ def test_stream_workers_start_clean_and_fast(tokenizer_dir, tmp_path, monkeypatc
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
     steps, k = 10, 4
-    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, steps, k, num_workers=num_workers)
+    full, resumed = crash_and_resume(tokenizer_dir, tmp_path, steps, k, num_workers=num_workers)
     assert len(full) == steps
     assert resumed == full[k:]
 
@@ -129,13 +58,13 @@ def test_exact_resume_with_a_real_trainer(tokenizer_dir, tmp_path, num_workers):
 def test_worker_snapshots_follow_the_checkpoint_interval(tokenizer_dir, tmp_path):
     """Snapshots copy the shuffle buffer and dedup indexes, so they are rare by default: at the
     trainer's step checkpoint interval, where a resume then replays no batch at all."""
-    assert _dm(tokenizer_dir).snapshot_interval() == DEFAULT_SNAPSHOT_STEPS  # no trainer to follow
-    assert _dm(tokenizer_dir, snapshot_every_n_steps=5).snapshot_interval() == 5
+    assert stream_dm(tokenizer_dir).snapshot_interval() == DEFAULT_SNAPSHOT_STEPS  # no trainer to follow
+    assert stream_dm(tokenizer_dir, snapshot_every_n_steps=5).snapshot_interval() == 5
     with pytest.raises(DataConfigError, match="snapshot_every_n_steps"):
-        _dm(tokenizer_dir, snapshot_every_n_steps=0)
-    dm = _dm(tokenizer_dir, num_workers=2)
+        stream_dm(tokenizer_dir, snapshot_every_n_steps=0)
+    dm = stream_dm(tokenizer_dir, num_workers=2)
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
-    _trainer(tmp_path, [ckpt], 6).fit(TinyLM(512), datamodule=dm)
+    cpu_trainer(tmp_path, [ckpt], 6).fit(TinyLM(512), datamodule=dm)
     assert dm.snapshot_interval() == 3
     for step in (3, 6):
         state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)
@@ -145,10 +74,10 @@ def test_worker_snapshots_follow_the_checkpoint_interval(tokenizer_dir, tmp_path
 
 def test_resume_refuses_other_data(tokenizer_dir, tmp_path):
     ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
-    _trainer(tmp_path, [ckpt], 2).fit(TinyLM(512), datamodule=_dm(tokenizer_dir))
-    other = _dm(tokenizer_dir, pipeline={**stream_pipeline(), "seed": 7})
+    cpu_trainer(tmp_path, [ckpt], 2).fit(TinyLM(512), datamodule=stream_dm(tokenizer_dir))
+    other = stream_dm(tokenizer_dir, pipeline={**stream_pipeline(), "seed": 7})
     with pytest.raises(DataConfigError, match="different data"):
-        _trainer(tmp_path / "b", [], 4).fit(TinyLM(512), datamodule=other, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
+        cpu_trainer(tmp_path / "b", [], 4).fit(TinyLM(512), datamodule=other, ckpt_path=tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
 
 
 def test_bad_set_ups_fail_before_training(tokenizer_dir):
@@ -156,7 +85,7 @@ def test_bad_set_ups_fail_before_training(tokenizer_dir):
         StackDataModule(mode="magic", tokenizer=str(tokenizer_dir))
     with pytest.raises(DataConfigError, match="data_dir"):
         StackDataModule(mode="shards", tokenizer=str(tokenizer_dir))
-    dm = _dm(tokenizer_dir, pipeline=stream_pipeline(total_tokens=50))
+    dm = stream_dm(tokenizer_dir, pipeline=stream_pipeline(total_tokens=50))
     dm.setup("fit")
     with pytest.raises(DataConfigError, match="zero batches"):
         dm.train_dataloader()
@@ -166,7 +95,7 @@ def test_bad_set_ups_fail_before_training(tokenizer_dir):
 def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers, prefetch):
     """Counted from the batches themselves at every step: per-source tokens sum to the non-pad
     input tokens handed out so far, exactly, however far the workers read and prefetch ahead."""
-    dm = _dm(tokenizer_dir, num_workers=num_workers)
+    dm = stream_dm(tokenizer_dir, num_workers=num_workers)
     dm.setup("fit")
     loader = dm.train_dataloader()
     if prefetch is not None:
@@ -198,13 +127,13 @@ def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers,
 
 
 def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, tmp_path):
-    from tests.data.test_sft import make_conversations, write_jsonl
+    from tests.helpers.sft import make_conversations, write_jsonl
 
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(120)])
     pipeline = {"sources": [{"name": "chats", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 16,
                 "pack_buffer_docs": 8, "holdout_fraction": 0.1}
     kw = dict(mode="sft", pipeline=pipeline, seq_len=128, batch_size=2)
-    dm = _dm(tokenizer_dir, **kw)
+    dm = stream_dm(tokenizer_dir, **kw)
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     assert len(batches) >= 8
@@ -222,14 +151,14 @@ def test_sft_mode_trains_on_assistant_tokens_and_resumes_exactly(tokenizer_dir, 
                 window = ids[: i + 1][seg[: i + 1] == seg[i]]
                 marks = window[torch.isin(window, roles)]
                 assert len(marks) and int(marks[-1]) == assistant
-    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, 8, 3, **kw)
+    full, resumed = crash_and_resume(tokenizer_dir, tmp_path, 8, 3, **kw)
     assert resumed == full[3:]
 
 
 def test_sft_mode_data_stats_count_what_the_batches_delivered(tokenizer_dir, tmp_path):
     """SFT batches carry their per-source counts too: with 2 workers, two weighted sources and
     padding batches of a reader that ran dry, the delivered tokens are the batches' own."""
-    from tests.data.test_sft import make_conversations, write_jsonl
+    from tests.helpers.sft import make_conversations, write_jsonl
 
     convs = make_conversations(90)
     a = write_jsonl(tmp_path / "a.jsonl", [{"messages": m} for m in convs[:60]])
@@ -237,7 +166,7 @@ def test_sft_mode_data_stats_count_what_the_batches_delivered(tokenizer_dir, tmp
     pipeline = {"sources": [{"name": "a", "kind": "local", "path": [str(a)], "weight": 2.0},
                             {"name": "b", "kind": "local", "path": [str(b)], "weight": 1.0}],
                 "shuffle_buffer": 8, "pack_buffer_docs": 4, "holdout_fraction": 0.0}
-    dm = _dm(tokenizer_dir, mode="sft", pipeline=pipeline, seq_len=128, batch_size=2, num_workers=2)
+    dm = stream_dm(tokenizer_dir, mode="sft", pipeline=pipeline, seq_len=128, batch_size=2, num_workers=2)
     dm.setup("fit")
     pad = dm.tokenizer.pad_id
     tokens = positions = 0
@@ -272,12 +201,12 @@ def test_stack_100m_config_data_section_builds():
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_shards_mode_exact_resume_with_a_real_trainer(tokenizer_dir, shards_dir, tmp_path, num_workers):
     kw = dict(mode="shards", data_dir=str(shards_dir), pipeline=None, num_workers=num_workers)
-    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path, 12, 5, **kw)
+    full, resumed = crash_and_resume(tokenizer_dir, tmp_path, 12, 5, **kw)
     assert resumed == full[5:]
 
 
 def test_shards_mode_refuses_a_model_seq_len_mismatch(tokenizer_dir, shards_dir):
-    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None, seq_len=128)
+    dm = stream_dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None, seq_len=128)
     dm.setup("fit")
     with pytest.raises(DataConfigError, match="seq_len 64"):
         dm.train_dataloader()
@@ -290,7 +219,7 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
     documents are the manifest's. The counts live in the module's state: a resume continues them."""
     import json
 
-    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None, num_workers=num_workers)
+    dm = stream_dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None, num_workers=num_workers)
     dm.setup("fit")
     pad = dm.tokenizer.pad_id
     tokens = positions = 0
@@ -307,7 +236,7 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
     assert stats["delivered"]["padding_rows"] == padding_rows
     manifest = json.loads((shards_dir / "manifest.json").read_text())
     assert {s: r["docs"] for s, r in stats["realized"].items()} == {s["name"]: s["docs"] for s in manifest["sources"]}
-    again = _dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None)
+    again = stream_dm(tokenizer_dir, mode="shards", data_dir=str(shards_dir), pipeline=None)
     again.setup("fit")
     again.load_state_dict(saved)
     rest = list(again.train_dataloader())
@@ -328,15 +257,15 @@ def test_shards_mode_refuses_a_rotten_shard_unless_told_not_to_check(tokenizer_d
     raw = bytearray(path.read_bytes())
     raw[2 * 70] ^= 1  # the low byte of token 70: the id changes by one, staying inside the (even) vocab
     path.write_bytes(bytes(raw))
-    dm = _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2)
+    dm = stream_dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2)
     dm.setup("fit")
     with pytest.raises(ShardError, match=r"shard_00000.tokens.bin: content hash .* `stacklm verify"):
         list(dm.train_dataloader())
-    quiet = _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2, verify_shards=False)
+    quiet = stream_dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2, verify_shards=False)
     quiet.setup("fit")
     assert len(list(quiet.train_dataloader())) == len(quiet.train_dataloader())
     with pytest.raises(DataConfigError, match=r"'data.verify_shards' must be true or false, got 'off'"):
-        _dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, verify_shards="off")
+        stream_dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, verify_shards="off")
 
 
 @pytest.mark.parametrize("mode, num_workers", [("stream", 0), ("stream", 2), ("shards", 2)])
@@ -349,7 +278,7 @@ def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_d
         kw.update(mode="shards", data_dir=str(shards_dir), pipeline=None)
 
     def build():
-        dm = _dm(tokenizer_dir, **kw)
+        dm = stream_dm(tokenizer_dir, **kw)
         dm.setup("fit")
         return dm.train_dataloader()
 
@@ -360,7 +289,7 @@ def test_loader_state_survives_a_weights_only_checkpoint(tokenizer_dir, shards_d
 def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir):
     pipeline = stream_pipeline()
     pipeline["mix"]["entries"][1]["num_docs"] = 3  # code: far too little for its 30%
-    dm = _dm(tokenizer_dir, pipeline=pipeline)
+    dm = stream_dm(tokenizer_dir, pipeline=pipeline)
     dm.setup("fit")
     with pytest.warns(RuntimeWarning, match=r"source 'code' ran dry in the train stream, rank 0 worker 0, at batch \d+ .*target 0\.3000"):
         for _ in dm.train_dataloader():
@@ -373,7 +302,7 @@ def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir)
 def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
     from stacklm.datamodule.errors import BatchVocabError
 
-    dm = _dm(tokenizer_dir)
+    dm = stream_dm(tokenizer_dir)
     dm.setup("fit")
     loader = dm.train_dataloader()
     assert loader.vocab_size == dm.vocab_size == 512
@@ -394,12 +323,12 @@ def test_an_opted_in_offline_fallback_is_recorded_in_data_stats(tokenizer_dir, m
     pipeline = stream_pipeline()
     pipeline["mix"]["entries"][1] = {"name": "code", "kind": "hf", "path": "HuggingFaceTB/finemath", "config_name": "finemath-4plus",
                                      "weight": 0.3, "domain": "math", "num_docs": 400}
-    dm = _dm(tokenizer_dir, pipeline=pipeline)  # fallback_offline not set: a broken hub source is an error
+    dm = stream_dm(tokenizer_dir, pipeline=pipeline)  # fallback_offline not set: a broken hub source is an error
     dm.setup("fit")
     with pytest.raises(Exception, match="HuggingFaceTB/finemath") as err:
         next(iter(dm.train_dataloader()))
     assert "fallback" not in str(err.value)
-    dm = _dm(tokenizer_dir, pipeline={**pipeline, "fallback_offline": True})
+    dm = stream_dm(tokenizer_dir, pipeline={**pipeline, "fallback_offline": True})
     dm.setup("fit")
     with pytest.warns(RuntimeWarning, match="OFFLINE FALLBACK: source 'code'"):
         next(iter(dm.train_dataloader()))

@@ -5,30 +5,15 @@ rank 1 by re-executing it)."""
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.lightning import run_program
-from tests.datamodule.test_datamodule import shards_dir, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.helpers.datamodule import stream_pipeline
+from tests.helpers.ddp import run_ddp, seen
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "runners" / "ddp_fit.py"
-
-
-def run_ddp(*args: str, expect_crash: bool = False) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = run_program([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=600)
-    if expect_crash:
-        assert res.returncode != 0
-    else:
-        assert res.returncode == 0, res.stderr[-4000:]
-
-
-def seen(out: Path) -> list[list]:
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
 def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.lightning import run_program
-from tests.datamodule.test_datamodule import shards_dir, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.helpers.lightning import global_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "runners" / "elastic_fit.py"
@@ -42,23 +42,6 @@ def fit(tokenizer_dir, shards_dir, out: Path, *, devices=1, workers=0, batch=4, 
     return {"ranks": ranks, "lengths": lengths, "devices": devices, "batch": batch, "out": out}
 
 
-def global_rows(run: dict, *, before: int | None = None, after: int | None = None) -> dict[int, list]:
-    """Data epoch -> the rows of every step in order (rank-major inside a step), padding kept
-    as ``None``; only steps ``< before`` / ``>= after`` (global step at the batch's start)."""
-    steps: dict[tuple[int, int], dict[int, list]] = {}
-    for rank, records in enumerate(run["ranks"]):
-        for data_epoch, lightning_epoch, step, rows in records:
-            assert data_epoch == lightning_epoch, f"data epoch {data_epoch} trained as Lightning epoch {lightning_epoch}"
-            assert len(rows) == run["batch"]
-            if (before is None or step < before) and (after is None or step >= after):
-                steps.setdefault((data_epoch, step), {})[rank] = rows
-    out: dict[int, list] = {}
-    for (epoch, _), per_rank in sorted(steps.items()):
-        assert sorted(per_rank) == list(range(run["devices"])), "every rank trains every step"
-        out.setdefault(epoch, []).append([r for rank in sorted(per_rank) for r in per_rank[rank]])
-    return out
-
-
 def check_epochs(steps_by_epoch: dict[int, list], reference: dict[int, list[str]]) -> int:
     """Every epoch's rows are the reference's, in order; padding fills the last step only.
     Returns how many rows were checked."""
@@ -77,7 +60,7 @@ def check_epochs(steps_by_epoch: dict[int, list], reference: dict[int, list[str]
 @pytest.mark.slow
 def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
     from stacklm.data.storage.dataset import PackedMemmapDataset
-    from tests.runners.elastic_fit import row_ids
+    from tests.helpers.lightning import row_ids
 
     ds = PackedMemmapDataset(shards_dir, "train")
     n = len(ds)
@@ -137,7 +120,7 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
 # ------------------------------------------------------------------ epochs draw new orders
 def _stream_dm(tokenizer_dir, **kw):  # noqa: F811
     from stacklm.datamodule import StackDataModule
-    from tests.datamodule.test_datamodule import stream_pipeline
+    from tests.helpers.datamodule import stream_pipeline
 
     args = {"mode": "stream", "tokenizer": str(tokenizer_dir), "pipeline": stream_pipeline(total_tokens=3_000), "seq_len": 64,
                 "batch_size": 2, "num_workers": 0, "val_batches": 0}
@@ -187,7 +170,7 @@ def test_each_epoch_draws_a_new_order_and_resumes_exactly_inside_it(tokenizer_di
 def test_stream_epochs_keep_the_holdout_and_reseed_mix_and_shuffle(tokenizer_512):
     from stacklm.data.quality.holdout import holdout_split
     from stacklm.data.pipeline import PipelineConfig, build_pipeline, epoch_seed
-    from tests.datamodule.test_datamodule import stream_pipeline
+    from tests.helpers.datamodule import stream_pipeline
 
     cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=3_000), "seq_len": 64, "batch_size": 2})
     pipes = [build_pipeline(cfg, tokenizer_512, "train", epoch=e) for e in (0, 1)]
@@ -255,7 +238,7 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
     from stacklm.datamodule import DataConfigError
     from stacklm.datamodule.identity import shards_content_hash
     from stacklm.prebuild import prebuild
-    from tests.datamodule.test_datamodule import stream_pipeline
+    from tests.helpers.datamodule import stream_pipeline
 
     here = tmp_path / "here"
     shutil.copytree(shards_dir, here)
@@ -286,7 +269,7 @@ def test_sft_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, tmp
 
     from stacklm.datamodule import DataConfigError, StackDataModule
     from tests.helpers.lightning import BatchRecorder, TinyLM
-    from tests.data.test_sft import make_conversations, write_jsonl
+    from tests.helpers.sft import make_conversations, write_jsonl
 
     def trainer(root, callbacks, steps):
         return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, callbacks=callbacks, logger=False,

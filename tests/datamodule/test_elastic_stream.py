@@ -21,15 +21,15 @@ import pytest
 
 from stacklm.datamodule import DataConfigError
 from tests.helpers.lightning import run_program
-from tests.runners.elastic_fit import row_ids
-from tests.datamodule.test_datamodule import _dm, tokenizer_dir  # noqa: F401  (fixture)
+from tests.helpers.lightning import row_ids
+from tests.helpers.datamodule import stream_dm
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "runners" / "elastic_stream_fit.py"
 
 
 def _loader(tokenizer_dir, state=None, loader_state=None, **kw):  # noqa: F811
-    dm = _dm(tokenizer_dir, **kw)
+    dm = stream_dm(tokenizer_dir, **kw)
     dm.setup("fit")
     if state is not None:
         dm.load_state_dict(state)
@@ -101,7 +101,7 @@ def test_a_resume_refuses_another_number_of_logical_streams(tokenizer_dir):  # n
     dm1, loader1 = _loader(tokenizer_dir, logical_streams=4)
     _take(loader1, 3)
     state = dm1.state_dict()
-    dm2 = _dm(tokenizer_dir, logical_streams=2)
+    dm2 = stream_dm(tokenizer_dir, logical_streams=2)
     dm2.setup("fit")
     with pytest.raises(DataConfigError, match="logical_streams=4"):
         dm2.load_state_dict(state)
@@ -113,7 +113,7 @@ def test_a_checkpoint_without_logical_streams_is_refused(tokenizer_dir):  # noqa
     _take(loader1, 2)
     state = dm1.state_dict()
     del state["streams"]
-    dm2 = _dm(tokenizer_dir)
+    dm2 = stream_dm(tokenizer_dir)
     dm2.setup("fit")
     with pytest.raises(DataConfigError, match="older stacklm"):
         dm2.load_state_dict(state)

@@ -12,7 +12,7 @@ import gc
 
 from stacklm.datamodule import StackDataModule
 from tests.helpers.lightning import batch_hash
-from tests.datamodule.test_datamodule import SEQ_LEN, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.helpers.datamodule import SEQ_LEN, stream_pipeline
 
 
 def _loader(tokenizer_dir):  # noqa: F811

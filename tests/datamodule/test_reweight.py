@@ -14,7 +14,7 @@ from stacklm.data.sources import ShardSpec
 from stacklm.datamodule import DataConfigError, StackDataModule
 from stacklm.datamodule.stream import SUMMARY_KEY, _StreamIterator, first_local_batch
 from tests.helpers.lightning import BatchRecorder, TinyLM, batch_hash
-from tests.datamodule.test_datamodule import stream_pipeline
+from tests.helpers.datamodule import stream_pipeline
 
 STEPS, REGISTER_AT, AT_STEP = 16, 3, 8
 # Synthetic documents are ~600 tokens: batches of 4 x 256 and small buffers, so the documents

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.datamodule import DataConfigError, StackDataModule
 from tests.helpers.lightning import TinyLM
-from tests.inspector.test_inspect import run
+from tests.helpers.cli import run
 
 SEQ_LEN, BATCH = 64, 2
 
@@ -31,7 +31,7 @@ def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def shards_dir(tokenizer_dir, tmp_path_factory):
-    from tests.datamodule.test_datamodule import build_shards
+    from tests.helpers.datamodule import build_shards
 
     return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"), total_tokens=8_000)
 
@@ -102,7 +102,7 @@ def test_skip_steps_pass_over_exactly_those_rows_and_resume_exactly(tokenizer_di
 
 
 def test_skip_steps_are_checked(tokenizer_dir, shards_dir):
-    from tests.datamodule.test_datamodule import stream_pipeline
+    from tests.helpers.datamodule import stream_pipeline
 
     for bad, message in (([(8, 5)], "0 <= first <= last"), ([(1, 4), (3, 6)], "overlap"), ([(-1, 2)], "0 <= first")):
         with pytest.raises(DataConfigError, match=message):
@@ -117,7 +117,7 @@ def test_skip_steps_on_another_world_size(tokenizer_dir, shards_dir, tmp_path):
     """A 1-process run (batch 4) checkpointed at step 3, resumed on 2 gloo ranks (batch 4 each,
     8 rows a step) with skip_steps=[(3, 5)]: the rows the 1-process steps 3..5 consumed (12 rows
     of its order) are passed over, every other row of the epoch is trained once, in order."""
-    from tests.datamodule.test_elastic import global_rows
+    from tests.helpers.lightning import global_rows
 
     def run(out, devices, *extra):
         import json

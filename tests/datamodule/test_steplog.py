@@ -22,10 +22,9 @@ from stacklm.cli import main as stacklm_main
 from stacklm.datamodule import StackDataModule
 from stacklm.datamodule.steplog import MAGIC, StepLogError, StepLogWriter, find_step, frame_records, read_frames
 from stacklm.inspector.steps import step_provenance
-from tests.runners.elastic_fit import row_ids
+from tests.helpers.lightning import row_ids
 from tests.helpers.lightning import TinyLM, run_program
-from tests.datamodule.test_datamodule import shards_dir, tokenizer_dir  # noqa: F401  (fixtures)
-from tests.data.test_ledger import SEQ_LEN, data_section, write_corpus
+from tests.helpers.ledger import SEQ_LEN, data_section, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -111,7 +110,7 @@ def test_a_damaged_log_is_an_error_that_names_the_file(tmp_path):
 
 
 def test_sft_mode_says_it_writes_no_step_log_when_given_a_path(tokenizer_dir, tmp_path):  # noqa: F811
-    from tests.data.test_sft import make_conversations, write_jsonl
+    from tests.helpers.sft import make_conversations, write_jsonl
 
     path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(20)])
     dm = StackDataModule(mode="sft", tokenizer=str(tokenizer_dir), pipeline={"sources": [{"name": "c", "path": [str(path)]}]},

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from tests.train.test_model import tiny_config
+from tests.helpers.model import tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, CKPT_EVERY = 12, 6

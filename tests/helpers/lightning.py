@@ -11,6 +11,8 @@ import tempfile
 import lightning as L
 import torch
 
+from stacklm.data.contract import IGNORE_INDEX
+
 
 class TinyLM(L.LightningModule):
     """Embedding + linear head; enough to make real optimizer steps on contract batches."""
@@ -129,3 +131,35 @@ def run_program(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Compl
             raise subprocess.TimeoutExpired(cmd, timeout, output=out.read(), stderr=err.read()) from None
         out.seek(0), err.seek(0)
         return subprocess.CompletedProcess(cmd, rc, out.read(), err.read())
+
+
+def tiny_llama(vocab: int):
+    """A one-layer transformers Llama: enough for TRL's trainers to tokenize and step."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=4096)
+    return LlamaForCausalLM(cfg)
+
+
+def row_ids(batch) -> list[str | None]:
+    """A short content hash per row, ``None`` for a padding row (its targets all ignored)."""
+    return [None if bool((t == IGNORE_INDEX).all()) else hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16]
+            for r, t in zip(batch["input_ids"], batch["targets"])]
+
+
+def global_rows(run: dict, *, before: int | None = None, after: int | None = None) -> dict[int, list]:
+    """Data epoch -> the rows of every step in order (rank-major inside a step), padding kept
+    as ``None``; only steps ``< before`` / ``>= after`` (global step at the batch's start)."""
+    steps: dict[tuple[int, int], dict[int, list]] = {}
+    for rank, records in enumerate(run["ranks"]):
+        for data_epoch, lightning_epoch, step, rows in records:
+            assert data_epoch == lightning_epoch, f"data epoch {data_epoch} trained as Lightning epoch {lightning_epoch}"
+            assert len(rows) == run["batch"]
+            if (before is None or step < before) and (after is None or step >= after):
+                steps.setdefault((data_epoch, step), {})[rank] = rows
+    out: dict[int, list] = {}
+    for (epoch, _), per_rank in sorted(steps.items()):
+        assert sorted(per_rank) == list(range(run["devices"])), "every rank trains every step"
+        out.setdefault(epoch, []).append([r for rank in sorted(per_rank) for r in per_rank[rank]])
+    return out

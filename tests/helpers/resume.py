@@ -15,7 +15,7 @@ state's shape, counters after the resume). It works on torchdata nodes (``state_
 ``reset(state)``) and on loaders (``state_dict()`` / ``load_state_dict(state)``).
 
 Resumes through a real Lightning ``Trainer`` (checkpoint file, crash, fresh trainer) are a
-different shape and live in ``tests/datamodule/test_datamodule.py`` (``_crash_and_resume``).
+different shape: ``tests.helpers.datamodule.crash_and_resume``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from stacklm.chat import render_conversation
-from stacklm.cli import main
 from stacklm.cli.inspect_command import add_inspect_subcommand
 from stacklm.data.packing.pack import pack_greedy
 from stacklm.chat.render import tag_loss
@@ -26,7 +25,8 @@ from stacklm.inspector import (
 )
 from stacklm.chat.template import CHAT_TEMPLATE
 from stacklm.chat.template_export import export_hf
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.sft import make_conversations, write_jsonl
+from tests.helpers.cli import run
 
 CHATML_TEXT = (
     "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
@@ -48,16 +48,6 @@ def dirs(tok, saved_tokenizer_dir):
 @pytest.fixture(scope="module")
 def convs():
     return make_conversations(30, seed=3)
-
-
-def run(*argv) -> tuple[int, str]:
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        code = main(["inspect", *(str(a) for a in argv)])
-    return code, out.getvalue()
 
 
 def errors_of(report) -> set[str]:

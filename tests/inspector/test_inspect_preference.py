@@ -11,7 +11,7 @@ import pytest
 
 from stacklm.data.sft.preference import read_pair, render_pair
 from stacklm.inspector import inspect_input
-from tests.inspector.test_inspect import run
+from tests.helpers.cli import run
 
 PROMPT = "What is the capital of France?"
 STANDARD = [{"prompt": PROMPT, "chosen": "Paris is the capital.", "rejected": "Berlin, I think."},

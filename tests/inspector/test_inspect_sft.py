@@ -16,8 +16,8 @@ from stacklm.chat.policy import LossPolicy
 from stacklm.chat.render import render_for_sft, tag_loss
 from stacklm.data.sft import collate_sft
 from stacklm.inspector import inspect_input
-from tests.inspector.test_inspect import run
-from tests.data.test_sft import make_conversations, write_jsonl
+from tests.helpers.cli import run
+from tests.helpers.sft import make_conversations, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import signal
 import subprocess
@@ -25,11 +24,7 @@ from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.prebuild import PrebuildError, load_config, prebuild
-
-REPO = Path(__file__).resolve().parents[2]
-SEQ_LEN = 128
-TOKENS_PER_SHARD = SEQ_LEN * 8
-TOTAL = 40_000
+from tests.helpers.prebuild import REPO, SEQ_LEN, TOKENS_PER_SHARD, TOTAL, data_section, config, tree, own_config
 
 
 @pytest.fixture(scope="module")
@@ -42,26 +37,6 @@ def tok(tok_dir):
     from stacklm.tokenizer.bpe import StackTokenizer
 
     return StackTokenizer.load(tok_dir)
-
-
-def data_section(total=TOTAL, seed=0):
-    return {
-        "seq_len": SEQ_LEN, "batch_size": 4, "strategy": "best_fit", "seed": seed, "shuffle_buffer": 32,
-        "pack_buffer_docs": 16, "holdout_fraction": 0.05, "tokenize_batch_docs": 16, "num_threads": 1,
-        "mix": {"name": "t", "total_tokens": total, "entries": [
-            {"name": "web", "kind": "synthetic", "weight": 0.6, "domain": "prose", "seed": 1, "num_docs": 4000},
-            {"name": "code", "kind": "synthetic", "weight": 0.3, "domain": "code", "seed": 4, "num_docs": 3000},
-            {"name": "math", "kind": "synthetic", "weight": 0.1, "domain": "math", "seed": 3, "num_docs": 3000},
-        ]},
-    }
-
-
-def config(**kw) -> PipelineConfig:
-    return PipelineConfig.from_dict(data_section(**kw))
-
-
-def tree(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
@@ -184,14 +159,6 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
     assert tree(out) == tree(ref)
 
 
-def _own_config(tmp_path: Path, tokenizer, total=TOTAL, **pipeline) -> Path:
-    """A config file of one's own, in the trainer's layout (data.pipeline)."""
-    path = tmp_path / "c.yaml"
-    data = {"tokenizer": str(tokenizer), "pipeline": {**data_section(total=total), **pipeline}}
-    path.write_text(json.dumps({"data": data}))  # JSON is YAML
-    return path
-
-
 def _count(d: Path) -> int:
     return len(list(d.glob("*.meta.bin"))) if d.is_dir() else 0
 
@@ -199,7 +166,7 @@ def _count(d: Path) -> int:
 def test_sigkill_twice_then_resume_is_byte_identical(tmp_path, tok_dir):
     """A real process killed at two different points; the third run finishes the job."""
     total = 80_000
-    cfg_file = _own_config(tmp_path, tok_dir, total)
+    cfg_file = own_config(tmp_path, tok_dir, total)
     out = tmp_path / "killed"
     cmd = [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg_file), "--out", str(out),
            "--tokens-per-shard", str(TOKENS_PER_SHARD), "--no-progress"]
@@ -296,10 +263,10 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     demo, settings = load_config("demo")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
     assert settings["tokenizer"] == "artifacts/demo/tokenizer" and settings["out"] == "artifacts/demo/shards"
-    own, settings = load_config(_own_config(tmp_path, "tok"))  # the same layout: data.pipeline
+    own, settings = load_config(own_config(tmp_path, "tok"))  # the same layout: data.pipeline
     assert own.seq_len == SEQ_LEN and settings["tokenizer"] == "tok" and settings["out"] is None
     with pytest.raises(PrebuildError, match=r"'data\.pipeline\.dedup\.nera'; did you mean 'near'"):
-        load_config(_own_config(tmp_path, "tok", dedup={"nera": False}))
+        load_config(own_config(tmp_path, "tok", dedup={"nera": False}))
 
 
 def test_a_dry_source_is_a_warning_in_the_manifest(tmp_path, tok_dir):

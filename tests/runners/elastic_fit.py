@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -19,14 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning as L  # noqa: E402
 
-from stacklm.data.contract import IGNORE_INDEX  # noqa: E402
 from stacklm.datamodule import StackDataModule  # noqa: E402
 from tests.helpers.lightning import TinyLM  # noqa: E402
-
-
-def row_ids(batch) -> list[str | None]:
-    return [None if bool((t == IGNORE_INDEX).all()) else hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16]
-            for r, t in zip(batch["input_ids"], batch["targets"])]
+from tests.helpers.lightning import row_ids
 
 
 class Record(L.Callback):

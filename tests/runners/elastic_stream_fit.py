@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import lightning as L  # noqa: E402
 
 from stacklm.datamodule import StackDataModule  # noqa: E402
-from tests.runners.elastic_fit import row_ids  # noqa: E402
+from tests.helpers.lightning import row_ids  # noqa: E402
 from tests.helpers.lightning import TinyLM  # noqa: E402
-from tests.datamodule.test_datamodule import SEQ_LEN, stream_pipeline  # noqa: E402
+from tests.helpers.datamodule import SEQ_LEN, stream_pipeline  # noqa: E402
 
 
 class Record(L.Callback):

@@ -17,7 +17,7 @@ from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
 from stacklm.scale.supervise import TaskFailed, run_chain
-from tests.prebuild.test_prebuild import REPO, TOKENS_PER_SHARD, _own_config, config, tree
+from tests.helpers.prebuild import REPO, TOKENS_PER_SHARD, own_config, config, tree
 
 BOUND_S = 120  # a failed run must end within this (it used to wait forever)
 
@@ -116,7 +116,7 @@ def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str
     from stacklm.prebuild import prebuild
 
     total = 80_000
-    cfg_file = _own_config(tmp_path, tok_dir, total)
+    cfg_file = own_config(tmp_path, tok_dir, total)
     out = tmp_path / "dt"
     proc = subprocess.Popen(_cli(cfg_file, out, *engine), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed_at, deadline = None, time.monotonic() + 300
@@ -159,7 +159,7 @@ def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_d
 @pytest.mark.slow
 def test_killing_the_cli_leaves_no_task_process(tmp_path, tok_dir):
     """The task processes die with the run that started them: no orphan keeps writing shards."""
-    cfg_file = _own_config(tmp_path, tok_dir, 80_000)
+    cfg_file = own_config(tmp_path, tok_dir, 80_000)
     out = tmp_path / "dt"
     proc = subprocess.Popen(_cli(cfg_file, out, "--executor", "local", "--workers", "2"), cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 from lightning.pytorch.loggers import WandbLogger
 
 from stacklm.callbacks import DataStatsCallback, merge_data_stats
-from tests.train.test_model import ContractDataModule, tiny_config
+from tests.helpers.model import ContractDataModule, tiny_config
 from stacklm.train.gpt_module import GPTModule, OptimConfig
 
 HASHES = {"tokenizer": "tok-5f2c", "manifest": None, "data_config": "cfg-91ab"}

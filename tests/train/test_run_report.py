@@ -17,7 +17,7 @@ from stacklm.cli import main
 from stacklm.datamodule import StackDataModule
 from stacklm.run_report import ReportError, read_run
 from tests.helpers.lightning import TinyLM
-from tests.datamodule.test_datamodule import BATCH, SEQ_LEN, stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
+from tests.helpers.datamodule import BATCH, SEQ_LEN, stream_pipeline
 
 
 class LoggingLM(TinyLM):
