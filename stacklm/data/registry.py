@@ -6,8 +6,8 @@ to sum 1, with one line saying so when they did not).
 
 Both are ``stacklm.config.Config``s: they round-trip through plain dicts (``to_dict`` /
 ``from_dict``) and every validation error names the entry and the field, so a bad YAML line
-is found without reading this file. ``SourceConfig`` and ``DataMixError`` are imported here
-from the schema, so ``from stacklm.data.registry import SourceConfig`` keeps working.
+is found without reading this file. ``SourceConfig`` is imported here from the
+schema, so ``from stacklm.data.registry import SourceConfig`` keeps working.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 from stacklm.config import Config, did_you_mean
 from stacklm.data.mix.schedule import MixScheduleConfig
 from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN
-from stacklm.data.sources.schema import DOMAINS, DataMixError, SourceConfig
+from stacklm.data.sources.schema import DOMAINS, SourceConfig
 from stacklm.errors import ConfigError
 from stacklm.once import first_time
 
@@ -42,7 +42,6 @@ class DataMix(Config):
     so the config and its hash say which column was read).
     """
 
-    config_error: ClassVar[type[ConfigError]] = DataMixError
 
     name: str
     total_tokens: int
@@ -58,7 +57,7 @@ class DataMix(Config):
     def _from_value(cls, value: Any, path: str) -> DataMix:
         if isinstance(value, str):
             if value not in MIXES:
-                raise DataMixError(
+                raise ConfigError(
                     f"field {path or 'mix'!r}: unknown data mix {value!r}{did_you_mean(value, sorted(MIXES))} "
                     f"(registered: {sorted(MIXES)}; or give a mapping with name, total_tokens, entries)"
                 )
@@ -77,15 +76,15 @@ class DataMix(Config):
 
     def validate(self) -> None:
         if isinstance(self.total_tokens, bool) or not isinstance(self.total_tokens, int) or self.total_tokens <= 0:
-            raise DataMixError(f"data mix {self.name!r}: field 'total_tokens' must be an int > 0, got {self.total_tokens!r}")
+            raise ConfigError(f"data mix {self.name!r}: field 'total_tokens' must be an int > 0, got {self.total_tokens!r}")
         if not self.entries:
-            raise DataMixError(f"data mix {self.name!r}: field 'entries' is empty; list at least one source")
+            raise ConfigError(f"data mix {self.name!r}: field 'entries' is empty; list at least one source")
         seen: set[str] = set()
         for entry in self.entries:
             if not isinstance(entry, SourceConfig):
-                raise DataMixError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
+                raise ConfigError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
             if entry.name in seen:
-                raise DataMixError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
+                raise ConfigError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
             if entry.domain is None:
                 raise entry._fail("domain", f"is required for pre-training: a label such as {DOMAINS} (it picks the quality filter) "
                                             "or your own with filters: prose|code|math|none")
@@ -94,7 +93,7 @@ class DataMix(Config):
         total = math.fsum(e.weight for e in self.entries)
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             listed = ", ".join(f"{e.name}={e.weight}" for e in self.entries)
-            raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
+            raise ConfigError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
         if self.schedule is not None:
             self.schedule.check_sources([e.name for e in self.entries])
 
@@ -154,7 +153,7 @@ class DataMix(Config):
         """A copy with hub revisions pinned (e.g. commit shas recorded by a previous run)."""
         unknown = sorted(set(revisions) - {e.name for e in self.entries})
         if unknown:
-            raise DataMixError(f"data mix {self.name!r}: cannot pin unknown entries {unknown}")
+            raise ConfigError(f"data mix {self.name!r}: cannot pin unknown entries {unknown}")
         entries = tuple(
             dataclasses.replace(e, revision=revisions[e.name]) if e.name in revisions else e for e in self.entries
         )

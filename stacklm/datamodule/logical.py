@@ -39,7 +39,6 @@ from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.packing.origins import delivery_counts
 from stacklm.data.packing.pack import Collate
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
     SUMMARY_KEY,
@@ -47,6 +46,7 @@ from stacklm.datamodule.stream import (
     _padding_batch,
     first_local_batch,
 )
+from stacklm.errors import DataConfigError
 
 LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ..., [-1, padding rows]]; the loader takes it off
 

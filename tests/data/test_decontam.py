@@ -358,3 +358,28 @@ def test_without_the_section_the_config_hash_is_unchanged(data):
     assert cfg.config_hash() == Config.config_hash(cfg, exclude=("num_threads", "decontaminate"))
     assert PipelineConfig.from_dict(data_section(root)).config_hash() != cfg.config_hash()
     assert dataclasses.replace(cfg).config_hash() == cfg.config_hash()
+
+
+@pytest.mark.slow
+def test_stream_datamodule_with_two_workers_shares_one_index(data, tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """``StackDataModule(mode="stream")`` builds the index in the main process before its
+    forkserver workers start; they memory-map it (one folder), and their reports reach
+    ``data_stats()`` as the callback reads it, adding up with the ledger."""
+    from stacklm.callbacks import data_scalars
+    from stacklm.datamodule import StackDataModule
+
+    root, records, texts, grams = data
+    pipeline = data_section(root, total=20_000, holdout=0.1)
+    dm = StackDataModule(mode="stream", tokenizer=str(saved_tokenizer_dir(tokenizer_512)), pipeline=pipeline,
+                         seq_len=SEQ_LEN, batch_size=4, num_workers=2)
+    dm.setup("fit")
+    for _ in dm.train_dataloader():
+        pass
+    stats = dm.data_stats()
+    assert len(list((tmp_path / "cache" / "decontam").iterdir())) == 1
+    report = stats["decontamination"]["sets"]
+    dropped = stats["ledger"]["sources"]["web"]["docs"]["dropped"]
+    assert stats["ledger"]["ok"] and sum(r["docs"] for r in report.values()) > 0
+    for name in ("qa", "code"):
+        assert dropped.get(f"decontam/{name}", 0) == report[name]["docs"] == data_scalars(stats)[f"data/decontam/{name}/docs"]
+        assert all(tuple(ex["ngram"].split()) in grams[name] for ex in report[name]["examples"])

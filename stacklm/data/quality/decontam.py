@@ -6,7 +6,10 @@ their records. ``DecontamNode`` sits after the quality filter and before dedup (
 "Decontamination"): a document with any n-gram (``n`` = 13 by default, on the normalized words of
 ``ngrams.py``) that a set holds is dropped, counted under the drop reason ``<set>`` of stage
 ``decontam`` (the first set in config order that it overlaps), or, with ``mode: cut``, the
-overlapping spans are cut out and the rest goes on (dropped after all when nothing is left).
+overlapping spans are cut out and the rest goes on (dropped after all when no word is left). A
+span runs from the first to the last character of its words, so the text between two kept
+parts loses nothing else; a cut document not already in NFKC form comes out in NFKC form (the
+form its word offsets refer to).
 
 Matching is exact (``ngrams.NgramIndex``: a sorted uint64 hash array for the fast path, each hit
 confirmed against the stored words, so a hash collision never drops a document). The index is

@@ -26,10 +26,6 @@ KINDS = ("hf", "local", "synthetic")
 DOMAINS = ("prose", "code", "math")  # the synthetic corpus's domains (and the filter rule sets)
 
 
-class DataMixError(ConfigError):
-    """A data-mix config problem; the message names the entry and the field."""
-
-
 @dataclass(frozen=True)
 class SourceConfig(ChatSourceFields, Config):
     """One source, for pre-training and SFT alike.
@@ -53,7 +49,6 @@ class SourceConfig(ChatSourceFields, Config):
     schema; a pre-training reader never looks at them).
     """
 
-    config_error: ClassVar[type[ConfigError]] = DataMixError
     # the SFT schema's names before the one source schema (closer in spelling to 'filters')
     renamed_fields: ClassVar[dict[str, str]] = {"files": "data_files", "column": "text_column"}
 
@@ -95,8 +90,8 @@ class SourceConfig(ChatSourceFields, Config):
         object.__setattr__(self, "roles_to_train", (roles,) if isinstance(roles, str) else tuple(roles))
         self.validate()
 
-    def _fail(self, field_name: str, problem: str) -> DataMixError:
-        return DataMixError(f"source {self.name!r}: field {field_name!r} {problem}")
+    def _fail(self, field_name: str, problem: str) -> ConfigError:
+        return ConfigError(f"source {self.name!r}: field {field_name!r} {problem}")
 
     @property
     def paths(self) -> list[str]:
@@ -106,7 +101,7 @@ class SourceConfig(ChatSourceFields, Config):
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise DataMixError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
+            raise ConfigError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
         if self.kind not in KINDS:
             raise self._fail("kind", f"must be one of {KINDS}, got {self.kind!r}")
         if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
@@ -142,7 +137,7 @@ class SourceConfig(ChatSourceFields, Config):
         problem = self.chat_field_problem()
         if problem is not None:
             field_name, text = problem
-            raise self._fail(field_name, text) if field_name else DataMixError(f"source {self.name!r}: {text}")
+            raise self._fail(field_name, text) if field_name else ConfigError(f"source {self.name!r}: {text}")
 
     def invalid_policy(self, default: str = "skip") -> str:
         """``skip`` or ``raise`` for rows that hold no document (``default`` when unset; ``drop``
@@ -154,7 +149,7 @@ class SourceConfig(ChatSourceFields, Config):
         try:
             return rules_for(self.domain, self.filters)
         except ValueError as e:
-            raise DataMixError(f"source {self.name!r}: {e}") from None
+            raise ConfigError(f"source {self.name!r}: {e}") from None
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
