@@ -80,8 +80,8 @@ class SFTConfig(Config):
 
     def build(self, tokenizer, split: str = "train", shard=None):
         """The SFT node graph for one split and one (rank, worker) shard (``build_sft_pipeline``).
-        The one arrow from this module to the graph (imported here, at call time); the graph
-        module names ``SFTConfig`` for type checkers only, so the two make no circle."""
+        The one arrow between this module and the graph (imported here, at call time); the
+        graph module does not import this one, so the two make no circle."""
         from stacklm.data.sft.sft_pipeline import build_sft_pipeline
 
         return build_sft_pipeline(self, tokenizer, split, shard)

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torchdata.nodes import BaseNode
 
 from stacklm.data.sources.files import LocalFileSource
 from stacklm.data.sources.hub import HFStreamSource
 from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sources.sharding import ShardSpec
 from stacklm.data.sources.synthetic import SyntheticSource
-
-if TYPE_CHECKING:  # SourceConfig.build imports this module; a runtime import back would be a circle
-    from stacklm.data.sources.schema import SourceConfig
 
 
 def open_source(entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> BaseNode:

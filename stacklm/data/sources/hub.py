@@ -5,20 +5,18 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torchdata.nodes import BaseNode
 
 from stacklm.data.sources.files import glob_files
 from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN, FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
 from stacklm.errors import SourceError, SourceNotFoundError, column_error
 from stacklm.once import first_time, in_loader_worker
-
-if TYPE_CHECKING:  # the schema builds sources through ``entry``, which imports this module
-    from stacklm.data.sources.schema import SourceConfig
 
 FALLBACK_OFFLINE = "fallback_offline"
 

@@ -157,10 +157,3 @@ class SourceConfig(ChatSourceFields, Config):
             if d[key] == default:
                 del d[key]
         return d
-
-    def build(self, *, shard=None, fallback_offline: bool = False):
-        """The pre-training document source node (``sources.open_source``). Imported at call
-        time: ``entry`` (and ``hub``) name this class for type checkers only, so no circle."""
-        from stacklm.data.sources.entry import open_source
-
-        return open_source(self, shard=shard, fallback_offline=fallback_offline)
