@@ -1,18 +1,22 @@
-"""``open_source``: the pre-training source node for one ``SourceConfig``."""
+"""``open_source``: the pre-training source node for one ``SourceConfig``.
+
+The entry is typed ``Any`` and this module does not import the schema: ``SourceConfig.build``
+calls ``open_source``, so an import back would be a circle (``tests/test_layout.py``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from torchdata.nodes import BaseNode
 
 from stacklm.data.sources.files import LocalFileSource
 from stacklm.data.sources.hub import HFStreamSource
 from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN
-from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sources.sharding import ShardSpec
 from stacklm.data.sources.synthetic import SyntheticSource
 
 
-def open_source(entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> BaseNode:
+def open_source(entry: Any, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> BaseNode:
     """The source node for one registry entry."""
     if entry.kind == "hf":
         return HFStreamSource.from_entry(entry, shard=shard, fallback_offline=fallback_offline)

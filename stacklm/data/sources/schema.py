@@ -151,6 +151,14 @@ class SourceConfig(ChatSourceFields, Config):
         except ValueError as e:
             raise ConfigError(f"source {self.name!r}: {e}") from None
 
+    def build(self, *, shard=None, fallback_offline: bool = False):
+        """The pre-training document source node (``sources.open_source``). Imported at call
+        time; ``entry`` and ``hub`` take the entry untyped and never import this module, so
+        the two make no circle."""
+        from stacklm.data.sources.entry import open_source
+
+        return open_source(self, shard=shard, fallback_offline=fallback_offline)
+
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         for key, default in self._OMIT_AT_DEFAULT.items():
