@@ -38,6 +38,7 @@ from stacklm.constants import KEPT
 from stacklm.data.quality.ngrams import NgramIndex, build_index, word_spans, words_of
 from stacklm.data.stats import StageStats
 from stacklm.errors import ConfigError
+from stacklm.once import first_time
 
 STAGE = "decontam"
 EXCERPT_CHARS = 240
@@ -105,13 +106,29 @@ class EvalSetConfig(Config):
         path, kwargs = self.load_args()
         if self.path:
             check_data_files("decontaminate set", self.name, self.path, self.data_files)
-        ds = import_datasets().load_dataset(path, **kwargs)
-        for batch in ds.iter(batch_size=1000):
-            missing = [f for f in self.fields if f not in batch]
-            if missing:
-                raise ConfigError(f"decontaminate set {self.name!r}: no column {missing[0]!r} (columns: {sorted(batch)}); fix 'fields'")
-            for row in zip(*(batch[f] for f in self.fields)):
-                yield "\n".join(_field_text(self.name, f, v) for f, v in zip(self.fields, row))
+        where = f"decontaminate set {self.name!r} ({', '.join(self.files) if self.files else self.path})"
+        records = 0
+        try:
+            ds = import_datasets().load_dataset(path, **kwargs)
+            for batch in ds.iter(batch_size=1000):
+                missing = [f for f in self.fields if f not in batch]
+                if missing:
+                    raise ConfigError(f"decontaminate set {self.name!r}: no column {missing[0]!r} (columns: {sorted(batch)}); fix 'fields'")
+                for row in zip(*(batch[f] for f in self.fields)):
+                    records += 1
+                    yield "\n".join(_field_text(self.name, f, v) for f, v in zip(self.fields, row))
+        except ConfigError:
+            raise
+        except StopIteration:
+            # ``datasets``' json builder says "empty file" as a bare StopIteration (which Python
+            # turns into "generator raised StopIteration" here): name the set instead
+            records = 0
+        except Exception as e:  # a broken file surfaces as pyarrow's / datasets' own error
+            first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
+            raise ConfigError(f"{where}: cannot be read: {type(e).__name__}: {first}; fix the file or 'files'") from e
+        if records == 0:
+            # an empty evaluation set would decontaminate nothing while looking configured
+            raise ConfigError(f"{where}: holds no records; point 'files' (or 'path'/'split') at the evaluation data")
 
 
 def _field_text(name: str, column: str, value: Any) -> str:
@@ -169,10 +186,11 @@ class DecontamConfig(Config):
 _LOADED: dict[str, NgramIndex] = {}  # per process: folder -> index
 
 
-def ensure_index(config: DecontamConfig) -> NgramIndex:
+def ensure_index(config: DecontamConfig, announce: bool = False) -> NgramIndex:
     """The index of ``config``'s sets: loaded (memory-mapped) when its folder exists, else built
     there once. Called by the prebuild driver and the datamodule before workers start, so
-    workers and tasks only load it."""
+    workers and tasks only load it. ``announce`` (those two main-process callers): warn, once per
+    process, about a set that holds no n-gram at all."""
     folder = config.index_root() / config.index_key()
     key = str(folder)
     if key not in _LOADED:
@@ -180,7 +198,28 @@ def ensure_index(config: DecontamConfig) -> NgramIndex:
             _LOADED[key] = NgramIndex.load(folder)
         else:
             _LOADED[key] = build_index(folder, config.n, [(s.name, s.texts()) for s in config.sets], folder.name)
+    if announce:
+        _warn_unmatchable(_LOADED[key])
     return _LOADED[key]
+
+
+def _warn_unmatchable(index: NgramIndex) -> None:
+    """A set whose every record has fewer than ``n`` words (short questions, a short-text field)
+    can match no document: the run would look decontaminated and be not. Said on every run, also
+    when the index comes from the cache, since the build that saw it may be long gone."""
+    import warnings
+
+    import numpy as np
+
+    per_set = np.bincount(np.asarray(index.set_of, dtype=np.int64), minlength=len(index.sets))
+    records = index.meta.get("records", {})
+    for s, name in enumerate(index.sets):
+        if per_set[s] == 0 and first_time("decontam_unmatchable", index.content_hash, name):
+            warnings.warn(
+                f"decontaminate set {name!r}: none of its {records.get(name, 0):,} records has {index.n} words, so it "
+                f"can match no document; lower 'n' or name the longer text columns in 'fields'",
+                RuntimeWarning, stacklevel=3,
+            )
 
 
 def _merge_spans(hits: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
