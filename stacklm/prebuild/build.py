@@ -129,7 +129,7 @@ def index_pieces(config, readers: int, folder: Path) -> None:
     ``folder``, and point this process and the task processes it starts at it
     (``STACKLM_PIECE_CACHE``): each task then reads only its own pieces instead of counting
     every file's lines again."""
-    from stacklm.data.nodes import read_order_seed
+    from stacklm.data.pipeline import read_order_seed
     from stacklm.data.sources import ShardSpec, open_source
     from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 

@@ -20,7 +20,7 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.data import ledger
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.quality import decontam as dc
 from stacklm.data.quality.ngrams import NgramIndex, build_index, ngram_hashes, word_hashes, words_of
 from stacklm.errors import ConfigError
