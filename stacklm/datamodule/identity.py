@@ -11,7 +11,8 @@ dataset rebuilt at the same path is refused.
   two small JSON reads, not a pass over the tokens. Stream and SFT modes: sha256 of the sources
   part of the config (the mix entries / conversation sources).
 - ``tokenizer``: ``stacklm.data.storage.manifest.tokenizer_hash`` (the ids, not training metadata).
-- ``pipeline``: what decides the order of the data: shards mode, the seed and ``seq_len``
+- ``pipeline``: what decides the order of the data: shards mode, the seed, ``seq_len`` and
+  ``shard_window`` when set
   (batch size, world size and workers may change, see ``ShardsLoader``); stream and SFT modes,
   the whole pipeline config but the batch size (part of the shape, which the datamodule checks
   and names on its own).
@@ -57,7 +58,8 @@ def data_identity(dm: StackDataModule) -> dict[str, Any]:
     """The identity of ``dm``'s data (see the module docstring)."""
     if dm.mode == "shards":
         data = shards_content_hash(dm.data_dir)
-        pipeline = _sha({"seed": dm.seed, "seq_len": dm.seq_len})
+        order = {"shard_window": dm.shard_window} if getattr(dm, "shard_window", None) else {}  # the order of the rows
+        pipeline = _sha({"seed": dm.seed, "seq_len": dm.seq_len, **order})
         where = getattr(dm, "data_url", None) or str(Path(dm.data_dir).resolve())  # named only: the content is compared
     else:
         cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()

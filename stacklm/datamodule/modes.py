@@ -154,7 +154,8 @@ class ShardsMode(DataMode):
 
         dm = self.dm
         n_rows = len(dm.shards_dataset("train"))
-        order = ElasticSampler(n_rows, 1, seed=dm.seed, rank=0, world_size=1, shuffle=True, loop=False)
+        order = ElasticSampler(n_rows, 1, seed=dm.seed, rank=0, world_size=1, shuffle=True, loop=False,
+                               shard_window=dm.shard_window, shard_rows=dm.shards_dataset("train").shard_rows)
         for r in self.skips:
             a, b = r["steps"]
             others = [tuple(o["positions"]) for o in self.skips if o is not r]
@@ -177,7 +178,8 @@ class ShardsMode(DataMode):
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
                 f"{dm.world_size} rank(s) x {dm.batch_size}; lower batch_size or build more data"
             )
-        order = ElasticSampler(ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size, shuffle=train, loop=False)
+        order = ElasticSampler(ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size, shuffle=train, loop=False,
+                               shard_window=dm.shard_window if train else None)
         return ShardsLoader(
             ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
             tail="pad" if train else "drop", position=position,
@@ -262,7 +264,8 @@ class ShardsMode(DataMode):
         from stacklm.datamodule.identity import shards_content_hash
 
         dm = self.dm
-        return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}".encode()).hexdigest()
+        window = f":window{dm.shard_window}" if dm.shard_window else ""  # another order: not the same data stream
+        return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}{window}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):

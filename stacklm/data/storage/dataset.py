@@ -144,6 +144,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         sample_rows: int = DEFAULT_SAMPLE_ROWS,
         seed: int = 0,
         verify_content: bool = True,
+        cache=None,
     ) -> None:
         if not isinstance(verify_content, bool):
             raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
@@ -167,7 +168,16 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if tokenizer is not None:
             check_tokenizer(m, tokenizer, where)
         self.shard_names = [s["name"] for s in m["shards"]]
-        counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
+        # ``cache`` (a ``prefetch.ShardCache``): the token files are streamed into this directory
+        # as readers need them (``shard_window``), so nothing is checked or sampled here; the row
+        # counts are the manifest's, each download is checked against its xxh64, and every
+        # batch's ids against the vocabulary.
+        self.cache = cache
+        if cache is not None:
+            counts = [int(s["n_seq"]) for s in m["shards"]]
+            sample_rows = 0
+        else:
+            counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
         self.shard_rows = np.asarray(counts, dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
         self.num_rows = int(self.shard_rows.sum())
@@ -247,9 +257,21 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
                 idx = np.where(idx < 0, idx + self.num_rows, idx)
         return self._read(idx, verify=self.verify_content)
 
+    def _stream_maps(self, shards: np.ndarray) -> dict[int, np.ndarray]:
+        """Memmaps of ``shards`` for one read, each once it is in the streamed cache. Opened per
+        read and dropped after it: a reader never keeps an evicted shard's blocks on disk."""
+        maps = {}
+        for s in np.unique(shards).tolist():
+            self.cache.ensure(s)
+            maps[s] = open_tokens(self.path, self.shard_names[s], self.dtype, int(self.shard_rows[s]), self.seq_len).view(np.ndarray)
+        return maps
+
     def _read(self, idx: np.ndarray, *, verify: bool) -> np.ndarray:
-        maps = self._maps if self._maps is not None else self._open()
         shard, local = self.locate(idx)
+        if self.cache is not None:
+            maps = self._stream_maps(shard)
+        else:
+            maps = self._maps if self._maps is not None else self._open()
         if verify and self._all_verified_in != os.getpid():
             self._verify(shard)
         out = np.empty((len(idx), self.seq_len), dtype=self.dtype)
@@ -393,6 +415,32 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
 # ---------------------------------------------------------------------------------------
 # Elastic sampler (``shards`` mode)
 # ---------------------------------------------------------------------------------------
+def window_permutation(seed: int, epoch: int, shard_rows: Sequence[int] | np.ndarray, window: int) -> np.ndarray:
+    """Epoch ``epoch``'s row order when rows are read shard-locally (``shard_window``).
+
+    The shards are put in a seeded random order, cut into consecutive windows of ``window``
+    shards, and the rows of each window are shuffled among themselves; the epoch is the windows
+    one after another. Why: one permutation of all rows touches nearly every shard within the
+    first steps (a global step of ``world x batch`` rows hits ``min(rows, shards)`` shards), so
+    a cache smaller than the set would download each shard again and again; here a reader needs
+    at most two windows at a time (the one it reads and, across a boundary, the next), and every
+    shard is read in one stretch, once per epoch. The cost is the mixing: a batch's rows come
+    from ``window`` shards, not from all of them (docs/prebuild.md, "Streaming into a bounded
+    cache"). Like ``ElasticSampler.permutation``, a pure function of the seed, the epoch and
+    the shard layout: the same on every rank and worker, so positions (and resumes) are exact.
+    """
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(rows)])[:-1]
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 1]))
+    order = rng.permutation(len(rows))
+    parts = []
+    for lo in range(0, len(order), window):
+        group = order[lo : lo + window]
+        idx = np.concatenate([np.arange(starts[s], starts[s] + rows[s], dtype=np.int64) for s in group])
+        parts.append(rng.permutation(idx))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
 class ElasticSampler(torch.utils.data.Sampler[int]):
     """One seeded permutation per epoch, consumed in global steps; state ``(seed, epoch, consumed)``.
 
@@ -430,6 +478,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         shuffle: bool = True,
         loop: bool = True,
         drop_last: bool = False,
+        shard_window: int | None = None,
+        shard_rows: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         self.num_samples = int(data_source if isinstance(data_source, int) else len(data_source))
         if self.num_samples <= 0:
@@ -444,6 +494,17 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
         self.seed, self.shuffle, self.loop, self.drop_last = int(seed), bool(shuffle), bool(loop), bool(drop_last)
+        # ``shard_window=K``: the epoch's order is ``window_permutation`` (shards shuffled, rows
+        # shuffled within consecutive windows of K shards) instead of one permutation of all rows.
+        self.shard_window = None if shard_window is None else int(shard_window)
+        if self.shard_window is not None:
+            if self.shard_window < 1:
+                raise ValueError(f"shard_window must be >= 1, got {shard_window}")
+            if shard_rows is None:
+                shard_rows = getattr(data_source, "shard_rows", None)
+            if shard_rows is None or int(np.sum(shard_rows)) != self.num_samples:
+                raise ValueError("ElasticSampler(shard_window=...) needs the rows per shard (shard_rows) summing to the samples")
+        self.shard_rows = None if shard_rows is None else np.asarray(shard_rows, dtype=np.int64)
         self.epoch = 0
         self.consumed = 0
         self._base = 0  # global position where the current iteration started
@@ -455,7 +516,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         """Epoch ``epoch``'s order of the sample indices (identical on every rank and worker)."""
         if self._perm_cache is not None and self._perm_cache[0] == epoch:
             return self._perm_cache[1]
-        if self.shuffle:
+        if self.shuffle and self.shard_window is not None:
+            perm = window_permutation(self.seed, epoch, self.shard_rows, self.shard_window)
+        elif self.shuffle:
             perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
         else:
             perm = np.arange(self.num_samples, dtype=np.int64)
