@@ -87,9 +87,7 @@ class ShardCache:
         self.prefetching = False  # set while a ``Prefetcher`` runs in ``owner``
         self.downloads = 0  # shards this process downloaded (bench, tests)
         self.peak = 0  # the most bytes counted against the limit, at a reservation in this process
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__.copy()
+        self._names: dict[str, int] | None = None  # tokens file name -> shard number
 
     # -- files -------------------------------------------------------------------------------
     def tokens(self, s: int) -> Path:
@@ -176,21 +174,26 @@ class ShardCache:
                     rsv.unlink(missing_ok=True)
         if freed >= need:
             return freed
+        index = self._index()
         candidates = []
-        for s in range(len(self.entries)):
-            p = self.tokens(s)
-            try:
-                candidates.append((p.stat().st_mtime, s))
-            except FileNotFoundError:
-                continue
+        for e in os.scandir(self.local):  # what is there (bounded by the limit), not every shard of the set
+            s = index.get(e.name)
+            if s is not None:
+                candidates.append((e.stat().st_mtime, s))
         for _, s in sorted(candidates):
             if freed >= need:
                 break
             if self._held_elsewhere(self._hold_file(s)):
                 continue
             self.tokens(s).unlink(missing_ok=True)
+            self._hold_file(s).unlink(missing_ok=True)  # holds are taken under the node lock too: none is lost
             freed += self.sizes[s]
         return freed
+
+    def _index(self) -> dict[str, int]:
+        if self._names is None:
+            self._names = {self.tokens(s).name: s for s in range(len(self.entries))}
+        return self._names
 
     # -- downloading -------------------------------------------------------------------------
     def try_fetch(self, s: int, *, force: bool = False) -> str:

@@ -1,6 +1,6 @@
 """Streaming a remote train split through a bounded local cache ahead of the reader
 (``stacklm.data.storage.prefetch``, ``shard_window``), against moto's S3 server over HTTP
-(``tests/s3_server.py``); no network."""
+(``tests/helpers/s3_server.py``); no network."""
 
 from __future__ import annotations
 
@@ -14,15 +14,10 @@ import pytest
 from stacklm.data.storage import remote
 from stacklm.data.storage.dataset import ElasticSampler, PackedMemmapDataset, window_permutation
 from stacklm.datamodule import DataConfigError, StackDataModule
-from tests.test_datamodule import BATCH, SEQ_LEN, _crash_and_resume, stream_pipeline
+from tests.helpers.datamodule import BATCH, SEQ_LEN, crash_and_resume, stream_pipeline
 
 ROWS_PER_SHARD = 16
 WINDOW = 2
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +165,7 @@ def test_lightning_fit_streaming_a_quarter_cache_is_killed_and_resumes_exactly(s
               cache_max_bytes=rest + 2 * WINDOW * _shard_bytes(small_shards))
     s3_server.faults.requests.clear()
     watch = _DiskWatch(remote.mirror_dir(url) / "train")
-    full, resumed = _crash_and_resume(tokenizer_dir, tmp_path / "s3", 60, 25, **kw)
+    full, resumed = crash_and_resume(tokenizer_dir, tmp_path / "s3", 60, 25, **kw)
     assert resumed == full[25:]
     assert 0 < watch.stop() <= 2 * WINDOW * _shard_bytes(small_shards)  # the limit held through 3 fits
     gets = _gets(s3_server, "fit/train")
