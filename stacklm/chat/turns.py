@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stacklm.chat.template import THINK_CLOSE, THINK_OPEN
-from stacklm.errors import StackLMError
+from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
@@ -41,17 +41,6 @@ EMPTY_CONTENT = "empty_content"
 EMPTY_CONVERSATION = "empty_conversation"
 NO_ASSISTANT = "no_assistant"
 INVALID_REASONS = (MALFORMED_JSON, NO_MESSAGES, BAD_MESSAGE, UNKNOWN_ROLE, EMPTY_CONTENT, EMPTY_CONVERSATION, NO_ASSISTANT)
-
-
-class ChatFormatError(StackLMError, ValueError):
-    """A conversation that cannot be trained on. ``reason`` is one of ``INVALID_REASONS`` (the
-    counter it lands in when the pipes drop instead of raise); ``where`` locates it."""
-
-    def __init__(self, message: str, *, reason: str | None = None, where: str | None = None) -> None:
-        super().__init__(f"{where}: {message}" if where else message)
-        self.detail = message
-        self.reason = reason
-        self.where = where
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.cli.arg_types import int_at_least, positive_int
-from stacklm.cli.errors import CliError
+from stacklm.errors import PrebuildError, UserError
 
 PREBUILD_EXAMPLES = """examples:
   stacklm prebuild --config demo --out shards/                  # the packaged demo config
@@ -43,7 +43,7 @@ DATATROVE_EXAMPLES = """examples:
 
 
 def cmd_prebuild(args: argparse.Namespace) -> int:
-    from stacklm.prebuild import PrebuildError, load_config, prebuild
+    from stacklm.prebuild import load_config, prebuild
 
     config, settings = load_config(args.config)
     tok_path = args.tokenizer or settings["tokenizer"]
@@ -88,7 +88,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_dedup_index(args: argparse.Namespace) -> int:
-    from stacklm.prebuild import PrebuildError, load_config
+    from stacklm.prebuild import load_config
     from stacklm.prebuild.build import _map_pool
     from stacklm.prebuild.dedup_pass import build_dedup_index
 
@@ -117,6 +117,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     import json
 
     from stacklm.data import ledger
+    from stacklm.data.quality.decontam import format_report
 
     from stacklm.data.storage import manifest as mf
     from stacklm.data.storage import remote
@@ -127,22 +128,27 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         d = str(remote.mirror(d, manifests_only=True))
     top = Path(d) / "manifest.json"
     if not top.exists():
-        raise CliError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
+        raise UserError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
     m = mf.read_manifest(d)
     for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
         if (Path(d) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
             mf.read_manifest(Path(d) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
-        raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+        raise UserError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+    decontam = m.get("decontamination") if "splits" in m else ({m["split"]: m["decontamination"]} if "decontamination" in m else {})
+    decontam = decontam or {}
     failed = False
     for split, entry in per_split.items():
         if args.json:
             continue
         print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]"))
+        if decontam.get(split):  # the ledger's decontam/<set> drops, per set with tokens and examples
+            print(format_report(decontam[split]))
         failed |= bool(ledger.check(entry["sources"]))
     if args.json:
-        print(json.dumps(per_split, indent=1))
+        print(json.dumps({split: {**entry, **({"decontamination": decontam[split]} if decontam.get(split) else {})}
+                          for split, entry in per_split.items()}, indent=1))
         failed = any(ledger.check(e["sources"]) for e in per_split.values())
     return 1 if failed else 0
 
@@ -172,10 +178,10 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"stacklm prebuild-datatrove: warning: {', '.join(set_here)} apply to --executor slurm/ray; the local executor ignores them",
                   file=sys.stderr)
     if args.wait and args.executor != "slurm":
-        raise CliError("--wait is for --executor slurm (the local and ray executors wait anyway)")
+        raise UserError("--wait is for --executor slurm (the local and ray executors wait anyway)")
     out = args.out or settings["out"]
     if not out:
-        raise CliError("pass --out DIR (or set data.data_dir in the config)")
+        raise UserError("pass --out DIR (or set data.data_dir in the config)")
     _, merge = prebuild_executors(
         config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],

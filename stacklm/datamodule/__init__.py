@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stacklm.datamodule.errors import DataConfigError as DataConfigError  # eager: errors are light
+from stacklm.errors import DataConfigError as DataConfigError  # eager: errors are light
 
 _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",

@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import DataGateError
+
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule
@@ -58,15 +59,6 @@ FIXES: dict[str, str] = {
     "row_ends_mid_assistant": "drop or cut conversations at turn boundaries (overlong: truncate) instead of cutting replies",
 }
 OPT_OUT = "or, to train anyway, turn the gate off: data.gate: false (StackDataModule(gate=False), --data.gate false)"
-
-
-class DataGateError(DataConfigError):
-    """The data gate found an error in the loader's output before the first step; the message
-    names each check, where it was seen and how to fix it. ``findings``: their dicts."""
-
-    def __init__(self, message: str = "", findings: list[dict[str, str]] | None = None) -> None:
-        super().__init__(message)
-        self.findings = list(findings or [])
 
 
 class GateRules:

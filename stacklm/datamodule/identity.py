@@ -27,7 +27,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import DataConfigError
+
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule

@@ -13,10 +13,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.errors import BatchVocabError, DataConfigError
 from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
+from stacklm.errors import DataConfigError, DataError
 from stacklm.once import first_time
 
 _ND = "__ndarray__"
@@ -277,7 +277,7 @@ def check_vocab(input_ids: torch.Tensor, vocab_size: int | None, where: str) -> 
         return
     top = int(input_ids.max())
     if top >= vocab_size or int(input_ids.min()) < 0:
-        raise BatchVocabError(
+        raise DataError(
             f"{where}: a batch holds token id {top if top >= vocab_size else int(input_ids.min())} outside the vocabulary "
             f"[0, {vocab_size}); the data was built with another tokenizer. Use the tokenizer the data was made with, "
             "or rebuild the data (`stacklm verify` checks a shard directory in full)"

@@ -39,7 +39,6 @@ from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.packing.origins import delivery_counts
 from stacklm.data.packing.pack import Collate
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
     SUMMARY_KEY,
@@ -47,6 +46,7 @@ from stacklm.datamodule.stream import (
     _padding_batch,
     first_local_batch,
 )
+from stacklm.errors import DataConfigError
 
 LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ..., [-1, padding rows]]; the loader takes it off
 
@@ -199,8 +199,12 @@ class _LogicalIterator:
                 s["mix_phases"] = graph.phases()
             if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
                 from stacklm.data.ledger import pipeline_ledger
+                from stacklm.data.quality.decontam import chain_report
 
                 s["ledger"] = pipeline_ledger(graph)
+                report = chain_report(graph.chains)
+                if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
+                    s["decontam"] = report
             streams.append(s)
         return {"worker": self.worker, "rank": self.rank, "streams": streams, "padding_rows": self.padded_rows}
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.shards_loader import ShardsLoader, start_position
 from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
+from stacklm.errors import DataConfigError
 
 if TYPE_CHECKING:
     from stacklm.datamodule.module import StackDataModule
@@ -402,6 +402,10 @@ class StreamMode(_WorkerStreamMode):
                 "when you start a run, or resume with at most that many readers.",
                 RuntimeWarning, stacklevel=2,
             )
+        if cfg.decontaminate is not None:  # built here, once, before any worker starts: workers memory-map it
+            from stacklm.data.quality.decontam import ensure_index
+
+            ensure_index(cfg.decontaminate)
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=dm.rank, world_size=world,

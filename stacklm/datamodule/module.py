@@ -36,10 +36,10 @@ from typing import Any, Literal
 import lightning as L
 
 from stacklm.data.nodes import PipelineConfig
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.modes import MODE_CLASSES
 from stacklm.datamodule.section import DataSection, check_pipeline
 from stacklm.config import PIPELINE_PATH
+from stacklm.errors import DataConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule

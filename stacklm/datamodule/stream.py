@@ -75,7 +75,7 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                     elif stage == "holdout":
                         if reason == HOLDOUT_REASON:
                             holdout[src] = holdout.get(src, 0) + int(n)
-                    elif stage in ("filter", "dedup") and reason != "kept":
+                    elif stage in ("filter", "decontam", "dedup") and reason != "kept":
                         add(stage, src, reason, n)
                     elif stage == "render":
                         if reason in _RENDER_DROPS:
@@ -96,6 +96,11 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
     if phases:
         out["mix_phases"] = merge_phase_reports(phases)
+    decontam = [s["decontam"] for s in summaries if s.get("decontam")]
+    if decontam:  # per evaluation set: docs and tokens removed, examples (stacklm.data.quality.decontam)
+        from stacklm.data.quality.decontam import merge_reports
+
+        out["decontamination"] = merge_reports(decontam)
     ledgers = [s["ledger"] for s in summaries if s.get("ledger")]
     if ledgers:
         # each worker's ledger is exact at its own summary's batch, so the sum is exact too;
@@ -211,8 +216,12 @@ class _StreamIterator:
             out["mix_phases"] = graph.phases()
         if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
             from stacklm.data.ledger import pipeline_ledger
+            from stacklm.data.quality.decontam import chain_report
 
             out["ledger"] = pipeline_ledger(graph)
+            report = chain_report(graph.chains)
+            if report is not None:
+                out["decontam"] = report
         return out
 
     def state_dict(self) -> dict[str, Any]:

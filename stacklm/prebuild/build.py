@@ -16,11 +16,12 @@ from typing import Any
 
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import remove_temp_files
+from stacklm.errors import PrebuildError
 from stacklm.parent_death import pool_initializer
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
-from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildPlan, state_dir_of
 from stacklm.prebuild.progress import BuildProgress
 
 
@@ -81,7 +82,15 @@ def prebuild(
     # folders itself would delete the temporary files other jobs are writing at that moment.
     for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
         remove_temp_files(folder)
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
+
+    saved_cache = os.environ.get(PIECE_CACHE_ENV)
     try:
+        index_pieces(plan.config, plan.workers, state_dir_of(plan.out) / "pieces")
+        if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
+            from stacklm.data.quality.decontam import ensure_index
+
+            ensure_index(plan.config.decontaminate)
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
@@ -95,6 +104,10 @@ def prebuild(
     finally:
         bar.close()
         lock.close()
+        if saved_cache is None:
+            os.environ.pop(PIECE_CACHE_ENV, None)
+        else:
+            os.environ[PIECE_CACHE_ENV] = saved_cache
     for w in top.get("warnings", ()):  # loud whatever the progress setting
         warnings.warn(f"prebuild {plan.out}: {w['message']} (recorded in the manifest's 'warnings')", RuntimeWarning, stacklevel=2)
     if progress:
@@ -107,6 +120,21 @@ def prebuild(
             file=sys.stderr,
         )
     return top
+
+
+def index_pieces(config, readers: int, folder: Path) -> None:
+    """Build the piece index of every local source that has fewer files than ``readers``
+    (``stacklm.data.sources.pieces``) here, once, into ``folder``, and point this process and
+    the task processes it starts at it (``STACKLM_PIECE_CACHE``): each task then reads only its
+    own pieces instead of counting every file's lines again."""
+    from stacklm.data.sources import ShardSpec, open_source
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
+
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[PIECE_CACHE_ENV] = str(folder)
+    for entry in config.mix.entries:
+        if entry.kind == "local":
+            open_source(entry, shard=ShardSpec(0, 1, 0, readers)).reset(None)
 
 
 def lock_out_dir(out: Path):

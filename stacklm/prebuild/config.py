@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH, Config
-from stacklm.errors import ConfigError
-from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError
+from stacklm.errors import ConfigError, PrebuildError
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS
 from stacklm.scale.resources import ClusterSettings
 
 MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits

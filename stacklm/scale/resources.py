@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from stacklm.config import Config, did_you_mean
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, PrebuildError
 
 
 def time_seconds(limit: str) -> int:
@@ -217,7 +217,6 @@ class ClusterPlan:
 
     def slurm_kwargs(self, stage: str) -> dict[str, Any]:
         """``SlurmPipelineExecutor`` arguments of ``stage``."""
-        from stacklm.prebuild.plan import PrebuildError
 
         if not self.partition:
             raise PrebuildError(

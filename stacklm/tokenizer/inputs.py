@@ -23,7 +23,7 @@ import os
 from collections.abc import Iterable, Iterator, Sequence
 
 from stacklm.data.audit import BINARY_INVALID_FRACTION, INVALID_RECORDS
-from stacklm.errors import StackLMError
+from stacklm.errors import TextInputError, TextInputNotFoundError
 from stacklm.tokenizer.sample import (
     DEFAULT_CHUNK_BYTES,
     RECORD_COUNTERS,
@@ -52,15 +52,6 @@ _NODE_COUNTERS = {
 }
 # C0 controls that never occur in text (tab, newline, CR, form feed, vertical tab and escape do)
 _CONTROL = frozenset(chr(c) for c in range(32)) - set("\t\n\r\f\v\x1b")
-
-
-class TextInputError(StackLMError, ValueError):
-    """An input that cannot be tokenizer training/evaluation text; the message names the file
-    and the fix."""
-
-
-class TextInputNotFoundError(TextInputError, FileNotFoundError):
-    """An input path or glob that matches no file."""
 
 
 def input_format(path: str, fmt: str = "auto") -> str:

@@ -19,7 +19,7 @@ from stacklm.data.dedup.minhash import (
     jaccard,
     share_a_band,
 )
-from stacklm.data.dedup.synthetic_edits import edits_for_jaccard, inject_edits
+from tests.helpers.synthetic_edits import edits_for_jaccard, inject_edits
 
 
 @pytest.fixture(scope="module")

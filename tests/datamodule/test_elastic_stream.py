@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stacklm.datamodule import DataConfigError
+from stacklm.errors import DataConfigError
 from tests.helpers.lightning import run_program
 from tests.helpers.lightning import row_ids
 from tests.helpers.datamodule import stream_dm

@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule import DataConfigError, StackDataModule
+from stacklm.datamodule import StackDataModule
+from stacklm.errors import DataConfigError
 from stacklm.datamodule.stream import SUMMARY_KEY, _StreamIterator, first_local_batch
 from tests.helpers.lightning import BatchRecorder, TinyLM, batch_hash
 from tests.helpers.datamodule import stream_pipeline

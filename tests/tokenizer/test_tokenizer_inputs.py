@@ -14,7 +14,8 @@ import pytest
 
 from stacklm.cli import main
 from stacklm.tokenizer.bpe import StackTokenizer
-from stacklm.tokenizer.inputs import TextInputError, open_text_input
+from stacklm.tokenizer.inputs import open_text_input
+from stacklm.errors import TextInputError
 
 WORDS = ["zorblax", "quennet", "flimwise", "drabbleton", "ostrovar", "the", "and", "of", "über", "日本語"]
 

@@ -20,7 +20,7 @@ import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat.render import TURNS_CUT, chat_tokens
-from stacklm.chat.turns import ChatFormatError, Turn, validate_conversation
+from stacklm.chat.turns import Turn, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
@@ -42,7 +42,7 @@ from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError
+from stacklm.errors import ChatFormatError, ConfigError
 
 
 class PreferenceSource(ConversationSource):

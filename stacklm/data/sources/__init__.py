@@ -28,7 +28,6 @@ from stacklm.corpus.synthetic import (
     synthetic_text,
 )
 from stacklm.data.sources.entry import open_source
-from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError, column_error
 from stacklm.data.sources.files import LocalFileSource, file_format, glob_files
 from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, check_data_files, hub_load_kwargs
 from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, TextPartSource
@@ -53,21 +52,16 @@ __all__ = [
     "FIRST_ROWS_CHECK",
     "NEAR_DUP_EVERY",
     "DatasetsReader",
-    "EmptySourceError",
     "HFStreamSource",
     "JsonlReader",
     "LocalFileSource",
     "ParquetReader",
     "PartNode",
     "ShardSpec",
-    "SourceError",
-    "SourceNotFoundError",
     "SyntheticSource",
-    "TextColumnError",
     "TextFileReader",
     "TextPartSource",
     "assign_parts",
-    "column_error",
     "dataset_rows",
     "file_format",
     "glob_files",

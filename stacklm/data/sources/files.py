@@ -6,10 +6,11 @@ import glob as globlib
 import os
 from collections.abc import Sequence
 
-from stacklm.data.sources.errors import SourceError, SourceNotFoundError
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.pieces import file_pieces
 from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
+from stacklm.errors import SourceError, SourceNotFoundError
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
 _COMPRESSIONS = (".gz", ".zst", ".zstd")
@@ -81,11 +82,32 @@ class LocalFileSource(TextPartSource):
     def _part_path(self, part: int) -> str:
         return self._paths[part]
 
-    def _open_part(self, part: int, position: dict | None):
+    def _part_size(self, part: int) -> int:
+        return os.path.getsize(self._paths[part])
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the plain JSON-lines files a piece index was built over (one counting scan
+        of each, ``sources.pieces``; once per build when cached); 0 when files are read whole."""
+        if self._parts is None:
+            self.reset(None)
+        if self._pieces is None:
+            return 0
+        return sum(os.path.getsize(p) for p in self._paths if self._formats[p] == "jsonl" and not p.endswith(_COMPRESSIONS))
+
+    def _list_pieces(self) -> list[list] | None:
+        # Whole files while there are at least as many files as readers (each file read by
+        # one reader, no index needed); else pieces (``sources.pieces``), so readers split
+        # files instead of each scanning all of them.
+        if len(self._paths) >= self.shard.count:
+            return None
+        return [file_pieces(i, p, self._formats[p]) for i, p in enumerate(self._paths)]
+
+    def _open_part(self, part: int, position: dict | None, piece=None):
         path = self._paths[part]
         fmt = self._formats[path]
         if fmt == "jsonl":
-            return JsonlReader(path, self.text_column, self.name, position)
+            return JsonlReader(path, self.text_column, self.name, position, piece)
         if fmt == "txt":
             return TextFileReader(path, self.text_column, self.name, position)
-        return ParquetReader(path, self.text_column, self.name, position)
+        return ParquetReader(path, self.text_column, self.name, position, piece)

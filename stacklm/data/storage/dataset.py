@@ -30,14 +30,17 @@ import torch
 from torchdata.nodes import BaseNode
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.storage.shards import ShardError, check_content_hash, check_shard_files, list_shard_files, open_tokens, parse_dtype, tokens_path
+from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest, tokenizer_hash
+from stacklm.data.storage.shards import (
+    check_content_hash,
+    check_shard_files,
+    list_shard_files,
+    open_tokens,
+    parse_dtype,
+    tokens_path,
+)
 from stacklm.dist import rank_world
-from stacklm.errors import ArgumentTypeError
-
-
-class IndexTypeError(ArgumentTypeError, IndexError):
-    """``PackedMemmapDataset[...]`` with an index that is not an int, a slice or 1-D ints."""
+from stacklm.errors import ArgumentTypeError, DataError
 
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
@@ -109,7 +112,7 @@ def resolve_split_dir(path: str | os.PathLike, split: str | None = None) -> Path
             return path / split
         if path.name == split:
             return path
-        raise ManifestError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
+        raise DataError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
     if path.is_dir() and not any(p.name.endswith(".tokens.bin") for p in path.iterdir()) and (path / "train").is_dir():
         return path / "train"
     return path
@@ -128,7 +131,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
     shard's whole ``tokens.bin`` is hashed (xxh64, ``shards.check_content_hash``, the same check
     as ``stacklm verify``) and compared with the manifest before the row is returned, so a
     flipped bit that stays inside the vocabulary, or a damaged hash in the manifest, is a
-    ``ShardError`` naming the shard, the manifest and ``stacklm verify`` instead of training
+    ``DataError`` naming the shard, the manifest and ``stacklm verify`` instead of training
     data. Once per shard per process (each ``DataLoader`` worker checks the shards it reads;
     a worker of a later epoch again), then nothing: one ``os.getpid()`` per batch. Cost:
     ``bench/loader.py --verify-only``. ``False`` reads without it (the size, id-range and
@@ -160,11 +163,11 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         self.vocab_size = int(m["vocab_size"])
         self.dtype = parse_dtype(m["dtype"], where=where)
         if np.iinfo(self.dtype).max + 1 < self.vocab_size:
-            raise ManifestError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
+            raise DataError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
         self.bos_id, self.eos_id, self.pad_id = int(m["bos_id"]), int(m["eos_id"]), int(m["pad_id"])
         for key in ("bos_id", "eos_id", "pad_id"):
             if not 0 <= int(m[key]) < self.vocab_size:
-                raise ManifestError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
+                raise DataError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
         if tokenizer is not None:
             check_tokenizer(m, tokenizer, where)
         self.shard_names = [s["name"] for s in m["shards"]]
@@ -182,12 +185,12 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
         self.num_rows = int(self.shard_rows.sum())
         if self.num_rows != int(m["n_seq"]):
-            raise ManifestError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
+            raise DataError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
         if self.num_rows == 0:
-            raise ManifestError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
+            raise DataError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
         stray = sorted(set(list_shard_files(self.path)) - set(self.shard_names))
         if stray:
-            raise ShardError(
+            raise DataError(
                 f"{self.path} holds shard files the manifest does not list ({', '.join(stray[:3])}{'...' if len(stray) > 3 else ''}): "
                 "shards from another build were copied in; remove them or rebuild into a fresh directory",
                 path=self.path,
@@ -296,7 +299,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         global_row = int(idx[r]) + (self.num_rows if idx[r] < 0 else 0)
         shard, local = self.locate(np.array([global_row]))
         path = tokens_path(self.path, self.shard_names[int(shard[0])])
-        raise ShardError(
+        raise DataError(
             f"{path}: row {int(local[0])} holds token id {int(rows[r].max())} >= vocab_size {self.vocab_size} from the "
             "manifest: the shard is corrupt or was built with a larger vocabulary; run `stacklm verify` on the directory "
             "and rebuild with `stacklm prebuild`",
@@ -305,7 +308,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         """``ds[i]``: one row; ``ds[a:b]`` or ``ds[[i, j, ...]]``: a batch. Any other index (a
-        float, a bool, a 2-D array) is an ``IndexTypeError``: ``np.asarray(1.5)`` used to read
+        float, a bool, a 2-D array) is an ``ArgumentTypeError``: ``np.asarray(1.5)`` used to read
         a 2-D batch of row 1."""
         if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
             return {k: v[0] for k, v in self.get_batch([int(index)]).items()}
@@ -314,7 +317,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         rows = np.asarray(index)
         if rows.ndim != 1 or not (rows.dtype.kind in "iu" or rows.size == 0):
             got = type(index).__name__ + (f" of dtype {rows.dtype}, shape {rows.shape}" if rows.ndim else f" {index!r}")
-            raise IndexTypeError(f"PackedMemmapDataset[{index!r}]: an index is an int, a slice or a 1-D sequence of ints, got {got}")
+            raise ArgumentTypeError(f"PackedMemmapDataset[{index!r}]: an index is an int, a slice or a 1-D sequence of ints, got {got}")
         return self.get_batch(rows.astype(np.int64, copy=False))
 
     # -- checks --------------------------------------------------------------------------
@@ -335,14 +338,14 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if over.any():
             r = int(np.argmax(over.any(axis=1)))
             shard, local = self.locate(picks[r : r + 1])
-            raise ShardError(
+            raise DataError(
                 f"{tokens_path(self.path, self.shard_names[int(shard[0])])}: row {int(local[0])} holds token id "
                 f"{int(rows[r].max())} >= vocab_size {self.vocab_size} from the manifest: the shard is corrupt or was built "
                 "with a larger vocabulary; run `stacklm verify` on the directory and rebuild with `stacklm prebuild`",
                 path=tokens_path(self.path, self.shard_names[int(shard[0])]),
             )
         if len(rows) >= _MIN_ROWS_FOR_BOS_CHECK and not (rows == self.bos_id).any():
-            raise ManifestError(
+            raise DataError(
                 f"{self.path / 'manifest.json'}: bos_id {self.bos_id} occurs in none of {len(rows)} sampled rows: the "
                 "manifest's special ids do not match the shards (or the shards were written by another tokenizer); rebuild",
                 path=self.path / "manifest.json",
@@ -359,7 +362,7 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
         vocab = StackTokenizer.load(tokenizer).vocab_size
     if given != manifest["tokenizer_hash"]:
-        raise ManifestError(
+        raise DataError(
             f"{where} was built with tokenizer sha256 {manifest['tokenizer_hash'][:16]}... (vocab {manifest['vocab_size']}) "
             f"but the given tokenizer is {given[:16]}... (vocab {vocab}): its ids would mean other tokens. Use the "
             "tokenizer the shards were built with, or rebuild the shards with `stacklm prebuild --tokenizer ...`",
@@ -369,7 +372,7 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
 def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool = True) -> dict[str, Any]:
     """Full check of a prebuilt directory (top or split): every shard's size, content hash and
-    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals.
+    every token id. Raises ``DataError`` naming the first bad file; returns per-split totals.
     A remote URL is mirrored first (each shard hash-checked on download, ``remote.mirror``),
     then the mirror is checked as a local directory."""
     from stacklm.data.storage import remote
@@ -378,7 +381,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
     top = read_manifest(path, required=REQUIRED)
     splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
     if not splits:
-        raise ManifestError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
     report: dict[str, Any] = {}
     for split, directory in splits.items():
         ds = PackedMemmapDataset(directory, tokenizer=tokenizer, sample_rows=0, verify_content=False)  # hashed below, in order
@@ -398,7 +401,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
                 chunk_max = int(data[lo : lo + step].max())
                 if chunk_max >= ds.vocab_size:
                     row = lo + int(np.argmax((data[lo : lo + step] >= ds.vocab_size).any(axis=1)))
-                    raise ShardError(
+                    raise DataError(
                         f"{tpath}: row {row} holds token id {chunk_max} >= vocab_size {ds.vocab_size}: the shard is corrupt or "
                         "was built with a larger vocabulary; rebuild with `stacklm prebuild`",
                         path=tpath,

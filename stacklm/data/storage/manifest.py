@@ -20,17 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
+from stacklm.data.storage.shards import atomic_write_shard_file
+from stacklm.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "stacklm-shards"
 VERSION = 1
 REQUIRED = ("format", "version", "seq_len", "dtype", "vocab_size", "bos_id", "eos_id", "pad_id", "tokenizer_hash")
 SPLIT_REQUIRED = REQUIRED + ("split", "shards", "n_seq")
-
-
-class ManifestError(ShardError):
-    """A manifest is missing, unreadable or does not match what it is checked against."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -79,7 +76,7 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
     directory = Path(directory)
     path = manifest_path(directory)
     if not directory.is_dir():
-        raise ManifestError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
+        raise DataError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
     if not path.exists():
         if not any(directory.iterdir()):
             why = f"{directory} is empty: it is not a prebuilt shard directory"
@@ -87,20 +84,20 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
             why = f"{path} is missing: the prebuild into {directory} has not finished (the manifest is written last); re-run the same `stacklm prebuild` command to resume it"
         else:
             why = f"{path} is missing: {directory} is not a finished shard set"
-        raise ManifestError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
+        raise DataError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
     try:
         data = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
+        raise DataError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
     if not isinstance(data, dict):
-        raise ManifestError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild with `stacklm prebuild`", path=path)
     if data.get("format") != FORMAT:
-        raise ManifestError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}: not a stacklm shard manifest", path=path)
+        raise DataError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}: not a stacklm shard manifest", path=path)
     if data.get("version") != VERSION:
-        raise ManifestError(f"{path}: field 'version' is {data.get('version')!r}; this stacklm reads version {VERSION} — rebuild the shards with this version", path=path)
+        raise DataError(f"{path}: field 'version' is {data.get('version')!r}; this stacklm reads version {VERSION} — rebuild the shards with this version", path=path)
     missing = [k for k in required if k not in data]
     if missing:
-        raise ManifestError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
     check_names(data, path)
     return data
 
@@ -120,8 +117,8 @@ def check_names(data: Mapping[str, Any], path: str | os.PathLike) -> None:
     so every reader gets it; one line naming the file, the field and the value."""
     path = Path(path)
 
-    def bad(field: str, value: Any, what: str) -> ManifestError:
-        return ManifestError(
+    def bad(field: str, value: Any, what: str) -> DataError:
+        return DataError(
             f"{path}: field '{field}' is {value!r}, not {what} inside {path.parent} (no '/', no '..', not absolute, not "
             "empty): the manifest is damaged or was not written by stacklm; rebuild with `stacklm prebuild`", path=path)
 
@@ -190,7 +187,7 @@ _BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
 
 
 def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per source: documents dropped by the filters, exact and near duplicates, copies of a
+    """Per source: documents dropped by the filters, by decontamination (when configured), exact and near duplicates, copies of a
     document kept in another split (``cross_split_dup``, the global dedup pass), empty/binary
     records, invalid records skipped (``invalid_records`` and one count per reason), bytes
     replaced by the audit, and what the mix budget cut."""
@@ -201,10 +198,12 @@ def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized:
     for src in sorted(sources):
         audit = stats.get("source", {}).get(src, {})
         filt = stats.get("filter", {}).get(src, {})
+        decon = stats.get("decontam", {}).get(src, {})
         dedup = stats.get("dedup", {}).get(src, {})
         mix = realized.get(src, {})
         out[src] = {
             "filtered": sum(n for r, n in filt.items() if r != "kept"),
+            **({"decontaminated": sum(n for r, n in decon.items() if r != "kept")} if decon else {}),
             "exact_dup": int(dedup.get("exact_dup", 0)),
             "near_dup": int(dedup.get("near_dup", 0)),
             "cross_split_dup": int(dedup.get("cross_split_dup", 0)),

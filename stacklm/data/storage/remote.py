@@ -48,7 +48,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stacklm import atomic
-from stacklm.data.storage.shards import ShardError, file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.data.storage.shards import file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.errors import PrebuildError, RemoteError
 
 T = TypeVar("T")
 
@@ -61,10 +62,6 @@ RETRIES = {"count": 0}  # retries taken in this process (counted, and each one s
 _IN_USE: dict[str, Any] = {}  # mirror dir -> open file holding a shared lock while this process reads it
 _CREDENTIALS_FIX = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the fsspec "
                     "storage options) and the bucket name")
-
-
-class RemoteError(ShardError):
-    """Object storage refused or failed a request for good; the message names the URL and the fix."""
 
 
 def is_remote(path: Any) -> bool:
@@ -220,7 +217,6 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
     is uploaded (``upload_shard_set``) and the staging directory removed. An existing remote top
     manifest is copied into the staging directory first, so the local checks decide as they do
     for a local ``--out``: the same build is complete (nothing to do), another build is refused."""
-    from stacklm.prebuild.plan import PrebuildError
 
     stage = Path(stage or staging_dir(url))
     stage.mkdir(parents=True, exist_ok=True)

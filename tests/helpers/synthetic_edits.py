@@ -1,7 +1,7 @@
 """Test and benchmark data generation for near dedup: copies edited to a chosen Jaccard similarity.
 
-Not used by the pipeline. ``tests/data/test_dedup.py`` and ``bench/dedup.py`` measure the MinHash
-S-curve against exact Jaccard on real documents with these edits, which move a copy's
+Not used by the pipeline, so it lives with the test helpers, not in the library.
+``tests/data/test_dedup.py`` and ``bench/dedup.py`` measure the MinHash S-curve against exact Jaccard on real documents with these edits, which move a copy's
 similarity anywhere in [0, 1] (character edits and whole-line deletions/duplications).
 """
 
