@@ -262,7 +262,7 @@ class ShardCache:
 def check_bounds(cache: ShardCache, shard_rows: Sequence[int], window: int, step_rows: int, where: str) -> None:
     """Refuse a limit or window under which the readers could wait on each other forever
     (see the module): ``limit >= 2 x window x`` the largest shard, a window >= one global step."""
-    from stacklm.datamodule.errors import DataConfigError
+    from stacklm.errors import DataConfigError
 
     rows = np.asarray(shard_rows, dtype=np.int64)
     if cache.limit is not None:
