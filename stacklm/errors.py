@@ -132,8 +132,7 @@ class MissingDependencyError(UserError, ImportError):
 
 class TextInputError(UserError, ValueError):
     """An input that cannot be tokenizer training/evaluation text; the message names the file
-    and the fix. (``ValueError``: the tokenizer command catches it as one to tell an empty
-    sample apart.)"""
+    and the fix. (``ValueError``: what it was before; kept for callers that catch a bad value.)"""
 
 
 class TextInputNotFoundError(TextInputError, FileNotFoundError):
@@ -142,7 +141,7 @@ class TextInputNotFoundError(TextInputError, FileNotFoundError):
 
 class LoneSurrogateError(UserError, ValueError):
     """``encode(..., strict=True)`` of a string holding a lone surrogate (not encodable as
-    UTF-8). (``ValueError``: what encoders raise for text they cannot encode.)"""
+    UTF-8). (``ValueError``: what an encoder raises for text it cannot encode.)"""
 
 
 # ---------------------------------------------------------------------------------------
@@ -228,7 +227,7 @@ def _rebuild_source_error(cls: type, message: str, fields: dict) -> SourceError:
 
 class TextColumnError(SourceError, ValueError):
     """The configured text column is not among the dataset's columns (see ``column_error``).
-    (``ValueError``: the data-mix config catches it as one to name the entry.)"""
+    (``ValueError``: what it was before; kept for callers that catch a bad value.)"""
 
 
 class InvalidRecordError(SourceError):

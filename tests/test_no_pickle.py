@@ -219,7 +219,7 @@ def test_a_provenance_side_file_is_refused(finished, tmp_path, capsys):
 
 
 def test_a_step_log_frame_is_refused(tmp_path):
-    from stacklm.datamodule.steplog import _HEADER, MAGIC, read_frames
+    from stacklm.data.storage.steplog import _HEADER, MAGIC, read_frames
     from stacklm.errors import DataError
 
     marker = tmp_path / "pwned"

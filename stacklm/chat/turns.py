@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stacklm.chat.template import THINK_CLOSE, THINK_OPEN
+from stacklm.constants import MALFORMED_JSON
 from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
@@ -32,8 +33,8 @@ DEFAULT_ROLE_ALIASES: dict[str, str] = {
     "function_call": "tool_call",
 }
 
-# Why a conversation was rejected; these are the reasons counted by the SFT pipes.
-MALFORMED_JSON = "malformed_json"
+# Why a conversation was rejected; these are the reasons counted by the SFT pipes
+# (MALFORMED_JSON, imported above, is the pre-training sources' reason too).
 NO_MESSAGES = "no_messages_column"
 BAD_MESSAGE = "bad_message"
 UNKNOWN_ROLE = "unknown_role"

@@ -80,8 +80,10 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from stacklm.data.storage.dataset import verify_shard_set
+    from stacklm.tokenizer.bpe import StackTokenizer
 
-    report = verify_shard_set(args.dir, tokenizer=args.tokenizer, progress=not args.no_progress)
+    tokenizer = StackTokenizer.load(args.tokenizer) if args.tokenizer else None  # the data layer takes it loaded
+    report = verify_shard_set(args.dir, tokenizer=tokenizer, progress=not args.no_progress)
     for split, r in report.items():
         print(f"{args.dir} [{split}]: OK — {r['shards']} shards, {r['rows']:,} sequences, {r['tokens']:,} tokens, max id {r['max_id']} < vocab {r['vocab_size']}")
     return 0

@@ -1,6 +1,6 @@
 """``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer.
 
-Both read text the same way (``stacklm.tokenizer.inputs.open_text_input``): text files, JSON
+Both read text the same way (``stacklm.data.sources.text_input.open_text_input``): text files, JSON
 lines or parquet with ``--text-column``, or a ``datasets`` dataset (``--dataset``); with no
 input they use the embedded corpus. ``tok-eval``'s baselines train on the data it evaluates.
 """
@@ -24,7 +24,7 @@ MIN_VOCAB = N_BYTES + len(SPECIAL_TOKENS) + 1  # the bytes, the specials and one
 # ---------------------------------------------------------------------- reading text
 def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset: str | None = None):
     """``open_text_input`` with the command's reading options (column, raw text, dataset)."""
-    from stacklm.tokenizer.inputs import open_text_input
+    from stacklm.data.sources.text_input import open_text_input
 
     return open_text_input(
         inputs, max_bytes, text_column=args.text_column, fmt="txt" if args.raw_text else "auto",
@@ -34,7 +34,7 @@ def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset:
 
 
 def _training_texts(args: argparse.Namespace, max_bytes: int | None):
-    from stacklm.tokenizer.sample import sample_texts
+    from stacklm.data.sources.text_sample import sample_texts
 
     if args.input and args.dataset:
         raise UserError("pass --input or --dataset, not both (train on one input; concatenate files with globs)")
@@ -179,7 +179,7 @@ def _baseline_texts(args: argparse.Namespace, sources: list[tuple[str, dict]], m
     domains (the built-in corpus when none was given). Returns ``(texts, description)``."""
     if not sources:
         from stacklm.corpus import iter_default_corpus
-        from stacklm.tokenizer.sample import sample_texts
+        from stacklm.data.sources.text_sample import sample_texts
 
         return sample_texts(iter_default_corpus(), max_bytes), "the embedded corpus"
     share = max(1, max_bytes // len(sources))

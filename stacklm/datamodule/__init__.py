@@ -30,7 +30,7 @@ _WHERE = {
     "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "PreferenceMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
     "DEFAULT_SNAPSHOT_STEPS": "module", "PipelineSpec": "module", "StackDataModule": "module", "check_pipeline": "module",
     "ShardsLoader": "shards_loader",
-    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
+    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream", "PreferenceBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
     "LogicalStreamDataset": "logical",
     "DataGateError": "gate",

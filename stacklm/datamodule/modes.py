@@ -16,12 +16,11 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stacklm.data.sft.preference_pipeline import PreferenceBuilder
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.shards_loader import ShardsLoader, start_position
-from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+from stacklm.datamodule.stream import PipelineBuilder, PreferenceBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
 from stacklm.errors import DataConfigError
 

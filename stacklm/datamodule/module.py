@@ -90,7 +90,7 @@ class StackDataModule(L.LightningDataModule):
             divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
         step_log: shards and stream modes: log which rows each global step trains on, so
             ``stacklm inspect RUN --step S`` can say which documents were in step ``S``
-            (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
+            (``stacklm.data.storage.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
         verify_shards: shards mode: check each shard's content hash against its manifest the
@@ -302,7 +302,7 @@ class StackDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if self.step_log is True and trainer is None:
             return None
-        from stacklm.datamodule.steplog import DIR_NAME, StepLogWriter, new_generation
+        from stacklm.data.storage.steplog import DIR_NAME, StepLogWriter, new_generation
 
         root = Path(trainer.default_root_dir) / DIR_NAME if self.step_log is True else Path(str(self.step_log))
         generation = new_generation()  # a collective under DDP: train_dataloader runs on every rank

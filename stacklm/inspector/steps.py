@@ -1,5 +1,5 @@
 """``stacklm inspect RUN --step S``: every row of global step ``S`` of a training run, with where
-each of its pieces came from, from the run's step log (``stacklm.datamodule.steplog``).
+each of its pieces came from, from the run's step log (``stacklm.data.storage.steplog``).
 
 Shards mode logged global row indices: each row's tokens and pieces are the prebuild's
 (``stacklm.data.storage.provenance.RowProvenance``). Stream mode logged each row's pieces and the
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.datamodule.steplog import find_step
+from stacklm.data.storage.steplog import find_step
 from stacklm.errors import DataError
 
 

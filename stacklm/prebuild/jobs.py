@@ -71,7 +71,8 @@ def run_job(
 
     from stacklm.data.ledger import pipeline_ledger
     from stacklm.data.quality.decontam import chain_report
-    from stacklm.data.storage.provenance import ShardTracker, source_files
+    from stacklm.data.storage.provenance import source_files
+    from stacklm.prebuild.shard_tracker import ShardTracker
 
     pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker), provenance=plan.provenance)
     windows = pipe.windows
@@ -178,7 +179,7 @@ def write_job_shards(
     jobs never collide; each one's info is appended to ``shards`` (which may already hold the
     shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
     ``run_job`` and the datatrove writer, so both write the same set. ``tracker``
-    (``stacklm.data.storage.provenance.ShardTracker``) sees every window and writes each shard's
+    (``stacklm.prebuild.shard_tracker.ShardTracker``) sees every window and writes each shard's
     provenance side file right before the shard. ``on_window()`` runs after every window
     (``run_job``'s timed progress)."""
     buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)

@@ -355,10 +355,11 @@ class StackShardWriter(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from types import SimpleNamespace
 
-        from stacklm.data.storage.provenance import ShardTracker, prov_path
+        from stacklm.data.storage.provenance import prov_path
         from stacklm.data.storage.shards import atomic_write_shard_file
         from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
         from stacklm.prebuild.plan import STATE_DIR
+        from stacklm.prebuild.shard_tracker import ShardTracker
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()

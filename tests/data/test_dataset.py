@@ -188,6 +188,8 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
     other = StackTokenizer([b"ab"], vocab_size=tok.vocab_size)
     with pytest.raises(DataError, match="tokenizer .* ids would mean other tokens"):
         PackedMemmapDataset(fresh("othertok"), tokenizer=other)
+    with pytest.raises(TypeError, match=r"pass the loaded tokenizer"):  # data/ never loads a tokenizer itself
+        PackedMemmapDataset(fresh("bypath"), tokenizer=tmp_path)
 
     d = fresh("stray")
     write_shard(d, 7, w[:2], token_dtype(tok.vocab_size))

@@ -199,8 +199,10 @@ def test_tokenizer_hash_ignores_metadata_but_not_ids(tmp_path):
     same = StackTokenizer([b"ab", b"abc"], vocab_size=300, metadata={"train_seconds": 2.0})
     other = StackTokenizer([b"ab", b"bc"], vocab_size=300)
     tok.save(tmp_path / "tokenizer.stacklm.json")
-    assert mf.tokenizer_hash(tok) == mf.tokenizer_hash(same) == mf.tokenizer_hash(tmp_path)
+    assert mf.tokenizer_hash(tok) == mf.tokenizer_hash(same) == mf.tokenizer_hash(StackTokenizer.load(tmp_path))
     assert mf.tokenizer_hash(tok) != mf.tokenizer_hash(other)
+    with pytest.raises(TypeError, match=r"StackTokenizer\.load\(path\)"):  # data/ takes it loaded, never loads one
+        mf.tokenizer_hash(tmp_path)
 
 
 def test_hub_revisions_are_resolved_when_reachable(monkeypatch):

@@ -1,4 +1,4 @@
-"""The step log of a training run (stacklm.datamodule.steplog) and ``stacklm inspect RUN --step S``
+"""The step log of a training run (stacklm.data.storage.steplog) and ``stacklm inspect RUN --step S``
 (stacklm.inspector.steps): for every global step, the rows it answers are the rows the model
 trained on at that step — checked against fingerprints a callback takes of every batch the
 model saw — in stream mode (rebuilt from local jsonl and a parquet file read through
@@ -20,7 +20,7 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.datamodule import StackDataModule
-from stacklm.datamodule.steplog import MAGIC, StepLogWriter, find_step, frame_records, read_frames
+from stacklm.data.storage.steplog import MAGIC, StepLogWriter, find_step, frame_records, read_frames
 from stacklm.errors import DataError
 from stacklm.inspector.steps import step_provenance
 from tests.helpers.lightning import row_ids

@@ -17,6 +17,9 @@ One module per stage of reading:
   is ``stacklm.corpus.synthetic``);
 - ``entry``: ``open_source``, the node for one data-mix registry entry;
 - ``errors``: the errors, each naming the source and the file or hub path.
+- ``text_sample`` / ``text_input``: the tokenizer's training and evaluation text (an audited,
+  byte-budgeted sample of text files, records or strings); the tokenizer takes texts and
+  never reads files, so its readers live here.
 """
 
 from stacklm.corpus.synthetic import (

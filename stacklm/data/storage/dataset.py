@@ -353,14 +353,10 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
 
 
 def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
-    """Refuse a tokenizer other than the one the shards were built with (the ids would mean other tokens)."""
+    """Refuse a tokenizer other than the one the shards were built with (the ids would mean other
+    tokens). ``tokenizer`` is loaded (``tokenizer_hash`` refuses a path)."""
     given = tokenizer_hash(tokenizer)
-    if not isinstance(tokenizer, (str, os.PathLike)):
-        vocab = tokenizer.vocab_size
-    else:
-        from stacklm.tokenizer.bpe import StackTokenizer
-
-        vocab = StackTokenizer.load(tokenizer).vocab_size
+    vocab = tokenizer.vocab_size
     if given != manifest["tokenizer_hash"]:
         raise DataError(
             f"{where} was built with tokenizer sha256 {manifest['tokenizer_hash'][:16]}... (vocab {manifest['vocab_size']}) "

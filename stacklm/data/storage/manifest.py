@@ -40,14 +40,16 @@ def _canonical(obj: Any) -> bytes:
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer artifact's content: vocab size, pattern, merges, specials.
 
-    ``tokenizer`` is a ``StackTokenizer`` or a path (artifact file or its directory). The
+    ``tokenizer`` is a loaded tokenizer (a ``StackTokenizer``): the data layer takes it as an
+    argument and never loads one, so data/ does not depend on the tokenizer's code. The
     artifact's ``metadata`` (training time, sample audit) is left out, so re-saving or
     re-training the same tokenizer gives the same hash, and any change to the ids does not.
     """
     if isinstance(tokenizer, (str, os.PathLike)):
-        from stacklm.tokenizer.bpe import StackTokenizer
-
-        tokenizer = StackTokenizer.load(tokenizer)
+        raise TypeError(
+            f"tokenizer_hash: got the path {os.fspath(tokenizer)!r}; pass the loaded tokenizer "
+            "(stacklm.tokenizer.bpe.StackTokenizer.load(path))"
+        )
     content = {k: v for k, v in tokenizer.to_dict().items() if k != "metadata"}
     return hashlib.sha256(_canonical(content)).hexdigest()
 

@@ -53,7 +53,7 @@ def _smallest_uint(values: np.ndarray) -> np.ndarray:
 def row_columns(rows: Sequence[Sequence[tuple[int, ...]]]) -> dict[str, np.ndarray]:
     """Rows of pieces (``rows[i]``: row ``i``'s ``PIECE_FIELDS`` tuples) as the compact columns
     both side files store (a shard's here, a training run's step log in
-    ``stacklm.datamodule.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
+    ``stacklm.data.storage.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
     ``record``, ``length``, ``doc_offset``, each in the smallest unsigned type."""
     flat = np.array([p for row in rows for p in row], dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
     counts = np.array([len(row) for row in rows], dtype=np.int64)
@@ -106,54 +106,6 @@ def columns_to_pieces(columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np
     end = ends - row_base
     pieces = np.stack([*cols, end - lengths, end, off], axis=1) if len(lengths) else np.zeros((0, len(PIECE_FIELDS)), np.int64)
     return ptr, pieces
-
-
-class ShardTracker:
-    """Sits next to the shard writer of a prebuild job: counts what each written window
-    delivers per source (the ledger's ``delivered``: documents where their ``<bos>`` is,
-    document tokens) and, with ``provenance``, collects each row's pieces and writes the
-    shard's side file right before the shard itself. Its state (the counts) goes into the job's
-    checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
-
-    def __init__(self, pack_node, provenance: bool) -> None:
-        from stacklm.data.packing.origins import content_by_source
-
-        self._content = content_by_source
-        self.pack = pack_node
-        self.provenance = bool(provenance)
-        self.delivered = np.zeros((len(pack_node.packer.sources), 2), dtype=np.int64)
-        self.rows: list[list[tuple[int, ...]]] = []
-        self.bytes = 0  # side-file bytes written by this job (this run)
-
-    def window(self, window: np.ndarray) -> None:
-        origin = self.pack.last_origin  # stacklm.data.packing.origins.WindowOrigin
-        p = self.pack.packer
-        n = len(p.sources)
-        if len(self.delivered) < n:
-            self.delivered = np.vstack([self.delivered, np.zeros((n - len(self.delivered), 2), np.int64)])
-        self.delivered[:, 1] += self._content(window, origin.origin, n, p.bos_id, p.eos_id)
-        for src, _ in origin.starts:
-            self.delivered[src, 0] += 1
-        if self.provenance:
-            self.rows.append(origin.pieces)
-
-    def commit(self, split_dir: Path, name: str) -> None:
-        if self.provenance:
-            data = encode_rows(self.rows)
-            atomic_write_shard_file(prov_path(split_dir, name), data, fsync_parent=False)
-            self.bytes += len(data)
-        self.rows = []
-
-    def delivered_by_source(self) -> dict[str, list[int]]:
-        return {s: [int(x) for x in self.delivered[i]] if i < len(self.delivered) else [0, 0]
-                for i, s in enumerate(self.pack.packer.sources)}
-
-    def state(self) -> dict[str, Any]:
-        return {"delivered": self.delivered.tolist()}
-
-    def load_state(self, state: Mapping[str, Any] | None) -> None:
-        if state:
-            self.delivered = np.asarray(state["delivered"], dtype=np.int64).reshape(-1, 2)
 
 
 def source_files(node) -> list[str]:

@@ -28,6 +28,10 @@ The rows are those the loader handed to the step, in the main process, with the 
 ``global_step`` at that moment (Lightning does not fetch ahead of a loader with a length), so
 with gradient accumulation a step holds several batches per rank (``batch``: the rank's batch
 index in its epoch).
+
+A file format beside the prebuild's provenance side files (its columns are theirs), so here in
+data/storage/: the datamodule's loaders write it and ``stacklm inspect`` (below the datamodule)
+reads it.
 """
 
 from __future__ import annotations
