@@ -216,8 +216,6 @@ KNOWN_CIRCLES: list[set[str]] = [
     {"stacklm.data.registry", "stacklm.data.sources", "stacklm.data.sources.entry", "stacklm.data.sources.hub"},
     # the SFT pipeline moving into the chat wing (item 2)
     {"stacklm.data.sft.config", "stacklm.data.sft.pipeline", "stacklm.data.sft.reader"},
-    # the resume rules in one folder, modes that do not hold the datamodule (item 1)
-    {"stacklm.datamodule.gate", "stacklm.datamodule.identity", "stacklm.datamodule.modes", "stacklm.datamodule.module"},
 ]
 
 

@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
+from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
 from stacklm.errors import DataConfigError, DataError
@@ -110,7 +110,7 @@ class StackDataLoader(StatefulDataLoader):
         self._restart_pending = False
         self.restarts = 0  # worker restarts for online re-weighting (restart_from_state)
         # rows taken from each logical stream since this iteration started (elastic stream mode,
-        # ``stacklm.datamodule.logical``); the datamodule's checkpoint state sums them over the ranks
+        # ``stacklm.datamodule.resume.logical``); the datamodule's checkpoint state sums them over the ranks
         self.consumed: dict[int, int] = {}
         self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
         self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)

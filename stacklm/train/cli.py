@@ -212,7 +212,7 @@ def quiet_third_party_notices() -> None:
     - the litlogger/litmodels tips (``_NoAdvert``).
 
     Lightning's "IterableDataset has __len__ ... duplicate data" warning is handled where our
-    loaders are built (``stacklm.datamodule.module``), which documents why the length is exact.
+    loaders are built (``stacklm.datamodule.stack_datamodule``), which documents why the length is exact.
     """
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):

@@ -442,7 +442,7 @@ def test_the_data_schema_is_the_datamodule_signature():
     import inspect as pyinspect
 
     from stacklm.datamodule.modes import MODES
-    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.stack_datamodule import StackDataModule
     from stacklm.datamodule.section import MODE_NAMES, DataSection
 
     params = {n: p.default for n, p in pyinspect.signature(StackDataModule.__init__).parameters.items() if n != "self"}

@@ -13,7 +13,8 @@ from torchdata.nodes import Loader, Mapper
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.storage import manifest as mf
-from stacklm.data.storage.dataset import ElasticBatchNode, ElasticSampler, PackedMemmapDataset, derive_batch, verify_shard_set
+from stacklm.data.storage.dataset import PackedMemmapDataset, derive_batch, verify_shard_set
+from stacklm.datamodule.resume.sampler import ElasticBatchNode, ElasticSampler
 from stacklm.data.packing.pack import collate, pack_best_fit, pack_greedy, window_to_example
 from stacklm.data.storage.shards import dtype_name, token_dtype, tokens_path, write_shard
 from stacklm.errors import DataError

@@ -346,6 +346,22 @@ def test_config_errors_name_the_field(data):
         dc.DecontamConfig.from_dict(decontam_section(root, mode="mask"))
 
 
+def test_an_empty_or_broken_set_file_is_one_error_naming_the_set(tmp_path):
+    # datasets says "empty file" as a bare StopIteration and "broken file" as pyarrow's error;
+    # either must reach the user as a ConfigError naming the set and its file, and an empty
+    # set must not pass as configured (it would decontaminate nothing)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"question": "a"\n')
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    cases = {"empty.jsonl": "holds no records", "broken.jsonl": "cannot be read: ArrowInvalid", "broken.parquet": "cannot be read: ArrowInvalid"}
+    for name, message in cases.items():
+        cfg = dc.DecontamConfig.from_dict({"cache_dir": str(tmp_path / "cache"), "sets": [
+            {"name": "ev", "files": [str(tmp_path / name)], "fields": ["question"]}]})
+        with pytest.raises(ConfigError, match=f"decontaminate set 'ev' \\(.*{re.escape(name)}\\): {message}") as e:
+            dc.ensure_index(cfg)
+        assert "\n" not in str(e.value)
+
+
 def test_without_the_section_the_config_hash_is_unchanged(data):
     root = data[0]
     plain = data_section(root)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from stacklm.data.storage import remote
-from stacklm.data.storage.dataset import ElasticSampler, PackedMemmapDataset, window_permutation
+from stacklm.data.storage.dataset import PackedMemmapDataset
+from stacklm.datamodule.resume.sampler import ElasticSampler, window_permutation
 from stacklm.datamodule import DataConfigError, StackDataModule
 from tests.helpers.datamodule import BATCH, SEQ_LEN, crash_and_resume, stream_pipeline
 

@@ -189,7 +189,7 @@ def test_lightning_fit_from_s3_with_two_workers_is_killed_and_resumes_exactly(s3
     did after the checkpoint, and those equal a local-directory run's (same content). The resume
     guard compares content: the s3 data's identity is the local copy's."""
     from stacklm.datamodule import StackDataModule
-    from stacklm.datamodule.identity import data_identity
+    from stacklm.datamodule.resume.identity import data_identity
 
     fs, bucket = s3_bucket
     url = f"s3://{bucket}/fit"

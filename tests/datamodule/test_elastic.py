@@ -139,7 +139,7 @@ def _loader_at(dm, epoch: int):
     dm.setup("fit")
     loader = dm.train_dataloader()
     if dm.mode == "shards":
-        from stacklm.datamodule.shards_loader import start_position
+        from stacklm.datamodule.resume.shards import start_position
 
         loader.load_state_dict({"position": start_position(epoch)})
     else:
@@ -236,7 +236,7 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
 
     from stacklm.data.nodes import PipelineConfig
     from stacklm.errors import DataConfigError
-    from stacklm.datamodule.identity import shards_content_hash
+    from stacklm.datamodule.resume.identity import shards_content_hash
     from stacklm.prebuild import prebuild
     from tests.helpers.datamodule import stream_pipeline
 

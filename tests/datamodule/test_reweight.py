@@ -63,7 +63,7 @@ def _reference(tokenizer_dir, change_batch: int | None, n: int) -> tuple[list[st
     tokens its mixer had drawn before each of its batches."""
     dm = _dm(tokenizer_dir)
     dm.setup("fit")
-    ds = dm._mode._dataset("train")
+    ds = dm._mode._dataset("train", dm._run())
     ds.mix_changes = [] if change_batch is None else [{"step": change_batch, "batch": change_batch, "weights": NEW}]
     ds.n_batches = ds.n_batches_total // 2
     its = [_StreamIterator(ds, ShardSpec(0, 1, w, 2)) for w in range(2)]
