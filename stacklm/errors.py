@@ -6,7 +6,8 @@ One root and two bases say whose move it is (built-in bases in brackets)::
     ├── UserError                     what the user gave is wrong: an argument, a config value,
     │   │                             a path, an input the command does not read, a missing extra
     │   ├── ConfigError [ValueError]
-    │   │   └── DataGateError
+    │   │   ├── DataGateError
+    │   │   └── ResumeRefused         a checkpoint must not resume on this data or set-up
     │   ├── ArgumentTypeError [TypeError]
     │   ├── MissingDependencyError [ImportError]
     │   ├── TextInputError [ValueError]
@@ -35,11 +36,13 @@ its errno) and a ``ModuleNotFoundError`` of an optional extra's package (the mes
 extra) are shown the same way (``is_user_error``, ``user_error_message``). Any other exception is
 a bug in stacklm and keeps its traceback.
 
-A class below a base exists for one of two reasons only, said in its docstring: a caller catches
-it by name (``except ConfigError`` to add where a value sits, ``except SourceError`` to skip a
-part, ...), or it carries a built-in base that callers already catch and its base lacks
-(``ValueError``, ``FileNotFoundError``, ``ImportError``, ``OSError``) or fields a caller reads.
-Anything else raises the base itself.
+A class below a base exists only for a reason said in its docstring: a caller catches it by
+name (``except ConfigError`` to add where a value sits, ``except SourceError`` to skip a part,
+...); it carries a built-in base that callers already catch and its base lacks (``ValueError``,
+``FileNotFoundError``, ``ImportError``, ``OSError``); it carries fields or a name a caller reads
+(``DataGateError.findings``, ``TaskFailed.rank``, "raised LedgerError" in a task's failure); or
+its class is the answer a caller needs (``ResumeRefused``: start fresh instead). Anything else
+raises the base itself.
 """
 
 from __future__ import annotations
@@ -117,6 +120,15 @@ class DataGateError(ConfigError):
     def __init__(self, message: str = "", findings: list[dict[str, str]] | None = None) -> None:
         super().__init__(message)
         self.findings = list(findings or [])
+
+
+class ResumeRefused(ConfigError):
+    """A checkpoint must not resume on this data or this set-up (other data, seq_len, world
+    size where the mode cannot reshape, a state ahead of what was delivered, ...); raised
+    before the first step of the resumed fit, its message starts "refusing to resume" and
+    names both sides and the fix. Its own class so a caller (a launcher that would rather start
+    fresh) tells a refusal from a wrong value without reading the message; a ``ConfigError``
+    because the set-up given is what does not fit (``stacklm-train`` names the config file)."""
 
 
 class ArgumentTypeError(UserError, TypeError):

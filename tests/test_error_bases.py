@@ -24,6 +24,7 @@ from stacklm.errors import (
     MissingDependencyError,
     PrebuildError,
     RemoteError,
+    ResumeRefused,
     ShardWriteError,
     SourceError,
     SourceNotFoundError,
@@ -56,6 +57,7 @@ BASES = (UserError, DataError)
         (ArgumentTypeError, TypeError),
         (MissingDependencyError, ImportError),
         (TextInputNotFoundError, FileNotFoundError),
+        (ResumeRefused, ConfigError),
     ],
 )
 def test_user_errors_share_one_base_and_keep_their_builtin_one(cls, builtin):
@@ -148,7 +150,7 @@ def test_every_error_the_library_raises_derives_from_a_base():
     for name in _import_all():
         raised.update(_raised(sys.modules[name]))
     ours = {c for c in raised if c.__module__.startswith("stacklm")}
-    assert {UserError, DataError, ConfigError, SourceError, PrebuildError, TaskFailed, RemoteError} <= ours, ours
+    assert {UserError, DataError, ConfigError, SourceError, PrebuildError, TaskFailed, RemoteError, ResumeRefused} <= ours, ours
     for cls in ours:
         assert cls.__module__ == "stacklm.errors" and any(issubclass(cls, base) for base in BASES), cls
 
@@ -188,7 +190,7 @@ def test_a_worker_error_arrives_as_its_own_class():
         next(iter(loader))
 
 
-_EACH_BASE = [UserError, DataError, RemoteError, ConfigError]
+_EACH_BASE = [UserError, DataError, RemoteError, ConfigError, ResumeRefused]
 
 
 @pytest.mark.parametrize("cls", _EACH_BASE, ids=lambda c: c.__name__)
@@ -232,3 +234,24 @@ def test_stacklm_train_shows_each_base_as_one_line_exit_2(cls, monkeypatch, caps
     assert capsys.readouterr().err == f"stacklm-train fit: error: {cls.__name__}: the file x is wrong; fix it\n"
     with pytest.raises(cls):
         train_cli.main(["fit", "--debug"])
+
+
+def test_every_resume_refusal_is_a_resume_refused():
+    """A message "refusing to resume ..." is raised (or built) as ``ResumeRefused`` everywhere,
+    so a caller tells a refusal by its class, not by its text."""
+    root = Path(stacklm.__file__).parent
+    found = 0
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.Call) and node.args):
+                continue
+            first = node.args[0]
+            while isinstance(first, ast.BinOp):
+                first = first.left
+            if isinstance(first, ast.JoinedStr) and first.values:
+                first = first.values[0]
+            if isinstance(first, ast.Constant) and isinstance(first.value, str) and first.value.startswith("refusing to resume"):
+                found += 1
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                assert name == "ResumeRefused", f"{path}:{node.lineno}: {name}"
+    assert found >= 5

@@ -16,7 +16,7 @@ from stacklm.datamodule.delivery import DeliveryCounter
 from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
-from stacklm.errors import DataConfigError, DataError
+from stacklm.errors import DataError, ResumeRefused
 from stacklm.once import first_time
 
 _ND = "__ndarray__"
@@ -71,7 +71,7 @@ def gather_from_ranks(state: Any) -> list[Any]:
 def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
     rank, world = rank_world()
     if len(per_rank) != world:
-        raise DataConfigError(
+        raise ResumeRefused(
             f"refusing to resume: the checkpoint's {mode}-mode loader state is from {len(per_rank)} rank(s) but this run "
             f"has {world}. A stream's position is per rank; resume with the same number of devices (shards mode "
             "resumes on any world size)."

@@ -29,7 +29,7 @@ from stacklm.datamodule.resume.shards import next_position, resolve_skips, skipp
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import PipelineBuilder, PreferenceBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
-from stacklm.errors import DataConfigError
+from stacklm.errors import DataConfigError, ResumeRefused
 
 
 @dataclass(frozen=True)
@@ -465,7 +465,7 @@ class StreamMode(_WorkerStreamMode):
         if cfg.decontaminate is not None:  # built here, once, before any worker starts: workers memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
-            ensure_index(cfg.decontaminate)
+            ensure_index(cfg.decontaminate, announce=True)
         build = PipelineBuilder(cfg.to_dict(), args.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=run.rank, world_size=world,
@@ -498,7 +498,7 @@ class StreamMode(_WorkerStreamMode):
             return
         n = int(rec["logical_streams"])
         if self.args.logical_streams is not None and self.args.logical_streams != n:
-            raise DataConfigError(
+            raise ResumeRefused(
                 f"refusing to resume: the checkpoint reads the data as logical_streams={n} but this run sets "
                 f"logical_streams={self.args.logical_streams}; the number of logical streams is fixed for a run. Drop the "
                 f"argument (it is taken from the checkpoint) or set it to {n}."

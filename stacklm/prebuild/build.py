@@ -91,7 +91,7 @@ def prebuild(
         if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
-            ensure_index(plan.config.decontaminate)
+            ensure_index(plan.config.decontaminate, announce=True)
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
@@ -124,10 +124,12 @@ def prebuild(
 
 
 def index_pieces(config, readers: int, folder: Path) -> None:
-    """Build the piece index of every local source that has fewer files than ``readers``
-    (``stacklm.data.sources.pieces``) here, once, into ``folder``, and point this process and
-    the task processes it starts at it (``STACKLM_PIECE_CACHE``): each task then reads only its
-    own pieces instead of counting every file's lines again."""
+    """Build the piece index of every local source read in pieces (fewer files than
+    ``readers``, or ``read_order: spread``; ``stacklm.data.sources.pieces``) here, once, into
+    ``folder``, and point this process and the task processes it starts at it
+    (``STACKLM_PIECE_CACHE``): each task then reads only its own pieces instead of counting
+    every file's lines again."""
+    from stacklm.data.nodes import read_order_seed
     from stacklm.data.sources import ShardSpec, open_source
     from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 
@@ -135,7 +137,7 @@ def index_pieces(config, readers: int, folder: Path) -> None:
     os.environ[PIECE_CACHE_ENV] = str(folder)
     for entry in config.mix.entries:
         if entry.kind == "local":
-            open_source(entry, shard=ShardSpec(0, 1, 0, readers)).reset(None)
+            open_source(entry, shard=ShardSpec(0, 1, 0, readers), order_seed=read_order_seed(config, entry.name)).index_all()
 
 
 def lock_out_dir(out: Path):

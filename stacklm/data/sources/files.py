@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
-from stacklm.data.sources.pieces import file_pieces
+from stacklm.data.sources.pieces import file_pieces, spread_order
 from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
 from stacklm.errors import SourceError, SourceNotFoundError
@@ -50,11 +50,15 @@ class LocalFileSource(TextPartSource):
         shard: ShardSpec | None = None,
         first_rows_check: int = FIRST_ROWS_CHECK,
         on_invalid: str = "skip",
+        order_seed: int | None = None,
     ) -> None:
         super().__init__(
             name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check, on_invalid=on_invalid
         )
         self.patterns = [files] if isinstance(files, str) else list(files)
+        # None: files in sorted order, each from its start; a seed: pieces in a seeded order
+        # spread over every file (``pieces.spread_order``), so a budget takes a sample, not heads
+        self.order_seed = order_seed
 
     def _describe(self) -> str:
         return f"files {self.patterns}"
@@ -100,8 +104,24 @@ class LocalFileSource(TextPartSource):
         # one reader, no index needed); else pieces (``sources.pieces``), so readers split
         # files instead of each scanning all of them.
         if len(self._paths) >= self.shard.count:
-            return None
+            if self.order_seed is None:
+                return None
+            # whole files per reader, in pieces only for the spread order: index only its own
+            own = set(range(self.shard.index, len(self._paths), self.shard.count))
+            return [file_pieces(i, p, self._formats[p]) if i in own else [] for i, p in enumerate(self._paths)]
         return [file_pieces(i, p, self._formats[p]) for i, p in enumerate(self._paths)]
+
+    def index_all(self) -> None:
+        """Build (or find in the cache) the piece index of every file this source reads in
+        pieces, for all readers at once (the prebuild runs this once before its jobs)."""
+        if self._parts is None:
+            self.reset(None)
+        if self._pieces is not None:
+            for i, p in enumerate(self._paths):
+                file_pieces(i, p, self._formats[p])
+
+    def _order_pieces(self, pieces: list) -> list:
+        return pieces if self.order_seed is None else spread_order(pieces, self.order_seed)
 
     def _open_part(self, part: int, position: dict | None, piece=None):
         path = self._paths[part]

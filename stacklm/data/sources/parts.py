@@ -76,6 +76,10 @@ class PartNode(BaseNode[dict]):
         files when whole-file reading already reads each input once)."""
         return None
 
+    def _order_pieces(self, pieces: list) -> list:
+        """The order this reader reads its pieces in (as assigned: file order, by default)."""
+        return pieces
+
     def _part_size(self, part: int) -> int:
         """Bytes of part ``part`` on disk (0 when unknown: hub streams)."""
         return 0
@@ -117,6 +121,7 @@ class PartNode(BaseNode[dict]):
                 self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
             else:
                 self._pieces, self._strided = assign_pieces(pieces, self.shard)
+                self._pieces = self._order_pieces(self._pieces)
                 self._assigned = [p.part for p in self._pieces]
         self._close()
         st = initial_state or {}

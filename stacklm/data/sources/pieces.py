@@ -147,3 +147,39 @@ def file_pieces(part: int, path: str, fmt: str) -> list[Piece]:
         out[-1] = Piece(part, last.lo, last.hi, last.line, last.row, last.nbytes + size - sum(p.nbytes for p in out))
         return out
     return [Piece(part, 0, -1, 0, 0, size)]
+
+
+def spread_order(pieces: list[Piece], seed: int) -> list[Piece]:
+    """``pieces`` in a seeded order that spreads any prefix over all of them: each file's
+    pieces in a seeded random order, and the files interleaved so that every file gives one
+    piece first, then after every piece each file has given about its share of the bytes (the
+    file furthest behind its share goes next).
+    Why: a token budget smaller than the source stops reading after a prefix of this order; a
+    prefix of file order was the head of the first files only (docs/prebuild.md). Deterministic
+    in ``seed`` and the pieces, so a resume rebuilds the same order from the state's piece index."""
+    import heapq
+
+    import numpy as np
+
+    by_part: dict[int, list[Piece]] = {}
+    for p in pieces:
+        by_part.setdefault(p.part, []).append(p)
+    queues, size = {}, {}
+    for part, ps in by_part.items():
+        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, part])
+        queues[part] = [ps[i] for i in rng.permutation(len(ps))]
+        size[part] = max(1, sum(max(1, p.nbytes) for p in ps))
+    taken = dict.fromkeys(queues, 0)
+    # the file furthest below its share goes next: every file gives its first piece in the
+    # first round (a small budget still samples every file), then each keeps to its share
+    heap = [(0.0, part) for part in queues]
+    heapq.heapify(heap)
+    out = []
+    while heap:
+        _, part = heapq.heappop(heap)
+        p = queues[part].pop(0)
+        out.append(p)
+        taken[part] += max(1, p.nbytes)
+        if queues[part]:
+            heapq.heappush(heap, (taken[part] / size[part], part))
+    return out

@@ -27,7 +27,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from stacklm.errors import DataConfigError
+from stacklm.errors import ResumeRefused
 
 
 COMPARED = ("mode", "data", "tokenizer", "pipeline")
@@ -92,7 +92,7 @@ def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
     if "data" in (d.split(":")[0] for d in diffs) and now.get("where"):
         where = (f" The checkpoint's shards were read from {saved.get('where')}; {now['where']} holds other content"
                  " (a moved or copied directory with the same shards would resume).")
-    raise DataConfigError(
+    raise ResumeRefused(
         "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + ")." + where
         + " Resume with the data, tokenizer and seed of the checkpoint, or start a new run."
     )

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from stacklm.datamodule.resume.identity import check_identity
-from stacklm.errors import DataConfigError
+from stacklm.errors import ResumeRefused
 
 REQUIRED = object()  # a key a checkpoint of this mode must hold
 
@@ -44,9 +44,9 @@ _MISSING = {
 }
 
 
-def refuse(why: str, fix: str) -> DataConfigError:
+def refuse(why: str, fix: str) -> ResumeRefused:
     """The one form of a refusal: ``refusing to resume: <why>; <fix>``."""
-    return DataConfigError(f"refusing to resume: {why}; {fix}")
+    return ResumeRefused(f"refusing to resume: {why}; {fix}")
 
 
 def check_state(saved: Mapping[str, Any], *, mode: str, identity: Mapping[str, Any], seq_len: int,
@@ -79,7 +79,7 @@ def _check_same_shape(mode: str, old: Mapping[str, Any], new: Mapping[str, int])
     if dict(old) == dict(new):
         return
     changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
-    raise DataConfigError(
+    raise ResumeRefused(
         f"refusing to resume: this {mode}-mode checkpoint was written with world_size={old.get('world_size')}, "
         f"num_workers={old.get('num_workers')}, batch_size={old.get('batch_size')} and this run has "
         f"world_size={new['world_size']}, num_workers={new['num_workers']}, batch_size={new['batch_size']} "
