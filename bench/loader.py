@@ -42,8 +42,11 @@ protocol over HTTP, through s3fs; no network, so this measures the code path and
 speed, not a cloud store's), read three ways, each from a fresh dataset: the local directory
 (memmap), ``s3://`` with a cold cache (an empty ``STACKLM_CACHE_DIR``: manifests, then every
 shard downloaded and hash-checked) and ``s3://`` with a warm cache (the mirror is there: only the
-manifests are read). Time to the first batch (dataset open + first ``get_batch``, content check
-on), and one epoch's throughput including that start-up, against the local one.
+manifests are read); then the bounded cache: ``s3://`` streamed into a cache of a quarter of the
+set (``shard_window``, ``prefetch``: a prefetcher thread fetching ahead of the reader, cold), and
+the local memmap read in that same window order. Time to the first batch (dataset open + first
+``get_batch``, content check on), and one epoch's throughput including that start-up, against
+the local one.
 
 Part 2 — prebuild. The demo mix (offline synthetic sources) with ``--workers 1`` and ``2``:
 MB of raw text read per second per worker (text bytes of every document the sources read,
@@ -252,7 +255,43 @@ def bench_remote(args, tok) -> None:
             ds.get_batch(b)
         return first, len(batches) / (time.perf_counter() - t0)
 
+    # The streamed variant: the order is shard-local (``shard_window``), the cache a quarter of
+    # the set (2 x window shards); same get_batch loop, with the rank's prefetcher thread
+    # (``prefetch.Prefetcher``) fetching ahead and releasing what the loop has passed.
+    from stacklm.data.storage import remote
+    from stacklm.data.storage.prefetch import Prefetcher, ShardCache
+
+    n_shards = len(probe.shard_names)
+    shard_bytes = int(probe.shard_rows.max()) * args.seq_len * 2
+    window = max(1, n_shards // 8)
+    limit = 2 * window * shard_bytes
+    wbatches = list(ElasticSampler(probe, args.batch, seed=0, rank=0, world_size=1, loop=False, shard_window=window).batches())
+
+    def run_streamed(path, cache_dir: Path) -> tuple[float, float, int]:
+        os.environ["STACKLM_CACHE_DIR"] = str(cache_dir)
+        t0 = time.perf_counter()
+        if path == url:
+            local = remote.mirror(url, stream=("train",))
+            cache = ShardCache(url, local, mf.read_manifest(local), limit)
+            ds = PackedMemmapDataset(local, cache=cache)
+            pf = Prefetcher(cache, [np.unique(ds.locate(b)[0]) for b in wbatches])
+        else:
+            ds, pf, cache = PackedMemmapDataset(path), None, None
+        ds.get_batch(wbatches[0])
+        first = time.perf_counter() - t0
+        for t, b in enumerate(wbatches[1:], start=1):
+            if pf is not None:
+                pf.advance(t)
+            ds.get_batch(b)
+        bps = len(wbatches) / (time.perf_counter() - t0)
+        if pf is not None:
+            pf.close()
+        if cache is not None:
+            fetched.append(cache.downloads)
+        return first, bps, cache.peak if cache else 0
+
     results = {}
+    peak, fetched = 0, []
     for rep in range(2):  # the better of two, each with fresh caches
         cache = tmp / f"cache{rep}"
         for name, path, c in (("local memmap", tmp, cache / "unused"), ("s3:// cold cache", url, cache / "s3"),
@@ -260,13 +299,22 @@ def bench_remote(args, tok) -> None:
             first, bps = run(path, c)
             old = results.get(name)
             results[name] = (min(first, old[0]), max(bps, old[1])) if old else (first, bps)
+        for name, path, c in ((f"local, window {window}", tmp, cache / "unused"),
+                              ("s3:// streamed 1/4", url, cache / "streamed")):
+            first, bps, p = run_streamed(path, c)
+            peak = max(peak, p)
+            old = results.get(name)
+            results[name] = (min(first, old[0]), max(bps, old[1])) if old else (first, bps)
     server.stop()
     print(f"one epoch = {len(batches)} batches of B={args.batch}, T={args.seq_len - 1}, random order, get_batch in one "
           "process, content check on; batches/s include the start-up")
-    print(f"{'variant':18s} {'first batch s':>14s} {'batches/s':>10s} {'vs local':>9s}")
+    print(f"streamed: {n_shards} shards of {shard_bytes / 1e6:.1f} MB, shard_window={window}, cache limit {limit / 1e6:.1f} MB "
+          f"(2 x window shards; peak counted {peak / 1e6:.1f} MB), shards fetched per epoch {fetched}, cold cache, prefetcher thread in the same process; "
+          "its order is the window order (the 'local, window' row reads the same order from the local memmap)")
+    print(f"{'variant':20s} {'first batch s':>14s} {'batches/s':>10s} {'vs local':>9s}")
     local = results["local memmap"][1]
     for name, (first, bps) in results.items():
-        print(f"{name:18s} {first:14.3f} {bps:10,.0f} {bps / local:9.1%}")
+        print(f"{name:20s} {first:14.3f} {bps:10,.0f} {bps / local:9.1%}")
 
 
 def text_bytes_read(out: Path, config) -> dict[str, int]:

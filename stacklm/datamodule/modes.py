@@ -49,6 +49,8 @@ class ModeArgs:
     logical_streams: int | None = None
     skip_steps: tuple[tuple[int, int], ...] = ()
     verify_shards: bool = True
+    shard_window: int | None = None  # the train split's shard-local order (``resume.sampler.window_permutation``)
+    shard_cache: Any = None  # a remote train split streamed through a bounded cache (``prefetch.ShardCache``)
 
 
 def _no_trainer() -> None:
@@ -109,7 +111,8 @@ def shards_dataset(args: ModeArgs, split: str, tokenizer):
     module's ``seq_len``."""
     from stacklm.data.storage.dataset import PackedMemmapDataset
 
-    ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.verify_shards)
+    ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.verify_shards,
+                             cache=args.shard_cache if split == "train" else None)
     if ds.seq_len != args.seq_len:
         raise DataConfigError(
             f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {args.seq_len}; "
@@ -213,7 +216,8 @@ class ShardsMode(DataMode):
     def skipped_steps(self, run: Run):
         """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
         for the step log."""
-        return skipped_rows(self.skips, len(self.dataset("train", run.tokenizer)), self.args.seed)
+        ds = self.dataset("train", run.tokenizer)
+        return skipped_rows(self.skips, len(ds), self.args.seed, shard_window=self.args.shard_window, shard_rows=ds.shard_rows)
 
     def position(self, loader: Any) -> dict[str, int] | None:
         """The shape-free position at ``loader`` (the current train loader), else the restored one."""
@@ -247,7 +251,7 @@ class ShardsMode(DataMode):
                 f"{run.world_size} rank(s) x {args.batch_size}; lower batch_size or build more data"
             )
         order = ElasticSampler(ds, args.batch_size, seed=args.seed, rank=run.rank, world_size=run.world_size, shuffle=train,
-                               loop=False)
+                               loop=False, shard_window=args.shard_window if train else None)
         return ShardsLoader(
             ds, order, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size, num_workers=args.num_workers,
             tail="pad" if train else "drop", position=position,
@@ -332,7 +336,8 @@ class ShardsMode(DataMode):
         from stacklm.datamodule.resume.identity import shards_content_hash
 
         args = self.args
-        return hashlib.sha256(f"shards:{shards_content_hash(args.data_dir)}:{args.seq_len}:{args.seed}".encode()).hexdigest()
+        window = f":window{args.shard_window}" if args.shard_window else ""  # another order: not the same data stream
+        return hashlib.sha256(f"shards:{shards_content_hash(args.data_dir)}:{args.seq_len}:{args.seed}{window}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):

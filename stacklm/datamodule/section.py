@@ -73,6 +73,8 @@ class DataSection(Config):
     verify_shards: bool = True
     gate: bool = True
     skip_steps: list[tuple[int, int]] | None = None
+    shard_window: int | None = None
+    cache_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         _at_least("seq_len", self.seq_len, 2, "a window needs at least 2 tokens (one input, one target)")
@@ -82,6 +84,10 @@ class DataSection(Config):
         _at_least("train_batches", self.train_batches, 1, "or null for a counting pass")
         _at_least("snapshot_every_n_steps", self.snapshot_every_n_steps, 1, "or null to follow the checkpoint interval")
         _at_least("logical_streams", self.logical_streams, 1, "or null for ranks x workers")
+        _at_least("shard_window", self.shard_window, 1, "or null for the global permutation")
+        _at_least("cache_max_bytes", self.cache_max_bytes, 1, "or null for STACKLM_CACHE_MAX_BYTES (unset: unbounded)")
+        if self.shard_window is not None and self.mode != "shards":
+            raise DataConfigError(f"field '{DATA_PATH}.shard_window' is for mode 'shards' (got mode {self.mode!r}); remove it")
         if self.pipeline:
             check_pipeline(self.pipeline)
 

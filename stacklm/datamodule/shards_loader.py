@@ -94,6 +94,18 @@ class ShardsLoader:
         # Stream positions never served (``skip_steps``): global ``[lo, hi)``, position = epoch x rows + row.
         self.skips = sorted((int(lo), int(hi)) for lo, hi in (skips or ()))
         self._set_position(position or start_position())
+        # A streamed remote split (``prefetch.ShardCache``): each iteration runs a ``Prefetcher``
+        # over its plan. Only with a shard-local order (``shard_window``): the global permutation
+        # needs every shard at once.
+        self.cache = getattr(dataset, "cache", None)
+        self.prefetcher = None
+        if self.cache is not None:
+            from stacklm.data.storage.prefetch import check_bounds
+
+            window = getattr(order, "shard_window", None)
+            if window is None:
+                raise ValueError(f"{self.cache.url}: a streamed cache needs a shard-local order (shard_window)")
+            check_bounds(self.cache, dataset.shard_rows, window, self.step_size, self.cache.url)
 
     # -- position --------------------------------------------------------------------------
     def _set_position(self, pos: dict[str, Any]) -> None:
@@ -159,11 +171,27 @@ class ShardsLoader:
             self._set_position(start_position(self.epoch + 1))
         plan = self._plan()
         self.dropped_tail = 0
+        if self.cache is not None:  # started before the workers: they wait for what it fetches
+            from stacklm.data.storage.prefetch import Prefetcher
+
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+            self.prefetcher = Prefetcher(self.cache, [np.unique(self.dataset.locate(rows)[0]) for rows, _ in plan])
+        try:
+            yield from self._serve(plan)
+        finally:
+            if self.prefetcher is not None:
+                self.prefetcher.close()
+                self.prefetcher = None
+
+    def _serve(self, plan):
         loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
             worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
         )
         for t, batch in enumerate(loader, start=1):
+            if self.prefetcher is not None:  # steps < t are done: their shards may go
+                self.prefetcher.advance(t)
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead
             self.steps += 1
             self.rows_served = self._after[t - 1]  # the next position to serve (past any skipped ones)

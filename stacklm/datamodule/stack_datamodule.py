@@ -117,6 +117,16 @@ class StackDataModule(L.LightningDataModule):
             step of the run that wrote the checkpoint), kept in the checkpoint and the step log,
             so it is exact on resume and on another world size; ``stacklm inspect RUN --step S``
             lists a skipped step's rows as skipped.
+        shard_window: shards mode: read the train split shard-locally: each epoch puts the
+            shards in a seeded random order, cuts it into windows of ``shard_window`` shards and
+            shuffles the rows within each window (``dataset.window_permutation``), instead of one
+            permutation of all rows. With a remote ``data_dir`` the train split is then streamed
+            into a bounded local cache ahead of the reader instead of mirrored whole
+            (``stacklm.data.storage.prefetch``; docs/prebuild.md, "Streaming into a bounded
+            cache"). It changes the order, so it is part of the data identity a resume checks.
+            ``None`` (default): the global permutation.
+        cache_max_bytes: the local cache limit for a remote ``data_dir`` (default the
+            ``STACKLM_CACHE_MAX_BYTES`` environment variable; none: unbounded).
     """
 
     def __init__(
@@ -137,6 +147,8 @@ class StackDataModule(L.LightningDataModule):
         verify_shards: bool = True,
         gate: bool = True,
         skip_steps: list[tuple[int, int]] | None = None,
+        shard_window: int | None = None,
+        cache_max_bytes: int | None = None,
     ) -> None:
         super().__init__()
         # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
@@ -145,6 +157,7 @@ class StackDataModule(L.LightningDataModule):
             seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
             train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
             step_log=step_log, verify_shards=verify_shards, gate=gate, skip_steps=skip_steps,
+            shard_window=shard_window, cache_max_bytes=cache_max_bytes,
         )
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
@@ -160,7 +173,14 @@ class StackDataModule(L.LightningDataModule):
         # read, shards downloaded and hash-checked once per node (``remote.mirror``), then the
         # same memmap path as a local directory. The URL stays in ``data_url`` for messages.
         self.data_url = data_dir if remote.is_remote(data_dir) else None
-        self.data_dir = str(remote.mirror(data_dir)) if self.data_url else data_dir
+        self.shard_window = shard_window
+        # With ``shard_window`` a remote train split is not mirrored whole but streamed into a
+        # bounded cache ahead of the reader (``prefetch``); the other splits are mirrored.
+        self.cache_limit = cache_max_bytes if cache_max_bytes is not None else remote._max_bytes()
+        self._stream = bool(self.data_url and shard_window and mode == "shards")
+        self.data_dir = (str(remote.mirror(data_dir, stream=("train",) if self._stream else (), limit=self.cache_limit))
+                         if self.data_url else data_dir)
+        self._shard_cache = None
         self.pipeline_dict = dict(pipeline or {})
         self.seq_len = seq_len
         self.batch_size = batch_size
@@ -186,7 +206,7 @@ class StackDataModule(L.LightningDataModule):
             tokenizer_path=tokenizer, data_dir=self.data_dir, data_url=self.data_url, pipeline=self.pipeline_dict,
             seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
             train_batches=train_batches, logical_streams=self.logical_streams, skip_steps=tuple(self.skip_steps),
-            verify_shards=verify_shards,
+            verify_shards=verify_shards, shard_window=shard_window, shard_cache=self.shard_cache(),
         ))
         self._reload = EpochReload()  # asks Lightning to rebuild a train loader whose resumed epoch is short
 
@@ -345,6 +365,27 @@ class StackDataModule(L.LightningDataModule):
         from stacklm.datamodule.modes import shards_dataset
 
         return shards_dataset(self._mode.args, split, self.tokenizer)
+
+    def shard_cache(self):
+        """The train split's streamed cache (``prefetch.ShardCache``), or None when it is read
+        from a whole local copy. Its limit is what ``cache_max_bytes`` leaves after the
+        mirrored rest of the set (the val split, manifests, side files)."""
+        if not self._stream:
+            return None
+        if self._shard_cache is None:
+            from stacklm.data.storage import remote
+            from stacklm.data.storage.manifest import read_manifest
+            from stacklm.data.storage.prefetch import ShardCache
+
+            top = read_manifest(self.data_dir)
+            rel = None if "shards" in top else top["splits"]["train"]["path"]  # data_dir may be the split itself
+            local = Path(self.data_dir) / rel if rel else Path(self.data_dir)
+            limit = self.cache_limit
+            cache = ShardCache(remote.join(self.data_url, rel) if rel else self.data_url, local, read_manifest(local), limit)
+            if limit is not None:  # what the mirrored rest takes (all but the streamed token files)
+                cache.limit = limit - (remote._du(Path(self.data_dir)) - cache.used_bytes())
+            self._shard_cache = cache
+        return self._shard_cache
 
     def sft_config(self):
         return sft_config(self._mode.args)

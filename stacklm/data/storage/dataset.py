@@ -142,6 +142,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         sample_rows: int = DEFAULT_SAMPLE_ROWS,
         seed: int = 0,
         verify_content: bool = True,
+        cache=None,
     ) -> None:
         if not isinstance(verify_content, bool):
             raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
@@ -165,7 +166,16 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if tokenizer is not None:
             check_tokenizer(m, tokenizer, where)
         self.shard_names = [s["name"] for s in m["shards"]]
-        counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
+        # ``cache`` (a ``prefetch.ShardCache``): the token files are streamed into this directory
+        # as readers need them (``shard_window``), so nothing is checked or sampled here; the row
+        # counts are the manifest's, each download is checked against its xxh64, and every
+        # batch's ids against the vocabulary.
+        self.cache = cache
+        if cache is not None:
+            counts = [int(s["n_seq"]) for s in m["shards"]]
+            sample_rows = 0
+        else:
+            counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
         self.shard_rows = np.asarray(counts, dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
         self.num_rows = int(self.shard_rows.sum())
@@ -245,9 +255,21 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
                 idx = np.where(idx < 0, idx + self.num_rows, idx)
         return self._read(idx, verify=self.verify_content)
 
+    def _stream_maps(self, shards: np.ndarray) -> dict[int, np.ndarray]:
+        """Memmaps of ``shards`` for one read, each once it is in the streamed cache. Opened per
+        read and dropped after it: a reader never keeps an evicted shard's blocks on disk."""
+        maps = {}
+        for s in np.unique(shards).tolist():
+            self.cache.ensure(s)
+            maps[s] = open_tokens(self.path, self.shard_names[s], self.dtype, int(self.shard_rows[s]), self.seq_len).view(np.ndarray)
+        return maps
+
     def _read(self, idx: np.ndarray, *, verify: bool) -> np.ndarray:
-        maps = self._maps if self._maps is not None else self._open()
         shard, local = self.locate(idx)
+        if self.cache is not None:
+            maps = self._stream_maps(shard)
+        else:
+            maps = self._maps if self._maps is not None else self._open()
         if verify and self._all_verified_in != os.getpid():
             self._verify(shard)
         out = np.empty((len(idx), self.seq_len), dtype=self.dtype)

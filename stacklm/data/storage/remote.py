@@ -23,7 +23,9 @@ one is "cache, then the same memmap".
   mirrors under the cache root that no process has open are evicted until the new one fits; a
   single shard set larger than the limit is refused with its size (the loader's global
   shuffle reads every shard every epoch, so a smaller cache would download the set again
-  each epoch).
+  each epoch) unless its train split is streamed (``stream``, ``shard_window``): then only
+  its manifests and side files are mirrored here and ``prefetch`` fetches the token files
+  ahead of the reader into a cache the limit bounds.
 * **Faults** (``call``): throttling (``SlowDown``, 503) and transient errors are retried with
   exponential backoff and jitter, each retry counted (``RETRIES``) and said on stderr; wrong
   credentials, a missing bucket or a missing object are one ``RemoteError`` naming the URL
@@ -42,7 +44,7 @@ import re
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -243,7 +245,7 @@ def _evict_for(target: Path, need: int, limit: int, url: str) -> list[Path]:
     if need > limit:
         raise RemoteError(f"{url} needs {need:,} bytes of local cache but STACKLM_CACHE_MAX_BYTES is {limit:,}: the loader's "
                           "global shuffle reads every shard each epoch; raise the limit (or point STACKLM_CACHE_DIR at a "
-                          "bigger disk)", path=url)
+                          "bigger disk), or stream the train split through a smaller cache with data.shard_window", path=url)
     others = [p for p in (target.parent.iterdir() if target.parent.is_dir() else ()) if p.is_dir() and p != target]
     used = {p: _du(p) for p in others}
     total = sum(used.values()) + (_du(target) if target.exists() else 0)
@@ -266,9 +268,10 @@ def _evict_for(target: Path, need: int, limit: int, url: str) -> list[Path]:
     return removed
 
 
-def _download_shard(split_url: str, split_local: Path, entry: dict[str, Any], expect_bytes: int) -> None:
+def _download_shard(split_url: str, split_local: Path, entry: dict[str, Any], expect_bytes: int, *, meta: bool = True) -> None:
     """tokens (hash-checked) to a temporary name, renamed into place; then meta (meta last, as
-    ``write_shard`` does). A hash mismatch is downloaded once more, then refused naming the URL."""
+    ``write_shard`` does; ``meta=False``: the streamed cache reads the row count from the
+    manifest and skips it). A hash mismatch is downloaded once more, then refused naming the URL."""
     name = entry["name"]
     fs = filesystem(split_url)
     tpath = tokens_path(split_local, name)
@@ -290,13 +293,20 @@ def _download_shard(split_url: str, split_local: Path, entry: dict[str, Any], ex
                               f"rebuild with `stacklm prebuild --out {split_url.rsplit('/', 1)[0]}`", path=turl)
         RETRIES["count"] += 1
         print(f"stacklm: {turl}: download did not match the manifest's size/hash; downloading again", file=sys.stderr)
+    if not meta:
+        return
     murl = join(split_url, meta_path(split_local, name).name)
     atomic.atomic_write_bytes(meta_path(split_local, name), read_bytes(murl), fsync_parent=False)
 
 
-def mirror(url: str, *, manifests_only: bool = False) -> Path:
+def mirror(url: str, *, manifests_only: bool = False, stream: Sequence[str] = (), limit: int | None = None) -> Path:
     """The local mirror of the shard set at ``url`` (a top directory or one split), complete and
-    content-checked; only what changed since the last mirror is downloaded. See the module."""
+    content-checked; only what changed since the last mirror is downloaded. See the module.
+
+    ``stream``: splits whose token files are *not* downloaded here but streamed through the
+    bounded cache (``prefetch``): their manifests and provenance side files are mirrored, token
+    files of shards whose hash changed are removed, the rest stays as a warm start. ``limit``:
+    the cache limit in bytes (default ``STACKLM_CACHE_MAX_BYTES``)."""
     local = mirror_dir(url)
     local.mkdir(parents=True, exist_ok=True)
     top = read_json(join(url, MANIFEST))
@@ -315,23 +325,31 @@ def mirror(url: str, *, manifests_only: bool = False) -> Path:
             fcntl.flock(in_use, fcntl.LOCK_SH)
         (local / ".used").touch()
         if not manifests_only:
-            limit = _max_bytes()
+            limit = _max_bytes() if limit is None else limit
             if limit is not None:
-                _evict_for(local, sum(_split_bytes(m) for m in splits.values()), limit, url)
+                need = sum(_split_bytes(m) for m in splits.values())
+                if stream:  # the streamed splits take what the limit leaves them, and evict among themselves
+                    need = min(need, limit) - (_du(local) if local.exists() else 0)
+                _evict_for(local, max(0, need), limit, url)
         for name, m in splits.items():
             rel = top["splits"][name]["path"] if name else ""
             split_local, split_url = (local / rel, join(url, rel)) if rel else (local, url)
             split_local.mkdir(parents=True, exist_ok=True)
             if not manifests_only:
-                _sync_split(split_url, split_local, m)
+                _sync_split(split_url, split_local, m, tokens=(name or m.get("split")) not in stream)
             if rel:
                 atomic.atomic_write_bytes(split_local / MANIFEST, json.dumps(m).encode(), fsync_parent=False)
         atomic.atomic_write_bytes(local / MANIFEST, json.dumps(top).encode())  # last: the mirror is whole
     return local
 
 
-def _sync_split(split_url: str, split_local: Path, m: dict[str, Any]) -> None:
-    remove_temp_files(split_local)  # of a download killed midway (we hold the mirror's lock: no one else writes)
+def _sync_split(split_url: str, split_local: Path, m: dict[str, Any], *, tokens: bool = True) -> None:
+    """Bring one split's mirror up to date. ``tokens=False`` (a streamed split): everything but
+    the token and meta files, which ``prefetch`` fetches as the reader needs them; its files and
+    in-flight downloads (other ranks of the node may stream already) are left alone, but a
+    cached token file whose shard changed is removed."""
+    if tokens:
+        remove_temp_files(split_local)  # of a download killed midway (we hold the mirror's lock: no one else writes)
     old_path = split_local / MANIFEST
     old = {}
     if old_path.exists():
@@ -349,8 +367,15 @@ def _sync_split(split_url: str, split_local: Path, m: dict[str, Any]) -> None:
         expect = int(entry["n_seq"]) * seq_len * item
         tpath, mpath = tokens_path(split_local, name), meta_path(split_local, name)
         wanted |= {tpath.name, mpath.name, f"{name}.prov.npz"}
-        fresh = (old.get(name) == entry.get("xxh64") and tpath.exists() and tpath.stat().st_size == expect and mpath.exists())
-        if not fresh:  # meta first: a tokens file without its meta is no shard, even for a moment
+        if not tokens:
+            fresh = old.get(name) == entry.get("xxh64")
+            if not fresh or (tpath.exists() and tpath.stat().st_size != expect):
+                tpath.unlink(missing_ok=True)  # another version's copy: fetched again when read
+            mpath.unlink(missing_ok=True)  # not used by a streamed split (rows come from the manifest)
+            fresh = fresh and not (prov and not (split_local / f"{name}.prov.npz").exists())
+        else:
+            fresh = (old.get(name) == entry.get("xxh64") and tpath.exists() and tpath.stat().st_size == expect and mpath.exists())
+        if not fresh and tokens:  # meta first: a tokens file without its meta is no shard, even for a moment
             mpath.unlink(missing_ok=True)
             tpath.unlink(missing_ok=True)
             _download_shard(split_url, split_local, entry, expect)
@@ -358,6 +383,8 @@ def _sync_split(split_url: str, split_local: Path, m: dict[str, Any]) -> None:
         if prov and (not fresh or not ppath.exists()):
             atomic.atomic_write_bytes(ppath, read_bytes(join(split_url, ppath.name)), fsync_parent=False)
     for p in split_local.iterdir():  # shards of an older version of the set, half files of a killed run
+        if not tokens and p.name.startswith("."):
+            continue  # the streamed cache's locks, reservations and in-flight downloads
         if p.is_file() and p.name not in wanted and p.name not in (MANIFEST, ".lock", ".inuse", ".used"):
             p.unlink()
     atomic.fsync_dir(split_local)

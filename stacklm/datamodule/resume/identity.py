@@ -11,7 +11,8 @@ dataset rebuilt at the same path is refused.
   two small JSON reads, not a pass over the tokens. Stream and SFT modes: sha256 of the sources
   part of the config (the mix entries / conversation sources).
 - ``tokenizer``: ``stacklm.data.storage.manifest.tokenizer_hash`` (the ids, not training metadata).
-- ``pipeline``: what decides the order of the data: shards mode, the seed and ``seq_len``
+- ``pipeline``: what decides the order of the data: shards mode, the seed, ``seq_len`` and
+  ``shard_window`` when set
   (batch size, world size and workers may change, see ``ShardsLoader``); stream and SFT modes,
   the whole pipeline config but the batch size (part of the shape, which the datamodule checks
   and names on its own).
@@ -52,13 +53,15 @@ def shards_content_hash(data_dir: str | Path) -> str:
 
 
 def identity_of(mode: str, *, tokenizer_hash: str, data_dir: str | None = None, data_url: str | None = None,
-                seed: int = 0, seq_len: int = 0, config: dict[str, Any] | None = None) -> dict[str, Any]:
+                seed: int = 0, seq_len: int = 0, config: dict[str, Any] | None = None,
+                shard_window: int | None = None) -> dict[str, Any]:
     """The identity of a run's data (see the module docstring): shards mode from ``data_dir``
     (``data_url``, a remote one's URL, only named), ``seed`` and ``seq_len``; stream and SFT
     modes from their parsed ``config`` (``to_dict()``)."""
     if mode == "shards":
         data = shards_content_hash(data_dir)
-        pipeline = _sha({"seed": seed, "seq_len": seq_len})
+        order = {"shard_window": shard_window} if shard_window else {}  # the order of the rows (absent: the global one)
+        pipeline = _sha({"seed": seed, "seq_len": seq_len, **order})
         where = data_url or str(Path(data_dir).resolve())  # named only: the content is compared
     else:
         d = dict(config or {})
@@ -73,7 +76,8 @@ def data_identity(dm: Any) -> dict[str, Any]:
     """The identity of a ``StackDataModule``'s data, from its public arguments (``identity_of``)."""
     if dm.mode == "shards":
         return identity_of("shards", tokenizer_hash=dm.tokenizer_hash(), data_dir=dm.data_dir,
-                           data_url=getattr(dm, "data_url", None), seed=dm.seed, seq_len=dm.seq_len)
+                           data_url=getattr(dm, "data_url", None), seed=dm.seed, seq_len=dm.seq_len,
+                           shard_window=getattr(dm, "shard_window", None))
     cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
     return identity_of(dm.mode, tokenizer_hash=dm.tokenizer_hash(), config=cfg.to_dict())
 

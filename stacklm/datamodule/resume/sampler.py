@@ -10,7 +10,7 @@ sample being dropped or repeated. ``ShardsLoader`` uses it for its permutations
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,32 @@ import torch
 from torchdata.nodes import BaseNode
 
 from stacklm.dist import rank_world
+
+
+def window_permutation(seed: int, epoch: int, shard_rows: Sequence[int] | np.ndarray, window: int) -> np.ndarray:
+    """Epoch ``epoch``'s row order when rows are read shard-locally (``shard_window``).
+
+    The shards are put in a seeded random order, cut into consecutive windows of ``window``
+    shards, and the rows of each window are shuffled among themselves; the epoch is the windows
+    one after another. Why: one permutation of all rows touches nearly every shard within the
+    first steps (a global step of ``world x batch`` rows hits ``min(rows, shards)`` shards), so
+    a cache smaller than the set would download each shard again and again; here a reader needs
+    at most two windows at a time (the one it reads and, across a boundary, the next), and every
+    shard is read in one stretch, once per epoch. The cost is the mixing: a batch's rows come
+    from ``window`` shards, not from all of them (docs/prebuild.md, "Streaming into a bounded
+    cache"). Like ``ElasticSampler.permutation``, a pure function of the seed, the epoch and
+    the shard layout: the same on every rank and worker, so positions (and resumes) are exact.
+    """
+    rows = np.asarray(shard_rows, dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(rows)])[:-1]
+    rng = np.random.Generator(np.random.PCG64([seed, epoch, 1]))
+    order = rng.permutation(len(rows))
+    parts = []
+    for lo in range(0, len(order), window):
+        group = order[lo : lo + window]
+        idx = np.concatenate([np.arange(starts[s], starts[s] + rows[s], dtype=np.int64) for s in group])
+        parts.append(rng.permutation(idx))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 class ElasticSampler(torch.utils.data.Sampler[int]):
@@ -57,6 +83,8 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         shuffle: bool = True,
         loop: bool = True,
         drop_last: bool = False,
+        shard_window: int | None = None,
+        shard_rows: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         self.num_samples = int(data_source if isinstance(data_source, int) else len(data_source))
         if self.num_samples <= 0:
@@ -71,6 +99,17 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
         self.seed, self.shuffle, self.loop, self.drop_last = int(seed), bool(shuffle), bool(loop), bool(drop_last)
+        # ``shard_window=K``: the epoch's order is ``window_permutation`` (shards shuffled, rows
+        # shuffled within consecutive windows of K shards) instead of one permutation of all rows.
+        self.shard_window = None if shard_window is None else int(shard_window)
+        if self.shard_window is not None:
+            if self.shard_window < 1:
+                raise ValueError(f"shard_window must be >= 1, got {shard_window}")
+            if shard_rows is None:
+                shard_rows = getattr(data_source, "shard_rows", None)
+            if shard_rows is None or int(np.sum(shard_rows)) != self.num_samples:
+                raise ValueError("ElasticSampler(shard_window=...) needs the rows per shard (shard_rows) summing to the samples")
+        self.shard_rows = None if shard_rows is None else np.asarray(shard_rows, dtype=np.int64)
         self.epoch = 0
         self.consumed = 0
         self._base = 0  # global position where the current iteration started
@@ -82,7 +121,9 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         """Epoch ``epoch``'s order of the sample indices (identical on every rank and worker)."""
         if self._perm_cache is not None and self._perm_cache[0] == epoch:
             return self._perm_cache[1]
-        if self.shuffle:
+        if self.shuffle and self.shard_window is not None:
+            perm = window_permutation(self.seed, epoch, self.shard_rows, self.shard_window)
+        elif self.shuffle:
             perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
         else:
             perm = np.arange(self.num_samples, dtype=np.int64)

@@ -96,12 +96,14 @@ def resolve_skips(skips: list[dict[str, Any]], skip_steps: list[tuple[int, int]]
     return out
 
 
-def skipped_rows(skips: list[dict[str, Any]], num_rows: int, seed: int) -> Iterator[tuple[int, int, np.ndarray]]:
+def skipped_rows(skips: list[dict[str, Any]], num_rows: int, seed: int, *, shard_window: int | None = None,
+                 shard_rows=None) -> Iterator[tuple[int, int, np.ndarray]]:
     """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
     for the step log."""
     from stacklm.datamodule.resume.sampler import ElasticSampler
 
-    order = ElasticSampler(num_rows, 1, seed=seed, rank=0, world_size=1, shuffle=True, loop=False)
+    order = ElasticSampler(num_rows, 1, seed=seed, rank=0, world_size=1, shuffle=True, loop=False,
+                           shard_window=shard_window, shard_rows=shard_rows)
     for r in skips:
         a, b = r["steps"]
         others = [tuple(o["positions"]) for o in skips if o is not r]
