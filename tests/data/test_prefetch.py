@@ -209,7 +209,7 @@ def _rank_reads(url: str, cache: str, env: dict, rank: int, world: int, limit: i
     rows = []
     for batch in loader:
         rows.append(batch["input_ids"][:, :8].tolist())
-        barrier.wait(60)
+        barrier.wait(300)  # generous: a rank that started (spawn, imports) late on a loaded machine must not fail the other
     return rows
 
 
