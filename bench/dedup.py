@@ -48,7 +48,7 @@ from stacklm.data.dedup.minhash import (
     jaccard,
     share_a_band,
 )
-from stacklm.data.dedup.synthetic_edits import edits_for_jaccard, inject_edits
+from tests.helpers.synthetic_edits import edits_for_jaccard, inject_edits
 
 BANDS, ROWS, K = DEFAULT_NUM_BANDS, DEFAULT_ROWS_PER_BAND, DEFAULT_SHINGLE_SIZE
 NUM_PERM = BANDS * ROWS

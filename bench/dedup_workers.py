@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data.dedup.synthetic_edits import inject_edits
+from tests.helpers.synthetic_edits import inject_edits
 
 
 def write_corpus(root: Path, n_docs: int, n_files: int, n_plant: int, seed: int = 0) -> dict[str, int]:

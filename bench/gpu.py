@@ -3,7 +3,7 @@ from shards and from stream mode, in one run.
 
     python bench/gpu.py                              # CUDA: the Stack-100M model at seq_len 2048
     python bench/gpu.py --compile --json gpu.json    # also torch.compile the model; write the numbers
-    python bench/gpu.py --device cpu --quick         # toy scale on CPU (what tests/test_gpu_bench.py runs)
+    python bench/gpu.py --device cpu --quick         # toy scale on CPU (what tests/train/test_gpu_bench.py runs)
 
 Part A — kernels. Real text (``stacklm.corpus``), tokenized by a BPE trained here (or
 ``--tokenizer``), is packed best-fit into ``seq_len`` windows; the windows holding the most

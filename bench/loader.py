@@ -37,7 +37,7 @@ each worker start method (``fork``, ``forkserver`` cold and warm, ``spawn``), th
 tokens/s delivered (non-pad tokens of the batches, from ``data_stats()``) and batches/s.
 
 Part 4 — object storage (``--skip-remote`` to leave out, ``--remote-only`` for just this). The
-same shards uploaded to moto's S3 server on localhost (``tests/s3_server.py``: a real S3
+same shards uploaded to moto's S3 server on localhost (``tests/helpers/s3_server.py``: a real S3
 protocol over HTTP, through s3fs; no network, so this measures the code path and the server's
 speed, not a cloud store's), read three ways, each from a fresh dataset: the local directory
 (memmap), ``s3://`` with a cold cache (an empty ``STACKLM_CACHE_DIR``: manifests, then every
@@ -225,7 +225,7 @@ def bench_remote(args, tok) -> None:
     """Part 4: local memmap vs ``s3://`` with a cold and a warm cache (see the module)."""
     import os
 
-    from tests.s3_server import S3Server
+    from tests.helpers.s3_server import S3Server
 
     tmp = Path(tempfile.mkdtemp(prefix="stacklm-bench-remote-"))
     build_shards(tmp / "train", tok, args.seq_len, args.remote_rows, args.rows_per_shard, args.text_bytes)

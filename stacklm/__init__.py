@@ -1,7 +1,56 @@
 """stacklm: the training-data layer of a small-LM stack.
 
-Raw text in; packed, document-aware, exactly resumable batches out. See
-docs/architecture.md for the id layout, batch contract and artifact formats.
+Raw text in; packed, document-aware, exactly resumable batches out. The names a user starts
+from are here (the way tiktoken's face is a handful of names over a fast core)::
+
+    import stacklm
+
+    tok = stacklm.train_tokenizer(texts, vocab_size=32768).tokenizer   # or stacklm.StackTokenizer.load(path)
+    pipe = stacklm.PipelineConfig.from_dict(cfg).build(tok)           # = stacklm.build_pipeline(cfg, tok)
+    stacklm.prebuild(cfg, tok, "shards/")                             # the same pipes, written once
+    dm = stacklm.StackDataModule(mode="shards", tokenizer=tok, data_dir="shards/", seq_len=2048, batch_size=8)
+
+Everything else lives one import deeper, in the folder of its concern (docs/architecture.md
+draws the map). Names load on first use (PEP 562), so ``import stacklm`` imports neither
+torch, numpy nor Lightning: a command line or a config check that only names the package
+stays fast.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+# public name -> (module, attribute in that module)
+_WHERE = {
+    "StackTokenizer": ("stacklm.tokenizer.bpe", "StackTokenizer"),
+    "train_tokenizer": ("stacklm.tokenizer.bpe", "train_from_iterable"),
+    "PipelineConfig": ("stacklm.data.nodes", "PipelineConfig"),
+    "build_pipeline": ("stacklm.data.nodes", "build_pipeline"),
+    "prebuild": ("stacklm.prebuild.build", "prebuild"),
+    "StackDataModule": ("stacklm.datamodule", "StackDataModule"),
+}
+
+__all__ = ["__version__", *_WHERE]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stacklm.data.nodes import PipelineConfig, build_pipeline  # noqa: F401
+    from stacklm.datamodule import StackDataModule  # noqa: F401
+    from stacklm.prebuild.build import prebuild  # noqa: F401
+    from stacklm.tokenizer.bpe import StackTokenizer  # noqa: F401
+    from stacklm.tokenizer.bpe import train_from_iterable as train_tokenizer  # noqa: F401
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        module, attribute = _WHERE[name]
+        value = getattr(importlib.import_module(module), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'stacklm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

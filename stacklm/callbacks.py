@@ -8,6 +8,7 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
   ``data/dropped_docs/<stage>/<source>/<reason>``, ``data/dropped_docs_total``   documents dropped
   ``data/dropped_tokens/<source>/<reason>``, ``data/dropped_tokens_total``      tokens dropped (cut by the budget)
   ``data/holdout_docs/<source>``                       documents set aside for the other split (not drops)
+  ``data/decontam/<set>/{docs,tokens,cut_docs,cut_tokens}``  removed for sharing n-grams with an evaluation set
   ``data/cut_docs/<source>/<reason>``                  SFT conversations kept but cut to fit (truncated, turns_cut, ...)
   ``data/padding_fraction``                            pad positions / all positions delivered
   ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
@@ -19,7 +20,8 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
 and, on W&B only, every ``table_every_n_steps``: ``data/mix`` (a table), ``data/mix_bar`` (realized
 next to target share per source), ``data/share_over_time`` (realized and target share per source
 against the step), ``data/doc_length/<source>`` (a histogram of the delivered documents' lengths)
-and ``data/drops_bar`` (dropped documents by stage and reason). The hashes go into the run
+``data/drops_bar`` (dropped documents by stage and reason) and ``data/decontam_examples`` (a few
+overlapping n-grams per evaluation set, with where each document came from). The hashes go into the run
 config under ``data/hashes`` at fit start, and ``data/offline_fallback`` when a source falls back.
 Beside every file logger's metrics (CSV, TensorBoard) the latest ``data_stats()`` is kept as
 ``data_stats.json`` at the same interval, so ``stacklm report`` draws those charts without W&B.
@@ -46,6 +48,8 @@ The datamodule provides the numbers; the callback only formats and ships them::
         "hashes": {"tokenizer": str, "manifest": str | None, "data_config": str},
         "mix_phases": [ {"name", "planned_tokens", "tokens", "docs", "target_share",
                          "realized_share", ...} ],              # stream mode, stacklm.data.mix.schedule
+        "decontamination": {"n", "mode", "index", "sets": {set: {"docs", "tokens", "cut_docs", "cut_tokens",
+                                                                  "examples": [...]}}},  # stacklm.data.quality.decontam
     }
 
 ``realized``, ``delivered``, ``doc_length_hist`` and ``padding_fraction`` count the batches that
@@ -162,6 +166,11 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         from stacklm.data import ledger
 
         merged["ledger"] = ledger.with_status(ledger.merge(ledgers))
+    decontam = [stats["decontamination"] for stats in per_rank if stats.get("decontamination")]
+    if decontam:  # counts add over ranks; examples kept in a stable order
+        from stacklm.data.quality.decontam import merge_reports
+
+        merged["decontamination"] = merge_reports(decontam)
     phases = [stats["mix_phases"] for stats in per_rank if stats.get("mix_phases")]
     if phases:
         from stacklm.data.mix.schedule import merge_phase_reports
@@ -210,6 +219,9 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     if stats.get("ledger") is not None:  # 1 while every ledger identity holds (stacklm.data.ledger)
         out["data/ledger_ok"] = float(bool(stats["ledger"]["ok"]))
         out["data/ledger_problems"] = float(len(stats["ledger"]["problems"]))
+    for name, rep in ((stats.get("decontamination") or {}).get("sets") or {}).items():  # per evaluation set
+        for key in ("docs", "tokens", "cut_docs", "cut_tokens"):
+            out[f"data/decontam/{name}/{key}"] = float(rep.get(key, 0))
     for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
         for source, share in phase["realized_share"].items():
             out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
@@ -356,7 +368,7 @@ class DataStatsCallback(Callback):
         cannot carry (the document-length histograms, drops by stage and reason), so
         ``stacklm report`` draws a run without W&B. Replaced atomically at every table step."""
         keep = ("realized", "delivered", "dropped_docs", "dropped_tokens", "holdout_docs", "cut_docs",
-                "doc_length_hist", "padding_fraction", "hashes", "mix_phases")
+                "doc_length_hist", "padding_fraction", "hashes", "mix_phases", "decontamination")
         snapshot = {"step": int(step), **{k: stats[k] for k in keep if k in stats}}
         for logger in trainer.loggers:
             log_dir = getattr(logger, "log_dir", None)
@@ -435,6 +447,12 @@ class DataStatsCallback(Callback):
                     totals[reason] = totals.get(reason, 0) + int(count)
             for reason, count in sorted(totals.items()):
                 drops.add_data(f"{stage}/{reason}", count)
+        examples = wandb.Table(columns=["set", "source", "file", "record", "ngram", "text"])
+        for name, rep in ((stats.get("decontamination") or {}).get("sets") or {}).items():
+            for ex in rep.get("examples", ()):
+                examples.add_data(name, ex["source"], ex.get("file"), ex.get("record"), ex["ngram"], ex["text"])
+        if examples.data:
+            payload["data/decontam_examples"] = examples
         if drops.data:
             payload["data/drops_bar"] = wandb.plot.bar(drops, "reason", "docs", title="dropped documents by reason")
         logger.experiment.log({**payload, "trainer/global_step": step})

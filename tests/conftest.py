@@ -87,7 +87,7 @@ def saved_tokenizer_dir(tmp_path_factory):
             if fmt == "stacklm":
                 tok.save(directory / "tokenizer.stacklm.json")
             elif fmt == "hf":
-                from stacklm.tokenizer.export import export_hf
+                from stacklm.chat.export import export_hf
 
                 export_hf(tok, directory)
             else:
@@ -109,14 +109,14 @@ def _each_test_is_a_run():
 
 @pytest.fixture(scope="module")
 def s3_server():
-    """moto's S3 server (``tests/s3_server.py``) on a free localhost port for one test module,
+    """moto's S3 server (``tests/helpers/s3_server.py``) on a free localhost port for one test module,
     with the environment pointed at it (``AWS_ENDPOINT_URL``, dummy keys) so code that opens
     ``s3://`` URLs through fsspec reaches it; stopped afterwards."""
     import os
 
     import s3fs
 
-    from tests.s3_server import S3Server
+    from tests.helpers.s3_server import S3Server
 
     server = S3Server().start()
     saved = {k: os.environ.get(k) for k in server.env()}
@@ -146,3 +146,17 @@ def s3_bucket(s3_server):
     fs.mkdir(name)
     yield fs, name
     s3_server.faults.clear()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
+    """The 512-id tokenizer saved as a directory: what ``StackDataModule(tokenizer=...)`` takes."""
+    return saved_tokenizer_dir(tokenizer_512)
+
+
+@pytest.fixture(scope="module")
+def shards_dir(tokenizer_dir, tmp_path_factory):
+    """Prebuilt shards of ``tests.helpers.datamodule.stream_pipeline`` (``build_shards``)."""
+    from tests.helpers.datamodule import build_shards
+
+    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))

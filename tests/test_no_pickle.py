@@ -27,7 +27,7 @@ from stacklm.cli import main as stacklm_main
 from stacklm.data.storage import shards as sh
 from stacklm.data.storage import statefile
 from stacklm.prebuild import PrebuildError, prebuild
-from tests.test_prebuild import TOKENS_PER_SHARD, config, data_section, tree
+from tests.helpers.prebuild import TOKENS_PER_SHARD, config, data_section, tree
 
 
 class _Planted:

@@ -1,7 +1,7 @@
 """Workers die with their parent (``stacklm.parent_death``): a real ``stacklm prebuild --workers 2``
 SIGKILLed at its pool's start-up and mid-build, and loader workers of a killed training process.
 
-The prebuild is killed by ``tests/kill_probe.py``, a script that makes itself a child subreaper,
+The prebuild is killed by ``tests/runners/kill_probe.py``, a script that makes itself a child subreaper,
 so the orphans are re-parented to it (as under ``docker --init``, tini or systemd), not to PID 1:
 the harder case, where a worker that only checks ``os.getppid() == 1`` goes on running jobs."""
 
@@ -21,11 +21,11 @@ import pytest
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import dtype_name, token_dtype, write_shard
 from stacklm.prebuild import load_config, prebuild
-from tests.kill_probe import children, running
-from tests.test_prebuild import TOKENS_PER_SHARD, _own_config, tree
+from tests.runners.kill_probe import children, running
+from tests.helpers.prebuild import TOKENS_PER_SHARD, own_config, tree
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = REPO / "tests" / "kill_probe.py"
+PROBE = REPO / "tests" / "runners" / "kill_probe.py"
 ENV = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -58,7 +58,7 @@ def _assert_nothing_ran_on(report: dict) -> None:
 @pytest.mark.slow
 def test_sigkilled_prebuild_leaves_no_worker_writing_and_resumes_byte_identical(tmp_path, tok_dir):
     # no dedup pass (it would start a pool of its own first): the packing jobs' pool is the subject
-    cfg = _own_config(tmp_path, tok_dir, 80_000, dedup={"exact": False, "near": False})
+    cfg = own_config(tmp_path, tok_dir, 80_000, dedup={"exact": False, "near": False})
     out = tmp_path / "killed"
     common = ("--config", str(cfg), "--out", str(out), "--workers", "2", "--tokens-per-shard", str(TOKENS_PER_SHARD))
 

@@ -43,6 +43,7 @@ TEXT: dict[str, list[tuple[str, str]]] = {
     "f": [],
     "g": [("--seq-len 1024", "--seq-len 64"), ("--trainer.max_steps 500", "--trainer.max_steps 2")],
     "h": [("seq_len=1024", "seq_len=64"), ("batch_size=8", "batch_size=4")],
+    "i": [],
 }
 # YAML values set in the recipes' files: {file: {dotted.key: value}}; every key must exist.
 TINY_MODEL = {"model.config.vocab_size": 512, "model.config.seq_len": 64, "model.config.n_layer": 1,
@@ -64,6 +65,8 @@ YAML: dict[str, dict[str, Any]] = {
                                                     "domain": "prose"},
                     "trainer.callbacks.0.init_args.log_every_n_steps": 1,
                     "trainer.callbacks.1.init_args.every_n_train_steps": 2},
+    "clean.yaml": {"data.seq_len": 64, "data.batch_size": 4, "data.pipeline.holdout_fraction": 0.1,
+                   "data.pipeline.mix.total_tokens": 20_000},
     "sft.yaml": {"data.seq_len": 64, "data.batch_size": 4, "data.pipeline.shuffle_buffer": 50,
                  "data.pipeline.pack_buffer_docs": 8, "data.pipeline.holdout_fraction": 0.1},
 }
@@ -296,6 +299,30 @@ def test_recipe_h_inspect_shards_and_a_saved_batch(workdir):
     assert "batch.pt" in saved.stdout and "4 sequences" in saved.stdout and "0 error(s)" in saved.stdout
 
 
+@pytest.mark.slow
+def test_recipe_i_decontaminate_against_an_evaluation_set(workdir, docs, monkeypatch):
+    from stacklm.data.quality.filters import FilterConfig, filter_reason
+    from stacklm.data.quality.holdout import holdout_split
+    from stacklm.data.quality.ngrams import words_of
+
+    monkeypatch.setenv("STACKLM_CACHE_DIR", str(workdir / "cache"))
+    pool = docs[240:340]
+    write_jsonl(workdir / "notes" / "a.jsonl", [{"body": t} for t in pool])  # as recipe b writes it
+    # five early training documents (read within the shrunk budget) become evaluation records
+    leaked = [t for t in pool[:30] if filter_reason({"text": t}, FilterConfig(), "prose") is None
+              and holdout_split(t, 0.1, 0) == "train"][:5]
+    assert len(leaked) == 5
+    write_jsonl(workdir / "eval" / "my_eval.jsonl", [{"question": t[: len(t) // 2], "answer": t[len(t) // 2:]} for t in leaked])
+    (printed,) = run_recipe("i", workdir)
+    top = json.loads((workdir / "clean_shards" / "manifest.json").read_text())
+    report = top["decontamination"]["train"]["sets"]["my_eval"]
+    # the five copies, and any other document that shares 13 words with them (real text repeats phrases)
+    assert report["docs"] >= 5 and top["drops"]["train"]["notes"]["decontaminated"] == report["docs"]
+    assert report["examples"] and all(ex["ngram"] in " ".join(words_of(" ".join(leaked))) for ex in report["examples"])
+    assert "dropped decontam/my_eval" in printed.stdout and "my_eval" in printed.stdout and "e.g. notes" in printed.stdout
+    assert len(list((workdir / "cache" / "decontam").iterdir())) == 1
+
+
 def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid():
     """Fast (not slow): the drift guard without running anything. Every recipe a-h has blocks;
     every shrink still matches the markdown; every config's ``data:`` section is accepted by
@@ -304,7 +331,7 @@ def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid():
     from stacklm.configs import resolve_config
     from stacklm.datamodule import StackDataModule
 
-    for recipe in "abcdefgh":
+    for recipe in "abcdefghi":
         found = blocks(recipe)
         text = "\n".join(t for _, name, t in found if name is None or not name.endswith(".yaml"))
         missing = [old for old, _ in TEXT[recipe] if old not in text]

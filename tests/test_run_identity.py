@@ -16,8 +16,8 @@ import yaml
 
 from stacklm.run_identity import CHECKPOINT_KEY, SUPERSEDED_FILE, saved_run
 from stacklm.run_report import read_run
-from tests.test_datamodule import stream_pipeline, tokenizer_dir  # noqa: F401  (fixtures)
-from tests.test_model import tiny_config
+from tests.helpers.datamodule import stream_pipeline
+from tests.helpers.model import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,7 @@ def config(tmp_path: Path, tok_dir: Path, kill_at: int | None) -> Path:
          "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": 4, "save_top_k": -1}},
     ]
     if kill_at is not None:
-        callbacks.append({"class_path": "tests.lightning_helpers.KillAt", "init_args": {"step": kill_at}})
+        callbacks.append({"class_path": "tests.helpers.lightning.KillAt", "init_args": {"step": kill_at}})
     cfg = {
         "seed_everything": 0,
         "model": {"config": tiny_config(vocab_size=512).to_dict(), "optim": {"lr": 1e-3, "warmup_steps": 2, "total_steps": 10}},
@@ -61,7 +61,7 @@ def run_fit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_a_killed_fit_resumed_is_one_wandb_run_and_one_csv(tokenizer_dir, tmp_path):  # noqa: F811
+def test_a_killed_fit_resumed_is_one_wandb_run_and_one_csv(tokenizer_dir, tmp_path):
     killed = run_fit(tmp_path, "--config", str(config(tmp_path, tokenizer_dir, kill_at=6)))
     assert killed.returncode == -9, killed.stderr[-3000:]  # SIGKILL
     ckpt = tmp_path / "ckpt" / "epoch=0-step=4.ckpt"

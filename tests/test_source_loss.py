@@ -21,13 +21,19 @@ import torch
 from stacklm.data.contract import IGNORE_INDEX
 from stacklm.datamodule import StackDataModule
 from stacklm.inspector.steps import step_provenance
-from tests.lightning_helpers import run_program
-from tests.source_loss_fit import PlantedLoss, fit, planted
-from tests.test_datamodule import shards_dir, tokenizer_dir  # noqa: F401  (fixtures)
-from tests.test_ledger import write_corpus
-from tests.test_steplog import file_pipeline
+from tests.helpers.ledger import data_section, write_corpus
+from tests.helpers.lightning import run_program
+from tests.runners.source_loss_fit import PlantedLoss, fit, planted
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def file_pipeline(root: Path, total: int = 20_000) -> dict:
+    """The ledger corpus: ``web`` two local jsonl files, ``books`` its parquet file read through ``datasets``."""
+    section = data_section(root, total=total)
+    section["mix"]["entries"][1] = {"name": "books", "kind": "hf", "path": "parquet", "weight": 0.4, "domain": "prose",
+                                    "data_files": [str(root / "books" / "c.parquet")]}
+    return {k: v for k, v in section.items() if k not in ("seq_len", "batch_size")}
 
 
 def logged(out: Path) -> dict[int, dict[str, float]]:
@@ -109,7 +115,7 @@ def check_run(out: Path, data_dir: Path, ranks: int) -> None:
     check(values[6], sums, "val")
 
 
-def test_shards_mode_one_process(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
+def test_shards_mode_one_process(tokenizer_dir, shards_dir, tmp_path):
     dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(shards_dir), seq_len=64, batch_size=2,
                          num_workers=0, val_batches=4, step_log=str(tmp_path / "steplog"))
     fit(tmp_path, dm)
@@ -117,9 +123,9 @@ def test_shards_mode_one_process(tokenizer_dir, shards_dir, tmp_path):  # noqa: 
 
 
 @pytest.mark.slow
-def test_shards_mode_two_gloo_ranks_sum_over_ranks(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
+def test_shards_mode_two_gloo_ranks_sum_over_ranks(tokenizer_dir, shards_dir, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = run_program([sys.executable, str(ROOT / "tests" / "source_loss_fit.py"), "--tokenizer", str(tokenizer_dir),
+    res = run_program([sys.executable, str(ROOT / "tests" / "runners" / "source_loss_fit.py"), "--tokenizer", str(tokenizer_dir),
                        "--data-dir", str(shards_dir), "--out", str(tmp_path), "--devices", "2"], cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     check_run(tmp_path, shards_dir, 2)
@@ -130,7 +136,7 @@ def test_shards_mode_two_gloo_ranks_sum_over_ranks(tokenizer_dir, shards_dir, tm
     assert any(alone[s][1] != both[s][1] for s in both)
 
 
-def test_stream_mode_with_a_loader_worker(tokenizer_dir, tmp_path):  # noqa: F811
+def test_stream_mode_with_a_loader_worker(tokenizer_dir, tmp_path):
     write_corpus(tmp_path / "corpus")
     dm = StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=file_pipeline(tmp_path / "corpus"), seq_len=64,
                          batch_size=4, num_workers=1, val_batches=0, step_log=str(tmp_path / "steplog"))
@@ -158,11 +164,11 @@ def test_gpt_token_loss_is_the_loss():
     assert per_token[1, 3] == pytest.approx(float(one))
 
 
-def test_a_module_without_token_loss_is_one_notice(tokenizer_dir, shards_dir, tmp_path, capfd):  # noqa: F811
+def test_a_module_without_token_loss_is_one_notice(tokenizer_dir, shards_dir, tmp_path, capfd):
     from lightning.pytorch.loggers import CSVLogger
 
     from stacklm.source_loss import SourceLossCallback
-    from tests.lightning_helpers import TinyLM
+    from tests.helpers.lightning import TinyLM
 
     dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(shards_dir), seq_len=64, batch_size=2,
                          num_workers=0, val_batches=0)
@@ -176,7 +182,7 @@ def test_a_module_without_token_loss_is_one_notice(tokenizer_dir, shards_dir, tm
     assert not metrics.exists() or "loss_by_source" not in metrics.read_text()
 
 
-def test_a_mix_schedule_logs_each_phase_under_its_name(tokenizer_dir, tmp_path):  # noqa: F811
+def test_a_mix_schedule_logs_each_phase_under_its_name(tokenizer_dir, tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 
     from stacklm.source_loss import SourceLossCallback

@@ -117,6 +117,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     import json
 
     from stacklm.data import ledger
+    from stacklm.data.quality.decontam import format_report
 
     from stacklm.data.storage import manifest as mf
     from stacklm.data.storage import remote
@@ -135,14 +136,19 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+    decontam = m.get("decontamination") if "splits" in m else ({m["split"]: m["decontamination"]} if "decontamination" in m else {})
+    decontam = decontam or {}
     failed = False
     for split, entry in per_split.items():
         if args.json:
             continue
         print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]"))
+        if decontam.get(split):  # the ledger's decontam/<set> drops, per set with tokens and examples
+            print(format_report(decontam[split]))
         failed |= bool(ledger.check(entry["sources"]))
     if args.json:
-        print(json.dumps(per_split, indent=1))
+        print(json.dumps({split: {**entry, **({"decontamination": decontam[split]} if decontam.get(split) else {})}
+                          for split, entry in per_split.items()}, indent=1))
         failed = any(ledger.check(e["sources"]) for e in per_split.values())
     return 1 if failed else 0
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from stacklm.constants import KEPT  # noqa: F401 -- one of the reasons below
 from stacklm.data.stats import StageStats
 
 _REPLACEMENT = "\ufffd"
@@ -25,8 +26,8 @@ _REPLACEMENT_UTF8 = _REPLACEMENT.encode("utf-8")
 # A document whose bytes are this invalid is not text that lost a byte but not text at all.
 BINARY_INVALID_FRACTION = 0.1
 
-# Reasons as they appear in StageStats (and so in the manifest).
-KEPT = "kept"
+# Reasons as they appear in StageStats (and so in the manifest); KEPT (imported above) is
+# defined below chat/, whose SFT renderer returns it too.
 DROPPED_EMPTY = "dropped_empty"
 DROPPED_BINARY = "dropped_binary"
 INVALID_UTF8 = "invalid_utf8_replaced"

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # targets with this value take no loss (torch's cross_entropy default)
+from stacklm.constants import IGNORE_INDEX  # noqa: F401 -- part of the contract; defined below chat/ and data/
 
 
 class ContractPlanes(NamedTuple):

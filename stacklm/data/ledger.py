@@ -11,7 +11,7 @@ incomplete last batch, which the mix kept and the batcher dropped (``drop_last``
 
 Each term is counted where it happens, independently: ``read`` by the source reader (rows it
 owns: ``records_read``), drops by the stage that dropped (source audit and invalid records,
-filter, dedup, empty after tokenizing; in tokens, what the mix budget cut), ``holdout`` by the
+filter, decontamination (reason: the evaluation set), dedup, empty after tokenizing; in tokens, what the mix budget cut), ``holdout`` by the
 holdout split, ``buffered``/``remainder`` by looking into each node's buffer, ``kept`` by the
 mixer and ``delivered`` by the shard writer (prebuild) or the packer's output (stream). So a
 stage that lost or repeated a document breaks an identity instead of vanishing in a total.
@@ -77,6 +77,9 @@ def pipeline_ledger(pipe, delivered: Mapping[str, Iterable[int]] | None = None) 
         for reason, n in stats.get("filter", {}).get(name, {}).items():
             if reason != "kept":
                 _add(docs["dropped"], f"filter/{reason}", n)
+        for reason, n in stats.get("decontam", {}).get(name, {}).items():  # reason: the evaluation set overlapped
+            if reason != "kept":
+                _add(docs["dropped"], f"decontam/{reason}", n)
         for reason in DEDUP_DROPS:
             _add(docs["dropped"], f"dedup/{reason}", stats.get("dedup", {}).get(name, {}).get(reason, 0))
         if "dedup" in chain:

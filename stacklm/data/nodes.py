@@ -1,6 +1,6 @@
 """The node graph: one builder wires the stateful stages into a pipeline.
 
-Per source:   source -> holdout split -> quality filter -> exact dedup -> near dedup -> tokenize
+Per source:   source -> holdout split -> quality filter -> [decontaminate] -> exact dedup -> near dedup -> tokenize
 Then:         budgeted mix (over the sources) -> shuffle buffer -> pack -> batch
 
 Each source gets its own filter/dedup/tokenize chain, so the mixer can pull tokens from
@@ -22,6 +22,7 @@ from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
+from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_index
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
@@ -64,6 +65,7 @@ class PipelineConfig(Config):
     holdout_fraction: float = 0.001
     filters: FilterConfig = field(default_factory=FilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    decontaminate: DecontamConfig | None = None  # evaluation sets whose n-grams leave training
     tokenize_batch_docs: int = 256
     num_threads: int = 2
     fallback_offline: bool = False
@@ -88,6 +90,12 @@ class PipelineConfig(Config):
         for name in ("exact_max_docs", "near_max_docs"):
             if getattr(self.dedup, name) < 1:
                 raise ConfigError(f"pipeline config: field 'dedup.{name}' must be >= 1, got {getattr(self.dedup, name)}")
+
+    def config_hash(self, exclude=None) -> str:
+        # without decontamination the hash is what it was before the section existed, so
+        # earlier prebuilds and checkpoints still resume
+        skip = tuple(self.hash_exclude if exclude is None else exclude)
+        return super().config_hash(skip + (("decontaminate",) if self.decontaminate is None else ()))
 
     def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
               provenance: bool = False) -> Pipeline:
@@ -125,16 +133,25 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(hashlib.sha256(f"stacklm-epoch:{seed}:{epoch}".encode()).hexdigest()[:15], 16)
 
 
-def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec) -> dict[str, BaseNode]:
-    """One source's chain up to dedup (source -> holdout -> filter): the documents a deduper
-    sees. The global dedup pass (``stacklm.data.dedup.global_index``) reads the same."""
+def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec, count_tokens=None) -> dict[str, BaseNode]:
+    """One source's chain up to dedup (source -> holdout -> filter -> decontaminate): the documents
+    a deduper sees. The global dedup pass (``stacklm.data.dedup.global_index``) reads the same,
+    so a copy of a contaminated document is never kept in its place. ``count_tokens``: how the
+    decontamination report counts the tokens it removed (the tokenizer's encode)."""
     src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline)
     node: BaseNode = src
     chain: dict[str, BaseNode] = {"source": src}
     if config.holdout_fraction > 0 or split == "val":
         node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
-    chain["filter"] = FilterNode(node, config.filters, entry.filter_rules())
+    node = chain["filter"] = FilterNode(node, config.filters, entry.filter_rules())
+    if config.decontaminate is not None:
+        chain["decontam"] = DecontamNode(node, config.decontaminate, ensure_index(config.decontaminate), count_tokens)
     return chain
+
+
+def last_document_node(chain: dict[str, BaseNode]) -> BaseNode:
+    """The end of a ``document_chain``: what dedup reads."""
+    return chain.get("decontam", chain["filter"])
 
 
 def build_pipeline(
@@ -165,8 +182,8 @@ def build_pipeline(
     chains: dict[str, dict[str, BaseNode]] = {}
     tokenized: dict[str, BaseNode] = {}
     for entry in config.mix.entries:
-        chain = document_chain(config, entry, split, shard)
-        src, node = chain["source"], chain["filter"]
+        chain = document_chain(config, entry, split, shard, count_tokens=lambda text: len(tokenizer.encode(text)))
+        src, node = chain["source"], last_document_node(chain)
         if config.dedup.exact or config.dedup.near or dedup_index is not None:
             exact = ExactDeduper(config.dedup.exact_max_docs) if config.dedup.exact else None
             removed = (dedup_index, split) if dedup_index is not None else None

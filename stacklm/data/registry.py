@@ -57,10 +57,10 @@ class SourceConfig(Config):
     source; needed when the domain label picks none. An SFT source is ``chat`` (its default).
 
     SFT only, per source (so a mix can train each dataset its own way): ``format``
-    (``chat_formats.FORMATS``; ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca
+    (``chat.formats.FORMATS``; ``auto`` detects messages / ShareGPT / prompt-completion / Alpaca
     by the fields), the loss policy (``loss``: ``assistant_only`` | ``last_assistant_turn`` |
     ``roles_to_train`` | ``completion_only``; ``roles_to_train``; ``train_stop_token``;
-    ``reasoning_loss``: ``train`` | ``mask`` | ``drop``, see ``stacklm.chat_policy``) and
+    ``reasoning_loss``: ``train`` | ``mask`` | ``drop``, see ``stacklm.chat.policy``) and
     ``overlong`` (``None``: the SFT config's rule).
     """
 
@@ -159,8 +159,8 @@ class SourceConfig(Config):
         self._validate_sft_fields()
 
     def _validate_sft_fields(self) -> None:
-        from stacklm.chat_formats import FORMATS
-        from stacklm.chat_policy import OVERLONG_RULES
+        from stacklm.chat.formats import FORMATS
+        from stacklm.chat.policy import OVERLONG_RULES
 
         if self.format not in FORMATS:
             raise self._fail("format", f"must be one of {FORMATS}, got {self.format!r}")
@@ -185,8 +185,8 @@ class SourceConfig(Config):
             raise DataMixError(f"source {self.name!r}: {e}") from None
 
     def loss_policy(self):
-        """The ``stacklm.chat_policy.LossPolicy`` of an SFT source's fields."""
-        from stacklm.chat_policy import LossPolicy
+        """The ``stacklm.chat.policy.LossPolicy`` of an SFT source's fields."""
+        from stacklm.chat.policy import LossPolicy
 
         return LossPolicy(self.loss, self.roles_to_train, self.train_stop_token, self.reasoning_loss)
 

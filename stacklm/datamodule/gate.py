@@ -70,7 +70,7 @@ class DataGateError(DataConfigError):
 
 
 class GateRules:
-    """What the checks allow under the run's loss policies (``stacklm.chat_policy``): the labels
+    """What the checks allow under the run's loss policies (``stacklm.chat.policy``): the labels
     that may carry loss (``roles_to_train`` widens them), and whether an untrained stop token is
     the policy's own choice (``train_stop_token: false``: a warning, not an error)."""
 

@@ -156,7 +156,7 @@ class StackDataLoader(StatefulDataLoader):
             # its last iterator for ``state_dict`` and the loader sits in a cycle with its datamodule,
             # so the workers lived on until whichever garbage collection came next, which then
             # stalled ~5 s per worker joining them (10 s with 2, measured). Shut them down now; the
-            # state stays readable (tests/test_loader_workers.py).
+            # state stays readable (tests/datamodule/test_loader_workers.py).
             release_workers(workers[0])
 
     def _counted(self, workers: list[Any]) -> Iterator[Any]:

@@ -199,8 +199,12 @@ class _LogicalIterator:
                 s["mix_phases"] = graph.phases()
             if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
                 from stacklm.data.ledger import pipeline_ledger
+                from stacklm.data.quality.decontam import chain_report
 
                 s["ledger"] = pipeline_ledger(graph)
+                report = chain_report(graph.chains)
+                if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
+                    s["decontam"] = report
             streams.append(s)
         return {"worker": self.worker, "rank": self.rank, "streams": streams, "padding_rows": self.padded_rows}
 

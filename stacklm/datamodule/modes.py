@@ -413,6 +413,10 @@ class StreamMode(_WorkerStreamMode):
                 "when you start a run, or resume with at most that many readers.",
                 RuntimeWarning, stacklevel=2,
             )
+        if cfg.decontaminate is not None:  # built here, once, before any worker starts: workers memory-map it
+            from stacklm.data.quality.decontam import ensure_index
+
+            ensure_index(cfg.decontaminate)
         build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=dm.rank, world_size=world,

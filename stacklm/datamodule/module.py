@@ -585,7 +585,7 @@ def _quiet_len_warning() -> None:
     ``__len__`` that it "could be inaccurate ... duplicate data" with several workers. Ours is
     not: a stream's or an elastic loader's dataset hands each (rank, worker) its own disjoint
     share of a batch plan made before the workers start, and ``__len__`` is that plan's length
-    (tests/test_stream_fit.py and test_elastic*.py count every delivered batch against it).
+    (tests/datamodule/test_stream_fit.py and test_elastic*.py count every delivered batch against it).
     Dropping ``__len__`` would cost the progress bar, ``val_check_interval`` and the schedule
     their epoch length, so the one false sentence is ignored by its exact text instead."""
     warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined", category=UserWarning)

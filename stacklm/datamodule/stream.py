@@ -24,7 +24,7 @@ from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
 from stacklm.data.nodes import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
-from stacklm.data.sft.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
+from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
@@ -75,7 +75,7 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                     elif stage == "holdout":
                         if reason == HOLDOUT_REASON:
                             holdout[src] = holdout.get(src, 0) + int(n)
-                    elif stage in ("filter", "dedup") and reason != "kept":
+                    elif stage in ("filter", "decontam", "dedup") and reason != "kept":
                         add(stage, src, reason, n)
                     elif stage == "render":
                         if reason in _RENDER_DROPS:
@@ -96,6 +96,11 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     phases = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
     if phases:
         out["mix_phases"] = merge_phase_reports(phases)
+    decontam = [s["decontam"] for s in summaries if s.get("decontam")]
+    if decontam:  # per evaluation set: docs and tokens removed, examples (stacklm.data.quality.decontam)
+        from stacklm.data.quality.decontam import merge_reports
+
+        out["decontamination"] = merge_reports(decontam)
     ledgers = [s["ledger"] for s in summaries if s.get("ledger")]
     if ledgers:
         # each worker's ledger is exact at its own summary's batch, so the sum is exact too;
@@ -211,8 +216,12 @@ class _StreamIterator:
             out["mix_phases"] = graph.phases()
         if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
             from stacklm.data.ledger import pipeline_ledger
+            from stacklm.data.quality.decontam import chain_report
 
             out["ledger"] = pipeline_ledger(graph)
+            report = chain_report(graph.chains)
+            if report is not None:
+                out["decontam"] = report
         return out
 
     def state_dict(self) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def _row_end_findings(scans: list[RowScan], tok: InspectTokenizer, where: str) -
 
 def trainable_labels(roles: Iterable[str]) -> frozenset[str]:
     """The labels that may carry loss when the turns of ``roles`` are trained (a loss policy's
-    ``roles_to_train``, ``stacklm.chat_policy``): ``TRAINABLE`` plus each role's text, closer
+    ``roles_to_train``, ``stacklm.chat.policy``): ``TRAINABLE`` plus each role's text, closer
     and the EOS after it."""
     extra = {lab for r in roles for lab in (r, f"end:{r}", f"eos:{r}")}
     return frozenset(TRAINABLE | extra | ({"eos"} if extra - TRAINABLE else set()))

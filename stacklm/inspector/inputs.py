@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.chat import DEFAULT_ROLE_ALIASES, NO_ASSISTANT, ChatFormatError, validate_conversation
-from stacklm.chat_formats import conversation_from_record
+from stacklm.chat.formats import conversation_from_record
 from stacklm.inspector.batches import BatchView, check_view, stop_ids, view_batch, view_windows
 from stacklm.inspector.conversations import check_conversation
 from stacklm.inspector.families import text_findings
@@ -84,7 +84,7 @@ def _truncation_counts(report: Report, turns, ids: np.ndarray, tok: InspectToken
         if len(ids) > seq_len:
             c["longer_than_seq_len"] = c.get("longer_than_seq_len", 0) + 1
         return
-    from stacklm.data.sft.render import TURNS_CUT, render_for_sft
+    from stacklm.chat.render import TURNS_CUT, render_for_sft
 
     _piece, outcome, cut = render_for_sft(turns, tok.raw, seq_len, overlong)
     c[outcome] = c.get(outcome, 0) + 1

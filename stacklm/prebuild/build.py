@@ -82,6 +82,10 @@ def prebuild(
     for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
         remove_temp_files(folder)
     try:
+        if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
+            from stacklm.data.quality.decontam import ensure_index
+
+            ensure_index(plan.config.decontaminate)
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:

@@ -69,6 +69,7 @@ def run_job(
     split_dir.mkdir(parents=True, exist_ok=True)
 
     from stacklm.data.ledger import pipeline_ledger
+    from stacklm.data.quality.decontam import chain_report
     from stacklm.data.storage.provenance import ShardTracker, source_files
 
     pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker), provenance=plan.provenance)
@@ -110,6 +111,7 @@ def run_job(
         "realized": pipe.realized(),
         "mix_phases": pipe.phases(),
         "packing": pipe.packing(),
+        "decontam": chain_report(pipe.chains),  # per evaluation set (None without decontaminate:)
         # the job's token ledger: delivered = what the shards hold (stacklm.data.ledger)
         "ledger": pipeline_ledger(pipe, tracker.delivered_by_source()),
     }

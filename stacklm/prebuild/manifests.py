@@ -108,6 +108,11 @@ def split_manifest(plan: PrebuildPlan, identity: dict[str, Any], split: str, sum
         merged = ledger.merge(s["ledger"] for s in summaries)
         ledger.enforce(merged, f"prebuild {plan.out} split {split!r}")
         extra["ledger"] = ledger.with_status(merged)
+    decontam = [s.get("decontam") for s in summaries if s.get("decontam")]
+    if decontam:  # per evaluation set: documents and tokens removed, a few examples (stacklm.data.quality.decontam)
+        from stacklm.data.quality.decontam import merge_reports
+
+        extra["decontamination"] = merge_reports(decontam, plan.config.decontaminate.examples)
     if summaries and all(s.get("provenance") for s in summaries):
         first = summaries[0]["provenance"]
         extra["provenance"] = provenance.manifest_entry([e.name for e in plan.config.mix.entries], first["files"]) | {
@@ -193,6 +198,8 @@ def top_manifest(plan: PrebuildPlan, identity: dict[str, Any], splits: Mapping[s
         },
         "sources": splits[plan.splits[0]]["sources"],
         **({"ledger": {name: m["ledger"] for name, m in splits.items()}} if all("ledger" in m for m in splits.values()) else {}),
+        **({"decontamination": {name: m["decontamination"] for name, m in splits.items() if "decontamination" in m}}
+           if any("decontamination" in m for m in splits.values()) else {}),
         "mix_phases": splits[plan.splits[0]].get("mix_phases", []),
         "drops": {name: m["drops"] for name, m in splits.items()},
         "offline_fallback": sorted({src for m in splits.values() for src in m["offline_fallback"]}),

@@ -60,6 +60,10 @@ def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None
         lines.append(f"    {src}: " + (", ".join(f"{r}={n:,}" for r, n in sorted(row.items())) if row else "none"))
     if not drops:
         lines.append("    none")
+    for split, report in (top.get("decontamination") or {}).items():
+        from stacklm.data.quality.decontam import format_report  # here: the command line loads no torch before a command
+
+        lines.append(f"  [{split}] " + format_report(report).replace("\n", "\n  "))
     if top.get("warnings"):
         lines.append(f"  warnings: {len(top['warnings'])} (listed in the manifest's 'warnings')")
     return "\n".join(lines)

@@ -174,6 +174,7 @@ class StackMixedDocuments(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.ledger import pipeline_ledger
         from stacklm.data.nodes import build_pipeline
+        from stacklm.data.quality.decontam import chain_report
         from stacklm.data.storage.provenance import source_files
         from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args
 
@@ -190,6 +191,7 @@ class StackMixedDocuments(_StackStep):
             "stats": pipe.stats(), "realized": pipe.realized(), "mix_phases": pipe.phases(),
             # the ledger up to the shuffle; the writer fills in what the shards deliver
             "ledger": pipeline_ledger(pipe, {}),
+            "decontam": chain_report(pipe.chains),  # per evaluation set (None without decontaminate:)
             "provenance_files": {name: source_files(node) for name, node in pipe.sources.items()},
         }
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})

@@ -2,7 +2,7 @@
 
 ``fast`` is `rustbpe` (nanochat's trainer: parallel chunk counting plus the same heap
 algorithm in Rust, same tie-break rule), the default. ``python`` is our from-scratch trainer
-(``train.py``). Both must give identical merges; ``tests/test_train.py`` checks it.
+(``train.py``). Both must give identical merges; ``tests/tokenizer/test_train.py`` checks it.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ The traps, and what the export does about each (also in ``docs/tokenizer.md``):
   transformers tokenizes the text rendered by the chat template (and vLLM & co. tokenize the
   rendered prompt) with the tokenizer's default, so with ``True`` every role marker the
   template writes would become bytes -- a silently broken chat format. ``export_hf(...,
-  split_special_tokens=True)`` writes the other default for pure text-encoding use.
+  split_special_tokens=True)`` (``stacklm.chat.export``) writes the other default for pure text-encoding use.
 * **Special strings inside chat content.** The template escapes every ``<|`` in message
   content as ``<`` U+FDD0 ``|`` and this tokenizer's normalizer turns it back before BPE. Added
   tokens are matched on the raw text, before the normalizer, so content never yields a special
@@ -55,7 +55,7 @@ from typing import Any
 from stacklm.atomic import atomic_write_bytes, atomic_write_text
 from stacklm.tokenizer.artifact import TokenizerArtifactError
 from stacklm.tokenizer.bpe import StackTokenizer
-from stacklm.tokenizer.chat_template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN
+from stacklm.tokenizer.specials import ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN
 
 TIKTOKEN_SIDECAR_FORMAT = "stacklm-tiktoken"
 TIKTOKEN_SIDECAR_VERSION = 1
@@ -246,7 +246,7 @@ def build_hf_tokenizer(tok: StackTokenizer):
     merges = [(token_to_hf(a), token_to_hf(b)) for a, b in derive_merges(ranks)]
     model = models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=True)
     hf = Tokenizer(model)
-    # Undo the chat template's escape of "<|" in message content (chat_template.py). Added
+    # Undo the chat template's escape of "<|" in message content (stacklm/chat/template.py). Added
     # tokens are matched on the raw text *before* this runs, so escaped content never matches
     # a special, and BPE sees the original bytes.
     hf.normalizer = normalizers.Replace(ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN)
@@ -292,9 +292,10 @@ def check_specials_unreachable(hf, named: Mapping[str, int]) -> None:
     return hf
 
 
-def hf_tokenizer_config(tok: StackTokenizer, split_special_tokens: bool = False) -> dict[str, Any]:
+def hf_tokenizer_config(tok: StackTokenizer, split_special_tokens: bool = False, *, chat_template: str | None) -> dict[str, Any]:
     """``tokenizer_config.json`` contents: fast tokenizer over ``tokenizer.json``, no space cleanup,
-    bos/eos/pad, the chat template, and the untrusted-text default for special strings."""
+    bos/eos/pad, ``chat_template`` (left out when None), and the untrusted-text default for
+    special strings."""
     added = {
         str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
                  "special": True}
@@ -311,20 +312,28 @@ def hf_tokenizer_config(tok: StackTokenizer, split_special_tokens: bool = False)
         "split_special_tokens": bool(split_special_tokens),
         "model_max_length": int(1e30),  # no limit from the tokenizer: the model's config says seq_len
         "padding_side": "right",
-        "chat_template": CHAT_TEMPLATE,
+        **({"chat_template": chat_template} if chat_template is not None else {}),
         "stacklm": {"vocab_size": tok.vocab_size, "n_merges": tok.n_merges, "n_unused": tok.n_unused},
     }
 
 
-def export_hf(tok: StackTokenizer, out_dir: str | os.PathLike, *, split_special_tokens: bool = False) -> Path:
+def write_hf_tokenizer(
+    tok: StackTokenizer, out_dir: str | os.PathLike, *, chat_template: str | None, split_special_tokens: bool = False
+) -> Path:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json`` into
     ``out_dir`` so ``transformers.AutoTokenizer.from_pretrained(out_dir)`` loads a tokenizer of
-    exactly ``tok.vocab_size`` ids that encodes like ``tok``. Each file is written atomically."""
+    exactly ``tok.vocab_size`` ids that encodes like ``tok``. Each file is written atomically.
+
+    ``chat_template`` is passed in, never imported: the template is the chat wing's rule
+    (``stacklm.chat.template``, which renders the same ids and loss mask as
+    ``stacklm.chat.render``), and ``stacklm.chat`` sits above this package. Callers export with
+    ``stacklm.chat.export.export_hf``, which passes it; None writes a tokenizer without one.
+    The argument is required so no caller leaves the template out by accident."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf = build_hf_tokenizer(tok)
     atomic_write_text(out / "tokenizer.json", hf.to_str())
-    cfg = hf_tokenizer_config(tok, split_special_tokens=split_special_tokens)
+    cfg = hf_tokenizer_config(tok, split_special_tokens=split_special_tokens, chat_template=chat_template)
     # ASCII-escaped so the template's U+FDD0 escape is visible in the file
     atomic_write_text(out / "tokenizer_config.json", json.dumps(cfg, ensure_ascii=True, indent=1))
     smap = {"bos_token": cfg["bos_token"], "eos_token": cfg["eos_token"], "pad_token": cfg["pad_token"],
@@ -333,9 +342,12 @@ def export_hf(tok: StackTokenizer, out_dir: str | os.PathLike, *, split_special_
     return out
 
 
-def export_all(tok: StackTokenizer, out_dir: str | os.PathLike, stem: str = "tokenizer") -> dict[str, Path]:
-    """Both exports side by side: ``<stem>.tiktoken`` (+ sidecar) and the HF files, in ``out_dir``."""
+def write_exports(
+    tok: StackTokenizer, out_dir: str | os.PathLike, stem: str = "tokenizer", *, chat_template: str | None
+) -> dict[str, Path]:
+    """Both exports side by side: ``<stem>.tiktoken`` (+ sidecar) and the HF files (with
+    ``chat_template``, see ``write_hf_tokenizer``), in ``out_dir``."""
     out = Path(out_dir)
     ranks = save_tiktoken_ranks(tok, out / f"{stem}.tiktoken")
-    export_hf(tok, out)
+    write_hf_tokenizer(tok, out, chat_template=chat_template)
     return {"tiktoken": ranks, "tiktoken_sidecar": tiktoken_sidecar_path(ranks), "hf_dir": out}

@@ -27,6 +27,16 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<|tool_result|>",
 )
 
+# Every "<|" inside chat message content is rendered by the chat template
+# (``stacklm.chat.template``) as "<" + U+FDD0 + "|": a special-token string in content then
+# cannot match an added token, and the exported tokenizer's normalizer (``export.py``) turns the
+# sequence back into "<|" before BPE, so the content bytes are encoded exactly. U+FDD0 is a
+# Unicode noncharacter (reserved for internal use), so real text essentially never holds it.
+# Here, below both, because the escape and its undoing must agree.
+CONTENT_ESCAPE_CHAR = "\ufdd0"
+SPECIAL_OPEN = "<|"
+ESCAPED_SPECIAL_OPEN = "<" + CONTENT_ESCAPE_CHAR + "|"
+
 DEFAULT_VOCAB_SIZE = 32768
 N_BYTES = 256
 

@@ -4,9 +4,7 @@
 - ``minhash``: ``MinHasher`` and ``NearDeduper``;
 - ``node``: ``DedupNode``, the stage of the pipes;
 - ``global_index``: the global pass (signatures -> one decision -> ``DedupIndex`` of removed
-  ids) that makes the result independent of how many readers run;
-- ``synthetic_edits``: test/benchmark data generation (edited copies at a chosen Jaccard), not
-  used by the pipeline.
+  ids) that makes the result independent of how many readers run.
 
 What counts as the same text is ``stacklm.data.quality.normalize.normalize_text``.
 """

@@ -13,7 +13,7 @@ one is dropped) with probability 1 - (1 - J^10)^12:
 
 so pairs with J >= 0.9 are caught (>= 99.4%) and pairs with J < 0.5 are not (< 1.2%, 0.5% on
 average over 0.4 <= J < 0.5); the 50% point is J = 0.75. Measured on stdlib documents with
-injected edits (``bench/dedup.py``, edits from ``synthetic_edits``), the candidate rate per J bin follows this curve, for short
+injected edits (``bench/dedup.py``, edits from ``tests/helpers/synthetic_edits.py``), the candidate rate per J bin follows this curve, for short
 documents too.
 
 Why these numbers: 12 bands of 64-bit keys is what fits the 200 bytes/document index budget

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES
-from stacklm.chat_policy import OVERLONG_RULES
+from stacklm.chat.policy import OVERLONG_RULES
+from stacklm.chat.turns import DEFAULT_ROLE_ALIASES
 from stacklm.config import Config
 from stacklm.data.registry import SourceConfig
 from stacklm.errors import ConfigError

@@ -9,26 +9,26 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode
 
-from stacklm.chat import (
+from stacklm.chat.formats import conversation_from_record
+from stacklm.chat.policy import DEFAULT_POLICY, LossPolicy
+from stacklm.chat.render import DROPPED_TOO_LONG, TURNS_CUT, chat_tokens, loss_targets, render_for_sft, untag_loss
+from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
     ChatFormatError,
     as_turns,
-    chat_tokens,
     validate_conversation,
 )
-from stacklm.chat_formats import conversation_from_record
-from stacklm.chat_policy import DEFAULT_POLICY, LossPolicy
 from stacklm.data.audit import KEPT
-from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.contract import contract_batch, contract_buffer, contract_planes
 from stacklm.data.packing.nodes import PackNode
 from stacklm.data.packing.pack import BestFitPacker, segment_layout
-from stacklm.data.sft.render import DROPPED_TOO_LONG, TURNS_CUT, render_for_sft, untag_loss
 from stacklm.data.stats import StageStats
 
 
 def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:
     """Loss-tagged windows (each ``seq_len``) -> the batch contract, ``(B, seq_len - 1)`` long
-    tensors; ``targets`` is the next token where it bears loss, else ``-100``."""
+    tensors; ``targets`` is the next token where it bears loss, else ``-100``
+    (``stacklm.chat.render.loss_targets``)."""
     w = np.asarray(windows) if isinstance(windows, np.ndarray) else np.stack(windows)
     if w.ndim != 2 or w.shape[1] < 2:
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {w.shape}")
@@ -37,7 +37,7 @@ def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id:
     out = contract_buffer(ids.shape[0], ids.shape[1] - 1)
     planes = contract_planes(out)
     planes.input_ids[:] = ids[:, :-1]
-    np.copyto(planes.targets, np.where(loss[:, 1:], ids[:, 1:], IGNORE_INDEX))
+    np.copyto(planes.targets, loss_targets(ids, loss))
     planes.position_ids[:] = pos[:, :-1]
     planes.seq_ids[:] = seg[:, :-1]
     return contract_batch(out)
@@ -89,7 +89,7 @@ def sft_batch(
     """One packed SFT batch from a list of conversations, without any nodes.
 
     Each conversation is a list of ``Turn``/``{"role", "content"}`` or a record in any
-    ``chat_formats.FORMATS``. Invalid conversations raise ``ChatFormatError`` (a list in hand
+    ``chat.formats.FORMATS``. Invalid conversations raise ``ChatFormatError`` (a list in hand
     is fixed, not filtered); overlong ones follow ``overlong``, and they and those with nothing
     to train under ``policy`` are counted in ``stats`` (``kept`` / ``truncated`` /
     ``truncated_start`` / ``dropped_too_long`` / ``nothing_to_train``). All conversations

@@ -7,14 +7,14 @@ from typing import Any
 
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
-from stacklm.chat import chat_tokens
+from stacklm.chat.render import chat_tokens
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.sft.config import SFTConfig
 from stacklm.data.packing.nodes import PackBatchNode
 from stacklm.data.sft.pack import CollateSFT, SFTPackNode
 from stacklm.data.sft.reader import ConversationSource
-from stacklm.data.sft.render import RenderNode
+from stacklm.data.sft.render_node import RenderNode
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split

@@ -5,7 +5,7 @@ Record formats (TRL's preference formats; ``read_pair``):
 
 * conversational, explicit prompt -- ``{"prompt": [messages], "chosen": [messages],
   "rejected": [messages]}``: the completions are the messages after the prompt (usually one
-  assistant message; tool calls, reasoning and weights as in ``stacklm.chat_formats``);
+  assistant message; tool calls, reasoning and weights as in ``stacklm.chat.formats``);
 * conversational, implicit prompt -- ``{"chosen": [conversation], "rejected": [conversation]}``:
   the prompt is the longest common message prefix of the two (TRL's ``extract_prompt``); a
   string ``prompt`` next to conversational pairs is ignored, as TRL's ``maybe_extract_prompt``
@@ -14,7 +14,7 @@ Record formats (TRL's preference formats; ``read_pair``):
   turn, exactly as a plain prompt/completion SFT record is read, so the text goes through the
   chat layout (and the untrusted-content rule) like every other conversation.
 
-``tools`` (a list or a JSON string) and ``system`` work as in ``chat_formats``. A record that
+``tools`` (a list or a JSON string) and ``system`` work as in ``chat.formats``. A record that
 cannot be a pair raises ``ChatFormatError`` with a reason the pipes count: the chat reasons,
 ``no_shared_prompt`` (implicit conversations that differ from their first message),
 ``empty_completion`` (one side is the prompt itself) and ``identical_pair`` (chosen ==
@@ -29,7 +29,7 @@ final ``<|eos|>`` (the stop token is trained unless ``train_stop_token`` is fals
 exactly the ids TRL's ``DPOTrainer`` gets from the exported chat template (``to_trl``; the test
 runs TRL's own tokenization).
 
-Overlong pairs (the longer side over ``seq_len``), by ``chat_policy.OVERLONG_RULES``, all
+Overlong pairs (the longer side over ``seq_len``), by ``chat.policy.OVERLONG_RULES``, all
 counted: ``truncate`` cuts each side's completion after its last trained turn that fits (never
 inside a turn, so the stop token stays); ``keep_end`` cuts the shared prompt's earliest turns
 after its system turn(s), starting the kept prompt at a user turn; ``drop`` drops the pair; a
@@ -64,32 +64,33 @@ from typing import Any
 import numpy as np
 import torch
 
-from stacklm.chat import (
+from stacklm.chat.formats import ChatRecord, _tools, parse_messages, record_turns
+from stacklm.chat.policy import DEFAULT_POLICY, OVERLONG_RULES, LossPolicy
+from stacklm.chat.render import (
+    DROPPED_TOO_LONG,
+    NOTHING_TO_TRAIN,
+    TRUNCATED,
+    TRUNCATED_START,
+    TURNS_CUT,
+    assemble,
+    chat_tokens,
+    loss_targets,
+    render_turns,
+    tag_loss,
+    truncation_point,
+    untag_loss,
+)
+from stacklm.chat.turns import (
     ASSISTANT,
     BAD_MESSAGE,
     DEFAULT_ROLE_ALIASES,
     NO_MESSAGES,
     ChatFormatError,
     Turn,
-    assemble,
-    chat_tokens,
-    render_turns,
     validate_conversation,
 )
-from stacklm.chat_formats import ChatRecord, _tools, parse_messages, record_turns
-from stacklm.chat_policy import DEFAULT_POLICY, OVERLONG_RULES, LossPolicy
+from stacklm.constants import IGNORE_INDEX
 from stacklm.data.audit import KEPT
-from stacklm.data.contract import IGNORE_INDEX
-from stacklm.data.sft.render import (
-    DROPPED_TOO_LONG,
-    NOTHING_TO_TRAIN,
-    TRUNCATED,
-    TRUNCATED_START,
-    TURNS_CUT,
-    tag_loss,
-    truncation_point,
-    untag_loss,
-)
 from stacklm.data.stats import StageStats
 
 NO_SHARED_PROMPT = "no_shared_prompt"
@@ -120,7 +121,7 @@ class PreferencePair:
 
     def turns(self) -> tuple[list[Turn], list[Turn], list[Turn]]:
         """``(prompt, chosen, rejected)`` turns by the exported template's rules
-        (``chat_formats.record_turns``); a tools system turn belongs to the prompt."""
+        (``chat.formats.record_turns``); a tools system turn belongs to the prompt."""
         out = []
         for side in (self.chosen, self.rejected):
             turns = record_turns(ChatRecord(self.prompt + side, self.tools, len(self.prompt), "preference", self.where))
@@ -304,7 +305,7 @@ def _fill_side(planes: np.ndarray, row: int, tagged: np.ndarray, pad_id: int) ->
     pos[:m], pos[m:] = np.arange(m), np.arange(width - m)
     seg[:m], seg[m:] = 0, 1
     tgt[:] = IGNORE_INDEX
-    tgt[: len(ids) - 1] = np.where(loss[1:], ids[1:], IGNORE_INDEX)
+    tgt[: len(ids) - 1] = loss_targets(ids, loss)
 
 
 def collate_preference(pairs: Sequence[Mapping[str, Any]], seq_len: int, pad_id: int, batch_size: int | None = None) -> dict[str, torch.Tensor]:

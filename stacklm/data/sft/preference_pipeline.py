@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
-from stacklm.chat import ChatFormatError, Turn, chat_tokens, validate_conversation
+from stacklm.chat.render import TURNS_CUT, chat_tokens
+from stacklm.chat.turns import ChatFormatError, Turn, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
@@ -36,7 +37,7 @@ from stacklm.data.sft.reader import (
     ConversationSource,
     conversation_text,
 )
-from stacklm.data.sft.render import TURNS_CUT, RenderNode
+from stacklm.data.sft.render_node import RenderNode
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split

@@ -8,14 +8,14 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from stacklm.chat import (
+from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
     MALFORMED_JSON,
     ChatFormatError,
     Turn,
     validate_conversation,
 )
-from stacklm.chat_formats import conversation_from_record
+from stacklm.chat.formats import conversation_from_record
 from stacklm.data.audit import KEPT, clean_text
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft.config import ON_INVALID, SFT_DOMAIN

@@ -190,7 +190,7 @@ _BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
 
 
 def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per source: documents dropped by the filters, exact and near duplicates, copies of a
+    """Per source: documents dropped by the filters, by decontamination (when configured), exact and near duplicates, copies of a
     document kept in another split (``cross_split_dup``, the global dedup pass), empty/binary
     records, invalid records skipped (``invalid_records`` and one count per reason), bytes
     replaced by the audit, and what the mix budget cut."""
@@ -201,10 +201,12 @@ def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized:
     for src in sorted(sources):
         audit = stats.get("source", {}).get(src, {})
         filt = stats.get("filter", {}).get(src, {})
+        decon = stats.get("decontam", {}).get(src, {})
         dedup = stats.get("dedup", {}).get(src, {})
         mix = realized.get(src, {})
         out[src] = {
             "filtered": sum(n for r, n in filt.items() if r != "kept"),
+            **({"decontaminated": sum(n for r, n in decon.items() if r != "kept")} if decon else {}),
             "exact_dup": int(dedup.get("exact_dup", 0)),
             "near_dup": int(dedup.get("near_dup", 0)),
             "cross_split_dup": int(dedup.get("cross_split_dup", 0)),

@@ -1,0 +1,49 @@
+"""Test and benchmark data generation for near dedup: copies edited to a chosen Jaccard similarity.
+
+Not used by the pipeline, so it lives with the test helpers, not in the library.
+``tests/data/test_dedup.py`` and ``bench/dedup.py`` measure the MinHash S-curve against exact Jaccard on real documents with these edits, which move a copy's
+similarity anywhere in [0, 1] (character edits and whole-line deletions/duplications).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def edits_for_jaccard(n_shingles: int, target: float, shingle_size: int, rng: np.random.Generator) -> int:
+    """About how many ``inject_edits`` edits move a copy to Jaccard ``target`` (each edit
+    touches ~``shingle_size`` shingles; jittered x0.5-1.5 so copies spread around it)."""
+    return max(1, round(n_shingles * (1 - target) / (shingle_size * (1 + target)) * rng.uniform(0.5, 1.5)))
+
+
+def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
+    """``text`` with ``n_edits`` random edits: character substitutions, insertions and
+    deletions, and whole-line deletions and duplications. For measuring accuracy against exact
+    Jaccard (tests, ``bench/dedup.py``): the edits move a copy's similarity anywhere in [0, 1]."""
+    chars = list(text)
+    alphabet = "abcdefghijklmnopqrstuvwxyz0123456789 _().,:=\n"
+    for _ in range(n_edits):
+        if not chars:
+            chars.append(alphabet[int(rng.integers(len(alphabet)))])
+            continue
+        op = int(rng.integers(10))
+        pos = int(rng.integers(len(chars)))
+        if op < 4:
+            chars[pos] = alphabet[int(rng.integers(len(alphabet)))]
+        elif op < 6:
+            chars.insert(pos, alphabet[int(rng.integers(len(alphabet)))])
+        elif op < 8:
+            del chars[pos]
+        else:  # line-level: delete or duplicate the line around pos
+            start = pos
+            while start > 0 and chars[start - 1] != "\n":
+                start -= 1
+            end = pos
+            while end < len(chars) and chars[end] != "\n":
+                end += 1
+            line = chars[start : end + 1]
+            if op == 8:
+                del chars[start : end + 1]
+            else:
+                chars[end + 1 : end + 1] = line
+    return "".join(chars)
