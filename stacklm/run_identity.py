@@ -63,7 +63,8 @@ class RunIdentity(Callback):
                     ident["csv_rows"] = _count_rows(os.path.join(logger.log_dir, "metrics.csv"))
         checkpoint[CHECKPOINT_KEY] = ident
 
-    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # not on_fit_start: Lightning restores the loop's global_step from the checkpoint between the two
         if trainer.ckpt_path is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics({"run/resumed_at": float(trainer.global_step)}, step=trainer.global_step)
