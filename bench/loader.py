@@ -66,7 +66,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from stacklm.configs import CONFIG_DIR
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.storage import manifest as mf
-from stacklm.data.storage.dataset import ElasticSampler, PackedMemmapDataset
+from stacklm.data.storage.dataset import PackedMemmapDataset
+from stacklm.datamodule.resume.sampler import ElasticSampler
 from stacklm.data.packing.pack import collate, pack_best_fit
 from stacklm.data.storage.shards import dtype_name, open_tokens, token_dtype, write_shard
 

@@ -1,4 +1,4 @@
-"""Step-log overhead (``stacklm.datamodule.steplog``): bytes against the token bytes it describes,
+"""Step-log overhead (``stacklm.data.storage.steplog``): bytes against the token bytes it describes,
 and the loader with the log on against off, side by side in one run.
 
     python3 bench/steplog.py [--seq-len 2048] [--batch 8] [--text-bytes 30000000] [--batches 150] [--reps 2]
@@ -101,7 +101,7 @@ def run_loader(args, tok_dir: Path, pipeline: dict, log_dir: Path | None) -> dic
         frames = list(log_dir.rglob("*.frames"))
         out["bytes"] = sum(p.stat().st_size for p in frames)
         out["rows"] = (args.batches + 1) * args.batch
-        from stacklm.datamodule.steplog import frame_records, read_frames
+        from stacklm.data.storage.steplog import frame_records, read_frames
 
         pieces = [len(p) for f in frames for fr in read_frames(f) for rec in frame_records(fr) for p in rec["pieces"]]
         out["pieces_per_row"] = sum(pieces) / max(1, len(pieces))
@@ -123,7 +123,7 @@ def graph_cpu_seconds(args, tok, pipeline: dict, provenance: bool) -> float:
 
 
 def shards_bytes_per_row(rows: int, batch: int) -> float:
-    from stacklm.datamodule.steplog import StepLogWriter
+    from stacklm.data.storage.steplog import StepLogWriter
 
     perm = np.random.default_rng(0).permutation(rows)
     with tempfile.TemporaryDirectory() as d:

@@ -6,9 +6,11 @@ from are here (the way tiktoken's face is a handful of names over a fast core)::
     import stacklm
 
     tok = stacklm.train_tokenizer(texts, vocab_size=32768).tokenizer   # or stacklm.StackTokenizer.load(path)
-    pipe = stacklm.PipelineConfig.from_dict(cfg).build(tok)           # = stacklm.build_pipeline(cfg, tok)
-    stacklm.prebuild(cfg, tok, "shards/")                             # the same pipes, written once
-    dm = stacklm.StackDataModule(mode="shards", tokenizer=tok, data_dir="shards/", seq_len=2048, batch_size=8)
+    tok.save("tok.json")
+    config = stacklm.PipelineConfig.from_dict(cfg)                    # cfg: a YAML's data.pipeline dict
+    pipe = config.build(tok)                                          # = stacklm.build_pipeline(config, tok)
+    stacklm.prebuild_shards(config, tok, "shards/")                   # the same pipes, written once
+    dm = stacklm.StackDataModule(mode="shards", tokenizer="tok.json", data_dir="shards/", seq_len=2048, batch_size=8)
 
 Everything else lives one import deeper, in the folder of its concern (docs/architecture.md
 draws the map). Names load on first use (PEP 562), so ``import stacklm`` imports neither
@@ -29,7 +31,8 @@ _WHERE = {
     "train_tokenizer": ("stacklm.tokenizer.bpe", "train_from_iterable"),
     "PipelineConfig": ("stacklm.data.nodes", "PipelineConfig"),
     "build_pipeline": ("stacklm.data.nodes", "build_pipeline"),
-    "prebuild": ("stacklm.prebuild.build", "prebuild"),
+    # not "prebuild": importing the subpackage stacklm.prebuild sets that attribute of this module
+    "prebuild_shards": ("stacklm.prebuild.build", "prebuild"),
     "StackDataModule": ("stacklm.datamodule", "StackDataModule"),
 }
 
@@ -38,7 +41,7 @@ __all__ = ["__version__", *_WHERE]
 if TYPE_CHECKING:  # pragma: no cover
     from stacklm.data.nodes import PipelineConfig, build_pipeline  # noqa: F401
     from stacklm.datamodule import StackDataModule  # noqa: F401
-    from stacklm.prebuild.build import prebuild  # noqa: F401
+    from stacklm.prebuild.build import prebuild as prebuild_shards  # noqa: F401
     from stacklm.tokenizer.bpe import StackTokenizer  # noqa: F401
     from stacklm.tokenizer.bpe import train_from_iterable as train_tokenizer  # noqa: F401
 

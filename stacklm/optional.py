@@ -14,13 +14,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-from stacklm.errors import StackLMError
-
-EXTRAS = {"hf": ("transformers", "datasets"), "wandb": ("wandb",), "scale": ("datatrove",), "ray": ("ray",)}
-
-
-class MissingDependencyError(StackLMError, ImportError):
-    """An optional package a feature needs is not installed; the message says which extra."""
+from stacklm.errors import EXTRAS, MissingDependencyError
 
 
 def require(module: str, extra: str, purpose: str | None = None) -> ModuleType:

@@ -30,11 +30,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from stacklm.errors import StackLMError
-
-
-class ReportError(StackLMError):
-    """The run folder holds nothing to report (the message says what was looked for)."""
+from stacklm.errors import UserError
 
 
 def _version_key(path: Path) -> tuple:
@@ -48,10 +44,10 @@ def read_run(run: str | Path) -> dict[str, Any]:
 
     run = Path(run)
     if not run.is_dir():
-        raise ReportError(f"{run}: not a directory; give the run's folder (its trainer.default_root_dir or CSV logger's save_dir)")
+        raise UserError(f"{run}: not a directory; give the run's folder (its trainer.default_root_dir or CSV logger's save_dir)")
     csvs = sorted(run.rglob("metrics.csv"), key=_version_key)
     if not csvs:
-        raise ReportError(f"{run}: no metrics.csv under it; the report reads a Lightning CSVLogger's files "
+        raise UserError(f"{run}: no metrics.csv under it; the report reads a Lightning CSVLogger's files "
                           "(stacklm-train's default logger), so add one to trainer.logger")
     # Runs: a fit whose first logged step lies past the run's first one continues that run (a
     # resume: from the last checkpoint, or from an earlier one after a crash, whose re-logged
@@ -74,7 +70,7 @@ def read_run(run: str | Path) -> dict[str, Any]:
         else:
             runs.append([(path, fit_rows)])
     if not runs:
-        raise ReportError(f"{run}: its metrics.csv files hold no logged step yet")
+        raise UserError(f"{run}: its metrics.csv files hold no logged step yet")
     newest = runs[-1]
     rows = [r for _, fit_rows in newest for r in fit_rows]
     starts = [int(min(r["step"] for r in fit_rows)) for _, fit_rows in newest[1:]]
@@ -89,7 +85,7 @@ def read_run(run: str | Path) -> dict[str, Any]:
         try:
             snapshots.append(json.loads(path.read_text()))
         except (OSError, ValueError) as e:
-            raise ReportError(f"{path}: not readable JSON ({e}); delete it or re-run the fit") from None
+            raise UserError(f"{path}: not readable JSON ({e}); delete it or re-run the fit") from None
     stats = max(snapshots, key=lambda s: s.get("step", -1)) if snapshots else {}
     return {"run": str(run), "csv": [str(p) for p in csvs], "rows": rows, "resumes": starts, "stats": stats,
             "other_runs": others}
@@ -211,7 +207,7 @@ def write_report(run: str | Path, out: str | Path | None = None) -> Path:
     try:
         figs = figures(data)
     except ModuleNotFoundError as e:
-        raise ReportError(f"stacklm report draws with matplotlib ({e}); pip install 'stacklm[report]'") from None
+        raise UserError(f"stacklm report draws with matplotlib ({e}); pip install 'stacklm[report]'") from None
     out = Path(out) if out else Path(run) / "report.html"
     files = out.parent / f"{out.stem}_files"
     files.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ import pytest
 from stacklm.config import Config
 from stacklm.configs import CONFIG_DIR, packaged_configs, resolve_config
 from stacklm.data.nodes import PipelineConfig
-from stacklm.data.registry import DataMixError, SourceConfig
+from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.errors import ConfigError
 
@@ -92,7 +92,7 @@ def test_pipeline_config_typos_at_every_depth():
         with pytest.raises(ConfigError) as err:
             PipelineConfig.from_dict({**base, **patch}, path="data.pipeline")
         assert f"{dotted!r}" in str(err.value) and f"did you mean {near!r}" in str(err.value)
-    with pytest.raises(DataMixError, match="did you mean 'stack-100m'"):
+    with pytest.raises(ConfigError, match="did you mean 'stack-100m'"):
         PipelineConfig.from_dict({"mix": "stack-10m"})
 
 
@@ -112,7 +112,7 @@ def test_one_source_schema_for_pretraining_and_sft(tmp_path):
     node = SourceConfig("w", "synthetic", 1.0, "prose", seed=1, num_docs=3).build()  # the pre-training source node
     node.reset()
     assert [d["source"] for d in node] == ["w"] * 3
-    with pytest.raises(DataMixError, match="for pre-training"):  # chat is an SFT domain
+    with pytest.raises(ConfigError, match="for pre-training"):  # chat is an SFT domain
         PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 10, "entries": [{**src, "domain": "chat"}]}})
 
 

@@ -24,9 +24,9 @@ import pytest
 
 from stacklm import atomic
 from stacklm.cli import main as stacklm_main
-from stacklm.data.storage import shards as sh
 from stacklm.data.storage import statefile
-from stacklm.prebuild import PrebuildError, prebuild
+from stacklm.prebuild import prebuild
+from stacklm.errors import PrebuildError, ShardWriteError, StateFileError
 from tests.helpers.prebuild import TOKENS_PER_SHARD, config, data_section, tree
 
 
@@ -97,7 +97,7 @@ def built(tmp_path_factory, tok_dir):
 
     atomic._write_all = fills_up
     try:
-        with pytest.raises(sh.ShardWriteError):
+        with pytest.raises(ShardWriteError):
             prebuild(config(), tok_dir, half, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     finally:
         atomic._write_all = real
@@ -219,14 +219,15 @@ def test_a_provenance_side_file_is_refused(finished, tmp_path, capsys):
 
 
 def test_a_step_log_frame_is_refused(tmp_path):
-    from stacklm.datamodule.steplog import _HEADER, MAGIC, StepLogError, read_frames
+    from stacklm.data.storage.steplog import _HEADER, MAGIC, read_frames
+    from stacklm.errors import DataError
 
     marker = tmp_path / "pwned"
     for plant, make in PLANTS.items():
         payload = make(marker)
         path = tmp_path / "rank-00000.frames"
         path.write_bytes(_HEADER.pack(MAGIC, len(payload)) + payload)
-        with pytest.raises(StepLogError) as e:
+        with pytest.raises(DataError) as e:
             list(read_frames(path))
         assert "\n" not in str(e.value) and str(path) in str(e.value), str(e.value)
         assert not marker.exists(), plant
@@ -267,9 +268,9 @@ def test_state_files_round_trip_types_and_refuse_what_is_not_data():
         statefile.dumps({"x": np.array([object()], dtype=object)})
     with pytest.raises(TypeError, match=r"state\.y: a builtins\.object cannot go into a state file"):
         statefile.dumps({"y": object()})
-    with pytest.raises(statefile.StateFileError, match=r"^f\.ckpt: not a stacklm state file \(it holds pickled data"):
+    with pytest.raises(StateFileError, match=r"^f\.ckpt: not a stacklm state file \(it holds pickled data"):
         statefile.loads(pickle.dumps(1), "f.ckpt", "delete it")
-    with pytest.raises(statefile.StateFileError, match="format"):
+    with pytest.raises(StateFileError, match="format"):
         buf = io.BytesIO()
         np.savez(buf, state=np.frombuffer(json.dumps({"format": "other"}).encode(), np.uint8))
         statefile.loads(buf.getvalue(), "f", "")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from stacklm.errors import StackLMError
-from stacklm.optional import MissingDependencyError, require
+from stacklm.optional import require
+from stacklm.errors import MissingDependencyError
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = ("wandb", "transformers", "datasets", "datatrove")

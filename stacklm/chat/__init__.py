@@ -2,7 +2,7 @@
 
 One module per job (``tokenizer/`` is below this package, ``data/`` above it)::
 
-    turns     Turn, role names and aliases, ChatFormatError and its reasons, validation
+    turns     Turn, role names and aliases, the reasons of a ChatFormatError, validation
     formats   records in the common formats (messages, ShareGPT, prompt/completion, Alpaca)
               -> ChatRecord -> turns
     policy    LossPolicy: which turns carry loss (per SFT source), the overlong rules
@@ -39,7 +39,6 @@ from stacklm.chat.turns import (
     NO_MESSAGES,
     ROLES,
     UNKNOWN_ROLE,
-    ChatFormatError,
     Turn,
     as_turns,
     validate_conversation,
@@ -59,7 +58,6 @@ __all__ = [
     "NO_MESSAGES",
     "ROLES",
     "UNKNOWN_ROLE",
-    "ChatFormatError",
     "ChatTokens",
     "LossPolicy",
     "Turn",

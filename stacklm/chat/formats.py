@@ -43,9 +43,9 @@ from stacklm.chat.turns import (
     NO_MESSAGES,
     ROLES,
     UNKNOWN_ROLE,
-    ChatFormatError,
     Turn,
 )
+from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 FORMATS = ("auto", "messages", "sharegpt", "prompt_completion", "alpaca")

@@ -42,8 +42,9 @@ import torch
 
 from stacklm.chat.policy import DEFAULT_POLICY, OVERLONG_RULES, LossPolicy
 from stacklm.chat.template import BOS, END, EOS, THINK_CLOSE, THINK_OPEN
-from stacklm.chat.turns import ASSISTANT, EMPTY_CONVERSATION, ChatFormatError, Turn, as_turns
+from stacklm.chat.turns import ASSISTANT, EMPTY_CONVERSATION, Turn, as_turns
 from stacklm.constants import IGNORE_INDEX, KEPT
+from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 # ---------------------------------------------------------------------------------------

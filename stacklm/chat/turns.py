@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stacklm.chat.template import THINK_CLOSE, THINK_OPEN
-from stacklm.errors import StackLMError
+from stacklm.constants import MALFORMED_JSON
+from stacklm.errors import ChatFormatError
 from stacklm.tokenizer.specials import ROLE_TOKENS
 
 ROLES: tuple[str, ...] = tuple(ROLE_TOKENS)
@@ -32,8 +33,8 @@ DEFAULT_ROLE_ALIASES: dict[str, str] = {
     "function_call": "tool_call",
 }
 
-# Why a conversation was rejected; these are the reasons counted by the SFT pipes.
-MALFORMED_JSON = "malformed_json"
+# Why a conversation was rejected; these are the reasons counted by the SFT pipes
+# (MALFORMED_JSON, imported above, is the pre-training sources' reason too).
 NO_MESSAGES = "no_messages_column"
 BAD_MESSAGE = "bad_message"
 UNKNOWN_ROLE = "unknown_role"
@@ -41,17 +42,6 @@ EMPTY_CONTENT = "empty_content"
 EMPTY_CONVERSATION = "empty_conversation"
 NO_ASSISTANT = "no_assistant"
 INVALID_REASONS = (MALFORMED_JSON, NO_MESSAGES, BAD_MESSAGE, UNKNOWN_ROLE, EMPTY_CONTENT, EMPTY_CONVERSATION, NO_ASSISTANT)
-
-
-class ChatFormatError(StackLMError, ValueError):
-    """A conversation that cannot be trained on. ``reason`` is one of ``INVALID_REASONS`` (the
-    counter it lands in when the pipes drop instead of raise); ``where`` locates it."""
-
-    def __init__(self, message: str, *, reason: str | None = None, where: str | None = None) -> None:
-        super().__init__(f"{where}: {message}" if where else message)
-        self.detail = message
-        self.reason = reason
-        self.where = where
 
 
 @dataclass(frozen=True, slots=True)

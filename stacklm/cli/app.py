@@ -2,7 +2,7 @@
 
 Every command reports a mistake the user can fix by raising a ``stacklm.errors.StackLMError``
 (or an ``OSError`` about a path the user gave, or a missing optional package:
-``stacklm.user_errors``); ``main`` prints it as one line,
+``stacklm.errors.is_user_error``); ``main`` prints it as one line,
 ``stacklm <command>: error: <message>``, and exits with status 2. Anything else is a bug in
 stacklm and keeps its traceback. ``--debug`` (before or after the command) shows the
 traceback of a user error too.
@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 
 from stacklm.cli.parser import build_parser
-from stacklm.user_errors import is_user_error, user_error_message
+from stacklm.errors import is_user_error, user_error_message
 
 __all__ = ["is_user_error", "main"]
 

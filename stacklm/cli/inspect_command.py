@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from stacklm.cli.arg_types import int_at_least, non_negative_int, positive_int
+from stacklm.errors import UserError
 
 EXAMPLES = """examples:
   stacklm inspect chats.jsonl --tokenizer tok/                  # render, mask and check conversations
@@ -57,13 +58,12 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from stacklm.cli.errors import CliError
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
     if args.row is not None and args.step is not None:
-        raise CliError("pass --row (a prebuilt row) or --step (a training run's step), not both")
+        raise UserError("pass --row (a prebuilt row) or --step (a training run's step), not both")
     if args.step is not None and args.split:
-        raise CliError("--split is for a prebuild directory; --step reads the train split the run trained on")
+        raise UserError("--split is for a prebuild directory; --step reads the train split the run trained on")
     if args.step is None:
         from stacklm.data.storage import remote
 
@@ -74,7 +74,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if args.step is not None:
         return _inspect_step(args)
     if not args.tokenizer:
-        raise CliError("stacklm inspect: pass --tokenizer (our artifact or a Hugging Face tokenizer dir)")
+        raise UserError("stacklm inspect: pass --tokenizer (our artifact or a Hugging Face tokenizer dir)")
     tok = load_tokenizer(args.tokenizer, prefer_hf=args.hf)
     report = inspect_input(args.input, tok, limit=args.limit, allow_template_text=args.allow_template_text,
                            seq_len=args.seq_len, overlong=args.overlong, split=args.split)

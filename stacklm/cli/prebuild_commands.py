@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.cli.arg_types import int_at_least, positive_int
-from stacklm.cli.errors import CliError
+from stacklm.errors import PrebuildError, UserError
 
 PREBUILD_EXAMPLES = """examples:
   stacklm prebuild --config demo --out shards/                  # the packaged demo config
@@ -43,7 +43,7 @@ DATATROVE_EXAMPLES = """examples:
 
 
 def cmd_prebuild(args: argparse.Namespace) -> int:
-    from stacklm.prebuild import PrebuildError, load_config, prebuild
+    from stacklm.prebuild import load_config, prebuild
 
     config, settings = load_config(args.config)
     tok_path = args.tokenizer or settings["tokenizer"]
@@ -80,15 +80,17 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from stacklm.data.storage.dataset import verify_shard_set
+    from stacklm.tokenizer.bpe import StackTokenizer
 
-    report = verify_shard_set(args.dir, tokenizer=args.tokenizer, progress=not args.no_progress)
+    tokenizer = StackTokenizer.load(args.tokenizer) if args.tokenizer else None  # the data layer takes it loaded
+    report = verify_shard_set(args.dir, tokenizer=tokenizer, progress=not args.no_progress)
     for split, r in report.items():
         print(f"{args.dir} [{split}]: OK — {r['shards']} shards, {r['rows']:,} sequences, {r['tokens']:,} tokens, max id {r['max_id']} < vocab {r['vocab_size']}")
     return 0
 
 
 def cmd_dedup_index(args: argparse.Namespace) -> int:
-    from stacklm.prebuild import PrebuildError, load_config
+    from stacklm.prebuild import load_config
     from stacklm.prebuild.build import _map_pool
     from stacklm.prebuild.dedup_pass import build_dedup_index
 
@@ -128,14 +130,14 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         d = str(remote.mirror(d, manifests_only=True))
     top = Path(d) / "manifest.json"
     if not top.exists():
-        raise CliError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
+        raise UserError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
     m = mf.read_manifest(d)
     for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
         if (Path(d) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
             mf.read_manifest(Path(d) / name, required=mf.SPLIT_REQUIRED)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
-        raise CliError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
+        raise UserError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
     decontam = m.get("decontamination") if "splits" in m else ({m["split"]: m["decontamination"]} if "decontamination" in m else {})
     decontam = decontam or {}
     failed = False
@@ -178,10 +180,10 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
             print(f"stacklm prebuild-datatrove: warning: {', '.join(set_here)} apply to --executor slurm/ray; the local executor ignores them",
                   file=sys.stderr)
     if args.wait and args.executor != "slurm":
-        raise CliError("--wait is for --executor slurm (the local and ray executors wait anyway)")
+        raise UserError("--wait is for --executor slurm (the local and ray executors wait anyway)")
     out = args.out or settings["out"]
     if not out:
-        raise CliError("pass --out DIR (or set data.data_dir in the config)")
+        raise UserError("pass --out DIR (or set data.data_dir in the config)")
     _, merge = prebuild_executors(
         config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],

@@ -1,6 +1,6 @@
 """``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer.
 
-Both read text the same way (``stacklm.tokenizer.inputs.open_text_input``): text files, JSON
+Both read text the same way (``stacklm.data.sources.text_input.open_text_input``): text files, JSON
 lines or parquet with ``--text-column``, or a ``datasets`` dataset (``--dataset``); with no
 input they use the embedded corpus. ``tok-eval``'s baselines train on the data it evaluates.
 """
@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from stacklm.cli.arg_types import int_at_least, int_pair, positive_int
-from stacklm.cli.errors import CliError
-from stacklm.errors import StackLMError
+from stacklm.errors import StackLMError, UserError
 from stacklm.tokenizer import ARTIFACT_NAME
 from stacklm.tokenizer.specials import N_BYTES, SPECIAL_TOKENS
 
@@ -25,7 +24,7 @@ MIN_VOCAB = N_BYTES + len(SPECIAL_TOKENS) + 1  # the bytes, the specials and one
 # ---------------------------------------------------------------------- reading text
 def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset: str | None = None):
     """``open_text_input`` with the command's reading options (column, raw text, dataset)."""
-    from stacklm.tokenizer.inputs import open_text_input
+    from stacklm.data.sources.text_input import open_text_input
 
     return open_text_input(
         inputs, max_bytes, text_column=args.text_column, fmt="txt" if args.raw_text else "auto",
@@ -35,10 +34,10 @@ def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset:
 
 
 def _training_texts(args: argparse.Namespace, max_bytes: int | None):
-    from stacklm.tokenizer.sample import sample_texts
+    from stacklm.data.sources.text_sample import sample_texts
 
     if args.input and args.dataset:
-        raise CliError("pass --input or --dataset, not both (train on one input; concatenate files with globs)")
+        raise UserError("pass --input or --dataset, not both (train on one input; concatenate files with globs)")
     if args.input:
         return _open(args, max_bytes, inputs=args.input)
     if args.dataset:
@@ -68,7 +67,7 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
         try:
             sample.audit.raise_if_empty()
         except ValueError as empty:
-            raise CliError(str(empty)) from e
+            raise UserError(str(empty)) from e
         raise
     audit = sample.audit
     res.tokenizer.metadata["sample_audit"] = audit.to_dict()
@@ -102,7 +101,7 @@ def _tiktoken_encoding(name: str):
         return tiktoken.get_encoding(name)
     except Exception as e:  # noqa: BLE001 -- network or cache errors of every kind
         cache = os.environ.get("TIKTOKEN_CACHE_DIR") or os.environ.get("DATA_GYM_CACHE_DIR") or "tiktoken's temp-dir cache"
-        raise CliError(
+        raise UserError(
             f"--compare {name}: tiktoken has no cached copy of its ranks ({cache}) and could not download them "
             f"({type(e).__name__}); run `python -c \"import tiktoken; tiktoken.get_encoding('{name}')\"` once with network "
             "(set TIKTOKEN_CACHE_DIR to keep it), or give a .tiktoken ranks file with --pattern"
@@ -142,12 +141,12 @@ def _load_for_eval(spec: str, pattern: str | None):
     if not p.exists() and spec in TIKTOKEN_ENCODINGS:
         return _tiktoken_encoding(spec)
     if not p.exists():
-        raise CliError(f"{spec}: no such tokenizer file or directory (or a tiktoken encoding: {', '.join(TIKTOKEN_ENCODINGS)})")
+        raise UserError(f"{spec}: no such tokenizer file or directory (or a tiktoken encoding: {', '.join(TIKTOKEN_ENCODINGS)})")
     if (p.is_dir() and (p / ARTIFACT_NAME).exists()) or p.name.endswith(".stacklm.json"):
         return StackTokenizer.load(p)
     if p.is_file() and p.suffix != ".json" and not tiktoken_sidecar_path(p).exists():
         if pattern is None:
-            raise CliError(
+            raise UserError(
                 f"{spec}: a plain tiktoken ranks file carries no pre-tokenizer pattern; pass --pattern with a name "
                 f"({', '.join(imports.TIKTOKEN_PATTERNS)}) or a regex, e.g. --pattern cl100k"
             )
@@ -164,14 +163,14 @@ def _eval_sources(args: argparse.Namespace) -> list[tuple[str, dict]]:
     for item in args.domain_file or []:
         domain, sep, glob = item.partition("=")
         if not sep or not domain or not glob:
-            raise CliError(f"--domain-file {item!r}: expected DOMAIN=GLOB, e.g. prose='data/*.txt'")
+            raise UserError(f"--domain-file {item!r}: expected DOMAIN=GLOB, e.g. prose='data/*.txt'")
         by_domain.setdefault(domain, []).append(glob)
     sources += [(domain, {"inputs": globs}) for domain, globs in by_domain.items()]
     if args.dataset:
         sources.append((args.dataset_domain or Path(args.dataset).name or "dataset", {"dataset": args.dataset}))
     names = [d for d, _ in sources]
     if len(set(names)) != len(names):
-        raise CliError(f"two inputs share the domain name {min(n for n in names if names.count(n) > 1)!r}; rename one")
+        raise UserError(f"two inputs share the domain name {min(n for n in names if names.count(n) > 1)!r}; rename one")
     return sources
 
 
@@ -180,7 +179,7 @@ def _baseline_texts(args: argparse.Namespace, sources: list[tuple[str, dict]], m
     domains (the built-in corpus when none was given). Returns ``(texts, description)``."""
     if not sources:
         from stacklm.corpus import iter_default_corpus
-        from stacklm.tokenizer.sample import sample_texts
+        from stacklm.data.sources.text_sample import sample_texts
 
         return sample_texts(iter_default_corpus(), max_bytes), "the embedded corpus"
     share = max(1, max_bytes // len(sources))
@@ -218,7 +217,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
             sample = _open(args, args.max_bytes_per_domain, **kw)
             texts[domain] = list(sample)
             if not texts[domain]:
-                raise CliError(f"domain {domain!r}: {sample.audit.summary()[0]}; no text to evaluate")
+                raise UserError(f"domain {domain!r}: {sample.audit.summary()[0]}; no text to evaluate")
     else:
         texts = evaluate.domain_texts_from_corpus(max_bytes=args.max_bytes_per_domain)
     if args.hf_baseline:

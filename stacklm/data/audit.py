@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
-from stacklm.constants import KEPT  # noqa: F401 -- one of the reasons below
+from stacklm.constants import KEPT, MALFORMED_JSON  # noqa: F401 -- reasons below, shared with chat/
 from stacklm.data.stats import StageStats
 
 _REPLACEMENT = "\ufffd"
@@ -36,8 +36,8 @@ SURROGATES = "surrogates_replaced"
 DOCS_REPAIRED = "docs_repaired"
 
 # Records that hold no document at all; a source with ``on_invalid: skip`` (the default) skips
-# each one and counts it under its reason, ``raise`` stops at the first.
-MALFORMED_JSON = "malformed_json"  # a JSON-lines row that does not parse
+# each one and counts it under its reason, ``raise`` stops at the first. MALFORMED_JSON (a
+# JSON-lines row that does not parse) is imported above: the SFT readers count it too.
 NOT_AN_OBJECT = "not_an_object"  # a JSON-lines row that parses to a list, number, string, ...
 MISSING_TEXT = "missing_text"  # a JSON object without the text column
 NULL_TEXT = "null_text"  # the text column holds null

@@ -33,16 +33,12 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
-from stacklm.errors import StackLMError
+from stacklm.errors import LedgerError
 
 STRICT_ENV = "STACKLM_LEDGER_STRICT"
 SOURCE_DROPS = (DROPPED_EMPTY, DROPPED_BINARY, *INVALID_RECORDS)
 DEDUP_DROPS = ("exact_dup", "near_dup", "cross_split_dup")
 UNITS = ("docs", "tokens")
-
-
-class LedgerError(StackLMError, RuntimeError):
-    """The ledger does not add up: a stage lost or repeated documents or tokens without counting them."""
 
 
 def _row() -> dict[str, Any]:

@@ -15,6 +15,7 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 from __future__ import annotations
 
 import hashlib
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -34,6 +35,8 @@ from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.splits import check_split
 from stacklm.data.tokenizing import TokenizeNode
 from stacklm.errors import ConfigError
+
+READ_ORDERS = ("spread", "sequential")
 
 
 @dataclass(frozen=True)
@@ -70,6 +73,9 @@ class PipelineConfig(Config):
     num_threads: int = 2
     fallback_offline: bool = False
     drop_last: bool = False
+    read_order: str = field(default="spread", metadata={"help": "'spread': local files are read in a seeded order of pieces "
+                                                        "spread over every file, so a budget below the source takes a sample of all of "
+                                                        "it; 'sequential': file by file from the start, as before"})
 
     def __post_init__(self) -> None:
         if self.seq_len < 2:
@@ -78,6 +84,8 @@ class PipelineConfig(Config):
             raise ConfigError(f"pipeline config: field 'batch_size' must be >= 1, got {self.batch_size}")
         if self.strategy not in ("greedy", "best_fit"):
             raise ConfigError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
+        if self.read_order not in READ_ORDERS:
+            raise ConfigError(f"pipeline config: field 'read_order' must be one of {READ_ORDERS}, got {self.read_order!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ConfigError(f"pipeline config: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
         # checked here, where the field is named, not first by the stage that uses it (a traceback)
@@ -133,12 +141,23 @@ def epoch_seed(seed: int, epoch: int) -> int:
     return int(hashlib.sha256(f"stacklm-epoch:{seed}:{epoch}".encode()).hexdigest()[:15], 16)
 
 
-def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec, count_tokens=None) -> dict[str, BaseNode]:
+def read_order_seed(config: PipelineConfig, name: str, epoch: int = 0) -> int | None:
+    """The seed of source ``name``'s spread read order (``read_order: spread``) in pass ``epoch``;
+    None for ``sequential``. Per source and per epoch, so every epoch of a stream run whose
+    budget binds reads another sample."""
+    if config.read_order != "spread":
+        return None
+    return epoch_seed(config.seed + 2, epoch) ^ zlib.crc32(name.encode())
+
+
+def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec, count_tokens=None, epoch: int = 0) -> dict[str, BaseNode]:
     """One source's chain up to dedup (source -> holdout -> filter -> decontaminate): the documents
     a deduper sees. The global dedup pass (``stacklm.data.dedup.global_index``) reads the same,
     so a copy of a contaminated document is never kept in its place. ``count_tokens``: how the
-    decontamination report counts the tokens it removed (the tokenizer's encode)."""
-    src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline)
+    decontamination report counts the tokens it removed (the tokenizer's encode). ``epoch``:
+    the pass, for the source's read order (``read_order_seed``)."""
+    src = open_source(entry, shard=shard, fallback_offline=config.fallback_offline,
+                      order_seed=read_order_seed(config, entry.name, epoch))
     node: BaseNode = src
     chain: dict[str, BaseNode] = {"source": src}
     if config.holdout_fraction > 0 or split == "val":
@@ -182,7 +201,7 @@ def build_pipeline(
     chains: dict[str, dict[str, BaseNode]] = {}
     tokenized: dict[str, BaseNode] = {}
     for entry in config.mix.entries:
-        chain = document_chain(config, entry, split, shard, count_tokens=lambda text: len(tokenizer.encode(text)))
+        chain = document_chain(config, entry, split, shard, count_tokens=lambda text: len(tokenizer.encode(text)), epoch=epoch)
         src, node = chain["source"], last_document_node(chain)
         if config.dedup.exact or config.dedup.near or dedup_index is not None:
             exact = ExactDeduper(config.dedup.exact_max_docs) if config.dedup.exact else None

@@ -34,10 +34,6 @@ WEIGHT_SUM_TOLERANCE = 1e-6
 DEFAULT_TEXT_COLUMN = "text"  # a pre-training source's text column when none is given
 
 
-class DataMixError(ConfigError):
-    """A data-mix config problem; the message names the entry and the field."""
-
-
 @dataclass(frozen=True)
 class SourceConfig(Config):
     """One source, for pre-training and SFT alike.
@@ -64,7 +60,6 @@ class SourceConfig(Config):
     ``overlong`` (``None``: the SFT config's rule).
     """
 
-    config_error: ClassVar[type[ConfigError]] = DataMixError
     # the SFT schema's names before the one source schema (closer in spelling to 'filters')
     renamed_fields: ClassVar[dict[str, str]] = {"files": "data_files", "column": "text_column"}
 
@@ -115,8 +110,8 @@ class SourceConfig(Config):
         object.__setattr__(self, "roles_to_train", (roles,) if isinstance(roles, str) else tuple(roles))
         self.validate()
 
-    def _fail(self, field_name: str, problem: str) -> DataMixError:
-        return DataMixError(f"source {self.name!r}: field {field_name!r} {problem}")
+    def _fail(self, field_name: str, problem: str) -> ConfigError:
+        return ConfigError(f"source {self.name!r}: field {field_name!r} {problem}")
 
     @property
     def paths(self) -> list[str]:
@@ -126,7 +121,7 @@ class SourceConfig(Config):
 
     def validate(self) -> None:
         if not isinstance(self.name, str) or not self.name or "/" in self.name:
-            raise DataMixError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
+            raise ConfigError(f"source {self.name!r}: field 'name' must be a non-empty string without '/'")
         if self.kind not in KINDS:
             raise self._fail("kind", f"must be one of {KINDS}, got {self.kind!r}")
         if self.domain is not None and (not isinstance(self.domain, str) or not self.domain):
@@ -169,7 +164,7 @@ class SourceConfig(Config):
         try:
             self.loss_policy()
         except ValueError as e:
-            raise DataMixError(f"source {self.name!r}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
+            raise ConfigError(f"source {self.name!r}: {e} (fields 'loss', 'roles_to_train', 'train_stop_token', 'reasoning_loss')") from None
 
     def invalid_policy(self, default: str = "skip") -> str:
         """``skip`` or ``raise`` for rows that hold no document (``default`` when unset; ``drop``
@@ -182,7 +177,7 @@ class SourceConfig(Config):
         try:
             return rules_for(self.domain, self.filters)
         except ValueError as e:
-            raise DataMixError(f"source {self.name!r}: {e}") from None
+            raise ConfigError(f"source {self.name!r}: {e}") from None
 
     def loss_policy(self):
         """The ``stacklm.chat.policy.LossPolicy`` of an SFT source's fields."""
@@ -216,8 +211,6 @@ class DataMix(Config):
     so the config and its hash say which column was read).
     """
 
-    config_error: ClassVar[type[ConfigError]] = DataMixError
-
     name: str
     total_tokens: int
     entries: tuple[SourceConfig, ...] = field(default_factory=tuple)
@@ -232,7 +225,7 @@ class DataMix(Config):
     def _from_value(cls, value: Any, path: str) -> DataMix:
         if isinstance(value, str):
             if value not in MIXES:
-                raise DataMixError(
+                raise ConfigError(
                     f"field {path or 'mix'!r}: unknown data mix {value!r}{did_you_mean(value, sorted(MIXES))} "
                     f"(registered: {sorted(MIXES)}; or give a mapping with name, total_tokens, entries)"
                 )
@@ -251,15 +244,15 @@ class DataMix(Config):
 
     def validate(self) -> None:
         if isinstance(self.total_tokens, bool) or not isinstance(self.total_tokens, int) or self.total_tokens <= 0:
-            raise DataMixError(f"data mix {self.name!r}: field 'total_tokens' must be an int > 0, got {self.total_tokens!r}")
+            raise ConfigError(f"data mix {self.name!r}: field 'total_tokens' must be an int > 0, got {self.total_tokens!r}")
         if not self.entries:
-            raise DataMixError(f"data mix {self.name!r}: field 'entries' is empty; list at least one source")
+            raise ConfigError(f"data mix {self.name!r}: field 'entries' is empty; list at least one source")
         seen: set[str] = set()
         for entry in self.entries:
             if not isinstance(entry, SourceConfig):
-                raise DataMixError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
+                raise ConfigError(f"data mix {self.name!r}: entries must be SourceConfig, got {type(entry).__name__}")
             if entry.name in seen:
-                raise DataMixError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
+                raise ConfigError(f"data mix {self.name!r}: entry name {entry.name!r} appears twice; names must be unique")
             if entry.domain is None:
                 raise entry._fail("domain", f"is required for pre-training: a label such as {DOMAINS} (it picks the quality filter) "
                                             "or your own with filters: prose|code|math|none")
@@ -268,7 +261,7 @@ class DataMix(Config):
         total = math.fsum(e.weight for e in self.entries)
         if abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
             listed = ", ".join(f"{e.name}={e.weight}" for e in self.entries)
-            raise DataMixError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
+            raise ConfigError(f"data mix {self.name!r}: field 'weight' of the entries must sum to 1, got {total!r} ({listed})")
         if self.schedule is not None:
             self.schedule.check_sources([e.name for e in self.entries])
 
@@ -328,7 +321,7 @@ class DataMix(Config):
         """A copy with hub revisions pinned (e.g. commit shas recorded by a previous run)."""
         unknown = sorted(set(revisions) - {e.name for e in self.entries})
         if unknown:
-            raise DataMixError(f"data mix {self.name!r}: cannot pin unknown entries {unknown}")
+            raise ConfigError(f"data mix {self.name!r}: cannot pin unknown entries {unknown}")
         entries = tuple(
             dataclasses.replace(e, revision=revisions[e.name]) if e.name in revisions else e for e in self.entries
         )

@@ -91,21 +91,50 @@ class TokenizeNode(BaseNode):
             self._batch, ahead = self._batch[: len(self._batch) - n_ahead], self._batch[len(self._batch) - n_ahead :]
             self._ahead = Future()
             self._ahead.set_result(ahead)
+            self._ahead.n_docs = len(ahead)
 
-    def _read(self) -> Future | None:
-        docs = list(islice(self.source, self.batch_docs))
+    # Set by the consumer (``MixNode``): tokens it still wants from this source, or None for
+    # "as many as come". Why: with a budget far below the source, reading ``batch_docs``
+    # documents (and as many ahead) tokenized up to 20x what the mix kept.
+    demand = None
+    FIRST_BATCH = 8  # documents in the first batch, before their mean length is known
+
+    def _want(self, pending_docs: int) -> int:
+        """Documents to read next: ``batch_docs``, or, when the consumer's demand is known,
+        about what it still needs beyond the ``pending_docs`` already read (a quarter more, at
+        this source's mean document length so far), at most ``batch_docs``; 0 when the pending
+        documents already cover it. Decided from counted state only (the demand, the emitted
+        documents' mean length), so a resumed run reads exactly when the uninterrupted one did."""
+        if self.demand is None:
+            return self.batch_docs
+        emitted = self.stats.total("docs")
+        if not emitted:
+            return 0 if pending_docs else min(self.batch_docs, self.FIRST_BATCH)
+        mean = max(1.0, self.stats.total("tokens") / emitted)
+        need = int(self.demand()) - pending_docs * mean
+        if need <= 0:
+            return 0
+        return max(1, min(self.batch_docs, int(need * 1.25 / mean) + 1))
+
+    def _read(self, n: int | None = None) -> Future | None:
+        docs = list(islice(self.source, self.batch_docs if n is None else n))
         if not docs:
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(2, thread_name_prefix="stacklm-tokenize")
-        return self._executor.submit(tokenize_docs, self.tokenizer, docs, self.num_threads)
+        fut = self._executor.submit(tokenize_docs, self.tokenizer, docs, self.num_threads)
+        fut.n_docs = len(docs)
+        return fut
 
     def next(self) -> dict[str, Any]:
         if self._pos >= len(self._batch):
-            current = self._ahead if self._ahead is not None else self._read()
+            current = self._ahead if self._ahead is not None else self._read(max(1, self._want(0)))
             if current is None:
                 raise StopIteration
-            self._ahead = self._read()  # upstream work for the next batch overlaps this encode
+            # upstream work for the next batch overlaps this encode; not when the consumer's
+            # demand is already covered (read later, should it still want more)
+            ahead = self._want(current.n_docs)
+            self._ahead = self._read(ahead) if ahead else None
             self._batch, self._pos = current.result(), 0
         doc = self._batch[self._pos]
         self._pos += 1

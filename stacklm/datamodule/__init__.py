@@ -1,12 +1,14 @@
 """The Lightning side of stacklm: ``StackDataModule`` and its loaders.
 
-- ``module``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft`` / ``preference``);
-- ``modes``: one class per mode, chosen once by the module, with what differs between them;
+- ``stack_datamodule``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft`` / ``preference``);
+- ``modes``: one class per mode, chosen once by the module and called with explicit arguments,
+  with what differs between them;
+- ``resume/``: every resume rule: the checkpoint state's shape per mode and its checks, what the
+  data is (content hashes), shards mode's position and elastic sampler, stream mode's logical
+  streams and their replay (its ``__init__`` is the guide);
 - ``loader``: ``StackDataLoader`` (per-rank, weights_only-safe checkpoint state);
 - ``shards_loader``: ``ShardsLoader`` over a prebuilt directory (elastic O(1) resume);
 - ``stream``: ``StreamDataset`` and the per-worker graph builders for stream and sft modes.
-- ``logical``: stream mode's logical streams, dealt to (rank x worker) at run time (elastic resume);
-- ``identity``: what the data is (content hashes, not paths), checked when a checkpoint resumes;
 - ``workers``: how stream/sft loader workers start (a forkserver that preloads only the data side);
 - ``delivery``: per-source counts of what the batches delivered to the training step;
 - ``gate``: the data gate, ``stacklm inspect``'s checks on the loader's output before the first step.
@@ -22,24 +24,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from stacklm.datamodule.errors import DataConfigError as DataConfigError  # eager: errors are light
+from stacklm.errors import DataConfigError as DataConfigError  # eager: errors are light
 
 _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
     "pick_rank_state": "loader", "to_checkpoint_safe": "loader",
     "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "PreferenceMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
-    "DEFAULT_SNAPSHOT_STEPS": "module", "PipelineSpec": "module", "StackDataModule": "module", "check_pipeline": "module",
+    "DEFAULT_SNAPSHOT_STEPS": "stack_datamodule", "PipelineSpec": "stack_datamodule", "StackDataModule": "stack_datamodule",
+    "check_pipeline": "stack_datamodule",
     "ShardsLoader": "shards_loader",
-    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream",
+    "SUMMARY_EVERY_N_BATCHES": "stream", "SUMMARY_KEY": "stream", "PipelineBuilder": "stream", "SFTBuilder": "stream", "PreferenceBuilder": "stream",
     "StreamDataset": "stream", "merge_worker_summaries": "stream",
-    "LogicalStreamDataset": "logical",
+    "LogicalStreamDataset": "resume.logical",
     "DataGateError": "gate",
 }
 
 __all__ = sorted([*_WHERE, "DataConfigError"])
 
 if TYPE_CHECKING:  # pragma: no cover
-    from stacklm.datamodule.module import StackDataModule  # noqa: F401
+    from stacklm.datamodule.stack_datamodule import StackDataModule  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

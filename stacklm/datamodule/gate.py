@@ -19,6 +19,9 @@ rank, at the same point), so every rank raises the same ``DataGateError`` or non
 Error findings stop the fit; warnings (a policy that asked for it, e.g. ``train_stop_token:
 false``; mostly-padding batches) are printed once and training goes on. Opt out with
 ``StackDataModule(gate=False)`` (``data.gate: false`` in YAML, ``--data.gate false``).
+
+The functions take the ``StackDataModule`` as ``dm`` and read its public facts only; this module
+does not import it (the datamodule imports the gate), so the two form no circle.
 """
 
 from __future__ import annotations
@@ -30,10 +33,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import DataGateError
+
 
 if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
     from stacklm.inspector import Finding, InspectTokenizer
 
 GATE_BATCHES = 4  # batches per rank; the checks cost ~0.17 s per 16k tokens (Python per token, CPU)
@@ -60,15 +63,6 @@ FIXES: dict[str, str] = {
 OPT_OUT = "or, to train anyway, turn the gate off: data.gate: false (StackDataModule(gate=False), --data.gate false)"
 
 
-class DataGateError(DataConfigError):
-    """The data gate found an error in the loader's output before the first step; the message
-    names each check, where it was seen and how to fix it. ``findings``: their dicts."""
-
-    def __init__(self, message: str = "", findings: list[dict[str, str]] | None = None) -> None:
-        super().__init__(message)
-        self.findings = list(findings or [])
-
-
 class GateRules:
     """What the checks allow under the run's loss policies (``stacklm.chat.policy``): the labels
     that may carry loss (``roles_to_train`` widens them), and whether an untrained stop token is
@@ -81,7 +75,7 @@ class GateRules:
         self.no_stop_sources = sorted(no_stop_sources)
 
     @classmethod
-    def of(cls, dm: StackDataModule) -> GateRules:
+    def of(cls, dm: Any) -> GateRules:
         if dm.mode not in ("sft", "preference"):
             return cls()
         sources = dm.sft_config().sources
@@ -194,20 +188,21 @@ def judge(findings: list[Finding], what: str) -> list[dict[str, str]]:
     return every
 
 
-def inspect_tokenizer(dm: StackDataModule) -> InspectTokenizer:
+def inspect_tokenizer(dm: Any) -> InspectTokenizer:
     from stacklm.inspector import InspectTokenizer
 
     return InspectTokenizer(dm.tokenizer, str(dm.tokenizer_path))
 
 
-def sample_sft(dm: StackDataModule, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[str, Any]]]:
+def sample_sft(dm: Any, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[str, Any]]]:
     """The first ``n_batches`` train batches of this rank's readers (worker 0 first), from
     fresh graphs of the mode's own builder: what the loader workers will yield, not taken from
     them."""
     from stacklm.data.sources import ShardSpec
+    from stacklm.datamodule.modes import MODE_CLASSES
 
     cfg = dm.sft_config()
-    build = dm._mode.builder(cfg.to_dict(), dm.tokenizer_path, "train")
+    build = MODE_CLASSES[dm.mode].builder(cfg.to_dict(), dm.tokenizer_path, "train")
     workers = max(1, dm.num_workers)
     out: list[tuple[str, dict[str, Any]]] = []
     for w in range(workers):
@@ -224,7 +219,7 @@ class InFlightGate:
     hands out, as it is taken (called by ``ShardsLoader`` / ``StackDataLoader`` on every rank
     in step; ``judge`` gathers, so a finding on one rank stops all). ``checked`` counts them."""
 
-    def __init__(self, dm: StackDataModule, n_batches: int = GATE_BATCHES) -> None:
+    def __init__(self, dm: Any, n_batches: int = GATE_BATCHES) -> None:
         self.mode, self.rank = dm.mode, dm.rank
         self.tok, self.rules, self.n_batches = inspect_tokenizer(dm), GateRules.of(dm), n_batches
         self.checked = 0

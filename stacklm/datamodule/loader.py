@@ -13,10 +13,10 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.errors import BatchVocabError, DataConfigError
-from stacklm.datamodule.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
+from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
+from stacklm.errors import DataError, ResumeRefused
 from stacklm.once import first_time
 
 _ND = "__ndarray__"
@@ -71,7 +71,7 @@ def gather_from_ranks(state: Any) -> list[Any]:
 def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
     rank, world = rank_world()
     if len(per_rank) != world:
-        raise DataConfigError(
+        raise ResumeRefused(
             f"refusing to resume: the checkpoint's {mode}-mode loader state is from {len(per_rank)} rank(s) but this run "
             f"has {world}. A stream's position is per rank; resume with the same number of devices (shards mode "
             "resumes on any world size)."
@@ -110,7 +110,7 @@ class StackDataLoader(StatefulDataLoader):
         self._restart_pending = False
         self.restarts = 0  # worker restarts for online re-weighting (restart_from_state)
         # rows taken from each logical stream since this iteration started (elastic stream mode,
-        # ``stacklm.datamodule.logical``); the datamodule's checkpoint state sums them over the ranks
+        # ``stacklm.datamodule.resume.logical``); the datamodule's checkpoint state sums them over the ranks
         self.consumed: dict[int, int] = {}
         self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
         self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)
@@ -281,7 +281,7 @@ def check_vocab(input_ids: torch.Tensor, vocab_size: int | None, where: str) -> 
         return
     top = int(input_ids.max())
     if top >= vocab_size or int(input_ids.min()) < 0:
-        raise BatchVocabError(
+        raise DataError(
             f"{where}: a batch holds token id {top if top >= vocab_size else int(input_ids.min())} outside the vocabulary "
             f"[0, {vocab_size}); the data was built with another tokenizer. Use the tokenizer the data was made with, "
             "or rebuild the data (`stacklm verify` checks a shard directory in full)"

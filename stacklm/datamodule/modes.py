@@ -2,9 +2,11 @@
 
 ``StackDataModule`` picks its mode's class once, from the ``mode`` argument, and delegates to
 it everything that differs: which arguments the mode needs, its train and val loaders, the
-data numbers of a train loader for logging, and the hash of the data config a resume must
-match. What the modes share (the module's arguments, tokenizer, rank and world size, snapshot
-interval, config parsing) stays on the module, which each mode reads as ``self.dm``.
+data numbers of a train loader for logging, the hash of the data config a resume must match,
+and its part of the checkpoint state (``state`` / ``restore``, in the shape ``resume.state``
+gives it). A mode is built from the module's arguments (``ModeArgs``) and is handed, at each
+call, the facts of the fit it serves (``Run``) and the loader it made before; it returns what it
+produces and never sees the module. The resume rules it applies are in ``resume/``.
 """
 
 from __future__ import annotations
@@ -13,39 +15,142 @@ import functools
 import hashlib
 import os
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stacklm.data.sft.preference_pipeline import PreferenceBuilder
+from stacklm.config import PIPELINE_PATH
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.loader import StackDataLoader
-from stacklm.datamodule.logical import LogicalStreamDataset, resume_segment
-from stacklm.datamodule.shards_loader import ShardsLoader, start_position
-from stacklm.datamodule.stream import PipelineBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
+from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
+from stacklm.datamodule.resume.sampler import ElasticSampler
+from stacklm.datamodule.resume.shards import next_position, resolve_skips, skipped_rows
+from stacklm.datamodule.shards_loader import ShardsLoader
+from stacklm.datamodule.stream import PipelineBuilder, PreferenceBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
+from stacklm.errors import DataConfigError, ResumeRefused
 
-if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
+
+@dataclass(frozen=True)
+class ModeArgs:
+    """The module's arguments a mode reads (``StackDataModule``'s docstring says what each is)."""
+
+    tokenizer_path: str
+    data_dir: str | None = None
+    data_url: str | None = None  # a remote data_dir's URL, for messages (``data_dir`` is its local mirror)
+    pipeline: dict[str, Any] | None = None
+    seq_len: int = 2048
+    batch_size: int = 8
+    num_workers: int = 0
+    seed: int = 0
+    val_batches: int | None = None
+    train_batches: int | None = None
+    logical_streams: int | None = None
+    skip_steps: tuple[tuple[int, int], ...] = ()
+    verify_shards: bool = True
+
+
+def _no_trainer() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Run:
+    """The fit a mode serves, as the module reads it off the trainer at each call (the defaults:
+    no trainer)."""
+
+    tokenizer: Any  # the loaded ``StackTokenizer``
+    rank: int = 0
+    world_size: int = 1
+    # reads the epoch Lightning is about to run (restored on resume), at each pass; None without a trainer
+    current_epoch: Callable[[], int | None] = _no_trainer
+    step: int = 0  # ``trainer.global_step``
+    accumulate: int = 1  # ``trainer.accumulate_grad_batches``
+    snapshot_interval: int = 1000  # steps between loader worker snapshots (``StackDataModule.snapshot_interval``)
+    mix_changes: tuple[dict[str, Any], ...] = ()  # stream mode's re-weightings, per-rank batch indices resolved
+
+    def shape(self, args: ModeArgs) -> dict[str, int]:
+        """How this run reads the data: world size, loader workers, batch size."""
+        return {"world_size": self.world_size, "num_workers": args.num_workers, "batch_size": args.batch_size}
+
+
+def pipeline_config(args: ModeArgs):
+    """The stream pipeline config (``PipelineConfig``) of ``args.pipeline``; its ``seq_len`` and
+    ``batch_size`` default to the module's and must agree with them."""
+    from stacklm.data.nodes import PipelineConfig
+
+    d = dict(args.pipeline or {})
+    d.setdefault("seq_len", args.seq_len)
+    d.setdefault("batch_size", args.batch_size)
+    d.setdefault("seed", args.seed)
+    cfg = PipelineConfig.from_dict(d, path=PIPELINE_PATH)
+    if cfg.seq_len != args.seq_len or cfg.batch_size != args.batch_size:
+        raise DataConfigError(
+            f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
+            f"({args.seq_len}/{args.batch_size}); set them in one place"
+        )
+    return cfg
+
+
+def sft_config(args: ModeArgs):
+    """The SFT config (``SFTConfig``) of ``args.pipeline``, with the module's defaults."""
+    from stacklm.data.sft import SFTConfig
+
+    d = dict(args.pipeline or {})
+    d.setdefault("seq_len", args.seq_len)
+    d.setdefault("batch_size", args.batch_size)
+    d.setdefault("seed", args.seed)
+    return SFTConfig.from_dict(d, path=PIPELINE_PATH)
+
+
+def shards_dataset(args: ModeArgs, split: str, tokenizer):
+    """The prebuilt ``split`` of ``args.data_dir`` (``PackedMemmapDataset``), checked against the
+    module's ``seq_len``."""
+    from stacklm.data.storage.dataset import PackedMemmapDataset
+
+    ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.verify_shards)
+    if ds.seq_len != args.seq_len:
+        raise DataConfigError(
+            f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {args.seq_len}; "
+            "use the same seq_len or rebuild the shards"
+        )
+    return ds
 
 
 class DataMode:
-    """One mode of ``StackDataModule``; ``dm`` is the module it serves."""
+    """One mode of ``StackDataModule``, built from its arguments (``args``)."""
 
     name: str
 
-    def __init__(self, dm: StackDataModule) -> None:
-        self.dm = dm
+    def __init__(self, args: ModeArgs) -> None:
+        self.args = args
 
     @classmethod
     def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
         """Raise ``DataConfigError`` when an argument the mode needs is missing."""
 
-    def train_loader(self):
+    def train_loader(self, run: Run, last: Any = None):
+        """A new train loader; ``last`` is the one this mode made before in this fit (rebuilt per
+        epoch), ``None`` at the first."""
         raise NotImplementedError
 
-    def val_loader(self):
+    def val_loader(self, run: Run):
         raise NotImplementedError
+
+    def epoch_lengths(self, loader: Any) -> tuple[int, int] | None:
+        """``(steps of the epoch the train loader starts, steps of a whole epoch)`` when a resume
+        can make them differ (``resume.state.EpochReload``), else ``None``."""
+        return None
+
+    def state(self, loader: Any, run: Run) -> dict[str, Any]:
+        """This mode's keys of the checkpoint state (``resume.state.SHAPES``) at ``loader``, the
+        current train loader (``None`` before the first)."""
+        return {}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take a checkpoint's state (checked and in this mode's shape, ``resume.state.check_state``)
+        for the next train loader."""
 
     def loader_stats(self, loader) -> dict[str, Any]:
         """What ``loader`` (this mode's train loader) delivered so far, in the ``data_stats``
@@ -74,112 +179,77 @@ class ShardsMode(DataMode):
         if data_dir is None:
             raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
 
-    def __init__(self, dm: StackDataModule) -> None:
-        super().__init__(dm)
+    def __init__(self, args: ModeArgs) -> None:
+        super().__init__(args)
         self.restored: dict[str, int] | None = None  # the checkpoint's position, until the first loader takes it
         # ``skip_steps`` resolved to stream positions: [{"steps": [a, b], "positions": [lo, hi], "step_rows": n}]
         # (global position = epoch x rows + position in the epoch's permutation), in the checkpoint
         self.skips: list[dict[str, Any]] = []
         self.restored_step_rows: int | None = None  # rows per optimizer step of the run that wrote the checkpoint
-        self._forced_reload = False
         self._delivered = None  # DeliveryCounter of the train rows taken, across epochs and loader rebuilds
 
-    def train_loader(self) -> ShardsLoader:
-        """Starts where the last train loader stopped, else at the checkpoint's position.
+    def dataset(self, split: str, tokenizer):
+        return shards_dataset(self.args, split, tokenizer)
 
-        Lightning counts an epoch's steps from ``len(loader)`` once, when it builds the loader;
-        a resume on another shape gives the resumed epoch another length than a whole epoch,
-        so the trainer is told to rebuild the loader at the next epoch
-        (``reload_dataloaders_every_n_epochs=1``, set back once the lengths agree again)."""
-        dm = self.dm
-        last = dm._train_loader
+    def train_loader(self, run: Run, last: Any = None) -> ShardsLoader:
+        """Starts where ``last`` stopped (``resume.shards.next_position``), else at the
+        checkpoint's position."""
         position = self.restored
         if isinstance(last, ShardsLoader):
-            position = last.position()
-            if last.batches_yielded:  # rebuilt at the start of the next epoch: Lightning counts from 0
-                position = start_position(position["epoch"] + 1) if position["rows_served"] >= last.num_rows else {**position, "steps": 0}
-            # else rebuilt before serving anything (Lightning moved on to the next epoch while
-            # restoring a checkpoint saved at an epoch's last step): the same position
+            position = next_position(last.position(), last.batches_yielded, last.num_rows)
         self.restored = None
-        self.resolve_skips(position)
-        loader = self._loader("train", position)
-        trainer = getattr(dm, "trainer", None)
-        if trainer is not None:
-            if len(loader) != loader.full_epoch_steps() and not trainer.reload_dataloaders_every_n_epochs:
-                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 1, True
-            elif self._forced_reload and len(loader) == loader.full_epoch_steps():
-                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 0, False
-        return loader
+        ds = self.dataset("train", run.tokenizer)
+        self.skips = resolve_skips(self.skips, list(self.args.skip_steps), position, now=run.step,
+                                   step_rows=self.restored_step_rows or run.world_size * self.args.batch_size * run.accumulate,
+                                   num_rows=len(ds))
+        return self._loader(ds, "train", position, run)
 
-    def val_loader(self) -> ShardsLoader:
-        return self._loader("val", None)
+    def val_loader(self, run: Run) -> ShardsLoader:
+        return self._loader(self.dataset("val", run.tokenizer), "val", None, run)
 
-    def resolve_skips(self, position: dict[str, int] | None) -> None:
-        """Turn each ``skip_steps`` range not yet resolved into the stream positions its steps
-        consume, walking from ``position`` (at the trainer's step now) as the loader serves:
-        at the rows per step of the run that wrote the checkpoint (those steps' own data), else
-        of this run. Shape-free from then on, kept in the checkpoint, so a resume on any shape
-        passes over exactly those rows."""
-        from stacklm.datamodule.shards_loader import walk_steps
+    def epoch_lengths(self, loader: ShardsLoader) -> tuple[int, int]:
+        return len(loader), loader.full_epoch_steps()
 
-        dm = self.dm
-        done = {tuple(r["steps"]) for r in self.skips}
-        todo = sorted(tuple(r) for r in dm.skip_steps if tuple(r) not in done)
-        if not todo:
-            return
-        trainer = getattr(dm, "trainer", None)
-        now = int(trainer.global_step) if trainer is not None else 0
-        accumulate = int(trainer.accumulate_grad_batches) if trainer is not None else 1
-        step_rows = self.restored_step_rows or dm.world_size * dm.batch_size * accumulate
-        n_rows = len(dm.shards_dataset("train"))
-        pos = position or {"epoch": 0, "rows_served": 0}
-        start = int(pos["epoch"]) * n_rows + int(pos["rows_served"])
-        for a, b in todo:
-            if a < now:
-                raise DataConfigError(
-                    f"StackDataModule: skip_steps ({a}, {b}) starts before this run's step {now} (the checkpoint's): the "
-                    f"steps from {a} on are already trained; resume from a checkpoint at or before step {a}"
-                )
-            gaps = [tuple(r["positions"]) for r in self.skips]
-            steps = list(walk_steps(start, b + 1 - now, step_rows, n_rows, gaps))
-            lo, hi = int(steps[a - now][0][0]), int(steps[-1][1])
-            self.skips.append({"steps": [a, b], "positions": [lo, hi], "step_rows": int(step_rows)})
-        self.skips.sort(key=lambda r: r["positions"][0])
-
-    def skipped_steps(self):
+    def skipped_steps(self, run: Run):
         """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
         for the step log."""
-        from stacklm.data.storage.dataset import ElasticSampler
-        from stacklm.datamodule.shards_loader import walk_steps
+        return skipped_rows(self.skips, len(self.dataset("train", run.tokenizer)), self.args.seed)
 
-        dm = self.dm
-        n_rows = len(dm.shards_dataset("train"))
-        order = ElasticSampler(n_rows, 1, seed=dm.seed, rank=0, world_size=1, shuffle=True, loop=False)
-        for r in self.skips:
-            a, b = r["steps"]
-            others = [tuple(o["positions"]) for o in self.skips if o is not r]
-            for k, (positions, _) in enumerate(walk_steps(r["positions"][0], b - a + 1, r["step_rows"], n_rows, others)):
-                epoch = int(positions[0]) // n_rows if len(positions) else 0
-                yield a + k, epoch, order.permutation(epoch)[positions - epoch * n_rows]
-
-    def position(self) -> dict[str, int] | None:
-        loader = self.dm._train_loader
+    def position(self, loader: Any) -> dict[str, int] | None:
+        """The shape-free position at ``loader`` (the current train loader), else the restored one."""
         return loader.position() if isinstance(loader, ShardsLoader) else self.restored
 
-    def _loader(self, split: str, position: dict[str, int] | None) -> ShardsLoader:
-        from stacklm.data.storage.dataset import ElasticSampler
+    def state(self, loader: Any, run: Run) -> dict[str, Any]:
+        """The position, the resolved skips, the rows per step that wrote them (with ``shape``)
+        and every rank's delivered counts."""
+        return {
+            "position": self.position(loader),
+            "skips": [{k: list(v) if isinstance(v, list) else v for k, v in r.items()} for r in self.skips],
+            "accumulate_grad_batches": int(run.accumulate),
+            "delivered": self.delivered_state(),
+        }
 
-        dm = self.dm
-        ds = dm.shards_dataset(split)
+    def restore(self, saved: dict[str, Any]) -> None:
+        self.restored = saved["position"]
+        self.skips = [dict(r) for r in saved["skips"]]
+        old = saved["shape"] or {}
+        if old.get("world_size") and old.get("batch_size"):
+            self.restored_step_rows = int(old["world_size"]) * int(old["batch_size"]) * int(saved["accumulate_grad_batches"])
+        if saved["delivered"]:
+            self.restore_delivered(saved["delivered"])
+
+    def _loader(self, ds, split: str, position: dict[str, int] | None, run: Run) -> ShardsLoader:
+        args = self.args
         train = split == "train"
-        if not train and len(ds) < dm.world_size * dm.batch_size:
+        if not train and len(ds) < run.world_size * args.batch_size:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
-                f"{dm.world_size} rank(s) x {dm.batch_size}; lower batch_size or build more data"
+                f"{run.world_size} rank(s) x {args.batch_size}; lower batch_size or build more data"
             )
-        order = ElasticSampler(ds, dm.batch_size, seed=dm.seed, rank=dm.rank, world_size=dm.world_size, shuffle=train, loop=False)
+        order = ElasticSampler(ds, args.batch_size, seed=args.seed, rank=run.rank, world_size=run.world_size, shuffle=train,
+                               loop=False)
         return ShardsLoader(
-            ds, order, batch_size=dm.batch_size, rank=dm.rank, world_size=dm.world_size, num_workers=dm.num_workers,
+            ds, order, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size, num_workers=args.num_workers,
             tail="pad" if train else "drop", position=position,
             skips=[tuple(r["positions"]) for r in self.skips] if train else None,
             delivered=self.delivered if train else None, row_counts=self._row_counts if train else None,
@@ -214,7 +284,7 @@ class ShardsMode(DataMode):
     def _row_counts(self):
         from stacklm.data.storage.provenance import row_source_counts
 
-        split = Path(self.dm.data_dir) / self._manifest["splits"]["train"]["path"]
+        split = Path(self.args.data_dir) / self._manifest["splits"]["train"]["path"]
         return row_source_counts(split, [s["name"] for s in self._manifest["sources"]])
 
     def delivered_state(self) -> list[dict[str, Any]]:
@@ -253,7 +323,7 @@ class ShardsMode(DataMode):
         if not getattr(self, "_warned_estimate", False):
             self._warned_estimate = True
             warnings.warn(
-                f"stacklm: {self.dm.data_dir} has no provenance side files (built with --no-provenance or an older "
+                f"stacklm: {self.args.data_dir} has no provenance side files (built with --no-provenance or an older "
                 "stacklm): per-source delivered counts are ESTIMATED from the manifest's mix scaled by the rows served; "
                 "rebuild with `stacklm prebuild` for exact counts", RuntimeWarning, stacklevel=2,
             )
@@ -269,14 +339,14 @@ class ShardsMode(DataMode):
     def _manifest(self) -> dict[str, Any]:
         from stacklm.data.storage.manifest import read_manifest
 
-        return read_manifest(self.dm.data_dir)  # checked: its split paths are joined to data_dir
+        return read_manifest(self.args.data_dir)  # checked: its split paths are joined to data_dir
 
     def data_config_hash(self) -> str:
         """Content, not place: a moved or copied shard directory has the same hash."""
-        from stacklm.datamodule.identity import shards_content_hash
+        from stacklm.datamodule.resume.identity import shards_content_hash
 
-        dm = self.dm
-        return hashlib.sha256(f"shards:{shards_content_hash(dm.data_dir)}:{dm.seq_len}:{dm.seed}".encode()).hexdigest()
+        args = self.args
+        return hashlib.sha256(f"shards:{shards_content_hash(args.data_dir)}:{args.seq_len}:{args.seed}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):
@@ -288,18 +358,19 @@ class _WorkerStreamMode(DataMode):
         if pipeline is None:
             raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
 
-    def train_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("train"), epoch_source=self._trainer_epoch)
+    def train_loader(self, run: Run, last: Any = None) -> StackDataLoader:
+        # read at each pass: each epoch is its own pass
+        return self._loader(self._dataset("train", run), run, epoch_source=run.current_epoch)
 
-    def val_loader(self) -> StackDataLoader:
-        return self._loader(self._dataset("val"))  # the same validation order every epoch
+    def val_loader(self, run: Run) -> StackDataLoader:
+        return self._loader(self._dataset("val", run), run)  # the same validation order every epoch
 
-    def _dataset(self, split: str) -> StreamDataset:
+    def _dataset(self, split: str, run: Run) -> StreamDataset:
         """This rank's stream of ``split`` batches."""
         raise NotImplementedError
 
-    def _loader(self, dataset: StreamDataset, epoch_source=None) -> StackDataLoader:
-        workers = self.dm.num_workers
+    def _loader(self, dataset: StreamDataset, run: Run, epoch_source: Callable[[], int | None] | None = None) -> StackDataLoader:
+        workers = self.args.num_workers
         context = worker_context(needs_datasets=self._needs_datasets()) if workers > 0 else None
         return StackDataLoader(
             dataset,
@@ -308,15 +379,10 @@ class _WorkerStreamMode(DataMode):
             persistent_workers=False,
             multiprocessing_context=context,
             worker_init_fn=WorkerEnv(os.environ) if workers > 0 else None,
-            snapshot_every_n_steps=self.dm.snapshot_interval(),
+            snapshot_every_n_steps=run.snapshot_interval,
             epoch_source=epoch_source,
-            vocab_size=self.dm.vocab_size,
+            vocab_size=run.tokenizer.vocab_size,
         )
-
-    def _trainer_epoch(self) -> int | None:
-        """The epoch Lightning is about to run (restored on resume), so each epoch is its own pass."""
-        trainer = getattr(self.dm, "trainer", None)
-        return None if trainer is None else trainer.current_epoch
 
     def _needs_datasets(self) -> bool:
         """Does a source read through ``datasets`` (preloaded in the worker forkserver then)?"""
@@ -336,63 +402,55 @@ class StreamMode(_WorkerStreamMode):
     """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources, as
     ``logical_streams`` logical streams (each its own graph over its own part of every source,
     with an equal token budget) dealt to (rank x worker) at run time
-    (``stacklm.datamodule.logical``): a resume may change world size, workers and batch size."""
+    (``stacklm.datamodule.resume.logical``): a resume may change world size, workers and batch size."""
 
     name = "stream"
 
-    def __init__(self, dm: StackDataModule) -> None:
-        super().__init__(dm)
+    def __init__(self, args: ModeArgs) -> None:
+        super().__init__(args)
         # the checkpoint's stream record (``stream_state``) until the first train loader takes it
         self.restored: dict[str, Any] | None = None
         self.quota: int | None = None  # train windows per logical stream per epoch, fixed for the run
-        self._forced_reload = False
+        self._logical_streams: int | None = args.logical_streams  # fixed for the run once known
 
-    def logical_streams(self) -> int:
+    def logical_streams(self, run: Run) -> int:
         """Fixed for the run: the argument, else the checkpoint's, else this first run's readers
         (world x workers, so a fresh run reads exactly as one reader per worker would)."""
-        dm = self.dm
-        if dm.logical_streams is None:
-            dm.logical_streams = dm.world_size * max(1, dm.num_workers)
-        return int(dm.logical_streams)
+        if self._logical_streams is None:
+            self._logical_streams = run.world_size * max(1, self.args.num_workers)
+        return int(self._logical_streams)
 
-    def train_loader(self) -> StackDataLoader:
-        """At the checkpoint's position in its epoch, on this run's shape; Lightning counts the
-        epoch's steps from ``len(loader)`` once, so when the resumed epoch's length differs from
-        a whole one the trainer rebuilds the loader at the next epoch (as in ``ShardsMode``)."""
-        last = self.dm._train_loader
-        loader = super().train_loader()
+    def train_loader(self, run: Run, last: Any = None) -> StackDataLoader:
+        """At the checkpoint's position in its epoch, on this run's shape (its length:
+        ``epoch_lengths``)."""
+        loader = super().train_loader(run, last)
         if isinstance(last, StackDataLoader):  # rebuilt for a new epoch: the run's delivery counts go on
             loader.delivered.load_state_dict(last.delivered.state_dict())
         self.restored = None
-        trainer = getattr(self.dm, "trainer", None)
-        ds = loader.dataset
-        if trainer is not None:
-            if len(ds) != ds.full_epoch_len() and not trainer.reload_dataloaders_every_n_epochs:
-                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 1, True
-            elif self._forced_reload and len(ds) == ds.full_epoch_len():
-                trainer.reload_dataloaders_every_n_epochs, self._forced_reload = 0, False
         return loader
 
-    def _dataset(self, split: str) -> StreamDataset:
-        dm = self.dm
-        cfg = dm.pipeline_config()
-        tok = dm.tokenizer
-        world = dm.world_size
+    def epoch_lengths(self, loader: StackDataLoader) -> tuple[int, int]:
+        return len(loader.dataset), loader.dataset.full_epoch_len()
+
+    def _dataset(self, split: str, run: Run) -> StreamDataset:
+        args = self.args
+        cfg = pipeline_config(args)
+        world = run.world_size
         if split == "train":
             budget = cfg.mix.total_tokens
             n_total = budget // (world * cfg.batch_size * cfg.seq_len)
         else:
             budget = max(1, round(cfg.mix.total_tokens * cfg.holdout_fraction))
-            n_total = dm.val_batches if dm.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
+            n_total = args.val_batches if args.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
         if n_total < 1:
             raise DataConfigError(
                 f"StackDataModule: the {split} token budget ({budget:,} tokens) gives zero batches of "
                 f"{cfg.batch_size} x {cfg.seq_len} tokens on {world} rank(s); raise mix.total_tokens"
                 + (" or holdout_fraction, or set val_batches" if split == "val" else "")
             )
-        workers = max(1, dm.num_workers)
+        workers = max(1, args.num_workers)
         n_total = max(workers, n_total // workers * workers)  # equal share per worker
-        logical = self.logical_streams()
+        logical = self.logical_streams(run)
         quota = world * n_total * cfg.batch_size // logical  # windows per logical stream per epoch
         if split == "train":
             if self.quota is None:
@@ -417,33 +475,52 @@ class StreamMode(_WorkerStreamMode):
             from stacklm.data.quality.decontam import ensure_index
 
             ensure_index(cfg.decontaminate)
-        build = PipelineBuilder(cfg.to_dict(), dm.tokenizer_path, split)
+        build = PipelineBuilder(cfg.to_dict(), args.tokenizer_path, split)
         ds = LogicalStreamDataset(
-            build, logical_streams=logical, quota=quota, split=split, rank=dm.rank, world_size=world,
-            n_batches_total=n_total, batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=tok.pad_id,
+            build, logical_streams=logical, quota=quota, split=split, rank=run.rank, world_size=world,
+            n_batches_total=n_total, batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=run.tokenizer.pad_id,
             sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
         ds.workers = workers
         if split == "train":
-            ds.mix_changes = dm.resolved_mix_changes()
-            epoch = self._trainer_epoch()
+            ds.mix_changes = [dict(c) for c in run.mix_changes]
+            epoch = run.current_epoch()
             ds.epoch = int(epoch) if epoch is not None else 0
-            ds.resume = resume_segment(self.restored, quota, dm.shape())
+            ds.resume = resume_segment(self.restored, quota, run.shape(args))
         return ds
 
-    def stream_state(self) -> dict[str, Any] | None:
-        """The checkpoint's shape-free stream position (``logical.stream_record``), ``None``
-        before the first train loader (then the restored one, if any)."""
-        loader = self.dm._train_loader
+    def stream_state(self, loader: Any) -> dict[str, Any] | None:
+        """The checkpoint's shape-free stream position (``logical.stream_record``) at ``loader``,
+        the current train loader; ``None`` before the first (then the restored one, if any)."""
         if not isinstance(loader, StackDataLoader) or not isinstance(loader.dataset, LogicalStreamDataset):
             return self.restored
         return loader.stream_record()
 
+    def state(self, loader: Any, run: Run) -> dict[str, Any]:
+        return {"streams": self.stream_state(loader)}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take the checkpoint's logical streams (``logical_streams``, quota, position) for the
+        next train loader, which deals them to this run's shape."""
+        rec = saved["streams"]
+        if rec is None:  # saved before the first train loader: nothing was read yet
+            return
+        n = int(rec["logical_streams"])
+        if self.args.logical_streams is not None and self.args.logical_streams != n:
+            raise ResumeRefused(
+                f"refusing to resume: the checkpoint reads the data as logical_streams={n} but this run sets "
+                f"logical_streams={self.args.logical_streams}; the number of logical streams is fixed for a run. Drop the "
+                f"argument (it is taken from the checkpoint) or set it to {n}."
+            )
+        self._logical_streams = n
+        self.restored = dict(rec)
+        self.quota = None
+
     def _needs_datasets(self) -> bool:
-        return any(entry.kind == "hf" for entry in self.dm.pipeline_config().mix.entries)
+        return any(entry.kind == "hf" for entry in pipeline_config(self.args).mix.entries)
 
     def data_config_hash(self) -> str:
-        return self.dm.pipeline_config().config_hash()
+        return pipeline_config(self.args).config_hash()
 
 
 def _sft_target_weights(cfg) -> dict[str, float]:
@@ -457,37 +534,38 @@ class SFTMode(_WorkerStreamMode):
     name = "sft"
     builder = SFTBuilder
 
-    def _dataset(self, split: str) -> StreamDataset:
+    def _dataset(self, split: str, run: Run) -> StreamDataset:
         """Conversations have no token budget, so the per-worker batch count comes from a
         counting pass over every (rank, worker) reader (identical on every rank); readers
         that run dry earlier pad with fully masked batches so all ranks step together."""
-        dm = self.dm
-        cfg = dm.sft_config()
-        build = self.builder(cfg.to_dict(), dm.tokenizer_path, split)
-        workers = max(1, dm.num_workers)
-        fixed = dm.train_batches if split == "train" else dm.val_batches
+        args = self.args
+        cfg = sft_config(args)
+        build = self.builder(cfg.to_dict(), args.tokenizer_path, split)
+        workers = max(1, args.num_workers)
+        world = run.world_size
+        fixed = args.train_batches if split == "train" else args.val_batches
         if fixed is not None:
             per_worker = max(1, fixed // workers)
         else:
             counts = [
-                sum(1 for _ in build(ShardSpec(r, dm.world_size, w, workers), dm.world_size * workers).batches)
-                for r in range(dm.world_size)
+                sum(1 for _ in build(ShardSpec(r, world, w, workers), world * workers).batches)
+                for r in range(world)
                 for w in range(workers)
             ]
             per_worker = max(counts)
             if per_worker == 0:
                 raise DataConfigError(f"StackDataModule(mode={self.name!r}): the {split} split yields no batches; check the sources")
         return StreamDataset(
-            build, split=split, rank=dm.rank, world_size=dm.world_size, n_batches_total=per_worker * workers,
-            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=dm.tokenizer.pad_id,
+            build, split=split, rank=run.rank, world_size=world, n_batches_total=per_worker * workers,
+            batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=run.tokenizer.pad_id,
             sources=[s.name for s in cfg.sources], target_weights=_sft_target_weights(cfg),
         )
 
     def _needs_datasets(self) -> bool:
-        return any(source.kind == "hf" for source in self.dm.sft_config().sources)
+        return any(source.kind == "hf" for source in sft_config(self.args).sources)
 
     def data_config_hash(self) -> str:
-        return self.dm.sft_config().config_hash()
+        return sft_config(self.args).config_hash()
 
 
 class PreferenceMode(SFTMode):

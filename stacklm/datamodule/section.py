@@ -21,8 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from stacklm.config import PIPELINE_PATH, Config
-from stacklm.datamodule.errors import DataConfigError
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, DataConfigError
 
 DATA_PATH = "data"
 MODE_NAMES = ("shards", "stream", "sft", "preference")  # == stacklm.datamodule.modes.MODES (a test checks)

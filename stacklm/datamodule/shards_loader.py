@@ -4,7 +4,8 @@ world size, batch size or worker count.
 Its position is shape-free: ``(epoch, rows_served, steps)`` — the epoch, how many rows of that
 epoch's global permutation have been served, and how many steps the trainer counted in it.
 Whatever shape the next run has, it deals the rows left to its own ``world x batch`` steps, so
-every row of an epoch is trained exactly once (docs/trainer.md, "Resume").
+every row of an epoch is trained exactly once (docs/trainer.md, "Resume"). The position's rules
+(where it starts, which positions a skipped step range takes) are in ``resume.shards``.
 """
 
 from __future__ import annotations
@@ -15,47 +16,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.datamodule.resume.shards import available_positions, start_position
 from stacklm.datamodule.stream import _padding_batch
 from stacklm.parent_death import WorkerInit
 
 TAILS = ("pad", "drop")
-
-
-def start_position(epoch: int = 0, rows_served: int = 0, steps: int = 0) -> dict[str, int]:
-    """A loader position: ``rows_served`` rows of epoch ``epoch``'s permutation are served, in
-    ``steps`` trainer steps (the steps matter only to tell Lightning the epoch's length)."""
-    return {"epoch": int(epoch), "rows_served": int(rows_served), "steps": int(steps)}
-
-
-def available_positions(epoch: int, rows_served: int, num_rows: int, skips: list[tuple[int, int]]) -> np.ndarray:
-    """Positions ``rows_served..num_rows`` of epoch ``epoch``'s permutation, less those in the
-    skipped global intervals ``skips`` (global position = epoch x num_rows + position)."""
-    keep = np.ones(num_rows - rows_served, dtype=bool)
-    base = epoch * num_rows
-    for lo, hi in skips:
-        a, b = max(lo - base, rows_served), min(hi - base, num_rows)
-        if a < b:
-            keep[a - rows_served : b - rows_served] = False
-    return np.flatnonzero(keep) + rows_served
-
-
-def walk_steps(position: int, steps: int, step_rows: int, num_rows: int, skips: list[tuple[int, int]]):
-    """Yield ``(positions, position after)`` for each of ``steps`` global steps of ``step_rows``
-    rows from global stream position ``position``, as ``ShardsLoader`` serves them: skipped
-    positions passed over, an epoch's last step short, the next starting the next epoch."""
-    epoch, row = divmod(int(position), num_rows)
-    avail, i = available_positions(epoch, row, num_rows, skips), 0
-    for _ in range(steps):
-        empty = 0
-        while i >= len(avail):
-            epoch, i, empty = epoch + 1, 0, empty + 1
-            if empty > len(skips) + 1:
-                raise ValueError("skip_steps pass over every row of the data")
-            avail = available_positions(epoch, 0, num_rows, skips)
-        take = avail[i : i + step_rows]
-        i += len(take)
-        after = epoch * num_rows + int(avail[i]) if i < len(avail) else (epoch + 1) * num_rows
-        yield epoch * num_rows + take, after
 
 
 class _StepBatches(torch.utils.data.Sampler):

@@ -240,7 +240,7 @@ class PipelineBuilder:
     evenly over all readers (ranks x workers), each reading its own shard of the sources.
 
     Its packers always track provenance (each window's document pieces), whether or not the
-    run writes a step log (``stacklm.datamodule.steplog``): the packer's state then has one
+    run writes a step log (``stacklm.data.storage.steplog``): the packer's state then has one
     layout, so a run may turn its step log on or off at a resume."""
 
     def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
@@ -268,6 +268,20 @@ class SFTBuilder:
         from stacklm.tokenizer.bpe import StackTokenizer
 
         return SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+
+
+class PreferenceBuilder:
+    """Picklable factory of one reader's preference graph (``StackDataModule(mode="preference")``)."""
+
+    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
+        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+
+    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch
+        from stacklm.data.sft import SFTConfig
+        from stacklm.data.sft.preference_pipeline import build_preference_pipeline
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        return build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)
 
 
 class StreamDataset(IterableDataset):

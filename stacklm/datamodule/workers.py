@@ -30,7 +30,7 @@ DEFAULT_START_METHOD = "forkserver"
 
 # Imported once by the forkserver; everything a stream worker needs, nothing that starts threads.
 PRELOAD = ["numpy", "torch", "torchdata.stateful_dataloader", "torchdata.nodes", "stacklm.data.nodes",
-           "stacklm.tokenizer.bpe", "stacklm.datamodule.stream", "stacklm.datamodule.logical"]
+           "stacklm.tokenizer.bpe", "stacklm.datamodule.stream", "stacklm.datamodule.resume.logical"]
 
 
 def worker_context(method: str = DEFAULT_START_METHOD, *, needs_datasets: bool = False):

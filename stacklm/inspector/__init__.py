@@ -20,7 +20,7 @@ fall back to what its template's ``{% generation %}`` mask says.
 from stacklm.inspector.batches import BatchView, check_view, view_batch, view_windows
 from stacklm.inspector.conversations import check_conversation
 from stacklm.inspector.families import FAMILIES, TemplateFamily, text_findings
-from stacklm.inspector.findings import CHECKS, ERROR, INFO, WARNING, Finding, InspectError
+from stacklm.inspector.findings import CHECKS, ERROR, INFO, WARNING, Finding
 from stacklm.inspector.inputs import (
     inspect_batch_file,
     inspect_conversations,
@@ -33,7 +33,7 @@ from stacklm.inspector.rows import RowScan, scan_row
 from stacklm.inspector.tokenizer_view import InspectTokenizer, load_tokenizer
 
 __all__ = [
-    "CHECKS", "ERROR", "FAMILIES", "INFO", "WARNING", "BatchView", "Finding", "InspectError", "InspectTokenizer",
+    "CHECKS", "ERROR", "FAMILIES", "INFO", "WARNING", "BatchView", "Finding", "InspectTokenizer",
     "Report", "RowScan", "Sample", "TemplateFamily", "check_conversation", "check_view", "format_report",
     "inspect_batch_file", "inspect_conversations", "inspect_input", "inspect_shards", "load_tokenizer",
     "read_shard_windows", "scan_row", "text_findings", "view_batch", "view_windows",

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 
 from stacklm.chat import ASSISTANT, IGNORE_INDEX
-from stacklm.inspector.findings import ERROR, INFO, Finding, InspectError
+from stacklm.errors import UserError
+from stacklm.inspector.findings import ERROR, INFO, Finding
 from stacklm.inspector.rows import TRAINABLE, UNJUDGED, RowScan, scan_row
 from stacklm.inspector.tokenizer_view import InspectTokenizer
 
@@ -38,14 +39,14 @@ def _np(x: Any) -> np.ndarray:
 def view_batch(batch: Mapping[str, Any], pad_id: int | None, where: str = "batch") -> BatchView:
     """Normalise a batch dict (stacklm contract or HF ``labels`` style) into a ``BatchView``."""
     if "input_ids" not in batch:
-        raise InspectError(f"{where}: no 'input_ids' in the batch; keys: {sorted(batch)}")
+        raise UserError(f"{where}: no 'input_ids' in the batch; keys: {sorted(batch)}")
     x = _np(batch["input_ids"]).astype(np.int64)
     B, T = x.shape
     findings: list[Finding] = []
     if "targets" in batch:  # stacklm: targets[i] is the token after input_ids[i]
         y = _np(batch["targets"]).astype(np.int64)
         if y.shape != x.shape:
-            raise InspectError(f"{where}: targets shape {y.shape} != input_ids shape {x.shape}")
+            raise UserError(f"{where}: targets shape {y.shape} != input_ids shape {x.shape}")
         has = y != IGNORE_INDEX
         last = np.where(has[:, -1], y[:, -1], pad_id if pad_id is not None else -1)
         ids = np.concatenate([x, last[:, None]], axis=1)
@@ -64,7 +65,7 @@ def view_batch(batch: Mapping[str, Any], pad_id: int | None, where: str = "batch
         return BatchView(ids, loss, seg, pos, "stacklm", findings)
     labels = batch.get("labels")
     if labels is None:
-        raise InspectError(f"{where}: neither 'targets' (stacklm) nor 'labels' (HF) in the batch; keys: {sorted(batch)}")
+        raise UserError(f"{where}: neither 'targets' (stacklm) nor 'labels' (HF) in the batch; keys: {sorted(batch)}")
     y = _np(labels).astype(np.int64)
     loss = y != IGNORE_INDEX
     loss[:, 0] = False  # HF shifts inside the model: the first label of a row is never used
@@ -90,7 +91,7 @@ def view_windows(windows: np.ndarray, tok: InspectTokenizer) -> BatchView:
     from stacklm.data.packing.pack import collate
 
     if None in (tok.bos_id, tok.eos_id, tok.pad_id):
-        raise InspectError(f"{tok.name}: shards need a tokenizer with bos/eos/pad ids")
+        raise UserError(f"{tok.name}: shards need a tokenizer with bos/eos/pad ids")
     return view_batch(collate(np.asarray(windows, dtype=np.int64), tok.bos_id, tok.eos_id, tok.pad_id), tok.pad_id, "shard")
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stacklm.errors import StackLMError
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 
@@ -51,5 +50,3 @@ class Finding:
         return {"check": self.check, "severity": self.severity, "message": self.message, "where": self.where}
 
 
-class InspectError(StackLMError):
-    """Bad input to ``inspect`` (a path, a tokenizer without template, ...): exit status 2."""

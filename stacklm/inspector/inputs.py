@@ -10,12 +10,13 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, NO_ASSISTANT, ChatFormatError, validate_conversation
+from stacklm.chat import DEFAULT_ROLE_ALIASES, NO_ASSISTANT, validate_conversation
 from stacklm.chat.formats import conversation_from_record
+from stacklm.errors import ChatFormatError, UserError
 from stacklm.inspector.batches import BatchView, check_view, stop_ids, view_batch, view_windows
 from stacklm.inspector.conversations import check_conversation
 from stacklm.inspector.families import text_findings
-from stacklm.inspector.findings import ERROR, INFO, WARNING, Finding, InspectError
+from stacklm.inspector.findings import ERROR, INFO, WARNING, Finding
 from stacklm.inspector.report import Report, Sample
 from stacklm.inspector.rows import scan_row
 from stacklm.inspector.tokenizer_view import InspectTokenizer, load_tokenizer
@@ -34,7 +35,7 @@ def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
     try:
         fmt = file_format(str(path))
     except ValueError as e:
-        raise InspectError(str(e)) from None
+        raise UserError(str(e)) from None
     rows: list[tuple[str, Any]] = []
     if fmt == "parquet":
         import pyarrow.parquet as pq
@@ -47,7 +48,7 @@ def _read_records(path: Path, limit: int) -> list[tuple[str, Any]]:
                     return rows
         return rows
     if fmt != "jsonl":
-        raise InspectError(f"{path}: conversations come as JSON lines or parquet, not {fmt}")
+        raise UserError(f"{path}: conversations come as JSON lines or parquet, not {fmt}")
     with open_binary(str(path)) as f:
         for lineno, line in enumerate(f, 1):
             if line.strip():
@@ -104,7 +105,7 @@ def inspect_conversations(
     from stacklm.data.sft import parse_json_line
 
     if not tok.chat_template:
-        raise InspectError(
+        raise UserError(
             f"{tok.name}: this tokenizer directory has no chat template (tokenizer_config.json 'chat_template'), so it cannot "
             "render conversations; use a tokenizer with one, e.g. an `export_hf` directory or our tokenizer.stacklm.json"
         )
@@ -141,7 +142,7 @@ def inspect_conversations(
             labels = scan_row(ids, tok, True).labels if tok.layout is not None else ["assistant" if m else "" for m in mask]
             report.sample = Sample(ids, view.loss[0], labels, view.pos[0], view.seg[0])
     if report.sequences == 0 and not report.findings:
-        raise InspectError(f"{path}: no conversations in the file")
+        raise UserError(f"{path}: no conversations in the file")
     if seq_len:
         parts = ", ".join(f"{k}: {v}" for k, v in sorted(report.counts.items()))
         report.findings.append(Finding("truncation", INFO, f"at seq_len {seq_len} (overlong: {overlong}), of {report.sequences} "
@@ -179,7 +180,7 @@ def inspect_pairs(
     from stacklm.data.sft.preference import read_pair, render_pair
 
     if not tok.chat_template:
-        raise InspectError(f"{tok.name}: this tokenizer directory has no chat template, so it cannot render preference pairs")
+        raise UserError(f"{tok.name}: this tokenizer directory has no chat template, so it cannot render preference pairs")
     report = Report(str(path), "preference pairs (chosen and rejected sides)", tok.name, eos_id=tok.eos_id)
     pairs = 0
     for where, raw in _read_records(path, limit):
@@ -226,7 +227,7 @@ def inspect_pairs(
         for t in [*prompt, *chosen, *rejected]:
             _count_text(report, "chat", t.text(), tok)
     if pairs == 0 and not report.findings:
-        raise InspectError(f"{path}: no preference pairs in the file")
+        raise UserError(f"{path}: no preference pairs in the file")
     if seq_len and report.counts:
         parts = ", ".join(f"{k}: {v}" for k, v in sorted(report.counts.items()))
         report.findings.append(Finding("truncation", INFO, f"at seq_len {seq_len} (overlong: {overlong}), of {pairs} pairs -- {parts}",
@@ -265,7 +266,7 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
     with open(path, "rb") as f:
         head = f.read(4)
     if not head.startswith(b"PK") and not head[:1] == b"\x80":  # torch.save: a zip archive (a pickle before torch 1.6)
-        raise InspectError(
+        raise UserError(
             f"{path}: not a saved batch (not a file torch.save wrote: neither a zip archive nor a pickle; raw token ids?); "
             "inspect reads torch.save(batch_dict, path) files, a prebuilt shard directory (or its shard_*.tokens.bin) "
             "and .jsonl/.parquet rows"
@@ -278,9 +279,9 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
         # torch's own text for a refused pickle is many lines and suggests loading it unsafely
         detail = ("it holds pickled objects other than tensors, which stacklm never loads" if isinstance(e, pickle.UnpicklingError)
                   else f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        raise InspectError(f"{path}: cannot load a saved batch ({detail}); save one with torch.save(batch_dict, path)") from None
+        raise UserError(f"{path}: cannot load a saved batch ({detail}); save one with torch.save(batch_dict, path)") from None
     if not isinstance(batch, Mapping):
-        raise InspectError(f"{path}: expected a dict of tensors (a batch), got {type(batch).__name__}")
+        raise UserError(f"{path}: expected a dict of tensors (a batch), got {type(batch).__name__}")
     kind = "batch"
     if "chosen_input_ids" in batch:  # a preference batch: every side's row is a sequence to check
         from stacklm.data.contract import BATCH_KEYS
@@ -300,14 +301,14 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
     (``shard_XXXXX.tokens.bin`` flat n_seq x seq_len, dtype and seq_len from ``manifest.json``)."""
     files = sorted(directory.glob("shard_*.tokens.bin"))
     if not files:
-        raise InspectError(f"{directory}: no shard_*.tokens.bin files; is this a prebuilt shard directory?")
+        raise UserError(f"{directory}: no shard_*.tokens.bin files; is this a prebuilt shard directory?")
     manifest: dict[str, Any] = {}
     mpath = directory / "manifest.json"
     if mpath.exists():
         try:
             manifest = json.loads(mpath.read_text())
         except json.JSONDecodeError as e:
-            raise InspectError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
+            raise UserError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
         if isinstance(manifest, dict):
             from stacklm.data.storage.manifest import check_names
 
@@ -318,7 +319,7 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
     if seq_len is None and meta.exists():
         seq_len = int(np.fromfile(meta, dtype="<i8")[1])
     if seq_len is None:
-        raise InspectError(f"{directory}: neither manifest.json nor {meta.name} gives seq_len")
+        raise UserError(f"{directory}: neither manifest.json nor {meta.name} gives seq_len")
     if dtype is None:
         dtype = "uint16" if int(manifest.get("vocab_size", 65536)) <= 65536 else "uint32"
     dt = np.dtype(dtype).newbyteorder("<")
@@ -326,7 +327,7 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
     for f in files:
         arr = np.memmap(f, dtype=dt, mode="r")
         if arr.size % seq_len:
-            raise InspectError(f"{f}: {arr.size} tokens is not a multiple of seq_len={seq_len}; the shard is truncated")
+            raise UserError(f"{f}: {arr.size} tokens is not a multiple of seq_len={seq_len}; the shard is truncated")
         w = arr.reshape(-1, seq_len)
         rows.append(np.asarray(w[: limit - sum(len(r) for r in rows)], dtype=np.int64))
         if sum(len(r) for r in rows) >= limit:
@@ -336,7 +337,7 @@ def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[st
 
 def _check_vocab(ids: np.ndarray, tok: InspectTokenizer, where: str) -> None:
     if ids.size and (ids.max() >= tok.vocab_size or ids.min() < 0):
-        raise InspectError(f"{where}: token id {int(ids.max())} is outside this tokenizer's vocab ({tok.vocab_size}); "
+        raise UserError(f"{where}: token id {int(ids.max())} is outside this tokenizer's vocab ({tok.vocab_size}); "
                            "inspect with the tokenizer the data was built with")
 
 
@@ -345,24 +346,24 @@ def split_directory(directory: Path, split: str | None = None) -> Path:
     ``split`` sub-directory (a prebuild's output holds ``train/`` and ``val/``)."""
     if any(directory.glob("shard_*.tokens.bin")):
         if split is not None and directory.name != split:
-            raise InspectError(f"{directory}: this is one split's shard directory, not {split!r}; pass the prebuild "
+            raise UserError(f"{directory}: this is one split's shard directory, not {split!r}; pass the prebuild "
                                f"output directory (its parent) with --split {split}, or this directory without --split")
         return directory
     splits = sorted(d.name for d in directory.iterdir() if d.is_dir() and any(d.glob("shard_*.tokens.bin")))
     if not splits:
-        raise InspectError(f"{directory}: no shard_*.tokens.bin files here or in a split directory (train/, val/); "
+        raise UserError(f"{directory}: no shard_*.tokens.bin files here or in a split directory (train/, val/); "
                            "is this a prebuilt shard directory?")
     if split is None:
         split = "train" if "train" in splits else splits[0]
     if split not in splits:
-        raise InspectError(f"{directory}: no split {split!r}; it has {', '.join(splits)}: pass --split with one of them")
+        raise UserError(f"{directory}: no split {split!r}; it has {', '.join(splits)}: pass --split with one of them")
     return directory / split
 
 
 def inspect_shards(directory: Path, tok: InspectTokenizer, limit: int = 64) -> Report:
     windows, manifest = read_shard_windows(directory, limit)
     if manifest.get("vocab_size") not in (None, tok.vocab_size):
-        raise InspectError(f"{directory}: shards were built with vocab_size {manifest['vocab_size']}, the tokenizer has "
+        raise UserError(f"{directory}: shards were built with vocab_size {manifest['vocab_size']}, the tokenizer has "
                            f"{tok.vocab_size}; pass the tokenizer the shards were built with")
     _check_vocab(windows, tok, str(directory))
     return _inspect_view(Report(str(directory), "shards", tok.name, eos_id=tok.eos_id), view_windows(windows, tok), tok, str(directory))
@@ -387,7 +388,7 @@ def inspect_input(
     tok = tokenizer if isinstance(tokenizer, InspectTokenizer) else load_tokenizer(tokenizer, prefer_hf)
     p = Path(path)
     if not p.exists():
-        raise InspectError(f"{p}: no such file or directory")
+        raise UserError(f"{p}: no such file or directory")
     if p.is_file() and p.name.startswith("shard_") and p.name.endswith(".tokens.bin"):
         p = p.parent  # a shard file: read it with its manifest
     if p.is_dir():

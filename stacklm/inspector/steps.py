@@ -1,5 +1,5 @@
 """``stacklm inspect RUN --step S``: every row of global step ``S`` of a training run, with where
-each of its pieces came from, from the run's step log (``stacklm.datamodule.steplog``).
+each of its pieces came from, from the run's step log (``stacklm.data.storage.steplog``).
 
 Shards mode logged global row indices: each row's tokens and pieces are the prebuild's
 (``stacklm.data.storage.provenance.RowProvenance``). Stream mode logged each row's pieces and the
@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.datamodule.steplog import StepLogError, find_step
+from stacklm.data.storage.steplog import find_step
+from stacklm.errors import DataError
 
 
 def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
@@ -40,7 +41,7 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
     elif meta["mode"] == "stream":
         fill = _StreamRows(meta)
     else:
-        raise StepLogError(f"{generation}: mode {meta['mode']!r} has no step log reader")
+        raise DataError(f"{generation}: mode {meta['mode']!r} has no step log reader")
     for rec in records:
         where = {"rank": rec["rank"], "epoch": rec["epoch"], "batch": rec["batch"]}
         if rec.get("skipped"):  # skip_steps passed over these rows: what the step would have had
@@ -63,10 +64,10 @@ def _shard_rows(meta: dict[str, Any]):
     data_dir = Path(shards["data_dir"])
     manifest = data_dir / "manifest.json"
     if not manifest.is_file():
-        raise StepLogError(f"the run read the prebuild {data_dir}, which is gone (no {manifest}); pass the step log of a run "
+        raise DataError(f"the run read the prebuild {data_dir}, which is gone (no {manifest}); pass the step log of a run "
                            "whose shards are still there")
     if shards.get("manifest_hash") and hashlib.sha256(manifest.read_bytes()).hexdigest() != shards["manifest_hash"]:
-        raise StepLogError(f"{manifest} changed since the run (another build in the same place): its rows are not the rows "
+        raise DataError(f"{manifest} changed since the run (another build in the same place): its rows are not the rows "
                            "the run trained on")
 
     rows = RowProvenance(data_dir, shards["split"])
@@ -112,7 +113,7 @@ class _StreamRows:
         self.seq_len = int(meta["seq_len"])
         self.tok = StackTokenizer.load(meta["tokenizer"])
         if tokenizer_hash(self.tok) != meta["tokenizer_hash"]:
-            raise StepLogError(f"the tokenizer at {meta['tokenizer']} changed since the run; the rows cannot be rebuilt")
+            raise DataError(f"the tokenizer at {meta['tokenizer']} changed since the run; the rows cannot be rebuilt")
         self.entries = list(self.config.mix.entries)
         self._labels: dict[int, list[str]] = {}
         self._wrapped: dict[tuple[int, int, int], np.ndarray] = {}

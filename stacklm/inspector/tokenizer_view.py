@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from stacklm.chat import ChatTokens, Turn, chat_tokens, render_conversation
+from stacklm.errors import UserError
 from stacklm.inspector.families import FAMILIES
-from stacklm.inspector.findings import InspectError
 from stacklm.tokenizer import ARTIFACT_NAME
 
 
@@ -103,7 +103,7 @@ def load_tokenizer(spec: str | Path, prefer_hf: bool = False) -> InspectTokenize
     """Our artifact (a ``.stacklm.json`` or a directory holding one) or an HF tokenizer dir."""
     p = Path(spec)
     if not p.exists():
-        raise InspectError(f"{p}: no such tokenizer file or directory")
+        raise UserError(f"{p}: no such tokenizer file or directory")
     ours = p if p.is_file() else p / ARTIFACT_NAME
     hf_files = p.is_dir() and any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     if ours.is_file() and not (prefer_hf and hf_files):
@@ -111,7 +111,7 @@ def load_tokenizer(spec: str | Path, prefer_hf: bool = False) -> InspectTokenize
 
         return InspectTokenizer(StackTokenizer.load(ours), str(p))
     if not hf_files:
-        raise InspectError(
+        raise UserError(
             f"{p}: neither a stacklm tokenizer ({ARTIFACT_NAME}) nor a Hugging Face tokenizer directory "
             "(tokenizer.json / tokenizer_config.json)"
         )
@@ -122,5 +122,5 @@ def load_tokenizer(spec: str | Path, prefer_hf: bool = False) -> InspectTokenize
     try:
         hf = transformers.AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     except Exception as e:  # noqa: BLE001 - any loader failure is a bad directory to the user
-        raise InspectError(f"{p}: transformers cannot load this tokenizer directory: {type(e).__name__}: {e}") from None
+        raise UserError(f"{p}: transformers cannot load this tokenizer directory: {type(e).__name__}: {e}") from None
     return InspectTokenizer(hf, str(p))

@@ -29,7 +29,6 @@ from stacklm.prebuild.plan import (
     REVISIONS_FILE,
     SPLITS,
     STATE_DIR,
-    PrebuildError,
     PrebuildPlan,
     state_dir_of,
     worker_config,
@@ -37,7 +36,7 @@ from stacklm.prebuild.plan import (
 from stacklm.prebuild.progress import BuildProgress
 
 __all__ = [
-    "BUILD_FILE", "DEFAULT_TOKENS_PER_SHARD", "REVISIONS_FILE", "SPLITS", "STATE_DIR", "BuildProgress", "PrebuildError",
+    "BUILD_FILE", "DEFAULT_TOKENS_PER_SHARD", "REVISIONS_FILE", "SPLITS", "STATE_DIR", "BuildProgress",
     "PrebuildPlan", "finalize", "job_budget", "job_name", "load_config", "lock_out_dir", "prebuild", "prepare",
     "remove_own_shards_from", "resolve_tokenizer", "run_job", "split_manifest", "state_dir_of", "top_manifest",
     "worker_config", "write_job_shards",

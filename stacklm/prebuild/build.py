@@ -10,17 +10,19 @@ import shutil
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from stacklm.atomic import atomic_write_bytes
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import remove_temp_files
+from stacklm.errors import PrebuildError
 from stacklm.parent_death import pool_initializer
 from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
-from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildPlan, state_dir_of
 from stacklm.prebuild.progress import BuildProgress
 
 
@@ -53,8 +55,8 @@ def prebuild(
         kw = dict(workers=workers, tokens_per_shard=tokens_per_shard, splits=splits, progress=progress,
                   provenance=provenance, progress_interval=progress_interval)
         tok = resolve_tokenizer(tokenizer)
-        return remote.prebuild_remote(str(out), lambda stage: prebuild(config, tok, stage, **kw),
-                                      say=(lambda m: print(m, file=sys.stderr)) if progress else None)
+        return prebuild_remote(str(out), lambda stage: prebuild(config, tok, stage, **kw),
+                               say=(lambda m: print(m, file=sys.stderr)) if progress else None)
     tokenizer = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance))
     # The lock is taken before the directory is even checked and held to the end: a second
@@ -81,7 +83,11 @@ def prebuild(
     # folders itself would delete the temporary files other jobs are writing at that moment.
     for folder in [plan.out / s for s in plan.splits] + [state_dir_of(plan.out)]:
         remove_temp_files(folder)
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
+
+    saved_cache = os.environ.get(PIECE_CACHE_ENV)
     try:
+        index_pieces(plan.config, plan.workers, state_dir_of(plan.out) / "pieces")
         if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
@@ -99,6 +105,10 @@ def prebuild(
     finally:
         bar.close()
         lock.close()
+        if saved_cache is None:
+            os.environ.pop(PIECE_CACHE_ENV, None)
+        else:
+            os.environ[PIECE_CACHE_ENV] = saved_cache
     for w in top.get("warnings", ()):  # loud whatever the progress setting
         warnings.warn(f"prebuild {plan.out}: {w['message']} (recorded in the manifest's 'warnings')", RuntimeWarning, stacklevel=2)
     if progress:
@@ -111,6 +121,23 @@ def prebuild(
             file=sys.stderr,
         )
     return top
+
+
+def index_pieces(config, readers: int, folder: Path) -> None:
+    """Build the piece index of every local source read in pieces (fewer files than
+    ``readers``, or ``read_order: spread``; ``stacklm.data.sources.pieces``) here, once, into
+    ``folder``, and point this process and the task processes it starts at it
+    (``STACKLM_PIECE_CACHE``): each task then reads only its own pieces instead of counting
+    every file's lines again."""
+    from stacklm.data.nodes import read_order_seed
+    from stacklm.data.sources import ShardSpec, open_source
+    from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
+
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ[PIECE_CACHE_ENV] = str(folder)
+    for entry in config.mix.entries:
+        if entry.kind == "local":
+            open_source(entry, shard=ShardSpec(0, 1, 0, readers), order_seed=read_order_seed(config, entry.name)).index_all()
 
 
 def lock_out_dir(out: Path):
@@ -213,3 +240,39 @@ def _pool_job(plan_blob: bytes, split: str, worker: int, interval: float = PROGR
     plan, tok = pickle.loads(plan_blob)
     plan = dataclasses.replace(plan, tokenizer=StackTokenizer.from_dict(tok))
     return run_job(plan, split, worker, lambda *msg: _QUEUE.put(msg), interval=interval)
+
+
+def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage: Path | None = None, say=None) -> dict[str, Any]:
+    """``prebuild`` into ``url``: ``build(stage)`` runs the ordinary local build, then the result
+    is uploaded (``remote.upload_shard_set``) and the staging directory removed. An existing remote top
+    manifest is copied into the staging directory first, so the local checks decide as they do
+    for a local ``--out``: the same build is complete (nothing to do), another build is refused.
+    Here, not in ``stacklm.data.storage.remote``: it drives a build (and names its errors), and
+    data/ sits below prebuild/."""
+    from stacklm.data.storage import remote
+
+    stage = Path(stage or remote.staging_dir(url))
+    stage.mkdir(parents=True, exist_ok=True)
+    remote_top = remote.read_bytes(remote.join(url, mf.MANIFEST_NAME), missing_ok=True)
+    copied = False
+    built_here = any(p.is_dir() for p in stage.iterdir())  # split dirs or .prebuild: a local build to resume
+    if remote_top is None and (stage / mf.MANIFEST_NAME).exists() and not built_here:
+        (stage / mf.MANIFEST_NAME).unlink()  # a copy of a remote manifest that is gone now: nothing to trust
+    if remote_top is not None and not (stage / mf.MANIFEST_NAME).exists():
+        atomic_write_bytes(stage / mf.MANIFEST_NAME, remote_top)
+        copied = True
+    try:
+        top = build(stage)
+    except PrebuildError as e:  # name the URL the user gave, not the staging directory
+        if copied:
+            shutil.rmtree(stage, ignore_errors=True)
+        raise PrebuildError(str(e).replace(str(stage), url), path=url) from None
+    if remote_top is not None and (stage / mf.MANIFEST_NAME).read_bytes() == remote_top and not any(p.is_dir() for p in stage.iterdir()):
+        shutil.rmtree(stage, ignore_errors=True)  # already complete there
+        return top
+    t0 = time.perf_counter()
+    n = remote.upload_shard_set(stage, url)
+    if say is not None:
+        say(f"prebuild: uploaded {n} files to {url} ({time.perf_counter() - t0:.1f}s; manifests last)")
+    shutil.rmtree(stage, ignore_errors=True)
+    return top

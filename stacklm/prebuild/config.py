@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH, Config
-from stacklm.errors import ConfigError
-from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildError
-from stacklm.scale.resources import ClusterSettings
+from stacklm.errors import ConfigError, PrebuildError
+from stacklm.prebuild.cluster import ClusterSettings
+from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
 MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits
 
@@ -56,7 +56,7 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     the module's), ``data.tokenizer`` and ``data.data_dir`` (the default ``--out``). An optional
     top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
     ``workers``, ``splits``, ``out``, and ``cluster`` (``prebuild-datatrove``'s partition, QOS,
-    env command, sbatch arguments and per-stage resources: ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
+    env command, sbatch arguments and per-stage resources: ``stacklm.prebuild.cluster``, ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
     ``data:`` is checked with the trainer's schema (``stacklm.datamodule.section.DataSection``) and
     the top-level keys against the trainer's, so the prebuild refuses what the trainer refuses.
     ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``, ``cluster``.

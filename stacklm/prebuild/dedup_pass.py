@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.errors import ConfigError, PrebuildError
+
 INDEX_FILE = "dedup_index.npz"
 INDEX_SHARDS = "dedup-index"  # the staged decision's removed ids, one DedupIndex per job (``staged``)
 
@@ -48,14 +50,17 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     hasher = MinHasher() if config.dedup.near else None
     source_index = {e.name: i for i, e in enumerate(config.mix.entries)}
 
+    bytes_in = np.zeros(len(config.mix.entries), dtype=np.int64)  # input bytes read, per source
+
     def docs():
-        for entry in config.mix.entries:
+        for i, entry in enumerate(config.mix.entries):
             chain = document_chain(config, entry, split, ShardSpec(0, 1, reader, readers))
             node = last_document_node(chain)
             node.reset(None)
             yield from node
+            bytes_in[i] = getattr(chain["source"], "bytes_in", 0)
 
-    return collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact)
+    return {**collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact), "bytes_in": bytes_in}
 
 
 def decide_index(config, slices: dict[str, Sequence[dict[str, Any]]]):
@@ -69,6 +74,10 @@ def decide_index(config, slices: dict[str, Sequence[dict[str, Any]]]):
         "dedup": dataclasses.asdict(config.dedup),
         "docs": {s: d["docs"] for s, d in decisions.items()},
         "removed": {s: {r: len(d[r]) for r in REASONS} for s, d in decisions.items()},
+        # the signature pass's read volume (input bytes read, per split and source): not in
+        # the index's content hash, reported in the top manifest's ``read_volume``
+        "bytes_read": {s: {e.name: int(sum(int(x["bytes_in"][i]) for x in per if "bytes_in" in x))
+                           for i, e in enumerate(config.mix.entries)} for s, per in slices.items()},
     }
     return DedupIndex.from_decisions(decisions, meta)
 
@@ -91,8 +100,6 @@ def load_build_index(path: Path):
     """A build's own ``.prebuild/dedup_index.npz`` (data only, ``allow_pickle=False``); a file that
     is not one is refused, naming it and saying to delete it (the next run rebuilds it)."""
     from stacklm.data.dedup.global_index import DedupIndex
-    from stacklm.errors import ConfigError
-    from stacklm.prebuild.plan import PrebuildError
 
     try:
         return DedupIndex.load(path, fix="delete it and re-run the same command (the dedup pass runs again)")
@@ -113,7 +120,7 @@ def load_or_build(plan, run_all=None):
     return index
 
 
-SLICE_FIELDS = ("ids", "source", "digest", "bands")
+SLICE_FIELDS = ("ids", "source", "digest", "bands", "bytes_in")
 
 
 def slice_bytes(args: tuple) -> bytes:
@@ -130,7 +137,7 @@ def slice_from_bytes(blob: bytes, where: str = "dedup signatures") -> dict[str, 
     """A ``slice_bytes`` result; ``allow_pickle=False``, so an object array (or a pickle) is refused."""
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            return {k: z[k] for k in SLICE_FIELDS}
+            return {k: z[k] for k in SLICE_FIELDS if k in z.files or k != "bytes_in"}
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as e:
         from stacklm.data.storage.statefile import load_error_detail
 

@@ -13,7 +13,8 @@ import numpy as np
 from stacklm.data.storage import statefile
 from stacklm.data.storage.provenance import prov_path
 from stacklm.data.storage.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
-from stacklm.prebuild.plan import PrebuildError, PrebuildPlan, state_dir_of, worker_config
+from stacklm.errors import PrebuildError, StateFileError
+from stacklm.prebuild.plan import PrebuildPlan, state_dir_of, worker_config
 
 PROGRESS_INTERVAL = 2.0  # seconds between progress reports of a job (besides one per shard)
 
@@ -33,7 +34,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     fix = "delete it (that job then starts over) and re-run the same command"
     try:
         ckpt = statefile.loads(data, path, fix)
-    except statefile.StateFileError as e:
+    except StateFileError as e:
         raise PrebuildError(str(e), path=path) from None
     if not isinstance(ckpt, dict) or not {"shards", "state", "tracker"} <= ckpt.keys():
         raise PrebuildError(f"{path}: not a prebuild checkpoint (fields shards, state, tracker missing); {fix}", path=path)
@@ -70,7 +71,8 @@ def run_job(
 
     from stacklm.data.ledger import pipeline_ledger
     from stacklm.data.quality.decontam import chain_report
-    from stacklm.data.storage.provenance import ShardTracker, source_files
+    from stacklm.data.storage.provenance import source_files
+    from stacklm.prebuild.shard_tracker import ShardTracker
 
     pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker), provenance=plan.provenance)
     windows = pipe.windows
@@ -114,6 +116,7 @@ def run_job(
         "decontam": chain_report(pipe.chains),  # per evaluation set (None without decontaminate:)
         # the job's token ledger: delivered = what the shards hold (stacklm.data.ledger)
         "ledger": pipeline_ledger(pipe, tracker.delivered_by_source()),
+        "read": read_summary(pipe),
     }
     if plan.provenance:
         summary["provenance"] = {"files": {name: source_files(node) for name, node in pipe.sources.items()},
@@ -121,6 +124,13 @@ def run_job(
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
+
+
+def read_summary(pipe) -> dict[str, dict[str, int]]:
+    """The job's read volume (``manifests.read_volume``): input bytes its sources read, each
+    source's size, and the bytes of its piece index (``stacklm.data.sources.pieces``)."""
+    return {key: {name: int(getattr(node, attr, 0)) for name, node in pipe.sources.items()}
+            for key, attr in (("bytes", "bytes_in"), ("input_bytes", "input_bytes"), ("index_bytes", "index_bytes"))}
 
 
 def job_pipeline_args(plan: PrebuildPlan, split: str, worker: int) -> tuple:
@@ -169,7 +179,7 @@ def write_job_shards(
     jobs never collide; each one's info is appended to ``shards`` (which may already hold the
     shards of a resumed job), then ``on_shard()`` runs (checkpoint, progress). Shared by
     ``run_job`` and the datatrove writer, so both write the same set. ``tracker``
-    (``stacklm.data.storage.provenance.ShardTracker``) sees every window and writes each shard's
+    (``stacklm.prebuild.shard_tracker.ShardTracker``) sees every window and writes each shard's
     provenance side file right before the shard. ``on_window()`` runs after every window
     (``run_job``'s timed progress)."""
     buf = np.empty((plan.seqs_per_shard, plan.config.seq_len), dtype=plan.dtype)

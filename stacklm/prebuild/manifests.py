@@ -18,7 +18,8 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.audit import INVALID_RECORDS
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.data.storage.shards import atomic_write_shard_file, dtype_name
-from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildError, PrebuildPlan, state_dir_of
+from stacklm.errors import LedgerError, PrebuildError
+from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildPlan, state_dir_of
 
 
 def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
@@ -264,7 +265,7 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
         message = ("the token ledger does not add up (a stage lost or repeated data without counting it): " + "; ".join(problems)
                    + f". The shards are kept; set {ledger.STRICT_ENV}=0 to write the manifests anyway, with the failed identities recorded")
         if strict:
-            raise ledger.LedgerError(message)
+            raise LedgerError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
@@ -296,9 +297,45 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
         index = load_shards(sorted(shard_dir.glob("*.npz")))
     if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
+    volume = read_volume(summaries, index.meta.get("bytes_read") if index is not None else None)
+    if volume is not None:
+        top["read_volume"] = volume
     mf.write_manifest(plan.out, top)
     shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)
     return top
+
+
+def read_volume(summaries: Sequence[Mapping[str, Any]], dedup_bytes: Mapping[str, Mapping[str, int]] | None) -> dict[str, Any] | None:
+    """The build's read volume per pass: input bytes read by all tasks of the pass against the
+    inputs' size (1.0 = each input read once; less when a budget stops the packing early).
+    Passes: the dedup signatures (when the global dedup runs; every document, per split) and
+    the packing (per split); plus the bytes of the piece index (``sources.pieces``), read once
+    per build when a source has fewer files than tasks."""
+    if not summaries or not all("read" in s for s in summaries):
+        return None
+    inputs: dict[str, int] = {}
+    index: dict[str, int] = {}
+    for s in summaries:
+        for src, n in s["read"]["input_bytes"].items():
+            inputs[src] = max(inputs.get(src, 0), int(n))
+        for src, n in s["read"].get("index_bytes", {}).items():
+            index[src] = max(index.get(src, 0), int(n))
+    passes = []
+    if dedup_bytes:
+        for split in sorted(dedup_bytes):
+            passes.append({"pass": "dedup_signatures", "split": split, "bytes": {k: int(v) for k, v in dedup_bytes[split].items()}})
+    for split in sorted({s["split"] for s in summaries}):
+        read: dict[str, int] = {}
+        for s in summaries:
+            if s["split"] == split:
+                for src, n in s["read"]["bytes"].items():
+                    read[src] = read.get(src, 0) + int(n)
+        passes.append({"pass": "packing", "split": split, "bytes": read})
+    total = sum(inputs.values())
+    for p in passes:
+        p["total"] = sum(p["bytes"].values())
+        p["ratio"] = round(p["total"] / total, 4) if total else 0.0
+    return {"input_bytes": inputs, "input_total": total, "index_bytes": sum(index.values()), "passes": passes}
 
 
 def prepare(plan: PrebuildPlan) -> tuple[dict[str, Any], bool]:

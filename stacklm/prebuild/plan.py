@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 
 from stacklm.data.storage import manifest as mf
-from stacklm.data.storage.shards import ShardError, token_dtype
+from stacklm.data.storage.shards import token_dtype
 from stacklm.data.splits import SPLITS
-from stacklm.errors import ConfigError, StackLMError
+from stacklm.errors import ConfigError, PrebuildError
 
 STATE_DIR = ".prebuild"
 BUILD_FILE = "build.json"
@@ -21,10 +21,6 @@ REVISIONS_FILE = "revisions.json"
 DEFAULT_TOKENS_PER_SHARD = 100_000_000  # ~200 MB of uint16 per shard, as nanochat's shards
 # Fields of the config that do not change the written tokens (left out of the identity).
 _NON_CONTENT_FIELDS = ("num_threads", "batch_size", "drop_last")
-
-
-class PrebuildError(ShardError, StackLMError):
-    """The prebuild cannot start or continue; the message says why and what to do."""
 
 
 @dataclasses.dataclass(frozen=True)

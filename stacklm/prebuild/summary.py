@@ -60,6 +60,12 @@ def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None
         lines.append(f"    {src}: " + (", ".join(f"{r}={n:,}" for r, n in sorted(row.items())) if row else "none"))
     if not drops:
         lines.append("    none")
+    volume = top.get("read_volume")
+    if volume:
+        index = f"; piece index read once: {volume['index_bytes']:,} bytes" if volume.get("index_bytes") else ""
+        lines += ["", f"  read volume per pass (bytes read by all tasks / input {volume['input_total']:,} bytes{index}):"]
+        for p in volume["passes"]:
+            lines.append(f"    {p['pass']:<17} {p['split']:<6} {p['total']:>14,}  {p['ratio']:>6.2f}x")
     for split, report in (top.get("decontamination") or {}).items():
         from stacklm.data.quality.decontam import format_report  # here: the command line loads no torch before a command
 

@@ -41,7 +41,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from stacklm.atomic import atomic_write_bytes
 from stacklm.data.splits import SPLITS
+from stacklm.errors import PrebuildError
 from stacklm.optional import require
 
 require("datatrove", "scale", "the datatrove prebuild (stacklm.scale)")  # missing: an error naming the extra
@@ -176,7 +178,7 @@ class StackMixedDocuments(_StackStep):
         from stacklm.data.nodes import build_pipeline
         from stacklm.data.quality.decontam import chain_report
         from stacklm.data.storage.provenance import source_files
-        from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args
+        from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args, read_summary
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
@@ -193,6 +195,7 @@ class StackMixedDocuments(_StackStep):
             "ledger": pipeline_ledger(pipe, {}),
             "decontam": chain_report(pipe.chains),  # per evaluation set (None without decontaminate:)
             "provenance_files": {name: source_files(node) for name, node in pipe.sources.items()},
+            "read": read_summary(pipe),
         }
         yield Document(text="", id=f"{split}/{worker}/summary", metadata={SUMMARY_KEY: summary})
 
@@ -239,6 +242,10 @@ class StackDedupSignatures(_StackStep):
         split, worker = self.plan.job_of(rank, world_size)
         sig = signature_slice(self.plan.config, split, worker, self.plan.tasks_per_split)
         meta = write_signature_dir(sig, split, _sig_dirs(self.plan)[rank])
+        # this task's read volume per source (the cluster step sums it into the index's meta)
+        read = _sig_dirs(self.plan)[rank].with_suffix(".read.json")
+        names = [e["name"] for e in self.plan.config["mix"]["entries"]]
+        atomic_write_bytes(read, json.dumps({"split": split, "bytes": dict(zip(names, map(int, sig["bytes_in"])))}).encode())
         self.stat_update("docs", value=meta["n"])
         return
         yield
@@ -296,7 +303,14 @@ class StackDedupCluster(_StackStep):
             paths["exact" if column == "digest" else "near"].append(path)
         dirs = _sig_dirs(self.plan)
         removed = cluster_pairs(dirs, [load_pair_files(paths["exact"])], [load_pair_files(paths["near"])])
-        totals = write_index_shards(dirs, removed, state / INDEX_SHARDS, {"dedup": dataclasses.asdict(plan.config.dedup)})
+        bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
+        for d in dirs:
+            rec = json.loads(d.with_suffix(".read.json").read_text())
+            per = bytes_read.setdefault(rec["split"], {})
+            for src, n in rec["bytes"].items():
+                per[src] = per.get(src, 0) + int(n)
+        totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
+                                    {"dedup": dataclasses.asdict(plan.config.dedup), "bytes_read": bytes_read})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)
@@ -341,10 +355,11 @@ class StackShardWriter(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from types import SimpleNamespace
 
-        from stacklm.data.storage.provenance import ShardTracker, prov_path
+        from stacklm.data.storage.provenance import prov_path
         from stacklm.data.storage.shards import atomic_write_shard_file
         from stacklm.prebuild.jobs import job_name, remove_own_shards_from, write_job_shards
         from stacklm.prebuild.plan import STATE_DIR
+        from stacklm.prebuild.shard_tracker import ShardTracker
 
         split, worker = self.plan.job_of(rank, world_size)
         plan = self.built()
@@ -424,7 +439,7 @@ class StackManifestMerger(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.prebuild.jobs import job_name
         from stacklm.prebuild.manifests import finalize
-        from stacklm.prebuild.plan import STATE_DIR, PrebuildError
+        from stacklm.prebuild.plan import STATE_DIR
 
         from stacklm.data.storage.shards import remove_temp_files
 
@@ -478,7 +493,7 @@ def prebuild_executors(
     built-in defaults and any ``partition``/``time``/``cpus_per_task``/``mem_per_cpu_gb``/
     ``qos``/``env_command``/``sbatch_args`` keyword). Other keywords go to every executor.
     """
-    from stacklm.prebuild.build import resolve_tokenizer
+    from stacklm.prebuild.build import index_pieces, resolve_tokenizer
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
     from stacklm.scale.resources import ClusterPlan, LogTaskResources
@@ -494,6 +509,8 @@ def prebuild_executors(
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
+    # piece indexes built once, here; the task processes find them through the environment
+    index_pieces(plan.config, plan.workers, plan.out / STATE_DIR / "pieces")
     # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor
     # still writes logs, and OUT must end up exactly as `stacklm prebuild` leaves it.
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))

@@ -21,7 +21,8 @@ from pathlib import Path
 
 from datatrove.executor.slurm import SlurmPipelineExecutor, default_job_id_retriever, launch_slurm_job
 
-from stacklm.prebuild.plan import PrebuildError
+from stacklm.errors import PrebuildError, TaskFailed
+
 
 # sacct states after which an array task never completes
 FAILED_STATES = ("FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "REVOKED")
@@ -77,10 +78,6 @@ class StackSlurmExecutor(SlurmPipelineExecutor):
             ),
             partial(default_job_id_retriever, job_id_position=self.job_id_position),
         )
-
-
-class SlurmTaskFailed(PrebuildError):
-    """A task of the chain ended without completing (its message names the task and its logs)."""
 
 
 def submit_chain(chain: Sequence[SlurmPipelineExecutor]) -> None:
@@ -173,7 +170,7 @@ def _exit(code: str) -> str:
 def wait_for_chain(chain: Sequence[SlurmPipelineExecutor], poll_seconds: float = 30.0,
                    say: Callable[[str], None] = print, sleep: Callable[[float], None] = time.sleep) -> None:
     """Wait until every task of ``chain`` (``stage_chain(merge)``, after ``merge.run()``) has
-    completed; raise ``SlurmTaskFailed`` as soon as one cannot.
+    completed; raise ``TaskFailed`` as soon as one cannot.
 
     A task has failed when ``sacct`` reports it in a final state other than ``COMPLETED``, or
     (without accounting) when its job has left ``squeue`` and the task left no completion
@@ -220,7 +217,7 @@ def wait_for_chain(chain: Sequence[SlurmPipelineExecutor], poll_seconds: float =
                 cancelled = cancel_after(chain, ex)
                 error = _last_error(task_log) or (_last_error(slurm_log) if slurm_log.is_file() else "")
                 more = len(failed) - 1
-                raise SlurmTaskFailed(
+                raise TaskFailed(
                     f"slurm stage {ex.stacklm_stage!r}: {what}"
                     + (f" ({more} more task(s) of the stage failed too)" if more > 0 else "")
                     + (f": {error}" if error else "")

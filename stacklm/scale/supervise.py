@@ -35,18 +35,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stacklm.prebuild.plan import PrebuildError
+from stacklm.errors import PrebuildError, TaskFailed
+
 
 Describe = Callable[[Any, int], str]
-
-
-class TaskFailed(PrebuildError):
-    """A datatrove task died or raised; the run stopped. The message names the stage, the task
-    and its log; ``stage``, ``rank`` and ``log`` carry them."""
-
-    def __init__(self, message: str = "", stage: str = "", rank: int = -1, log: str = "") -> None:
-        super().__init__(message)
-        self.stage, self.rank, self.log = stage, rank, log
 
 
 def chain_of(last) -> list:

@@ -22,21 +22,13 @@ from typing import Any
 import regex
 
 from stacklm.atomic import atomic_write_text
-from stacklm.errors import StackLMError
+from stacklm.errors import TokenizerArtifactError
 from stacklm.tokenizer.specials import GPT4_PATTERN, N_BYTES
 
 ARTIFACT_NAME = "tokenizer.stacklm.json"  # the artifact's file name in a tokenizer directory
 ARTIFACT_FORMAT = "stacklm-bpe"
 ARTIFACT_VERSION = 1
 SPECIAL_NAME = regex.compile(r"<\|[A-Za-z0-9_]+\|>")  # what a special token's name looks like
-
-
-class TokenizerArtifactError(StackLMError, ValueError):
-    """A tokenizer file that cannot be loaded; the message names the file and the field."""
-
-
-class TokenizerImportError(TokenizerArtifactError):
-    """A foreign tokenizer file we cannot import faithfully; the message names file and field."""
 
 
 def unjoinable_token(merged: Sequence[bytes]) -> int | None:

@@ -27,7 +27,7 @@ from typing import Any, Literal
 import numpy as np
 import regex
 
-from stacklm.errors import StackLMError
+from stacklm.errors import LoneSurrogateError, LoneSurrogateWarning
 from stacklm.tokenizer.artifact import (
     SPECIAL_NAME,
     artifact_dict,
@@ -469,14 +469,6 @@ class StackTokenizer:
 
     def __repr__(self) -> str:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"
-
-
-class LoneSurrogateError(StackLMError, ValueError):
-    """``encode(..., strict=True)`` of a string holding a lone surrogate (not encodable as UTF-8)."""
-
-
-class LoneSurrogateWarning(UserWarning):
-    """``encode`` replaced lone surrogates with U+FFFD: that string does not round-trip."""
 
 
 def check_surrogates(text: str, strict: bool = False) -> None:

@@ -4,8 +4,9 @@ Any tokenizer can be measured: our ``StackTokenizer``, a ``tiktoken.Encoding``, 
 Face ``tokenizers.Tokenizer`` or ``transformers`` tokenizer, or a plain ``encode`` function;
 ``as_encoder`` wraps each in one small adapter that encodes text as *ordinary* text (special
 strings count as their bytes, never as one special id). Everything here is a pure function of
-its inputs; ``stacklm tok-eval`` loads the texts and tokenizers, calls ``compression_report``
-and ``merge_overlap_rows``, and prints ``format_report``.
+its inputs; ``stacklm tok-eval`` loads the texts (``stacklm.data.sources.text_input``: the
+tokenizer takes texts, it never reads files) and tokenizers, calls ``compression_report`` and
+``merge_overlap_rows``, and prints ``format_report``.
 
 Numbers: bytes/token = UTF-8 bytes / tokens (higher = better compression; a byte-level
 tokenizer scores exactly 1.0); chars/token uses code points, which is what matters for CJK.
@@ -203,25 +204,6 @@ def domain_texts_from_corpus(
     return {d: list(corpus.iter_domain(d, max_bytes)) for d in domains}
 
 
-def domain_texts_from_files(
-    files_by_domain: Mapping[str, Any], max_bytes: int = DEFAULT_DOMAIN_BYTES, *, text_column: str = "text"
-) -> tuple[dict[str, list[str]], dict[str, Any]]:
-    """Read user files per domain (paths or globs: text, JSON lines or parquet with
-    ``text_column``) through ``inputs.open_text_input``.
-
-    Returns ``(texts, audits)``: the byte-budgeted chunks per domain and each domain's
-    ``SampleAudit`` so the caller can print what was replaced or removed.
-    """
-    from stacklm.tokenizer.inputs import open_text_input
-
-    texts, audits = {}, {}
-    for domain, spec in files_by_domain.items():
-        sample = open_text_input(spec, max_bytes, text_column=text_column)
-        texts[domain] = list(sample)
-        audits[domain] = sample.audit
-    return texts, audits
-
-
 # ----------------------------------------------------------------------------- merges
 
 
@@ -392,7 +374,6 @@ __all__ = [
     "as_encoder",
     "compression_report",
     "domain_texts_from_corpus",
-    "domain_texts_from_files",
     "format_report",
     "measure_compression",
     "merge_overlap",

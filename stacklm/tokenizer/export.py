@@ -53,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.atomic import atomic_write_bytes, atomic_write_text
-from stacklm.tokenizer.artifact import TokenizerArtifactError
+from stacklm.errors import TokenizerArtifactError
 from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.specials import ESCAPED_SPECIAL_OPEN, SPECIAL_OPEN
 

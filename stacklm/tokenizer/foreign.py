@@ -22,7 +22,7 @@ from typing import Any
 
 import regex
 
-from stacklm.tokenizer.artifact import TokenizerImportError
+from stacklm.errors import TokenizerArtifactError
 from stacklm.tokenizer.rules import merge, replace_lone_surrogates
 from stacklm.tokenizer.segments import core_failure
 
@@ -81,7 +81,7 @@ class ForeignBPETokenizer:
         self.vocab_size = max(self._id_bytes) + 1
         self.missing_bytes = sorted(b for b in range(256) if bytes([b]) not in self._ranks)
         if self.missing_bytes and merges is None:
-            raise TokenizerImportError(
+            raise TokenizerArtifactError(
                 f"{source}: tiktoken ranks lack single-byte tokens {self.missing_bytes[:8]}...; "
                 "tiktoken cannot encode arbitrary text without them"
             )

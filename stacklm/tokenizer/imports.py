@@ -27,7 +27,8 @@ from typing import Any
 
 import regex
 
-from stacklm.tokenizer.artifact import ARTIFACT_NAME, SPECIAL_NAME, TokenizerImportError, unjoinable_token
+from stacklm.errors import TokenizerArtifactError
+from stacklm.tokenizer.artifact import ARTIFACT_NAME, SPECIAL_NAME, unjoinable_token
 from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.export import (
     DUPLICATE_PREFIX,
@@ -74,7 +75,7 @@ def resolve_pattern(spec: str) -> str:
     try:
         regex.compile(spec)
     except regex.error as e:
-        raise TokenizerImportError(
+        raise TokenizerArtifactError(
             f"pattern {spec!r} is neither a known name ({', '.join(TIKTOKEN_PATTERNS)}) nor a valid regex ({e})"
         ) from None
     return spec
@@ -130,21 +131,21 @@ def from_tiktoken(
             named_tokens = named_tokens if named_tokens is not None else meta["named_tokens"]
             expected = meta["ranks_sha256"]
         elif pattern is None:
-            raise TokenizerImportError(
+            raise TokenizerArtifactError(
                 f"{path}: a bare tiktoken ranks file carries no pre-tokenizer pattern; pass pattern=... "
                 "(e.g. stacklm.tokenizer.specials.GPT4_PATTERN for cl100k-style files)"
             )
         ranks = read_tiktoken_ranks(path, expected_sha256=expected)
     if pattern is None:
-        raise TokenizerImportError("from_tiktoken(ranks_dict) needs pattern=...")
+        raise TokenizerArtifactError("from_tiktoken(ranks_dict) needs pattern=...")
     try:
         regex.compile(pattern)
     except regex.error as e:
-        raise TokenizerImportError(f"{source}: pattern does not compile ({e})") from None
+        raise TokenizerArtifactError(f"{source}: pattern does not compile ({e})") from None
     named = {str(k): int(v) for k, v in (named_tokens or {}).items()}
     clash = set(named.values()) & set(ranks.values())
     if clash:
-        raise TokenizerImportError(f"{source}: named token ids {sorted(clash)[:5]} collide with mergeable ranks")
+        raise TokenizerArtifactError(f"{source}: named token ids {sorted(clash)[:5]} collide with mergeable ranks")
     layout = _stack_layout(ranks, named)
     meta = {"imported_from": source, "import_format": "tiktoken"}
     if layout is not None:
@@ -167,7 +168,7 @@ def _hf_pattern(p: Mapping[str, Any], where: str) -> str:
         return p["Regex"]
     if "String" in p:
         return regex.escape(p["String"])
-    raise TokenizerImportError(f"{where}: unknown pattern form {p!r}")
+    raise TokenizerArtifactError(f"{where}: unknown pattern form {p!r}")
 
 
 def _hf_normalizer(spec: Mapping[str, Any] | None, where: str) -> Callable[[str], str] | None:
@@ -179,7 +180,7 @@ def _hf_normalizer(spec: Mapping[str, Any] | None, where: str) -> Callable[[str]
     if kind == "Replace":
         pat = spec.get("pattern", {})
         if "String" not in pat:
-            raise TokenizerImportError(f"{where}.pattern: only string Replace normalizers are supported, got {pat!r}")
+            raise TokenizerArtifactError(f"{where}.pattern: only string Replace normalizers are supported, got {pat!r}")
         old, new = pat["String"], spec.get("content", "")
         return lambda s: s.replace(old, new)
     if kind == "Sequence":
@@ -192,13 +193,13 @@ def _hf_normalizer(spec: Mapping[str, Any] | None, where: str) -> Callable[[str]
             return s
 
         return seq
-    raise TokenizerImportError(f"{where}: normalizer type {kind!r} is not supported for import")
+    raise TokenizerArtifactError(f"{where}: normalizer type {kind!r} is not supported for import")
 
 
 def _hf_pretokenizer(spec: Mapping[str, Any] | None, where: str) -> tuple[list[str], list[int], bool]:
     """(split patterns in order, indexes that get a prefix space, saw ByteLevel)."""
     if spec is None:
-        raise TokenizerImportError(f"{where}: no pre_tokenizer; a byte-level BPE needs ByteLevel")
+        raise TokenizerArtifactError(f"{where}: no pre_tokenizer; a byte-level BPE needs ByteLevel")
     items = spec.get("pretokenizers") if spec.get("type") == "Sequence" else [spec]
     patterns: list[str] = []
     prefix_at: list[int] = []
@@ -207,10 +208,10 @@ def _hf_pretokenizer(spec: Mapping[str, Any] | None, where: str) -> tuple[list[s
         at = f"{where}[{i}]" if spec.get("type") == "Sequence" else where
         kind = p.get("type")
         if byte_level:
-            raise TokenizerImportError(f"{at}: {kind} after ByteLevel is not supported")
+            raise TokenizerArtifactError(f"{at}: {kind} after ByteLevel is not supported")
         if kind == "Split":
             if p.get("behavior") != "Isolated" or p.get("invert"):
-                raise TokenizerImportError(f"{at}: only Split(behavior='isolated', invert=False) is supported")
+                raise TokenizerArtifactError(f"{at}: only Split(behavior='isolated', invert=False) is supported")
             patterns.append(_hf_pattern(p.get("pattern", {}), f"{at}.pattern"))
         elif kind == "ByteLevel":
             byte_level = True
@@ -219,9 +220,9 @@ def _hf_pretokenizer(spec: Mapping[str, Any] | None, where: str) -> tuple[list[s
             if p.get("use_regex", True):
                 patterns.append(GPT2_PATTERN)
         else:
-            raise TokenizerImportError(f"{at}: pre-tokenizer {kind!r} is not supported for import")
+            raise TokenizerArtifactError(f"{at}: pre-tokenizer {kind!r} is not supported for import")
     if not byte_level:
-        raise TokenizerImportError(f"{where}: no ByteLevel pre-tokenizer; only byte-level BPE can be imported")
+        raise TokenizerArtifactError(f"{where}: no ByteLevel pre-tokenizer; only byte-level BPE can be imported")
     return patterns, prefix_at, byte_level
 
 
@@ -238,25 +239,25 @@ def from_hf_tokenizer_json(path: str | os.PathLike) -> StackTokenizer | ForeignB
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise TokenizerImportError(f"{path}: no tokenizer.json here") from None
+        raise TokenizerArtifactError(f"{path}: no tokenizer.json here") from None
     except json.JSONDecodeError as e:
-        raise TokenizerImportError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        raise TokenizerArtifactError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from None
     src = str(path)
     model = data.get("model") or {}
     if model.get("type") != "BPE":
-        raise TokenizerImportError(
+        raise TokenizerArtifactError(
             f"{src}: field 'model.type' is {model.get('type')!r}; only byte-level BPE can be imported"
         )
     for fld in ("dropout", "continuing_subword_prefix", "end_of_word_suffix"):
         if model.get(fld):
-            raise TokenizerImportError(f"{src}: field 'model.{fld}' = {model[fld]!r} is not supported for import")
+            raise TokenizerArtifactError(f"{src}: field 'model.{fld}' = {model[fld]!r} is not supported for import")
     if model.get("byte_fallback"):
-        raise TokenizerImportError(
+        raise TokenizerArtifactError(
             f"{src}: field 'model.byte_fallback' is set: that is a SentencePiece-style BPE, not byte-level"
         )
     dec = data.get("decoder") or {}
     if dec.get("type") != "ByteLevel":
-        raise TokenizerImportError(
+        raise TokenizerArtifactError(
             f"{src}: field 'decoder.type' is {dec.get('type')!r}; expected ByteLevel (byte-level BPE)"
         )
     normalize = _hf_normalizer(data.get("normalizer"), f"{src}: field 'normalizer'")
@@ -274,7 +275,7 @@ def from_hf_tokenizer_json(path: str | os.PathLike) -> StackTokenizer | ForeignB
             extra[int(i)] = ("DUP", first)  # resolved below
             continue
         if not set(s) <= byte_chars:
-            raise TokenizerImportError(
+            raise TokenizerArtifactError(
                 f"{src}: vocab entry {s!r} (id {i}) is not in the byte-level alphabet; not a byte-level BPE"
             )
         ranks[hf_to_token(s)] = int(i)
@@ -327,7 +328,7 @@ def load_foreign(path: str | os.PathLike) -> StackTokenizer | ForeignBPETokenize
             return StackTokenizer.load(path)
         if (path / "tokenizer.json").exists():
             return from_hf_tokenizer_json(path)
-        raise TokenizerImportError(f"{path}: no {ARTIFACT_NAME} or tokenizer.json in this directory")
+        raise TokenizerArtifactError(f"{path}: no {ARTIFACT_NAME} or tokenizer.json in this directory")
     if path.name.endswith(".stacklm.json"):
         return StackTokenizer.load(path)
     if path.suffix == ".json":

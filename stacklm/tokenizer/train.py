@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import regex
 
+from stacklm.tokenizer.specials import N_BYTES
+
 Pair = tuple[int, int]
 
 
@@ -110,7 +112,7 @@ def train_bpe(
     heap = [(-c, p) for p, c in pair_counts.items() if c > 0]
     heapq.heapify(heap)
 
-    token_bytes = [bytes([i]) for i in range(256)]
+    token_bytes = [bytes([i]) for i in range(N_BYTES)]
     merges: list[Pair] = []
     chosen_counts: list[int] = []
     while len(merges) < num_merges and heap:
@@ -122,7 +124,7 @@ def train_bpe(
             continue
         if current <= 0:
             break
-        new_id = 256 + len(merges)
+        new_id = N_BYTES + len(merges)
         a, b = pair
         merges.append(pair)
         chosen_counts.append(current)
@@ -154,7 +156,7 @@ def train_bpe(
         if progress is not None:
             progress(1)
     return BpeTrainOutput(
-        token_bytes=token_bytes[256:],
+        token_bytes=token_bytes[N_BYTES:],
         merges=merges,
         unique_chunks=len(counts),
         total_chunks=sum(counts.values()),
@@ -168,7 +170,7 @@ def train_naive(counts: Counter[str], num_merges: int) -> BpeTrainOutput:
     Quadratic in practice; only for the benchmark baseline and as a test oracle on small data.
     """
     words, freqs = _words_from_counts(counts)
-    token_bytes = [bytes([i]) for i in range(256)]
+    token_bytes = [bytes([i]) for i in range(N_BYTES)]
     merges: list[Pair] = []
     chosen: list[int] = []
     while len(merges) < num_merges:
@@ -179,7 +181,7 @@ def train_naive(counts: Counter[str], num_merges: int) -> BpeTrainOutput:
         if not pair_counts:
             break
         best = min(pair_counts, key=lambda p: (-pair_counts[p], p))
-        new_id = 256 + len(merges)
+        new_id = N_BYTES + len(merges)
         a, b = best
         for wi, ids in enumerate(words):
             if len(ids) >= 2:
@@ -187,4 +189,4 @@ def train_naive(counts: Counter[str], num_merges: int) -> BpeTrainOutput:
         merges.append(best)
         chosen.append(pair_counts[best])
         token_bytes.append(token_bytes[a] + token_bytes[b])
-    return BpeTrainOutput(token_bytes[256:], merges, len(counts), sum(counts.values()), chosen)
+    return BpeTrainOutput(token_bytes[N_BYTES:], merges, len(counts), sum(counts.values()), chosen)

@@ -25,15 +25,10 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stacklm.errors import ConfigError, StackLMError
-from stacklm.user_errors import is_user_error, user_error_message
+from stacklm.errors import ConfigError, StackLMError, is_user_error, user_error_message
 
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
-
-
-class TrainConfigError(ConfigError):
-    """The command line or a ``--config`` file of the trainer is wrong (jsonargparse refused it)."""
 
 
 def condense_parser_error(message: str, known: Sequence[str] = ()) -> str:
@@ -235,7 +230,7 @@ def quiet_third_party_notices() -> None:
     - the litlogger/litmodels tips (``_NoAdvert``).
 
     Lightning's "IterableDataset has __len__ ... duplicate data" warning is handled where our
-    loaders are built (``stacklm.datamodule.module``), which documents why the length is exact.
+    loaders are built (``stacklm.datamodule.stack_datamodule``), which documents why the length is exact.
     """
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
@@ -245,7 +240,7 @@ def quiet_third_party_notices() -> None:
 
 
 def _parser_class() -> type:
-    """LightningCLI's parser, raising ``TrainConfigError`` (one line) where jsonargparse would
+    """LightningCLI's parser, raising ``ConfigError`` (one line) where jsonargparse would
     print its usage and a multi-line message; ``--help`` and ``--print_config`` still exit 0."""
     from lightning.pytorch.cli import LightningArgumentParser
 
@@ -258,7 +253,7 @@ def _parser_class() -> type:
             text = condense_parser_error(message, known)
             # a nested parser (a class's init_args) raised one of ours already: keep its text once
             text = text.replace(_HINT, "").replace(where, "").strip()
-            raise TrainConfigError(f"{where}{text}{_HINT}") from ex
+            raise ConfigError(f"{where}{text}{_HINT}") from ex
 
     return StackArgumentParser
 

@@ -30,6 +30,7 @@ import lightning.pytorch as L
 import torch
 
 from stacklm.config import Config
+from stacklm.errors import ConfigError
 from stacklm.train.model import GPT, GPTConfig, check_batch, lm_token_loss
 
 
@@ -179,7 +180,6 @@ def load_init_weights(module: GPTModule, path: str, datamodule=None) -> str:
     data identity holds the tokenizer hash of the data it trained on; embedding rows of one
     tokenizer mean nothing under another). ``seq_len`` may differ (RoPE tables are not weights).
     Read with ``weights_only=True``: a checkpoint is data, never code."""
-    from stacklm.errors import ConfigError
 
     where = f"model.init_from: {path}"
     try:
@@ -222,7 +222,6 @@ def check_datamodule(datamodule, config: GPTConfig) -> None:
     differs from the model's. Attributes that are absent (or None) are not checked."""
     if datamodule is None:
         return
-    from stacklm.errors import ConfigError
 
     name = type(datamodule).__name__
     if getattr(datamodule, "mode", None) == "preference":

@@ -8,7 +8,6 @@ import pytest
 
 from stacklm.chat import (
     IGNORE_INDEX,
-    ChatFormatError,
     Turn,
     as_turns,
     render_conversation,
@@ -16,6 +15,7 @@ from stacklm.chat import (
     sft_targets,
     validate_conversation,
 )
+from stacklm.errors import ChatFormatError
 from stacklm.chat.formats import conversation_from_record, turns_from_messages
 from stacklm.corpus import iter_default_corpus
 from stacklm.tokenizer.bpe import train_from_iterable

@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from stacklm.chat import ChatFormatError, render_conversation
+from stacklm.chat import render_conversation
+from stacklm.errors import ChatFormatError
 from stacklm.chat.formats import (
     conversation_from_record,
     detect_format,

@@ -179,7 +179,7 @@ def test_missing_optional_dependency(tmp_path, tok_dir, capsys, monkeypatch):
 
 
 def test_user_error_messages():
-    from stacklm.user_errors import is_user_error, user_error_message
+    from stacklm.errors import is_user_error, user_error_message
 
     raw = ModuleNotFoundError("No module named 'wandb'", name="wandb")  # a direct import, not via require
     assert is_user_error(raw) and 'pip install "stacklm[wandb]"' in user_error_message(raw)
@@ -384,8 +384,7 @@ def test_sft_and_preference_sources_name_the_glob_that_matches_nothing(node, kin
     (a StackLMError: the CLIs print it as one line) naming the source and the pattern."""
     from stacklm.data.registry import SourceConfig
     from stacklm.data.sft import preference_pipeline, reader
-    from stacklm.data.sources import SourceNotFoundError
-    from stacklm.errors import StackLMError
+    from stacklm.errors import SourceNotFoundError, StackLMError
 
     monkeypatch.chdir(tmp_path)
     spec = SourceConfig("chats", kind=kind, path=path, data_files=(files,))
@@ -443,7 +442,7 @@ def test_the_data_schema_is_the_datamodule_signature():
     import inspect as pyinspect
 
     from stacklm.datamodule.modes import MODES
-    from stacklm.datamodule.module import StackDataModule
+    from stacklm.datamodule.stack_datamodule import StackDataModule
     from stacklm.datamodule.section import MODE_NAMES, DataSection
 
     params = {n: p.default for n, p in pyinspect.signature(StackDataModule.__init__).parameters.items() if n != "self"}
@@ -562,11 +561,11 @@ def shard_dir(tmp_path_factory, tok_dir):
 @pytest.mark.parametrize("index", [1.5, True, np.float32(2.0), "0", [[0, 1]], [0.5, 1.0], None])
 def test_a_wrong_index_type_is_a_typed_error(index, shard_dir):
     """Was: ``ds[1.5]`` returned a 2-D batch (np.asarray(1.5) as a row index)."""
-    from stacklm.data.storage.dataset import IndexTypeError, PackedMemmapDataset
-    from stacklm.errors import StackLMError
+    from stacklm.data.storage.dataset import PackedMemmapDataset
+    from stacklm.errors import ArgumentTypeError, StackLMError
 
     ds = PackedMemmapDataset(shard_dir, "train")
-    with pytest.raises(IndexTypeError) as info:
+    with pytest.raises(ArgumentTypeError) as info:
         ds[index]
     assert isinstance(info.value, (StackLMError, TypeError)) and "an index is an int, a slice or a 1-D sequence of ints" in str(info.value)
     assert ds[1]["input_ids"].ndim == 1 and ds[np.int64(1)]["input_ids"].ndim == 1
@@ -579,7 +578,7 @@ def test_encode_says_what_it_replaced(call, tokenizer_512):
     or with strict=True a typed error; valid text never warns (was: replaced silently)."""
     import warnings
 
-    from stacklm.tokenizer.bpe import LoneSurrogateError, LoneSurrogateWarning
+    from stacklm.errors import LoneSurrogateError, LoneSurrogateWarning
 
     fn = getattr(tokenizer_512, call)
     run = (lambda text, **kw: fn([text], **kw)[0]) if call == "encode_batch" else fn
@@ -618,14 +617,13 @@ def test_a_loader_workers_user_error_is_its_own_line():
     Traceback ..."; the user sees the worker's own message, with the worker named."""
     from torch._utils import ExceptionWrapper
 
-    from stacklm.data.storage.shards import ShardError
-    from stacklm.user_errors import user_error_message
+    from stacklm.errors import DataError, user_error_message
 
     try:
-        raise ShardError("shards/train/00001/tokens.bin: content hash 1 != manifest 2; run `stacklm verify shards`")
-    except ShardError:
+        raise DataError("shards/train/00001/tokens.bin: content hash 1 != manifest 2; run `stacklm verify shards`")
+    except DataError:
         wrapped = ExceptionWrapper(where="in DataLoader worker process 1")
-    with pytest.raises(ShardError) as info:
+    with pytest.raises(DataError) as info:
         wrapped.reraise()
     assert "Original Traceback" in str(info.value)
     assert user_error_message(info.value) == (

@@ -94,7 +94,7 @@ def test_user_error_is_one_line_and_debug_shows_the_traceback(tmp_path):
                   ["inspect", str(tmp_path / "c.jsonl"), "--tokenizer", missing, "--debug"]):
         res = _run(*debug, check=False)
         assert res.returncode == 1, debug
-        assert "Traceback (most recent call last)" in res.stderr and "InspectError" in res.stderr, debug
+        assert "Traceback (most recent call last)" in res.stderr and "UserError" in res.stderr, debug
 
 
 def test_os_error_on_a_user_path_is_one_line(tmp_path):
@@ -120,17 +120,11 @@ def test_a_bug_keeps_its_traceback(monkeypatch, capsys):
 
 
 def test_user_error_classes():
-    from stacklm.cli.app import is_user_error
-    from stacklm.cli.errors import CliError
-    from stacklm.data.storage.manifest import ManifestError
-    from stacklm.datamodule import DataConfigError
-    from stacklm.errors import StackLMError
-    from stacklm.inspector import InspectError
-    from stacklm.prebuild import PrebuildError
+    from stacklm.errors import DataConfigError, DataError, PrebuildError, StackLMError, UserError, is_user_error
 
-    for cls in (CliError, InspectError, PrebuildError, DataConfigError):
+    for cls in (UserError, PrebuildError, DataConfigError):
         assert issubclass(cls, StackLMError), cls
     assert issubclass(PrebuildError, RuntimeError) and issubclass(DataConfigError, ValueError)  # callers catch these
-    assert is_user_error(InspectError("x")) and is_user_error(FileNotFoundError("x"))
-    assert is_user_error(ManifestError("x"))  # a data-layer error: a StackLMError since the data layer adopted it
+    assert is_user_error(UserError("x")) and is_user_error(FileNotFoundError("x"))
+    assert is_user_error(DataError("x"))  # a data-layer error: a StackLMError since the data layer adopted it
     assert not is_user_error(ValueError("x")) and not is_user_error(KeyError("x"))

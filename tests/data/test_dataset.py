@@ -13,9 +13,11 @@ from torchdata.nodes import Loader, Mapper
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.storage import manifest as mf
-from stacklm.data.storage.dataset import ElasticBatchNode, ElasticSampler, PackedMemmapDataset, derive_batch, verify_shard_set
+from stacklm.data.storage.dataset import PackedMemmapDataset, derive_batch, verify_shard_set
+from stacklm.datamodule.resume.sampler import ElasticBatchNode, ElasticSampler
 from stacklm.data.packing.pack import collate, pack_best_fit, pack_greedy, window_to_example
-from stacklm.data.storage.shards import ShardError, dtype_name, token_dtype, tokens_path, write_shard
+from stacklm.data.storage.shards import dtype_name, token_dtype, tokens_path, write_shard
+from stacklm.errors import DataError
 from tests.helpers.resume import check_save_load_state
 
 SEQ_LEN = 64
@@ -160,7 +162,7 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
 
     w = windows["best_fit"][:40]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(mf.ManifestError, match="is empty.*stacklm prebuild"):
+    with pytest.raises(DataError, match="is empty.*stacklm prebuild"):
         PackedMemmapDataset(tmp_path / "empty")
 
     def fresh(name, parts=(w[:20], w[20:])):
@@ -170,49 +172,51 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
 
     d = fresh("nomanifest")
     (d / "manifest.json").unlink()
-    with pytest.raises(mf.ManifestError, match="manifest.json is missing"):
+    with pytest.raises(DataError, match="manifest.json is missing"):
         PackedMemmapDataset(d)
 
     d = fresh("truncated")
     with open(tokens_path(d, "shard_00001"), "r+b") as f:
         f.truncate(100)
-    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin is 100 bytes .* truncated"):
+    with pytest.raises(DataError, match=r"shard_00001.tokens.bin is 100 bytes .* truncated"):
         PackedMemmapDataset(d)
 
     d = fresh("nometa")
     (d / "shard_00000.meta.bin").unlink()
-    with pytest.raises(ShardError, match="shard_00000.meta.bin is missing"):
+    with pytest.raises(DataError, match="shard_00000.meta.bin is missing"):
         PackedMemmapDataset(d)
 
     other = StackTokenizer([b"ab"], vocab_size=tok.vocab_size)
-    with pytest.raises(mf.ManifestError, match="tokenizer .* ids would mean other tokens"):
+    with pytest.raises(DataError, match="tokenizer .* ids would mean other tokens"):
         PackedMemmapDataset(fresh("othertok"), tokenizer=other)
+    with pytest.raises(TypeError, match=r"pass the loaded tokenizer"):  # data/ never loads a tokenizer itself
+        PackedMemmapDataset(fresh("bypath"), tokenizer=tmp_path)
 
     d = fresh("stray")
     write_shard(d, 7, w[:2], token_dtype(tok.vocab_size))
-    with pytest.raises(ShardError, match="does not list.*shard_00007"):
+    with pytest.raises(DataError, match="does not list.*shard_00007"):
         PackedMemmapDataset(d)
 
     bad = w.copy()
     bad[33, 5] = tok.vocab_size + 3  # fits uint16, not the vocab
     d = fresh("overvocab", (bad[:20], bad[20:]))
-    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
+    with pytest.raises(DataError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
         PackedMemmapDataset(d)
     unchecked = PackedMemmapDataset(d, sample_rows=0)  # the sample check skipped on open
     unchecked.get_batch([0, 1, 32])  # rows without the bad id are served
-    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
+    with pytest.raises(DataError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051 >= vocab_size 2048"):
         unchecked.get_batch([4, 33, 2])  # every batch is checked before it reaches the model
     loader = torch.utils.data.DataLoader(_Batches(unchecked, [[0, 1], [33, 3]]), batch_size=None, num_workers=1)
-    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13"):  # the same from a loader worker
+    with pytest.raises(DataError, match=r"shard_00001.tokens.bin: row 13"):  # the same from a loader worker
         list(loader)
-    with pytest.raises(ShardError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051"):
+    with pytest.raises(DataError, match=r"shard_00001.tokens.bin: row 13 holds token id 2051"):
         verify_shard_set(d, progress=False)
 
     d = fresh("wrongbos")
     m = mf.read_manifest(d)
     m["bos_id"] = 7  # an ordinary byte id: never a document start
     mf.write_manifest(d, m)
-    with pytest.raises(mf.ManifestError, match="bos_id 7 occurs in none"):
+    with pytest.raises(DataError, match="bos_id 7 occurs in none"):
         PackedMemmapDataset(d)
 
     d = fresh("edited")
@@ -220,7 +224,7 @@ def test_bad_shard_sets_give_clear_errors(tmp_path, tok, windows):
     raw[10] ^= 1
     tokens_path(d, "shard_00000").write_bytes(bytes(raw))
     PackedMemmapDataset(d)  # size and sampled ids are fine (opening does not hash)...
-    with pytest.raises(ShardError, match="content hash"):
+    with pytest.raises(DataError, match="content hash"):
         verify_shard_set(d, progress=False)  # ...the full check is not
     report = verify_shard_set(fresh("good"), tokenizer=tok, progress=False)
     assert report["train"]["rows"] == 40 and report["train"]["max_id"] < tok.vocab_size
@@ -258,10 +262,10 @@ def test_content_hash_is_checked_where_rows_are_first_read(tmp_path, tok, window
     msg = (rf"{re.escape(str(tokens_path(d, 'shard_00001')))}: content hash [0-9a-f]{{16}} differs from [0-9a-f]{{16}} "
            rf"listed for shard 'shard_00001' in {re.escape(str(d / 'manifest.json'))}: .*`stacklm verify {re.escape(str(d))}`")
     for _ in range(2):  # and again: a failed check is not remembered as passed
-        with pytest.raises(ShardError, match=msg):
+        with pytest.raises(DataError, match=msg):
             rotten.get_batch([3, 21])
     loader = torch.utils.data.DataLoader(_Batches(PackedMemmapDataset(d), [[0, 1], [30, 2]]), batch_size=None, num_workers=1)
-    with pytest.raises(ShardError, match="shard_00001.tokens.bin: content hash"):  # from a loader worker
+    with pytest.raises(DataError, match="shard_00001.tokens.bin: content hash"):  # from a loader worker
         list(loader)
     quiet = PackedMemmapDataset(d, verify_content=False)  # the opt-out reads it without a word
     flipped = quiet.rows(np.arange(40))
@@ -276,7 +280,7 @@ def test_content_hash_is_checked_where_rows_are_first_read(tmp_path, tok, window
     _flip_inside_vocab(tokens_path(d, "shard_00000"), tok, at=3)
     ds.get_batch([0])  # this process checked shard 0 already: not hashed again
     loader = torch.utils.data.DataLoader(_Batches(ds, [[0]]), batch_size=None, num_workers=1, multiprocessing_context="fork")
-    with pytest.raises(ShardError, match="shard_00000.tokens.bin: content hash"):
+    with pytest.raises(DataError, match="shard_00000.tokens.bin: content hash"):
         list(loader)
 
     for label, value in (("zeroed", "0" * 16), ("garbled", "not-a-hash"), ("empty", ""), ("missing", None)):
@@ -293,9 +297,9 @@ def test_content_hash_is_checked_where_rows_are_first_read(tmp_path, tok, window
             match = rf"differs from 0{{16}} listed for shard 'shard_00001' in {re.escape(str(d / 'manifest.json'))}.*stacklm verify"
         else:
             match = rf"{re.escape(str(d / 'manifest.json'))}: shard 'shard_00001' lists content hash \(field 'xxh64'\) .*not 16 hex digits.*stacklm verify"
-        with pytest.raises(ShardError, match=match):
+        with pytest.raises(DataError, match=match):
             ds.get_batch([33])
-        with pytest.raises(ShardError, match=match):
+        with pytest.raises(DataError, match=match):
             verify_shard_set(d, progress=False)  # `verify` refuses the same manifest the same way
         PackedMemmapDataset(d, verify_content=False).get_batch([33])
     with pytest.raises(TypeError, match="verify_content must be True or False"):

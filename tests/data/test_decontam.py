@@ -196,7 +196,8 @@ def _stage_output(cfg: PipelineConfig, tok):
     pipe = build_pipeline(cfg, tok, "train")
     node = pipe.chains["web"]["decontam"]
     node.reset(None)
-    return list(node), node
+    # in file order (the source reads its pieces in a spread order: docs/architecture.md)
+    return sorted(node, key=lambda d: (d["file"], d["record"])), node
 
 
 def test_drop_mode_drops_exactly_the_contaminated_and_reports_them(data, tok):
@@ -346,6 +347,22 @@ def test_config_errors_name_the_field(data):
         dc.DecontamConfig.from_dict(decontam_section(root, mode="mask"))
 
 
+def test_an_empty_or_broken_set_file_is_one_error_naming_the_set(tmp_path):
+    # datasets says "empty file" as a bare StopIteration and "broken file" as pyarrow's error;
+    # either must reach the user as a ConfigError naming the set and its file, and an empty
+    # set must not pass as configured (it would decontaminate nothing)
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "broken.jsonl").write_text('{"question": "a"\n')
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    cases = {"empty.jsonl": "holds no records", "broken.jsonl": "cannot be read: ArrowInvalid", "broken.parquet": "cannot be read: ArrowInvalid"}
+    for name, message in cases.items():
+        cfg = dc.DecontamConfig.from_dict({"cache_dir": str(tmp_path / "cache"), "sets": [
+            {"name": "ev", "files": [str(tmp_path / name)], "fields": ["question"]}]})
+        with pytest.raises(ConfigError, match=f"decontaminate set 'ev' \\(.*{re.escape(name)}\\): {message}") as e:
+            dc.ensure_index(cfg)
+        assert "\n" not in str(e.value)
+
+
 def test_without_the_section_the_config_hash_is_unchanged(data):
     root = data[0]
     plain = data_section(root)
@@ -358,3 +375,28 @@ def test_without_the_section_the_config_hash_is_unchanged(data):
     assert cfg.config_hash() == Config.config_hash(cfg, exclude=("num_threads", "decontaminate"))
     assert PipelineConfig.from_dict(data_section(root)).config_hash() != cfg.config_hash()
     assert dataclasses.replace(cfg).config_hash() == cfg.config_hash()
+
+
+@pytest.mark.slow
+def test_stream_datamodule_with_two_workers_shares_one_index(data, tokenizer_512, saved_tokenizer_dir, tmp_path):
+    """``StackDataModule(mode="stream")`` builds the index in the main process before its
+    forkserver workers start; they memory-map it (one folder), and their reports reach
+    ``data_stats()`` as the callback reads it, adding up with the ledger."""
+    from stacklm.callbacks import data_scalars
+    from stacklm.datamodule import StackDataModule
+
+    root, records, texts, grams = data
+    pipeline = data_section(root, total=20_000, holdout=0.1)
+    dm = StackDataModule(mode="stream", tokenizer=str(saved_tokenizer_dir(tokenizer_512)), pipeline=pipeline,
+                         seq_len=SEQ_LEN, batch_size=4, num_workers=2)
+    dm.setup("fit")
+    for _ in dm.train_dataloader():
+        pass
+    stats = dm.data_stats()
+    assert len(list((tmp_path / "cache" / "decontam").iterdir())) == 1
+    report = stats["decontamination"]["sets"]
+    dropped = stats["ledger"]["sources"]["web"]["docs"]["dropped"]
+    assert stats["ledger"]["ok"] and sum(r["docs"] for r in report.values()) > 0
+    for name in ("qa", "code"):
+        assert dropped.get(f"decontam/{name}", 0) == report[name]["docs"] == data_scalars(stats)[f"data/decontam/{name}/docs"]
+        assert all(tuple(ex["ngram"].split()) in grams[name] for ex in report[name]["examples"])

@@ -28,7 +28,8 @@ from stacklm.data.dedup import (
 from tests.helpers.synthetic_edits import inject_edits
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
-from stacklm.prebuild import PrebuildError, lock_out_dir, prebuild, state_dir_of
+from stacklm.prebuild import lock_out_dir, prebuild, state_dir_of
+from stacklm.errors import PrebuildError
 from stacklm.prebuild.dedup_pass import build_dedup_index
 
 REPO = Path(__file__).resolve().parents[2]

@@ -15,16 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.registry import DataMixError, SourceConfig
-from stacklm.data.sources import (
-    HFStreamSource,
-    LocalFileSource,
-    ShardSpec,
-    SourceError,
-    TextColumnError,
-    open_source,
-)
-from stacklm.data.sources.errors import InvalidRecordError
+from stacklm.data.registry import SourceConfig
+from stacklm.errors import ConfigError
+from stacklm.data.sources import HFStreamSource, LocalFileSource, ShardSpec, open_source
+from stacklm.errors import InvalidRecordError, SourceError, TextColumnError
 from tests.helpers.resume import check_save_load_state
 
 GOOD = "A sentence of real words, long enough to be a document for these tests. "
@@ -91,7 +85,7 @@ def test_on_invalid_raise_stops_at_the_first_bad_row_naming_file_and_line(tmp_pa
 
 def test_on_invalid_is_validated_and_defaults_to_skip():
     assert SourceConfig(name="a", kind="synthetic", weight=1.0, domain="prose").invalid_policy() == "skip"
-    with pytest.raises(DataMixError, match=r"'on_invalid' must be one of \('skip', 'raise'\)"):
+    with pytest.raises(ConfigError, match=r"'on_invalid' must be one of \('skip', 'raise'\)"):
         SourceConfig.from_dict({"name": "a", "kind": "synthetic", "weight": 1.0, "domain": "prose", "on_invalid": "ignore"})
 
 
@@ -165,7 +159,7 @@ def test_strided_readers_skip_each_bad_row_once(tmp_path, readers):
 
 
 def test_sft_reader_skips_and_counts_bad_rows_and_a_source_can_raise(tmp_path, tokenizer_512):
-    from stacklm.chat import ChatFormatError
+    from stacklm.errors import ChatFormatError
     from stacklm.data.sft import SFTConfig, build_sft_pipeline
     from stacklm.data.sft.reader import ConversationSource
 

@@ -20,6 +20,7 @@ import pytest
 from stacklm.cli import main as stacklm_main
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.dataset import PackedMemmapDataset
+from stacklm.errors import DataError
 from stacklm.prebuild import prebuild
 from tests.helpers.prebuild import TOKENS_PER_SHARD, config
 
@@ -85,7 +86,7 @@ def test_the_unplanted_build_passes_every_entry_point(ref, tok_dir, capsys):
 
 def test_the_loader_refuses_a_name_that_leaves_the_split(planted):
     out, name = planted
-    with pytest.raises(mf.ManifestError) as e:
+    with pytest.raises(DataError) as e:
         PackedMemmapDataset(out / "train")
     _refused_line(str(e.value), out, name)
 
@@ -128,6 +129,6 @@ def test_a_split_name_or_path_that_leaves_the_build_is_refused(ref, tmp_path, ca
 
 @pytest.mark.parametrize("name", ["", ".", "..", "x\\y", "x\0y", 7, None])
 def test_other_non_names(name):
-    with pytest.raises(mf.ManifestError, match=r"field 'shards\[1\]\.name' is .*not a plain shard file name"):
+    with pytest.raises(DataError, match=r"field 'shards\[1\]\.name' is .*not a plain shard file name"):
         mf.check_names({"shards": [{"name": "shard_00000"}, {"name": name}]}, Path("/d/train/manifest.json"))
     assert mf.is_plain_name("shard_00000") and mf.is_plain_name("shard..x")

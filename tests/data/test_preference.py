@@ -13,7 +13,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.chat import ChatFormatError, render_conversation
+from stacklm.chat import render_conversation
+from stacklm.errors import ChatFormatError
 from stacklm.chat.policy import LossPolicy
 from stacklm.data.registry import SourceConfig
 from stacklm.data.sft import SFTConfig

@@ -26,6 +26,7 @@ from pathlib import Path  # noqa: E402
 from stacklm.cli import main as stacklm_main  # noqa: E402
 from stacklm.data.storage import remote  # noqa: E402
 from stacklm.data.storage.dataset import PackedMemmapDataset  # noqa: E402
+from stacklm.errors import RemoteError
 from tests.helpers.datamodule import BATCH, SEQ_LEN, crash_and_resume, stream_pipeline  # noqa: E402
 
 
@@ -104,7 +105,7 @@ def test_killed_upload_leaves_no_finished_set_and_the_rerun_completes_it(s3_buck
     with pytest.raises(KeyboardInterrupt):
         _build(tokenizer_dir, url)
     assert len(fs.find(f"{bucket}/killed")) == 5 and not fs.exists(f"{bucket}/killed/manifest.json")
-    with pytest.raises(remote.RemoteError, match=r"manifest.json is missing: .* is not a finished shard set"):
+    with pytest.raises(RemoteError, match=r"manifest.json is missing: .* is not a finished shard set"):
         PackedMemmapDataset(url)
     monkeypatch.setattr(remote, "put_file", real_put)
     staged = remote.staging_dir(url)
@@ -131,7 +132,7 @@ def test_mirror_checks_each_download_and_leaves_no_half_file(s3_bucket, tokenize
     m = json.loads((local / "train" / "manifest.json").read_bytes())
     m["shards"][1]["xxh64"] = "0" * 16  # make the cache think its copy is stale, so it downloads
     (local / "train" / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(remote.RemoteError, match=rf"s3://{key}: downloaded .* content hash .* \(twice\)"):
+    with pytest.raises(RemoteError, match=rf"s3://{key}: downloaded .* content hash .* \(twice\)"):
         remote.mirror(url)
     assert not (local / "train" / "shard_00001.tokens.bin").exists()
     assert not (local / "train" / "manifest.json").exists()  # the split is not a finished mirror now
@@ -158,7 +159,7 @@ def test_throttling_is_retried_with_backoff_and_counted(s3_bucket, s3_server, lo
         assert (local / "train" / "shard_00000.tokens.bin").exists()
         # throttled for longer than the retries last: one error naming the URL
         s3_server.faults.slow_down(100, path_contains="/t/manifest.json")
-        with pytest.raises(remote.RemoteError, match=rf"s3://{bucket}/t/manifest.json: reading failed after {remote.MAX_ATTEMPTS} attempts"):
+        with pytest.raises(RemoteError, match=rf"s3://{bucket}/t/manifest.json: reading failed after {remote.MAX_ATTEMPTS} attempts"):
             remote.mirror(f"s3://{bucket}/t")
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -168,14 +169,14 @@ def test_bad_credentials_and_a_missing_bucket_are_one_error_naming_the_url(s3_bu
     import s3fs
 
     fs, bucket = s3_bucket
-    with pytest.raises(remote.RemoteError, match=r"s3://no-such-bucket-27/x/manifest.json: the bucket s3://no-such-bucket-27 does not exist"):
+    with pytest.raises(RemoteError, match=r"s3://no-such-bucket-27/x/manifest.json: the bucket s3://no-such-bucket-27 does not exist"):
         PackedMemmapDataset("s3://no-such-bucket-27/x")
     fs.put(str(local_build) + "/", f"{bucket}/c", recursive=True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrongkey")
     s3_server.faults.bad_keys.add("wrongkey")
     s3fs.S3FileSystem.clear_instance_cache()
     try:
-        with pytest.raises(remote.RemoteError, match=rf"s3://{bucket}/c/manifest.json: access denied while reading .*check the credentials"):
+        with pytest.raises(RemoteError, match=rf"s3://{bucket}/c/manifest.json: access denied while reading .*check the credentials"):
             remote.mirror(f"s3://{bucket}/c")
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
@@ -188,7 +189,7 @@ def test_lightning_fit_from_s3_with_two_workers_is_killed_and_resumes_exactly(s3
     did after the checkpoint, and those equal a local-directory run's (same content). The resume
     guard compares content: the s3 data's identity is the local copy's."""
     from stacklm.datamodule import StackDataModule
-    from stacklm.datamodule.identity import data_identity
+    from stacklm.datamodule.resume.identity import data_identity
 
     fs, bucket = s3_bucket
     url = f"s3://{bucket}/fit"
@@ -266,5 +267,5 @@ def test_cache_limit_evicts_the_least_recently_used_mirror_not_one_in_use(s3_buc
     c = remote.mirror(f"s3://{bucket}/c")  # b is open here: kept, and the excess is said
     assert b.exists() and c.exists() and "open in running processes" in capsys.readouterr().err
     monkeypatch.setenv("STACKLM_CACHE_MAX_BYTES", str(tokens // 2))
-    with pytest.raises(remote.RemoteError, match=rf"s3://{bucket}/a needs .* bytes of local cache but STACKLM_CACHE_MAX_BYTES"):
+    with pytest.raises(RemoteError, match=rf"s3://{bucket}/a needs .* bytes of local cache but STACKLM_CACHE_MAX_BYTES"):
         remote.mirror(f"s3://{bucket}/a")

@@ -10,13 +10,7 @@ from torchdata.nodes import BaseNode, IterableWrapper
 from stacklm.data.mix.mix import MixNode, TokenBudgetMixer, mix_budgeted
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.registry import DataMix, SourceConfig
-from stacklm.data.mix.schedule import (
-    MixScheduleConfig,
-    MixScheduleError,
-    compile_schedule,
-    merge_phase_reports,
-    temperature_weights,
-)
+from stacklm.data.mix.schedule import MixScheduleConfig, compile_schedule, merge_phase_reports, temperature_weights
 from stacklm.errors import ConfigError
 from tests.helpers.resume import check_save_load_state
 
@@ -167,7 +161,7 @@ def test_caps_with_phases_and_temperature_water_fill():
 
 def test_caps_that_cannot_hold_the_budget_are_a_config_error():
     sched = MixScheduleConfig.from_dict({"sizes": {"web": 10, "code": 10, "math": 10}, "max_epochs": 1})
-    with pytest.raises(MixScheduleError, match="max_epochs"):
+    with pytest.raises(ConfigError, match="max_epochs"):
         compile_schedule(sched, NAMES, BASE, 1000)
 
 

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from stacklm.chat import IGNORE_INDEX, ChatFormatError, as_turns, render_conversation, sft_targets
+from stacklm.chat import IGNORE_INDEX, as_turns, render_conversation, sft_targets
+from stacklm.errors import ChatFormatError
 from stacklm.configs import CONFIG_DIR
 from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.packing.masks import dense_mask
@@ -25,7 +26,8 @@ from stacklm.data.sft import (
     collate_sft,
     sft_batch,
 )
-from stacklm.data.sources import EmptySourceError, ShardSpec
+from stacklm.data.sources import ShardSpec
+from stacklm.errors import SourceError
 from stacklm.data.stats import StageStats
 from tests.helpers.resume import check_save_load_state
 from tests.helpers.sft import make_conversations, write_jsonl
@@ -223,7 +225,7 @@ def test_all_rejected_source_is_an_error_naming_the_reasons(tok, tmp_path):
     path = write_jsonl(tmp_path / "q.jsonl", [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(5)])
     node = ConversationSource(SourceConfig("q", path=(str(path),)))
     node.reset()
-    with pytest.raises(EmptySourceError, match=r"all 5 conversations .* rejected .*no_assistant"):
+    with pytest.raises(SourceError, match=r"all 5 conversations .* rejected .*no_assistant"):
         list(node)
 
 

@@ -12,7 +12,7 @@ import pytest
 from stacklm import atomic
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage import shards as sh
-from stacklm.data.storage.shards import ShardError, ShardWriteError
+from stacklm.errors import DataError, ShardWriteError
 
 
 def _files(d):
@@ -83,23 +83,23 @@ def test_meta_and_size_errors_name_the_file(tmp_path):
     sh.write_shard(tmp_path, 0, np.ones((4, 8)), dtype)
     tokens = sh.tokens_path(tmp_path, "shard_00000")
     meta = sh.meta_path(tmp_path, "shard_00000")
-    with pytest.raises(ShardError, match="seq_len=8 but the manifest says 16"):
+    with pytest.raises(DataError, match="seq_len=8 but the manifest says 16"):
         sh.check_shard_files(tmp_path, "shard_00000", dtype, 16)
-    with pytest.raises(ShardError, match="n_seq=4 but the manifest lists 5"):
+    with pytest.raises(DataError, match="n_seq=4 but the manifest lists 5"):
         sh.check_shard_files(tmp_path, "shard_00000", dtype, 8, 5)
     with open(tokens, "r+b") as f:
         f.truncate(40)
-    with pytest.raises(ShardError, match="truncated") as exc:
+    with pytest.raises(DataError, match="truncated") as exc:
         sh.check_shard_files(tmp_path, "shard_00000", dtype, 8, 4)
     assert exc.value.path == str(tokens) and "stacklm prebuild" in str(exc.value)
     meta.write_bytes(b"\x00" * 9)
-    with pytest.raises(ShardError, match="is 9 bytes"):
+    with pytest.raises(DataError, match="is 9 bytes"):
         sh.read_meta(meta)
     meta.unlink()
-    with pytest.raises(ShardError, match="meta.bin is missing"):
+    with pytest.raises(DataError, match="meta.bin is missing"):
         sh.check_shard_files(tmp_path, "shard_00000", dtype, 8)
     tokens.unlink()
-    with pytest.raises(ShardError, match="tokens.bin is missing"):
+    with pytest.raises(DataError, match="tokens.bin is missing"):
         sh.check_shard_files(tmp_path, "shard_00000", dtype, 8)
 
 
@@ -131,27 +131,27 @@ def test_manifest_round_trip_is_deterministic_bytes(tmp_path):
 
 
 def test_manifest_errors(tmp_path):
-    with pytest.raises(mf.ManifestError, match="does not exist"):
+    with pytest.raises(DataError, match="does not exist"):
         mf.read_manifest(tmp_path / "nope")
-    with pytest.raises(mf.ManifestError, match="is empty"):
+    with pytest.raises(DataError, match="is empty"):
         mf.read_manifest(tmp_path)
     (tmp_path / "train").mkdir()
     (tmp_path / "train" / "shard_00000.tokens.bin").write_bytes(b"")
-    with pytest.raises(mf.ManifestError, match="not a finished shard set"):
+    with pytest.raises(DataError, match="not a finished shard set"):
         mf.read_manifest(tmp_path / "train")
     (tmp_path / ".prebuild").mkdir()  # a prebuild in progress (or killed): say how to resume
-    with pytest.raises(mf.ManifestError, match="has not finished.*resume"):
+    with pytest.raises(DataError, match="has not finished.*resume"):
         mf.read_manifest(tmp_path / "train")
     (tmp_path / "manifest.json").write_text("{not json")
-    with pytest.raises(mf.ManifestError, match="not readable JSON"):
+    with pytest.raises(DataError, match="not readable JSON"):
         mf.read_manifest(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps(_minimal_manifest(format="other")))
-    with pytest.raises(mf.ManifestError, match="not a stacklm shard manifest"):
+    with pytest.raises(DataError, match="not a stacklm shard manifest"):
         mf.read_manifest(tmp_path)
     broken = _minimal_manifest()
     del broken["tokenizer_hash"]
     (tmp_path / "manifest.json").write_text(json.dumps(broken))
-    with pytest.raises(mf.ManifestError, match="tokenizer_hash"):
+    with pytest.raises(DataError, match="tokenizer_hash"):
         mf.read_manifest(tmp_path)
 
 
@@ -199,8 +199,10 @@ def test_tokenizer_hash_ignores_metadata_but_not_ids(tmp_path):
     same = StackTokenizer([b"ab", b"abc"], vocab_size=300, metadata={"train_seconds": 2.0})
     other = StackTokenizer([b"ab", b"bc"], vocab_size=300)
     tok.save(tmp_path / "tokenizer.stacklm.json")
-    assert mf.tokenizer_hash(tok) == mf.tokenizer_hash(same) == mf.tokenizer_hash(tmp_path)
+    assert mf.tokenizer_hash(tok) == mf.tokenizer_hash(same) == mf.tokenizer_hash(StackTokenizer.load(tmp_path))
     assert mf.tokenizer_hash(tok) != mf.tokenizer_hash(other)
+    with pytest.raises(TypeError, match=r"StackTokenizer\.load\(path\)"):  # data/ takes it loaded, never loads one
+        mf.tokenizer_hash(tmp_path)
 
 
 def test_hub_revisions_are_resolved_when_reachable(monkeypatch):

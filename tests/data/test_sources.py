@@ -23,22 +23,20 @@ import zstandard
 
 from stacklm.data.audit import ByteAudit, clean_text, record_audit
 from stacklm.data.quality.filters import FilterNode
-from stacklm.data.registry import STACK_100M, DataMix, SourceConfig, DataMixError, get_mix
+from stacklm.data.registry import STACK_100M, DataMix, SourceConfig, get_mix
+from stacklm.errors import ConfigError
 from stacklm.data.sources import (
-    EmptySourceError,
     HFStreamSource,
     LocalFileSource,
     ShardSpec,
-    SourceError,
-    SourceNotFoundError,
     SyntheticSource,
-    TextColumnError,
     assign_parts,
     open_source,
     owns_row,
     synthetic_duplicate_of,
     synthetic_text,
 )
+from stacklm.errors import SourceError, SourceNotFoundError, TextColumnError
 from stacklm.data.stats import StageStats
 from tests.helpers.resume import check_save_load_state
 
@@ -133,7 +131,7 @@ def test_mix_round_trips_through_yaml_and_pins_revisions():
 def test_mix_validation_names_entry_and_field(change, words):
     data = STACK_100M.to_dict()
     data["entries"][0].update(change)
-    with pytest.raises(DataMixError) as err:
+    with pytest.raises(ConfigError) as err:
         DataMix.from_dict(data)
     for word in words:
         assert word in str(err.value)
@@ -141,7 +139,7 @@ def test_mix_validation_names_entry_and_field(change, words):
 
 def test_mix_rejects_duplicate_names():
     e = STACK_100M.entries[0]
-    with pytest.raises(DataMixError, match="twice"):
+    with pytest.raises(ConfigError, match="twice"):
         DataMix("x", 10, (SourceConfig(**{**e.to_dict(), "weight": 0.5}), SourceConfig(**{**e.to_dict(), "weight": 0.5})))
 
 
@@ -307,12 +305,12 @@ def test_misspelt_text_column_names_column_available_and_source(tmp_path):
 
 def test_empty_sources_raise_instead_of_yielding_nothing(tmp_path):
     (tmp_path / "empty.jsonl").write_bytes(b"")
-    with pytest.raises(EmptySourceError, match="contains no rows"):
+    with pytest.raises(SourceError, match="contains no rows"):
         next(LocalFileSource("empty", str(tmp_path / "empty.jsonl"), "prose"))
     write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}] * 30)
-    with pytest.raises(EmptySourceError, match="first 20 rows"):
+    with pytest.raises(SourceError, match="first 20 rows"):
         next(LocalFileSource("blank", str(tmp_path / "blank.jsonl"), "prose", first_rows_check=20))
-    with pytest.raises(EmptySourceError, match="all 30 rows"):
+    with pytest.raises(SourceError, match="all 30 rows"):
         next(LocalFileSource("blank", str(tmp_path / "blank.jsonl"), "prose"))
 
 
@@ -386,7 +384,7 @@ def test_hf_stream_reads_validates_and_resumes(json_parts, texts):
 def test_hf_stream_errors_after_open_propagate_even_with_fallback(tmp_path, texts):
     rows = [{"text": t} for t in texts[:30]]
     path = write_jsonl(tmp_path / "ok.jsonl", [{"text": ""}] * 25)
-    with pytest.raises(EmptySourceError, match="first 25 rows"):
+    with pytest.raises(SourceError, match="first 25 rows"):
         next(HFStreamSource("e", "json", "prose", data_files=[path], fallback_offline=True, first_rows_check=25))
     bad = tmp_path / "trunc.jsonl.gz"
     bad.write_bytes(gzip.compress(_jsonl_bytes(rows) * 40)[:-2000])

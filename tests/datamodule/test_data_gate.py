@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from stacklm.data.sft.pack import CollateSFT
-from stacklm.datamodule import DataGateError, StackDataModule
+from stacklm.datamodule import StackDataModule
+from stacklm.errors import DataGateError
 from stacklm.datamodule.gate import GateRules, check_batches, inspect_tokenizer, sample_sft
 from tests.helpers.lightning import BatchRecorder, TinyLM
 

@@ -7,7 +7,8 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.configs import CONFIG_DIR
-from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, DataConfigError, StackDataModule
+from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, StackDataModule
+from stacklm.errors import DataConfigError
 from tests.helpers.lightning import TinyLM
 from tests.helpers.worker_probe import ThenProbe
 from tests.helpers.resume import check_save_load_state
@@ -249,7 +250,8 @@ def test_shards_mode_refuses_a_rotten_shard_unless_told_not_to_check(tokenizer_d
     read, naming it and `stacklm verify`; ``verify_shards=False`` trains on it."""
     import shutil
 
-    from stacklm.data.storage.shards import ShardError, tokens_path
+    from stacklm.data.storage.shards import tokens_path
+    from stacklm.errors import DataError
 
     data = tmp_path / "shards"
     shutil.copytree(shards_dir, data)
@@ -259,7 +261,7 @@ def test_shards_mode_refuses_a_rotten_shard_unless_told_not_to_check(tokenizer_d
     path.write_bytes(bytes(raw))
     dm = stream_dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2)
     dm.setup("fit")
-    with pytest.raises(ShardError, match=r"shard_00000.tokens.bin: content hash .* `stacklm verify"):
+    with pytest.raises(DataError, match=r"shard_00000.tokens.bin: content hash .* `stacklm verify"):
         list(dm.train_dataloader())
     quiet = stream_dm(tokenizer_dir, mode="shards", data_dir=str(data), pipeline=None, num_workers=2, verify_shards=False)
     quiet.setup("fit")
@@ -300,7 +302,7 @@ def test_a_source_that_runs_dry_is_named_with_its_batch_and_share(tokenizer_dir)
 
 
 def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
-    from stacklm.datamodule.errors import BatchVocabError
+    from stacklm.errors import DataError
 
     dm = stream_dm(tokenizer_dir)
     dm.setup("fit")
@@ -308,7 +310,7 @@ def test_every_stream_batch_is_checked_against_the_vocabulary(tokenizer_dir):
     assert loader.vocab_size == dm.vocab_size == 512
     next(iter(loader))
     loader.vocab_size = 300  # as if the data came from a bigger tokenizer than the model's
-    with pytest.raises(BatchVocabError, match=r"train stream: a batch holds token id \d+ outside the vocabulary \[0, 300\)"):
+    with pytest.raises(DataError, match=r"train stream: a batch holds token id \d+ outside the vocabulary \[0, 300\)"):
         for _ in loader:
             pass
 

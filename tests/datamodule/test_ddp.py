@@ -35,7 +35,7 @@ def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
     for r in (0, 1):
         assert [s[1] for s in resumed[r]] == [s[1] for s in full[r][k:]]
 
-    # stream mode is elastic (stacklm.datamodule.logical): the same checkpoint resumed on one
+    # stream mode is elastic (stacklm.datamodule.resume.logical): the same checkpoint resumed on one
     # process trains the rows the two ranks had left, each once (padding rows aside)
     import hashlib
     from collections import Counter

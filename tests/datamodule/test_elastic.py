@@ -139,7 +139,7 @@ def _loader_at(dm, epoch: int):
     dm.setup("fit")
     loader = dm.train_dataloader()
     if dm.mode == "shards":
-        from stacklm.datamodule.shards_loader import start_position
+        from stacklm.datamodule.resume.shards import start_position
 
         loader.load_state_dict({"position": start_position(epoch)})
     else:
@@ -235,8 +235,8 @@ def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(to
     import shutil
 
     from stacklm.data.nodes import PipelineConfig
-    from stacklm.datamodule import DataConfigError
-    from stacklm.datamodule.identity import shards_content_hash
+    from stacklm.errors import DataConfigError
+    from stacklm.datamodule.resume.identity import shards_content_hash
     from stacklm.prebuild import prebuild
     from tests.helpers.datamodule import stream_pipeline
 
@@ -267,7 +267,8 @@ def test_sft_resume_on_another_shape_is_refused_before_a_step(tokenizer_dir, tmp
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from stacklm.datamodule import DataConfigError, StackDataModule
+    from stacklm.datamodule import StackDataModule
+    from stacklm.errors import DataConfigError
     from tests.helpers.lightning import BatchRecorder, TinyLM
     from tests.helpers.sft import make_conversations, write_jsonl
 

@@ -1,4 +1,4 @@
-"""Elastic stream mode (``stacklm.datamodule.logical``): a checkpoint resumes on another world
+"""Elastic stream mode (``stacklm.datamodule.resume.logical``): a checkpoint resumes on another world
 size, worker count or batch size, and the epoch delivers the same windows as an uninterrupted
 run: the multiset of delivered rows (a row = one window, by the hash of its tokens) of the
 interrupted run's head plus the resumed run's tail equals the uninterrupted run's, with no
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from stacklm.datamodule import DataConfigError
+from stacklm.errors import DataConfigError
 from tests.helpers.lightning import run_program
 from tests.helpers.lightning import row_ids
 from tests.helpers.datamodule import stream_dm
@@ -219,7 +219,7 @@ def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_pat
     count of the batches the model saw, and the tokens equal the uninterrupted epoch's."""
     import torch
 
-    from stacklm.datamodule.logical import batches_per_reader
+    from stacklm.datamodule.resume.logical import batches_per_reader
 
     # the uninterrupted run is on the first shape: the quota Q (windows per logical stream) is
     # fixed by the first run's shape (its per-rank batch count x world x batch / L), so a

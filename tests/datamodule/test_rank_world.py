@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stacklm.data.storage.dataset import ElasticSampler
+from stacklm.datamodule.resume.sampler import ElasticSampler
 from stacklm.data.sources import ShardSpec, SyntheticSource
 from stacklm.errors import ConfigError
 

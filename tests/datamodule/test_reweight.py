@@ -11,7 +11,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule import DataConfigError, StackDataModule
+from stacklm.datamodule import StackDataModule
+from stacklm.errors import DataConfigError
 from stacklm.datamodule.stream import SUMMARY_KEY, _StreamIterator, first_local_batch
 from tests.helpers.lightning import BatchRecorder, TinyLM, batch_hash
 from tests.helpers.datamodule import stream_pipeline
@@ -62,7 +63,7 @@ def _reference(tokenizer_dir, change_batch: int | None, n: int) -> tuple[list[st
     tokens its mixer had drawn before each of its batches."""
     dm = _dm(tokenizer_dir)
     dm.setup("fit")
-    ds = dm._mode._dataset("train")
+    ds = dm._mode._dataset("train", dm._run())
     ds.mix_changes = [] if change_batch is None else [{"step": change_batch, "batch": change_batch, "weights": NEW}]
     ds.n_batches = ds.n_batches_total // 2
     its = [_StreamIterator(ds, ShardSpec(0, 1, w, 2)) for w in range(2)]

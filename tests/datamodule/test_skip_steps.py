@@ -17,7 +17,8 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from stacklm.datamodule import DataConfigError, StackDataModule
+from stacklm.datamodule import StackDataModule
+from stacklm.errors import DataConfigError
 from tests.helpers.lightning import TinyLM
 from tests.helpers.cli import run
 

@@ -1,4 +1,4 @@
-"""The step log of a training run (stacklm.datamodule.steplog) and ``stacklm inspect RUN --step S``
+"""The step log of a training run (stacklm.data.storage.steplog) and ``stacklm inspect RUN --step S``
 (stacklm.inspector.steps): for every global step, the rows it answers are the rows the model
 trained on at that step — checked against fingerprints a callback takes of every batch the
 model saw — in stream mode (rebuilt from local jsonl and a parquet file read through
@@ -20,7 +20,8 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.datamodule import StackDataModule
-from stacklm.datamodule.steplog import MAGIC, StepLogError, StepLogWriter, find_step, frame_records, read_frames
+from stacklm.data.storage.steplog import MAGIC, StepLogWriter, find_step, frame_records, read_frames
+from stacklm.errors import DataError
 from stacklm.inspector.steps import step_provenance
 from tests.helpers.lightning import row_ids
 from tests.helpers.lightning import TinyLM, run_program
@@ -81,16 +82,16 @@ def test_the_newest_run_that_logged_a_step_answers(tmp_path):
     for s in range(9):
         gen, _, records = find_step(tmp_path, s)  # the run directory holding steplog/ is accepted too
         assert [r["rows"] for r in records] == [[(100 if s < 3 else 300) + s]], s
-    with pytest.raises(StepLogError, match=r"step 9 belongs to run 20260101T000200.000000Z-3 .* logged steps 3\.\.8"):
+    with pytest.raises(DataError, match=r"step 9 belongs to run 20260101T000200.000000Z-3 .* logged steps 3\.\.8"):
         find_step(root, 9)
     # one run's folder answers from that run alone, even where a later run superseded it
     assert [r["rows"] for r in find_step(root / "20260101T000000.000000Z-1", 4)[2]] == [[104]]
-    with pytest.raises(StepLogError, match=r"this run did not log global step 7 \(it logged steps 0\.\.5\)"):
+    with pytest.raises(DataError, match=r"this run did not log global step 7 \(it logged steps 0\.\.5\)"):
         find_step(root / "20260101T000000.000000Z-1", 7)
     # the run resumed at step 3 stopped at 4 and nothing resumed it: step 5 was trained by the
     # first run only, which that resume superseded
     (root / "20260101T000200.000000Z-3" / "meta.json").unlink()
-    with pytest.raises(StepLogError, match=r"step 5 belongs to run 20260101T000100.000000Z-2 .* 3\.\.4 .*"
+    with pytest.raises(DataError, match=r"step 5 belongs to run 20260101T000100.000000Z-2 .* 3\.\.4 .*"
                                            r"20260101T000000.000000Z-1 trained it before being superseded"):
         find_step(root, 5)
 
@@ -101,11 +102,11 @@ def test_a_damaged_log_is_an_error_that_names_the_file(tmp_path):
     w.add_rows(0, 0, np.array([3]), 0)
     w.close()
     w.path.write_bytes(b"\x00garbage" * 40)
-    with pytest.raises(StepLogError, match=r"rank-00000.frames: not a step-log frame at byte 0"):
+    with pytest.raises(DataError, match=r"rank-00000.frames: not a step-log frame at byte 0"):
         find_step(root, 0)
     w.path.unlink()
     (root / "g1" / "meta.json").write_text("junk")
-    with pytest.raises(StepLogError, match=r"g1/meta.json: unreadable"):
+    with pytest.raises(DataError, match=r"g1/meta.json: unreadable"):
         find_step(root, 0)
 
 
@@ -264,7 +265,7 @@ def test_shards_steps_across_a_resume_from_two_ranks_to_three(tokenizer_dir, sha
     checked = 0
     for step in sorted(set(first) | set(second)):
         if step > max(second):  # trained by the first run only, after the checkpoint the resume continued from
-            with pytest.raises(StepLogError, match="superseded"):
+            with pytest.raises(DataError, match="superseded"):
                 step_provenance(log, step)
             continue
         want = second[step] if step >= 5 else first[step]

@@ -23,7 +23,8 @@ from stacklm.data.storage import shards as sh
 from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
 from stacklm.data.nodes import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import DELIVERY_KEY
-from stacklm.prebuild import PrebuildError, load_config, prebuild
+from stacklm.prebuild import load_config, prebuild
+from stacklm.errors import DataError, PrebuildError, ShardWriteError
 from tests.helpers.prebuild import REPO, SEQ_LEN, TOKENS_PER_SHARD, TOTAL, data_section, config, tree, own_config
 
 
@@ -142,7 +143,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
         return real(f, data)
 
     monkeypatch.setattr(atomic, "_write_all", fills_up)
-    with pytest.raises(sh.ShardWriteError, match="disk is full.*re-run the same command"):
+    with pytest.raises(ShardWriteError, match="disk is full.*re-run the same command"):
         prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     # nothing half-written is visible: no manifest, no temp file, every shard is whole and right
     assert not (out / "manifest.json").exists() and not (out / "train" / "manifest.json").exists()
@@ -152,7 +153,7 @@ def test_disk_full_mid_build_then_resume(ref, tok_dir, tmp_path, monkeypatch):
     for name in visible:
         assert (out / "train" / f"{name}.tokens.bin").read_bytes() == (ref / "train" / f"{name}.tokens.bin").read_bytes()
         assert (out / "train" / f"{name}.meta.bin").exists()
-    with pytest.raises(mf.ManifestError, match="has not finished"):
+    with pytest.raises(DataError, match="has not finished"):
         PackedMemmapDataset(out)
     monkeypatch.setattr(atomic, "_write_all", real)
     prebuild(config(), tok_dir, out, tokens_per_shard=TOKENS_PER_SHARD, progress=False)

@@ -95,7 +95,8 @@ def loader_main(argv: list[str]) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from stacklm.data.storage.dataset import ElasticSampler, PackedMemmapDataset
+    from stacklm.data.storage.dataset import PackedMemmapDataset
+    from stacklm.datamodule.resume.sampler import ElasticSampler
 
     ds = PackedMemmapDataset(args.data)
     if args.context == "fork":  # shards mode's loader, as the datamodule builds it

@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from stacklm.data.storage.dataset import ElasticSampler  # noqa: E402
+from stacklm.datamodule.resume.sampler import ElasticSampler  # noqa: E402
 from stacklm.data.sources import ShardSpec, SyntheticSource  # noqa: E402
 from stacklm.dist import rank_world  # noqa: E402
 

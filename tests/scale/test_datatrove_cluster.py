@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from stacklm.cli import main as stacklm_main
-from stacklm.config import ConfigError
+from stacklm.errors import ConfigError
 from stacklm.prebuild import load_config
 from stacklm.scale.resources import STAGES, ClusterPlan, ClusterSettings, StageResources, parse_sbatch_args, parse_stage_resources
 from tests.helpers import fake_slurm
@@ -144,7 +144,8 @@ def test_wait_waits_for_a_requeued_task_and_fails_one_that_never_returns(tmp_pat
     queue without the task's completion mark, the run fails naming the task and its state."""
     import json
 
-    from stacklm.scale.slurm import SlurmTaskFailed, StackSlurmExecutor, wait_for_chain
+    from stacklm.scale.slurm import StackSlurmExecutor, wait_for_chain
+    from stacklm.errors import TaskFailed
 
     logs = tmp_path / "logs"
     (logs / "completions").mkdir(parents=True)
@@ -170,7 +171,7 @@ def test_wait_waits_for_a_requeued_task_and_fails_one_that_never_returns(tmp_pat
 
     (logs / "completions" / "00000").unlink()
     job("PREEMPTED", "PREEMPTED")  # not requeued: gone for good
-    with pytest.raises(SlurmTaskFailed, match=r"slurm stage 'main': task 0 \(job 1000_0, PREEMPTED\) left the queue without completing it; logs: "):
+    with pytest.raises(TaskFailed, match=r"slurm stage 'main': task 0 \(job 1000_0, PREEMPTED\) left the queue without completing it; logs: "):
         wait_for_chain([ex], poll_seconds=0, say=notes.append, sleep=lambda _: pytest.fail("a task gone for good is not waited for"))
 
 

@@ -16,7 +16,8 @@ import pytest
 from datatrove.executor import LocalPipelineExecutor
 from datatrove.pipeline.base import PipelineStep
 
-from stacklm.scale.supervise import TaskFailed, run_chain
+from stacklm.scale.supervise import run_chain
+from stacklm.errors import TaskFailed
 from tests.helpers.prebuild import REPO, TOKENS_PER_SHARD, own_config, config, tree
 
 BOUND_S = 120  # a failed run must end within this (it used to wait forever)

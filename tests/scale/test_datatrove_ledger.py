@@ -12,7 +12,8 @@ import pytest
 from stacklm.data import ledger
 from stacklm.data.nodes import PipelineConfig
 from stacklm.scale.datatrove_steps import describe_task, prebuild_executors
-from stacklm.scale.supervise import TaskFailed, run_chain
+from stacklm.scale.supervise import run_chain
+from stacklm.errors import LedgerError, TaskFailed
 
 SEQ_LEN = 64
 
@@ -102,7 +103,7 @@ def test_strict_off_records_the_failed_identities_instead(tmp_path, tok_dir, mon
     check_tasks([good])  # adds up: nothing said
     bad = json.loads(json.dumps(good))
     bad["ledger"]["web"]["docs"]["kept"] = 1
-    with pytest.raises(ledger.LedgerError, match=r"split 'train' job 0: source 'web' docs: read 3 != .* \(off by \+1\)"):
+    with pytest.raises(LedgerError, match=r"split 'train' job 0: source 'web' docs: read 3 != .* \(off by \+1\)"):
         check_tasks([bad])
     monkeypatch.setenv(ledger.STRICT_ENV, "0")
     with pytest.warns(RuntimeWarning, match="split 'train' job 0: source 'web' docs"):

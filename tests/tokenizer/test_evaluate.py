@@ -14,7 +14,6 @@ from stacklm.tokenizer.evaluate import (
     as_encoder,
     compression_report,
     domain_texts_from_corpus,
-    domain_texts_from_files,
     format_report,
     measure_compression,
     merge_overlap,
@@ -22,6 +21,7 @@ from stacklm.tokenizer.evaluate import (
     merges_as_bytes,
     merges_of,
 )
+from stacklm.data.sources.text_input import domain_texts_from_files
 from stacklm.tokenizer.hf_baseline import byte_level_to_bytes, hf_merges_as_bytes, train_hf_bpe
 from stacklm.tokenizer.specials import GPT4_PATTERN, SPECIAL_TOKENS
 

@@ -25,11 +25,11 @@ from stacklm.tokenizer.export import (
 from stacklm.tokenizer.imports import (
     GPT2_PATTERN,
     ForeignBPETokenizer,
-    TokenizerImportError,
     from_hf_tokenizer_json,
     from_tiktoken,
     load_foreign,
 )
+from stacklm.errors import TokenizerArtifactError
 from stacklm.tokenizer.specials import GPT4_PATTERN, SPECIAL_TOKENS
 
 PROBE = (
@@ -171,7 +171,7 @@ def test_foreign_tiktoken_layout(foreign_files, real_docs, tmp_path):
     ranks = {hf_to_token(s): i for s, i in data["model"]["vocab"].items() if s not in named}
     path = tmp_path / "gpt2like.tiktoken"
     path.write_bytes(tiktoken_ranks_bytes(ranks))
-    with pytest.raises(TokenizerImportError, match="pass pattern"):
+    with pytest.raises(TokenizerArtifactError, match="pass pattern"):
         from_tiktoken(path)
     imp = from_tiktoken(path, pattern=GPT2_PATTERN, named_tokens=named)
     assert isinstance(imp, ForeignBPETokenizer) and imp.vocab_size == len(ranks) + len(named)
@@ -216,28 +216,28 @@ def test_unsupported_tokenizer_json_fails_clearly(tmp_path, train_text):
         train_text[:20], trainers.WordPieceTrainer(vocab_size=300, special_tokens=["[UNK]"], show_progress=False)
     )
     wp.save(str(tmp_path / "wp.json"))
-    with pytest.raises(TokenizerImportError, match=r"wp\.json: field 'model\.type' is 'WordPiece'"):
+    with pytest.raises(TokenizerArtifactError, match=r"wp\.json: field 'model\.type' is 'WordPiece'"):
         from_hf_tokenizer_json(tmp_path / "wp.json")
 
     meta = _train_hf(train_text[:20], pre=pre_tokenizers.Metaspace(), vocab_size=300)
     meta.decoder = decoders.ByteLevel()
     meta.save(str(tmp_path / "meta.json"))
-    with pytest.raises(TokenizerImportError, match="pre-tokenizer 'Metaspace' is not supported"):
+    with pytest.raises(TokenizerArtifactError, match="pre-tokenizer 'Metaspace' is not supported"):
         from_hf_tokenizer_json(tmp_path / "meta.json")
 
     bl = _train_hf(train_text[:20], pre=pre_tokenizers.ByteLevel(), vocab_size=300)
     data = json.loads(bl.to_str())
     data["model"]["vocab"]["\n"] = len(data["model"]["vocab"])  # a raw newline: not byte-level
     (tmp_path / "raw.json").write_text(json.dumps(data))
-    with pytest.raises(TokenizerImportError, match=r"vocab entry '\\n' \(id \d+\) is not in the byte-level alphabet"):
+    with pytest.raises(TokenizerArtifactError, match=r"vocab entry '\\n' \(id \d+\) is not in the byte-level alphabet"):
         from_hf_tokenizer_json(tmp_path / "raw.json")
 
-    with pytest.raises(TokenizerImportError, match="no tokenizer.json here"):
+    with pytest.raises(TokenizerArtifactError, match="no tokenizer.json here"):
         from_hf_tokenizer_json(tmp_path / "missing")
     (tmp_path / "broken.json").write_text('{"model": ')
-    with pytest.raises(TokenizerImportError, match="not valid JSON"):
+    with pytest.raises(TokenizerArtifactError, match="not valid JSON"):
         from_hf_tokenizer_json(tmp_path / "broken.json")
-    with pytest.raises(TokenizerImportError, match="no tokenizer.stacklm.json or tokenizer.json"):
+    with pytest.raises(TokenizerArtifactError, match="no tokenizer.stacklm.json or tokenizer.json"):
         load_foreign(tmp_path)
 
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from stacklm.corpus import iter_domain
-from stacklm.tokenizer.artifact import TokenizerArtifactError
+from stacklm.errors import TokenizerArtifactError
 from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.rules import merge_long, merge_short
 from stacklm.tokenizer.specials import SPECIAL_TOKENS

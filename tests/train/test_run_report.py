@@ -15,7 +15,8 @@ from lightning.pytorch.loggers import CSVLogger
 from stacklm.callbacks import DATA_STATS_FILE, DataStatsCallback
 from stacklm.cli import main
 from stacklm.datamodule import StackDataModule
-from stacklm.run_report import ReportError, read_run
+from stacklm.run_report import read_run
+from stacklm.errors import UserError
 from tests.helpers.lightning import TinyLM
 from tests.helpers.datamodule import BATCH, SEQ_LEN, stream_pipeline
 
@@ -79,7 +80,7 @@ def test_report_draws_a_resumed_run_from_its_own_logs(tokenizer_dir, tmp_path, c
 
 
 def test_report_refuses_a_folder_without_logs_in_one_line(tmp_path):
-    with pytest.raises(ReportError, match="no metrics.csv under it"):
+    with pytest.raises(UserError, match="no metrics.csv under it"):
         read_run(tmp_path)
-    with pytest.raises(ReportError, match="not a directory"):
+    with pytest.raises(UserError, match="not a directory"):
         read_run(tmp_path / "absent")

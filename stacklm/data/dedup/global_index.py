@@ -43,6 +43,7 @@ import xxhash
 from stacklm.data.dedup.exact import run_starts, text_digest
 from stacklm.data.dedup.minhash import MinHasher
 from stacklm.data.quality.normalize import normalize_text
+from stacklm.errors import ConfigError
 
 INDEX_FORMAT = "stacklm-dedup-index"
 INDEX_VERSION = 1
@@ -287,7 +288,6 @@ class DedupIndex:
         (default: rebuild it with ``stacklm dedup-index``, for the ``dedup.index`` setting)."""
         import json
 
-        from stacklm.errors import ConfigError
 
         path = Path(path)
         fix = fix or "rebuild it with `stacklm dedup-index`"

@@ -25,6 +25,8 @@ per-source counters (a few small int arrays), so a resumed stream continues bit 
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -360,6 +362,14 @@ class MixNode(BaseNode[dict]):
         self.sources = dict(sources)
         self.mixer = TokenBudgetMixer(list(self.sources), weights, total_tokens, seed, schedule, size_scale)
         self._streams = [self.sources[n] for n in self.mixer.names]
+        for i, node in enumerate(self._streams):
+            if hasattr(node, "demand"):  # a TokenizeNode: read about what this source's budget still takes
+                node.demand = functools.partial(self._demand, i)
+
+    def _demand(self, index: int) -> int:
+        """Tokens source ``index`` may still give (its final budget less what it gave)."""
+        m = self.mixer
+        return int(m.budgets[index] - m.tokens[index]) if m.status[index] == ACTIVE else 0
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)

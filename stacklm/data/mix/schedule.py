@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -38,10 +38,6 @@ from stacklm.errors import ConfigError
 
 SIZE_UNITS = ("tokens", "documents")
 DEFAULT_RAMP_STEPS = 16
-
-
-class MixScheduleError(ConfigError):
-    """A mixture-schedule config problem; the message names the field."""
 
 
 def split_budget(total: int, weights: np.ndarray) -> np.ndarray:
@@ -75,7 +71,7 @@ def share_with_caps(amounts: np.ndarray, weights: np.ndarray, caps: np.ndarray) 
     cap each source's total (column sum) at ``caps``: a source over its cap is scaled down
     across the segments and its surplus in each segment goes to the uncapped sources by that
     segment's weights; repeated until no cap is exceeded (water-filling). Integers throughout,
-    rows sum to ``amounts`` exactly. Raises ``MixScheduleError`` when the caps cannot hold the budget."""
+    rows sum to ``amounts`` exactly. Raises ``ConfigError`` when the caps cannot hold the budget."""
     amounts = np.asarray(amounts, dtype=np.int64)
     weights = np.asarray(weights, dtype=np.float64)
     inc = np.stack([split_budget(int(a), w) for a, w in zip(amounts, weights)]) if len(amounts) else np.zeros((0, len(caps)), np.int64)
@@ -89,7 +85,7 @@ def share_with_caps(amounts: np.ndarray, weights: np.ndarray, caps: np.ndarray) 
         capped |= over
         free = np.flatnonzero(~capped)
         if not len(free):
-            raise MixScheduleError(
+            raise ConfigError(
                 f"mix schedule: field 'max_epochs' caps every source below the token budget ({int(amounts.sum()):,} tokens "
                 f"but the caps hold {int(caps.sum()):,}); raise max_epochs or sizes, or lower total_tokens"
             )
@@ -105,8 +101,6 @@ def share_with_caps(amounts: np.ndarray, weights: np.ndarray, caps: np.ndarray) 
 class MixPhaseConfig(Config):
     """One phase: ends at ``until`` (fraction of the budget); weights given, by temperature, or
     the mix entries' weights; ``ramp`` = move linearly from the previous phase's weights."""
-
-    config_error: ClassVar[type[ConfigError]] = MixScheduleError
 
     until: float
     name: str | None = None
@@ -124,8 +118,6 @@ class MixScheduleConfig(Config):
     top-level ``temperature`` if given, else the entries' weights).
     """
 
-    config_error: ClassVar[type[ConfigError]] = MixScheduleError
-
     phases: tuple[MixPhaseConfig, ...] = ()
     temperature: float | None = None
     sizes: Mapping[str, float] | None = None
@@ -139,36 +131,36 @@ class MixScheduleConfig(Config):
 
     def validate(self) -> None:
         if self.size_unit not in SIZE_UNITS:
-            raise MixScheduleError(f"mix schedule: field 'size_unit' must be one of {SIZE_UNITS}, got {self.size_unit!r}")
+            raise ConfigError(f"mix schedule: field 'size_unit' must be one of {SIZE_UNITS}, got {self.size_unit!r}")
         if isinstance(self.ramp_steps, bool) or not isinstance(self.ramp_steps, int) or self.ramp_steps < 1:
-            raise MixScheduleError(f"mix schedule: field 'ramp_steps' must be an int >= 1, got {self.ramp_steps!r}")
+            raise ConfigError(f"mix schedule: field 'ramp_steps' must be an int >= 1, got {self.ramp_steps!r}")
         if self.sizes is not None:
             bad = {k: v for k, v in self.sizes.items() if not _positive(v)}
             if bad:
-                raise MixScheduleError(f"mix schedule: field 'sizes' must be numbers > 0, got {bad}")
+                raise ConfigError(f"mix schedule: field 'sizes' must be numbers > 0, got {bad}")
         temps = [self.temperature] + [p.temperature for p in self.phases]
         for t in temps:
             if t is not None and not _positive(t):
-                raise MixScheduleError(f"mix schedule: field 'temperature' must be a number > 0, got {t!r}")
+                raise ConfigError(f"mix schedule: field 'temperature' must be a number > 0, got {t!r}")
         if any(t is not None for t in temps) and self.sizes is None:
-            raise MixScheduleError("mix schedule: field 'temperature' needs 'sizes' (tokens or documents per source)")
+            raise ConfigError("mix schedule: field 'temperature' needs 'sizes' (tokens or documents per source)")
         if self.max_epochs is not None:
             if not _positive(self.max_epochs):
-                raise MixScheduleError(f"mix schedule: field 'max_epochs' must be a number > 0, got {self.max_epochs!r}")
+                raise ConfigError(f"mix schedule: field 'max_epochs' must be a number > 0, got {self.max_epochs!r}")
             if self.sizes is None or self.size_unit != "tokens":
-                raise MixScheduleError("mix schedule: field 'max_epochs' needs 'sizes' in tokens (size_unit: tokens)")
+                raise ConfigError("mix schedule: field 'max_epochs' needs 'sizes' in tokens (size_unit: tokens)")
         last = 0.0
         for i, p in enumerate(self.phases):
             where = f"mix schedule: phases[{i}]"
             if not isinstance(p.until, (int, float)) or isinstance(p.until, bool) or not last < p.until <= 1.0:
-                raise MixScheduleError(f"{where}: field 'until' must increase along the phases within (0, 1], got {p.until!r} after {last}")
+                raise ConfigError(f"{where}: field 'until' must increase along the phases within (0, 1], got {p.until!r} after {last}")
             last = float(p.until)
             if p.weights is not None and p.temperature is not None:
-                raise MixScheduleError(f"{where}: give 'weights' or 'temperature', not both")
+                raise ConfigError(f"{where}: give 'weights' or 'temperature', not both")
             if p.ramp and i == 0:
-                raise MixScheduleError(f"{where}: the first phase cannot 'ramp' (there is no previous phase to ramp from)")
+                raise ConfigError(f"{where}: the first phase cannot 'ramp' (there is no previous phase to ramp from)")
         if self.phases and self.phases[-1].until != 1.0:
-            raise MixScheduleError(f"mix schedule: the last phase must end at until: 1.0, got {self.phases[-1].until}")
+            raise ConfigError(f"mix schedule: the last phase must end at until: 1.0, got {self.phases[-1].until}")
 
     def check_sources(self, names: Sequence[str]) -> None:
         """Every name the schedule gives must be a source, and weights/sizes name them all."""
@@ -178,12 +170,12 @@ class MixScheduleConfig(Config):
             if m is None:
                 continue
             if set(m) != known:
-                raise MixScheduleError(
+                raise ConfigError(
                     f"mix schedule: field {label!r} must name exactly the sources {sorted(known)}, got {sorted(m)}"
                 )
             bad = {k: v for k, v in m.items() if not (_number(v) and v >= 0)}
             if bad or (label != "sizes" and sum(m.values()) <= 0):
-                raise MixScheduleError(f"mix schedule: field {label!r} needs numbers >= 0 with a positive sum, got {dict(m)}")
+                raise ConfigError(f"mix schedule: field {label!r} needs numbers >= 0 with a positive sum, got {dict(m)}")
 
 
 def _number(x: Any) -> bool:

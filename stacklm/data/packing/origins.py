@@ -72,7 +72,7 @@ def delivery_counts(origins: Sequence[WindowOrigin], n_sources: int, windows: Se
     ``<bos>`` is in the batch) and ``doc_lengths`` (``[source, length]`` of each).
 
     With the ``windows`` (a packer with provenance), also what a training run's step log records
-    of each row (``stacklm.datamodule.steplog``): ``pieces`` (per row its ``PIECE_FIELDS``
+    of each row (``stacklm.data.storage.steplog``): ``pieces`` (per row its ``PIECE_FIELDS``
     tuples; ``None`` for a window restored from a state saved without provenance) and ``crc``
     (per row the CRC-32 of the window's int32 bytes, which lets ``stacklm inspect --step``
     check the tokens it rebuilds from the sources).

@@ -6,7 +6,10 @@ their records. ``DecontamNode`` sits after the quality filter and before dedup (
 "Decontamination"): a document with any n-gram (``n`` = 13 by default, on the normalized words of
 ``ngrams.py``) that a set holds is dropped, counted under the drop reason ``<set>`` of stage
 ``decontam`` (the first set in config order that it overlaps), or, with ``mode: cut``, the
-overlapping spans are cut out and the rest goes on (dropped after all when nothing is left).
+overlapping spans are cut out and the rest goes on (dropped after all when no word is left). A
+span runs from the first to the last character of its words, so the text between two kept
+parts loses nothing else; a cut document not already in NFKC form comes out in NFKC form (the
+form its word offsets refer to).
 
 Matching is exact (``ngrams.NgramIndex``: a sorted uint64 hash array for the fast path, each hit
 confirmed against the stored words, so a hash collision never drops a document). The index is
@@ -102,13 +105,29 @@ class EvalSetConfig(Config):
         path, kwargs = self.load_args()
         if self.path:
             check_data_files("decontaminate set", self.name, self.path, self.data_files)
-        ds = import_datasets().load_dataset(path, **kwargs)
-        for batch in ds.iter(batch_size=1000):
-            missing = [f for f in self.fields if f not in batch]
-            if missing:
-                raise ConfigError(f"decontaminate set {self.name!r}: no column {missing[0]!r} (columns: {sorted(batch)}); fix 'fields'")
-            for row in zip(*(batch[f] for f in self.fields)):
-                yield "\n".join(_field_text(self.name, f, v) for f, v in zip(self.fields, row))
+        where = f"decontaminate set {self.name!r} ({', '.join(self.files) if self.files else self.path})"
+        records = 0
+        try:
+            ds = import_datasets().load_dataset(path, **kwargs)
+            for batch in ds.iter(batch_size=1000):
+                missing = [f for f in self.fields if f not in batch]
+                if missing:
+                    raise ConfigError(f"decontaminate set {self.name!r}: no column {missing[0]!r} (columns: {sorted(batch)}); fix 'fields'")
+                for row in zip(*(batch[f] for f in self.fields)):
+                    records += 1
+                    yield "\n".join(_field_text(self.name, f, v) for f, v in zip(self.fields, row))
+        except ConfigError:
+            raise
+        except StopIteration:
+            # ``datasets``' json builder says "empty file" as a bare StopIteration (which Python
+            # turns into "generator raised StopIteration" here): name the set instead
+            records = 0
+        except Exception as e:  # a broken file surfaces as pyarrow's / datasets' own error
+            first = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else ""
+            raise ConfigError(f"{where}: cannot be read: {type(e).__name__}: {first}; fix the file or 'files'") from e
+        if records == 0:
+            # an empty evaluation set would decontaminate nothing while looking configured
+            raise ConfigError(f"{where}: holds no records; point 'files' (or 'path'/'split') at the evaluation data")
 
 
 def _field_text(name: str, column: str, value: Any) -> str:

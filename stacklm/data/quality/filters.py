@@ -26,9 +26,9 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
+from stacklm.constants import KEPT
 from stacklm.data.stats import StageStats
 
-KEPT = "kept"
 RULE_SETS = ("prose", "code", "math")
 NO_FILTER = "none"  # a source's ``filters: none``: every document passes (counted as kept)
 # A pre-training source's ``domain`` is a free label (it names the source's kind in the logs);

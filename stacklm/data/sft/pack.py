@@ -14,7 +14,6 @@ from stacklm.chat.policy import DEFAULT_POLICY, LossPolicy
 from stacklm.chat.render import DROPPED_TOO_LONG, TURNS_CUT, chat_tokens, loss_targets, render_for_sft, untag_loss
 from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
-    ChatFormatError,
     as_turns,
     validate_conversation,
 )
@@ -23,6 +22,7 @@ from stacklm.data.contract import contract_batch, contract_buffer, contract_plan
 from stacklm.data.packing.nodes import PackNode
 from stacklm.data.packing.pack import BestFitPacker, segment_layout
 from stacklm.data.stats import StageStats
+from stacklm.errors import ChatFormatError
 
 
 def collate_sft(windows: Sequence[np.ndarray] | np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict[str, torch.Tensor]:

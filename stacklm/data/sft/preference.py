@@ -85,13 +85,13 @@ from stacklm.chat.turns import (
     BAD_MESSAGE,
     DEFAULT_ROLE_ALIASES,
     NO_MESSAGES,
-    ChatFormatError,
     Turn,
     validate_conversation,
 )
 from stacklm.constants import IGNORE_INDEX
 from stacklm.data.audit import KEPT
 from stacklm.data.stats import StageStats
+from stacklm.errors import ChatFormatError
 
 NO_SHARED_PROMPT = "no_shared_prompt"
 EMPTY_COMPLETION = "empty_completion"

@@ -1,7 +1,8 @@
 """The preference graph: ``PreferenceSource`` -> [``HoldoutNode`` on the prompt's text] ->
 ``PairRenderNode`` -> [weighted interleave] -> ``ShuffleNode`` -> ``PairBatchNode``, built by
 ``build_preference_pipeline`` from an ``SFTConfig`` (``StackDataModule(mode="preference")``
-builds one per (rank, worker) through ``PreferenceBuilder``).
+builds one per (rank, worker) through ``stacklm.datamodule.stream.PreferenceBuilder``, which
+loads the tokenizer: this graph takes it as an argument).
 
 The records, rendering and batch layout are ``stacklm.data.sft.preference``'s; this module is
 the stateful part: every node has exact ``reset``/``next``/``get_state`` state, a rendered pair
@@ -20,7 +21,7 @@ import torch
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat.render import TURNS_CUT, chat_tokens
-from stacklm.chat.turns import ChatFormatError, Turn, validate_conversation
+from stacklm.chat.turns import Turn, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
@@ -42,7 +43,7 @@ from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError
+from stacklm.errors import ChatFormatError, ConfigError
 
 
 class PreferenceSource(ConversationSource):
@@ -237,14 +238,3 @@ def build_preference_pipeline(config: SFTConfig, tokenizer: Any, split: str = "t
                             sources=[s.name for s in config.sources])  # batches count what they deliver per source
     return PreferencePipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=batches, batches=batches)
 
-
-class PreferenceBuilder:
-    """Picklable factory of one reader's preference graph (``StackDataModule(mode="preference")``)."""
-
-    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
-        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
-
-    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0) -> PreferencePipeline:  # one order every epoch
-        from stacklm.tokenizer.bpe import StackTokenizer
-
-        return build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)

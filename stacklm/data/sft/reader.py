@@ -11,7 +11,6 @@ from typing import Any
 from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
     MALFORMED_JSON,
-    ChatFormatError,
     Turn,
     validate_conversation,
 )
@@ -21,12 +20,9 @@ from stacklm.data.registry import SourceConfig
 from stacklm.data.sft.config import ON_INVALID, SFT_DOMAIN
 from stacklm.data.sources import (
     DatasetsReader,
-    EmptySourceError,
     JsonlReader,
     PartNode,
     ShardSpec,
-    SourceError,
-    SourceNotFoundError,
     check_data_files,
     file_format,
     glob_files,
@@ -34,6 +30,7 @@ from stacklm.data.sources import (
     import_datasets,
     loads_json_line,
 )
+from stacklm.errors import ChatFormatError, SourceError, SourceNotFoundError
 from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
@@ -132,7 +129,7 @@ class ConversationSource(PartNode):
             ) from e
         return [f"shard{j:05d}" for j in range(self._dataset.n_shards)]
 
-    def _open_part(self, part: int, position: dict | None):
+    def _open_part(self, part: int, position: dict | None, piece=None):
         if self.spec.kind == "hf":
             return DatasetsReader(self._hub_shard(part), "", self.name, f"{self._describe()} {self._parts[part]}", position)
         path = self._parts[part]
@@ -214,11 +211,11 @@ class ConversationSource(PartNode):
         if self._owned_rows:
             reasons = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT}
             first = "; ".join(f"{k}: {v}" for k, v in self.first_where.items())
-            raise EmptySourceError(
+            raise SourceError(
                 f"sft source {self.name!r}: all {self._owned_rows} conversations of {self._describe()} were rejected "
                 f"({reasons}); first of each: {first}",
                 source=self.name,
                 file=self._describe(),
             )
         if self._global_row == 0:
-            raise EmptySourceError(f"sft source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self._describe())
+            raise SourceError(f"sft source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self._describe())

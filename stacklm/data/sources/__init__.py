@@ -17,6 +17,9 @@ One module per stage of reading:
   is ``stacklm.corpus.synthetic``);
 - ``entry``: ``open_source``, the node for one data-mix registry entry;
 - ``errors``: the errors, each naming the source and the file or hub path.
+- ``text_sample`` / ``text_input``: the tokenizer's training and evaluation text (an audited,
+  byte-budgeted sample of text files, records or strings); the tokenizer takes texts and
+  never reads files, so its readers live here.
 """
 
 from stacklm.corpus.synthetic import (
@@ -28,7 +31,6 @@ from stacklm.corpus.synthetic import (
     synthetic_text,
 )
 from stacklm.data.sources.entry import open_source
-from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, TextColumnError, column_error
 from stacklm.data.sources.files import LocalFileSource, file_format, glob_files
 from stacklm.data.sources.hub import FALLBACK_OFFLINE, HFStreamSource, check_data_files, hub_load_kwargs
 from stacklm.data.sources.parts import BLANK_LINES, FIRST_ROWS_CHECK, PartNode, TextPartSource
@@ -53,21 +55,16 @@ __all__ = [
     "FIRST_ROWS_CHECK",
     "NEAR_DUP_EVERY",
     "DatasetsReader",
-    "EmptySourceError",
     "HFStreamSource",
     "JsonlReader",
     "LocalFileSource",
     "ParquetReader",
     "PartNode",
     "ShardSpec",
-    "SourceError",
-    "SourceNotFoundError",
     "SyntheticSource",
-    "TextColumnError",
     "TextFileReader",
     "TextPartSource",
     "assign_parts",
-    "column_error",
     "dataset_rows",
     "file_format",
     "glob_files",

@@ -11,11 +11,13 @@ from stacklm.data.sources.sharding import ShardSpec
 from stacklm.data.sources.synthetic import SyntheticSource
 
 
-def open_source(entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> BaseNode:
-    """The source node for one registry entry."""
+def open_source(entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False,
+                order_seed: int | None = None) -> BaseNode:
+    """The source node for one registry entry. ``order_seed``: local files are read in a seeded
+    order of pieces spread over every file (``LocalFileSource``), not file by file from the start."""
     if entry.kind == "hf":
         return HFStreamSource.from_entry(entry, shard=shard, fallback_offline=fallback_offline)
     if entry.kind == "local":
         return LocalFileSource(entry.name, entry.paths, entry.domain, text_column=entry.text_column or DEFAULT_TEXT_COLUMN,
-                               shard=shard, on_invalid=entry.invalid_policy())
+                               shard=shard, on_invalid=entry.invalid_policy(), order_seed=order_seed)
     return SyntheticSource(entry.name, entry.domain, seed=entry.seed, num_docs=entry.num_docs, shard=shard)

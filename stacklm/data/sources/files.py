@@ -6,10 +6,11 @@ import glob as globlib
 import os
 from collections.abc import Sequence
 
-from stacklm.data.sources.errors import SourceError, SourceNotFoundError
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.pieces import file_pieces, spread_order
 from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
+from stacklm.errors import SourceError, SourceNotFoundError
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
 _COMPRESSIONS = (".gz", ".zst", ".zstd")
@@ -49,11 +50,15 @@ class LocalFileSource(TextPartSource):
         shard: ShardSpec | None = None,
         first_rows_check: int = FIRST_ROWS_CHECK,
         on_invalid: str = "skip",
+        order_seed: int | None = None,
     ) -> None:
         super().__init__(
             name, domain, text_column=text_column, shard=shard, first_rows_check=first_rows_check, on_invalid=on_invalid
         )
         self.patterns = [files] if isinstance(files, str) else list(files)
+        # None: files in sorted order, each from its start; a seed: pieces in a seeded order
+        # spread over every file (``pieces.spread_order``), so a budget takes a sample, not heads
+        self.order_seed = order_seed
 
     def _describe(self) -> str:
         return f"files {self.patterns}"
@@ -81,11 +86,48 @@ class LocalFileSource(TextPartSource):
     def _part_path(self, part: int) -> str:
         return self._paths[part]
 
-    def _open_part(self, part: int, position: dict | None):
+    def _part_size(self, part: int) -> int:
+        return os.path.getsize(self._paths[part])
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes of the plain JSON-lines files a piece index was built over (one counting scan
+        of each, ``sources.pieces``; once per build when cached); 0 when files are read whole."""
+        if self._parts is None:
+            self.reset(None)
+        if self._pieces is None:
+            return 0
+        return sum(os.path.getsize(p) for p in self._paths if self._formats[p] == "jsonl" and not p.endswith(_COMPRESSIONS))
+
+    def _list_pieces(self) -> list[list] | None:
+        # Whole files while there are at least as many files as readers (each file read by
+        # one reader, no index needed); else pieces (``sources.pieces``), so readers split
+        # files instead of each scanning all of them.
+        if len(self._paths) >= self.shard.count:
+            if self.order_seed is None:
+                return None
+            # whole files per reader, in pieces only for the spread order: index only its own
+            own = set(range(self.shard.index, len(self._paths), self.shard.count))
+            return [file_pieces(i, p, self._formats[p]) if i in own else [] for i, p in enumerate(self._paths)]
+        return [file_pieces(i, p, self._formats[p]) for i, p in enumerate(self._paths)]
+
+    def index_all(self) -> None:
+        """Build (or find in the cache) the piece index of every file this source reads in
+        pieces, for all readers at once (the prebuild runs this once before its jobs)."""
+        if self._parts is None:
+            self.reset(None)
+        if self._pieces is not None:
+            for i, p in enumerate(self._paths):
+                file_pieces(i, p, self._formats[p])
+
+    def _order_pieces(self, pieces: list) -> list:
+        return pieces if self.order_seed is None else spread_order(pieces, self.order_seed)
+
+    def _open_part(self, part: int, position: dict | None, piece=None):
         path = self._paths[part]
         fmt = self._formats[path]
         if fmt == "jsonl":
-            return JsonlReader(path, self.text_column, self.name, position)
+            return JsonlReader(path, self.text_column, self.name, position, piece)
         if fmt == "txt":
             return TextFileReader(path, self.text_column, self.name, position)
-        return ParquetReader(path, self.text_column, self.name, position)
+        return ParquetReader(path, self.text_column, self.name, position, piece)

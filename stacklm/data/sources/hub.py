@@ -10,12 +10,12 @@ from typing import Any
 from torchdata.nodes import BaseNode
 
 from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
-from stacklm.data.sources.errors import EmptySourceError, SourceError, SourceNotFoundError, column_error
 from stacklm.data.sources.files import glob_files
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
+from stacklm.errors import SourceError, SourceNotFoundError, column_error
 from stacklm.once import first_time, in_loader_worker
 
 FALLBACK_OFFLINE = "fallback_offline"
@@ -134,7 +134,7 @@ class HFStreamSource(TextPartSource):
                     file=self.path,
                 ) from e
             if first is None:
-                raise EmptySourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
+                raise SourceError(f"source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self.path)
             columns = list(first)
         if self.text_column not in columns:
             raise column_error(self.name, self.text_column, columns, self._describe())
@@ -147,7 +147,7 @@ class HFStreamSource(TextPartSource):
         self.part_labels = [f"shard{j:05d} ({files[j]})" for j in range(ds.n_shards)] if files else list(self._parts)
         self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
 
-    def _open_part(self, part: int, position: dict | None):
+    def _open_part(self, part: int, position: dict | None, piece=None):
         return DatasetsReader(self._hub_shard(part), self.text_column, self.name, f"{self._describe()} {self._parts[part]}", position)
 
     def reset(self, initial_state: dict | None = None) -> None:

@@ -24,15 +24,9 @@ from stacklm.data.audit import (
     clean_text,
     record_audit,
 )
-from stacklm.data.sources.errors import (
-    EmptySourceError,
-    InvalidRecordError,
-    SourceError,
-    column_error,
-)
-from stacklm.data.sources.sharding import ShardSpec, assign_parts, owns_row
+from stacklm.data.sources.sharding import ShardSpec, assign_parts, assign_pieces, owns_row
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError
+from stacklm.errors import ConfigError, InvalidRecordError, SourceError, column_error
 from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
@@ -59,6 +53,7 @@ class PartNode(BaseNode[dict]):
     # logs: the val split's (``HoldoutNode``); and a row is logged once per process (``once``).
     log_rows = True
     COUNTS_RECORDS = False  # count owned rows as RECORDS_READ (the token ledger's "read"; text sources)
+    _pieces = None  # the assigned pieces (``sources.pieces``), parallel to ``_assigned``; None: whole parts
 
     def __init__(self, name: str, domain: str, *, shard: ShardSpec | None, stage: str = "source") -> None:
         super().__init__()
@@ -73,8 +68,21 @@ class PartNode(BaseNode[dict]):
     def _list_parts(self) -> list[str]:
         raise NotImplementedError
 
-    def _open_part(self, part: int, position: dict | None):
+    def _open_part(self, part: int, position: dict | None, piece=None):
         raise NotImplementedError
+
+    def _list_pieces(self) -> list[list] | None:
+        """Every part's pieces (``sources.pieces``), or None to read whole parts (hub shards;
+        files when whole-file reading already reads each input once)."""
+        return None
+
+    def _order_pieces(self, pieces: list) -> list:
+        """The order this reader reads its pieces in (as assigned: file order, by default)."""
+        return pieces
+
+    def _part_size(self, part: int) -> int:
+        """Bytes of part ``part`` on disk (0 when unknown: hub streams)."""
+        return 0
 
     def _describe(self) -> str:
         raise NotImplementedError
@@ -107,11 +115,20 @@ class PartNode(BaseNode[dict]):
         super().reset(initial_state)
         if self._parts is None:
             self._parts = self._list_parts()
-            self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
+            pieces = self._list_pieces()
+            if pieces is None:
+                self._pieces = None
+                self._assigned, self._strided = assign_parts(len(self._parts), self.shard)
+            else:
+                self._pieces, self._strided = assign_pieces(pieces, self.shard)
+                self._pieces = self._order_pieces(self._pieces)
+                self._assigned = [p.part for p in self._pieces]
         self._close()
         st = initial_state or {}
         self._k = int(st.get("part", 0))
-        self._row = int(st.get("row", 0))
+        self._row = int(st.get("row", self._first_row(0)))
+        # input bytes this reader has read (``bytes_in``): the read volume per pass
+        self._bytes_in = int(st.get("bytes_in", 0))
         self._global_row = int(st.get("global_row", 0))
         self._owned_rows = int(st.get("owned_rows", 0))
         self._emitted = int(st.get("emitted", 0))
@@ -127,10 +144,37 @@ class PartNode(BaseNode[dict]):
             "emitted": self._emitted,
             "pos": self._reader.position() if self._reader is not None else self._pos,
             "stats": self.stats.to_dict(),
+            "bytes_in": self.bytes_in,
         }
+
+    @property
+    def bytes_in(self) -> int:
+        """Input bytes this reader has read so far: exact for plain JSON-lines files (the bytes
+        of the lines read, skipped rows included); a compressed file, a parquet row group or a
+        hub-free part counts whole when it is opened."""
+        done = self._reader.consumed() if self._reader is not None and hasattr(self._reader, "consumed") else None
+        return self._bytes_in + (done or 0)
+
+    @property
+    def input_bytes(self) -> int:
+        """Bytes of all this source's parts on disk (what one full read of it reads)."""
+        if self._parts is None:
+            self.reset(None)
+        return sum(self._part_size(i) for i in range(len(self._parts)))
+
+    @property
+    def index_bytes(self) -> int:
+        """Bytes a piece index of this source covers (``sources.pieces``); 0 when parts are read whole."""
+        return 0
+
+    def _first_row(self, k: int) -> int:
+        """The row number (``doc_id``'s) at the start of the ``k``-th assigned piece."""
+        return self._pieces[k].row if self._pieces is not None and k < len(self._pieces) else 0
 
     def _close(self) -> None:
         if self._reader is not None:
+            done = self._reader.consumed() if hasattr(self._reader, "consumed") else None
+            self._bytes_in += done or 0
             self._reader.close()
         self._reader = None
 
@@ -141,8 +185,9 @@ class PartNode(BaseNode[dict]):
                     self._check_exhausted()
                     raise StopIteration
                 part = self._assigned[self._k]
+                piece = self._pieces[self._k] if self._pieces is not None else None
                 try:
-                    self._reader = self._open_part(part, self._pos)
+                    self._reader = self._open_part(part, self._pos, piece)
                 except SourceError:
                     raise
                 except Exception as e:
@@ -153,12 +198,17 @@ class PartNode(BaseNode[dict]):
                     ) from e
                 self._reader.row = self._row  # for messages: rows already read from this part
                 self._rows = iter(self._reader)
+                exact = getattr(self._reader, "consumed", lambda: None)() is not None
+                if self._pos is None and not exact:
+                    # not byte-exact (compressed, parquet, txt): the piece counts whole at a fresh open
+                    self._bytes_in += piece.nbytes if piece is not None else self._part_size(part)
             try:
                 raw = next(self._rows)
             except StopIteration:
                 self._end_part()
                 self._close()
-                self._k, self._row, self._pos = self._k + 1, 0, None
+                self._k, self._pos = self._k + 1, None
+                self._row = self._first_row(self._k)
                 continue
             except SourceError:
                 raise
@@ -309,7 +359,7 @@ class TextPartSource(PartNode):
         self.text_bytes += len(value) if isinstance(value, bytes) else (len(text) if text.isascii() else len(text.encode()))
         if not record_audit(self.stats, self.name, audit):
             if self._emitted == 0 and self._owned_rows >= self.first_rows_check:
-                raise EmptySourceError(
+                raise SourceError(
                     f"source {self.name!r}: the first {self._owned_rows} rows of {self._describe()} have no text in "
                     f"column {self.text_column!r} (last: {self._reader.where()}); check text_column and the files",
                     source=self.name,
@@ -339,14 +389,14 @@ class TextPartSource(PartNode):
                        "(e.g. iconv -f latin1 -t utf-8) or drop them from the source")
             else:
                 why = f"have empty text in column {self.text_column!r}"
-            raise EmptySourceError(
+            raise SourceError(
                 f"source {self.name!r}: all {self._owned_rows} rows of {self._describe()} {why}" if not binary else
                 f"source {self.name!r}: no document left of the {self._owned_rows} rows of {self._describe()}: {why}",
                 source=self.name,
                 file=self._describe(),
             )
         if self._global_row == 0:  # strided readers of a tiny source may legitimately own nothing
-            raise EmptySourceError(
+            raise SourceError(
                 f"source {self.name!r}: {self._describe()} contains no rows"
                 + (f" (parts of shard {self.shard.index}/{self.shard.count})" if self.shard.count > 1 else ""),
                 source=self.name,

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from stacklm.data.audit import MALFORMED_JSON, MISSING_TEXT, NOT_AN_OBJECT
-from stacklm.data.sources.errors import InvalidRecordError, column_error
+from stacklm.errors import InvalidRecordError, column_error
 
 
 def open_binary(path: str) -> io.BufferedIOBase:
@@ -100,11 +100,15 @@ class JsonlReader:
     """JSON lines; yields raw line bytes (``None`` for blank lines) so unowned rows in strided
     mode are never parsed. Position = decompressed byte offset and line number."""
 
-    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None, piece=None) -> None:
         self.path, self.text_column, self.source = path, text_column, source
         self.keys: list[str] = []
-        self.offset = int(position["offset"]) if position else 0
-        self.line = int(position["line"]) if position else 0
+        # A piece (``pieces.Piece``) of a plain file: lines starting in [lo, hi) only, numbered
+        # from the piece's first line, so a line keeps the number it has in a whole-file read.
+        start, self.end = (piece.lo, piece.hi) if piece is not None else (0, -1)
+        self.offset = int(position["offset"]) if position else start
+        self.line = int(position["line"]) if position else (piece.line if piece is not None else 0)
+        self.opened_at = self.offset
         self._stream = open_binary(path)
         if path.endswith((".zst", ".zstd")):
             _skip_bytes(self._stream, self.offset)
@@ -112,10 +116,18 @@ class JsonlReader:
             self._stream.seek(self.offset)  # O(1) for plain files; gzip decompresses forward in C
 
     def __iter__(self) -> Iterator[bytes | None]:
+        end = self.end
         for raw in self._stream:
+            if 0 <= end <= self.offset:  # the next piece's first line: not ours
+                return
             self.offset += len(raw)
             self.line += 1
             yield raw if raw.strip() else None
+
+    def consumed(self) -> int | None:
+        """Bytes of the file read since it was opened (plain files; None when compressed: the
+        decompressed offset is not the bytes read)."""
+        return None if self.path.endswith((".gz", ".zst", ".zstd")) else self.offset - self.opened_at
 
     def position(self) -> dict:
         return {"offset": self.offset, "line": self.line}
@@ -163,7 +175,7 @@ class JsonlReader:
 class TextFileReader:
     """A .txt file (optionally compressed) is one document: books and articles are whole."""
 
-    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None, piece=None) -> None:
         self.path = path
         self.done = bool(position and position.get("done"))
 
@@ -201,11 +213,13 @@ class ParquetReader:
 
     BATCH_ROWS = 1024
 
-    def __init__(self, path: str, text_column: str, source: str, position: dict | None) -> None:
+    def __init__(self, path: str, text_column: str, source: str, position: dict | None, piece=None) -> None:
         import pyarrow.parquet as pq
 
         self.path, self.text_column, self.source = path, text_column, source
-        self.row = int(position["row"]) if position else 0
+        # A piece (``pieces.Piece``): row groups [lo, hi) only, rows numbered as in the whole file.
+        self._groups = (piece.lo, piece.hi) if piece is not None else None
+        self.row = int(position["row"]) if position else (piece.line if piece is not None else 0)
         self._file = pq.ParquetFile(path)
         columns = self._file.schema_arrow.names
         if text_column not in columns:
@@ -218,7 +232,10 @@ class ParquetReader:
         while first < meta.num_row_groups and skip >= meta.row_group(first).num_rows:
             skip -= meta.row_group(first).num_rows
             first += 1
-        groups = list(range(first, meta.num_row_groups))
+        last = meta.num_row_groups
+        if self._groups is not None:
+            last = self._groups[1]
+        groups = list(range(first, last))
         if not groups:
             return
         for batch in self._file.iter_batches(batch_size=self.BATCH_ROWS, row_groups=groups, columns=[self.text_column]):

@@ -64,3 +64,32 @@ def assign_parts(num_parts: int, shard: ShardSpec) -> tuple[list[int], bool]:
 def owns_row(global_row: int, shard: ShardSpec) -> bool:
     """In strided mode: does this reader keep the stream's ``global_row``?"""
     return global_row % shard.count == shard.index
+
+
+def assign_pieces(pieces: list[list], shard: ShardSpec) -> tuple[list, bool]:
+    """``(pieces this reader reads, strided)`` over ``pieces[part]`` (``sources.pieces.Piece``).
+
+    With at least as many parts as readers: reader ``i`` reads parts ``i, i+count, ...`` whole,
+    as ``assign_parts``. Otherwise the pieces of all parts, in order, are dealt out in
+    contiguous runs of about ``1/count`` of the bytes each (a run ends once it reaches its
+    share, or when the pieces left are just enough for the readers left), so each input byte
+    is read by one reader. Only when there are fewer pieces than readers (a tiny source, or
+    one made of unsplittable pieces: one ``.gz`` file, one row group) does every reader read
+    every piece and keep every ``count``-th row (``strided``), as before.
+    """
+    parts, strided = assign_parts(len(pieces), shard)
+    if not strided:
+        return [p for part in parts for p in pieces[part]], False
+    flat = [p for per_part in pieces for p in per_part]
+    n, count = len(flat), shard.count
+    if n < count:
+        return flat, True
+    total = sum(max(0, p.nbytes) for p in flat)
+    mine, reader, acc = [], 0, 0
+    for j, p in enumerate(flat):
+        if reader == shard.index:
+            mine.append(p)
+        acc += max(0, p.nbytes)
+        if reader < count - 1 and (acc * count >= (reader + 1) * total or n - j - 1 == count - reader - 1):
+            reader += 1
+    return mine, False

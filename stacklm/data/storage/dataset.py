@@ -1,4 +1,4 @@
-"""Reading prebuilt shards: ``PackedMemmapDataset`` and the elastic sampler of ``shards`` mode.
+"""Reading prebuilt shards: ``PackedMemmapDataset``.
 
 ``PackedMemmapDataset`` is map-style over memmapped ``.tokens.bin`` files (so it works with
 ``DistributedSampler``, ``ElasticSampler`` or any index sampler): index ``i`` is found with one
@@ -9,35 +9,33 @@ when opened (manifest, file sizes, dtype, special ids, a sample of token ids, op
 tokenizer hash), and checks each shard's content hash against the manifest the first time a
 process reads a row of it (``verify_content``); ``verify_shard_set`` also reads every id.
 
-``ElasticSampler`` orders the epoch by one global seeded permutation, consumed in global steps
-of ``world_size x batch_size`` samples; its whole state is ``(seed, epoch, consumed)``. Resuming
-is O(1) and the world size, worker count and batch size may change between runs without a
-sample being dropped or repeated.
+The elastic order over it (``ElasticSampler``, ``ElasticBatchNode``) is a resume rule, so it
+lives with the others in ``stacklm.datamodule.resume.sampler``.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import threading
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torchdata.nodes import BaseNode
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, ManifestError, read_manifest, tokenizer_hash
-from stacklm.data.storage.shards import ShardError, check_content_hash, check_shard_files, list_shard_files, open_tokens, parse_dtype, tokens_path
-from stacklm.dist import rank_world
-from stacklm.errors import ArgumentTypeError
-
-
-class IndexTypeError(ArgumentTypeError, IndexError):
-    """``PackedMemmapDataset[...]`` with an index that is not an int, a slice or 1-D ints."""
+from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest, tokenizer_hash
+from stacklm.data.storage.shards import (
+    check_content_hash,
+    check_shard_files,
+    list_shard_files,
+    open_tokens,
+    parse_dtype,
+    tokens_path,
+)
+from stacklm.errors import ArgumentTypeError, DataError
 
 
 DEFAULT_SAMPLE_ROWS = 256  # rows whose ids are checked on open (``verify`` checks all)
@@ -109,7 +107,7 @@ def resolve_split_dir(path: str | os.PathLike, split: str | None = None) -> Path
             return path / split
         if path.name == split:
             return path
-        raise ManifestError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
+        raise DataError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
     if path.is_dir() and not any(p.name.endswith(".tokens.bin") for p in path.iterdir()) and (path / "train").is_dir():
         return path / "train"
     return path
@@ -121,14 +119,14 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
     ``ds[i]`` is one row of the batch contract (tensors of shape ``(seq_len - 1,)``), so the
     default collate and any sampler work; ``ds[list_of_indices]`` / ``ds.get_batch(indices)``
     derive a whole batch in one vectorised pass (use it with ``batch_size=None`` and a batch
-    sampler, or with ``ElasticBatchNode``). Memmaps are opened lazily per process and never
+    sampler, or with ``stacklm.datamodule.resume.sampler.ElasticBatchNode``). Memmaps are opened lazily per process and never
     pickled, so ``DataLoader`` workers (fork or spawn) share the page cache, not copies.
 
     ``verify_content`` (default on): the first time a process reads a row of a shard, the
     shard's whole ``tokens.bin`` is hashed (xxh64, ``shards.check_content_hash``, the same check
     as ``stacklm verify``) and compared with the manifest before the row is returned, so a
     flipped bit that stays inside the vocabulary, or a damaged hash in the manifest, is a
-    ``ShardError`` naming the shard, the manifest and ``stacklm verify`` instead of training
+    ``DataError`` naming the shard, the manifest and ``stacklm verify`` instead of training
     data. Once per shard per process (each ``DataLoader`` worker checks the shards it reads;
     a worker of a later epoch again), then nothing: one ``os.getpid()`` per batch. Cost:
     ``bench/loader.py --verify-only``. ``False`` reads without it (the size, id-range and
@@ -159,11 +157,11 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         self.vocab_size = int(m["vocab_size"])
         self.dtype = parse_dtype(m["dtype"], where=where)
         if np.iinfo(self.dtype).max + 1 < self.vocab_size:
-            raise ManifestError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
+            raise DataError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
         self.bos_id, self.eos_id, self.pad_id = int(m["bos_id"]), int(m["eos_id"]), int(m["pad_id"])
         for key in ("bos_id", "eos_id", "pad_id"):
             if not 0 <= int(m[key]) < self.vocab_size:
-                raise ManifestError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
+                raise DataError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
         if tokenizer is not None:
             check_tokenizer(m, tokenizer, where)
         self.shard_names = [s["name"] for s in m["shards"]]
@@ -172,12 +170,12 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
         self.num_rows = int(self.shard_rows.sum())
         if self.num_rows != int(m["n_seq"]):
-            raise ManifestError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
+            raise DataError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
         if self.num_rows == 0:
-            raise ManifestError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
+            raise DataError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
         stray = sorted(set(list_shard_files(self.path)) - set(self.shard_names))
         if stray:
-            raise ShardError(
+            raise DataError(
                 f"{self.path} holds shard files the manifest does not list ({', '.join(stray[:3])}{'...' if len(stray) > 3 else ''}): "
                 "shards from another build were copied in; remove them or rebuild into a fresh directory",
                 path=self.path,
@@ -274,7 +272,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         global_row = int(idx[r]) + (self.num_rows if idx[r] < 0 else 0)
         shard, local = self.locate(np.array([global_row]))
         path = tokens_path(self.path, self.shard_names[int(shard[0])])
-        raise ShardError(
+        raise DataError(
             f"{path}: row {int(local[0])} holds token id {int(rows[r].max())} >= vocab_size {self.vocab_size} from the "
             "manifest: the shard is corrupt or was built with a larger vocabulary; run `stacklm verify` on the directory "
             "and rebuild with `stacklm prebuild`",
@@ -283,7 +281,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, index):
         """``ds[i]``: one row; ``ds[a:b]`` or ``ds[[i, j, ...]]``: a batch. Any other index (a
-        float, a bool, a 2-D array) is an ``IndexTypeError``: ``np.asarray(1.5)`` used to read
+        float, a bool, a 2-D array) is an ``ArgumentTypeError``: ``np.asarray(1.5)`` used to read
         a 2-D batch of row 1."""
         if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
             return {k: v[0] for k, v in self.get_batch([int(index)]).items()}
@@ -292,7 +290,7 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         rows = np.asarray(index)
         if rows.ndim != 1 or not (rows.dtype.kind in "iu" or rows.size == 0):
             got = type(index).__name__ + (f" of dtype {rows.dtype}, shape {rows.shape}" if rows.ndim else f" {index!r}")
-            raise IndexTypeError(f"PackedMemmapDataset[{index!r}]: an index is an int, a slice or a 1-D sequence of ints, got {got}")
+            raise ArgumentTypeError(f"PackedMemmapDataset[{index!r}]: an index is an int, a slice or a 1-D sequence of ints, got {got}")
         return self.get_batch(rows.astype(np.int64, copy=False))
 
     # -- checks --------------------------------------------------------------------------
@@ -313,14 +311,14 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         if over.any():
             r = int(np.argmax(over.any(axis=1)))
             shard, local = self.locate(picks[r : r + 1])
-            raise ShardError(
+            raise DataError(
                 f"{tokens_path(self.path, self.shard_names[int(shard[0])])}: row {int(local[0])} holds token id "
                 f"{int(rows[r].max())} >= vocab_size {self.vocab_size} from the manifest: the shard is corrupt or was built "
                 "with a larger vocabulary; run `stacklm verify` on the directory and rebuild with `stacklm prebuild`",
                 path=tokens_path(self.path, self.shard_names[int(shard[0])]),
             )
         if len(rows) >= _MIN_ROWS_FOR_BOS_CHECK and not (rows == self.bos_id).any():
-            raise ManifestError(
+            raise DataError(
                 f"{self.path / 'manifest.json'}: bos_id {self.bos_id} occurs in none of {len(rows)} sampled rows: the "
                 "manifest's special ids do not match the shards (or the shards were written by another tokenizer); rebuild",
                 path=self.path / "manifest.json",
@@ -328,16 +326,12 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
 
 
 def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
-    """Refuse a tokenizer other than the one the shards were built with (the ids would mean other tokens)."""
+    """Refuse a tokenizer other than the one the shards were built with (the ids would mean other
+    tokens). ``tokenizer`` is loaded (``tokenizer_hash`` refuses a path)."""
     given = tokenizer_hash(tokenizer)
-    if not isinstance(tokenizer, (str, os.PathLike)):
-        vocab = tokenizer.vocab_size
-    else:
-        from stacklm.tokenizer.bpe import StackTokenizer
-
-        vocab = StackTokenizer.load(tokenizer).vocab_size
+    vocab = tokenizer.vocab_size
     if given != manifest["tokenizer_hash"]:
-        raise ManifestError(
+        raise DataError(
             f"{where} was built with tokenizer sha256 {manifest['tokenizer_hash'][:16]}... (vocab {manifest['vocab_size']}) "
             f"but the given tokenizer is {given[:16]}... (vocab {vocab}): its ids would mean other tokens. Use the "
             "tokenizer the shards were built with, or rebuild the shards with `stacklm prebuild --tokenizer ...`",
@@ -347,7 +341,7 @@ def check_tokenizer(manifest: dict, tokenizer, where: str) -> None:
 
 def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool = True) -> dict[str, Any]:
     """Full check of a prebuilt directory (top or split): every shard's size, content hash and
-    every token id. Raises ``ShardError`` naming the first bad file; returns per-split totals.
+    every token id. Raises ``DataError`` naming the first bad file; returns per-split totals.
     A remote URL is mirrored first (each shard hash-checked on download, ``remote.mirror``),
     then the mirror is checked as a local directory."""
     from stacklm.data.storage import remote
@@ -356,7 +350,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
     top = read_manifest(path, required=REQUIRED)
     splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
     if not splits:
-        raise ManifestError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
     report: dict[str, Any] = {}
     for split, directory in splits.items():
         ds = PackedMemmapDataset(directory, tokenizer=tokenizer, sample_rows=0, verify_content=False)  # hashed below, in order
@@ -376,7 +370,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
                 chunk_max = int(data[lo : lo + step].max())
                 if chunk_max >= ds.vocab_size:
                     row = lo + int(np.argmax((data[lo : lo + step] >= ds.vocab_size).any(axis=1)))
-                    raise ShardError(
+                    raise DataError(
                         f"{tpath}: row {row} holds token id {chunk_max} >= vocab_size {ds.vocab_size}: the shard is corrupt or "
                         "was built with a larger vocabulary; rebuild with `stacklm prebuild`",
                         path=tpath,
@@ -389,205 +383,3 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
         report[split] = {"shards": len(shards), "rows": ds.num_rows, "tokens": ds.num_tokens, "max_id": max_id, "vocab_size": ds.vocab_size}
     return report
 
-
-# ---------------------------------------------------------------------------------------
-# Elastic sampler (``shards`` mode)
-# ---------------------------------------------------------------------------------------
-class ElasticSampler(torch.utils.data.Sampler[int]):
-    """One seeded permutation per epoch, consumed in global steps; state ``(seed, epoch, consumed)``.
-
-    The global order is the concatenation of the epochs' permutations (position ``p`` holds
-    ``perm(p // N)[p % N]``). Global step ``t`` after the saved position ``c`` covers
-    ``[c + t*W*B, c + (t+1)*W*B)``; rank ``r`` takes its ``B`` positions at offset ``r*B``, and with
-    ``num_workers`` iterators per rank (``batches(worker, num_workers)``) worker ``k`` takes the
-    steps ``t % num_workers == k`` — the round-robin order in which ``DataLoader`` collects them.
-    Every rank derives the same positions from the same three numbers, so the state needs nothing
-    else, resuming is O(1), and W, B and the worker count may change at a resume: the next run
-    starts at position ``c`` whatever the new shape, so nothing is dropped or repeated.
-
-    ``loop=True`` (training): the stream runs on into the next epoch's permutation, never
-    dropping the tail of an epoch; the sampler has no length (use ``max_steps``). ``loop=False``
-    (a single pass, e.g. evaluation): stops at the end of the current epoch; the last global
-    step is split rank-major, so late ranks may get a short or empty batch unless
-    ``drop_last=True`` (which drops that tail, ``< W*B`` samples, and says how many in
-    ``dropped_tail``).
-
-    As a torch ``Sampler`` it yields the rank's indices (use ``DataLoader(batch_size=B)``; its
-    workers are fed by the main process, so no worker slicing is needed there). For
-    ``torchdata.nodes`` use ``ElasticBatchNode``. Checkpoint at batch boundaries with
-    ``state_dict()`` (position after the batches this sampler has yielded) or, when the loader
-    prefetches, ``state_after(steps_consumed)``.
-    """
-
-    def __init__(
-        self,
-        data_source: Sized | int,
-        batch_size: int,
-        *,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        shuffle: bool = True,
-        loop: bool = True,
-        drop_last: bool = False,
-    ) -> None:
-        self.num_samples = int(data_source if isinstance(data_source, int) else len(data_source))
-        if self.num_samples <= 0:
-            raise ValueError("ElasticSampler needs at least one sample")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-        if rank is None or world_size is None:
-            r, w = rank_world()
-            rank = r if rank is None else rank
-            world_size = w if world_size is None else world_size
-        if not 0 <= rank < world_size:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-        self.batch_size, self.rank, self.world_size = int(batch_size), int(rank), int(world_size)
-        self.seed, self.shuffle, self.loop, self.drop_last = int(seed), bool(shuffle), bool(loop), bool(drop_last)
-        self.epoch = 0
-        self.consumed = 0
-        self._base = 0  # global position where the current iteration started
-        self._steps = 0  # rank steps taken since ``_base``
-        self._perm_cache: tuple[int, np.ndarray] | None = None
-
-    # -- global order --------------------------------------------------------------------
-    def permutation(self, epoch: int) -> np.ndarray:
-        """Epoch ``epoch``'s order of the sample indices (identical on every rank and worker)."""
-        if self._perm_cache is not None and self._perm_cache[0] == epoch:
-            return self._perm_cache[1]
-        if self.shuffle:
-            perm = np.random.Generator(np.random.PCG64([self.seed, epoch])).permutation(self.num_samples)
-        else:
-            perm = np.arange(self.num_samples, dtype=np.int64)
-        self._perm_cache = (epoch, perm)
-        return perm
-
-    def positions_to_indices(self, start: int, stop: int) -> np.ndarray:
-        """Sample indices at global stream positions ``[start, stop)`` (may span epochs)."""
-        N = self.num_samples
-        parts = []
-        while start < stop:
-            epoch, offset = divmod(start, N)
-            take = min(stop - start, N - offset)
-            parts.append(self.permutation(epoch)[offset : offset + take])
-            start += take
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-
-    @property
-    def step_size(self) -> int:
-        """Samples consumed by one global step (all ranks)."""
-        return self.world_size * self.batch_size
-
-    def _position(self) -> int:
-        return self.epoch * self.num_samples + self.consumed
-
-    def _epoch_end(self, base: int) -> int:
-        return (base // self.num_samples + 1) * self.num_samples
-
-    def _steps_left(self, base: int) -> int | None:
-        if self.loop:
-            return None
-        left = self._epoch_end(base) - base
-        return left // self.step_size if self.drop_last else math.ceil(left / self.step_size)
-
-    def batch_at(self, base: int, step: int) -> np.ndarray:
-        """This rank's indices for global step ``step`` counted from position ``base``."""
-        lo = base + step * self.step_size + self.rank * self.batch_size
-        hi = lo + self.batch_size
-        if not self.loop:
-            end = self._epoch_end(base)
-            lo, hi = min(lo, end), min(hi, end)
-        return self.positions_to_indices(lo, hi)
-
-    # -- iteration -----------------------------------------------------------------------
-    def batches(self, worker: int = 0, num_workers: int = 1) -> Iterator[np.ndarray]:
-        """This rank's batches from the current state; worker ``k`` of ``num_workers`` yields the
-        global steps ``t % num_workers == k``. State follows the last yielded step."""
-        if not 0 <= worker < num_workers:
-            raise ValueError(f"need 0 <= worker < num_workers, got {worker}, {num_workers}")
-        base = self._base = self._position()
-        self._steps = 0
-        limit = self._steps_left(base)
-        step = worker
-        while limit is None or step < limit:
-            batch = self.batch_at(base, step)
-            self._steps = step + 1
-            yield batch
-            step += num_workers
-        self._finish(base, limit)
-
-    def _finish(self, base: int, limit: int | None) -> None:
-        self.dropped_tail = 0
-        if limit is not None:  # single pass done: the next iteration starts the next epoch
-            end = self._epoch_end(base)
-            self.dropped_tail = max(0, end - (base + limit * self.step_size))
-            self.epoch, self.consumed = divmod(end, self.num_samples)
-            self._base, self._steps = end, 0
-
-    def __iter__(self) -> Iterator[int]:
-        for batch in self.batches():
-            yield from batch.tolist()
-
-    def __len__(self) -> int:
-        if self.loop:
-            raise TypeError("ElasticSampler(loop=True) is endless (it runs on into the next epoch); bound training with max_steps")
-        base = self._position()
-        limit = self._steps_left(base)
-        return self.batch_size * (limit - 1) + len(self.batch_at(base, limit - 1)) if limit else 0
-
-    # -- state ---------------------------------------------------------------------------
-    def state_after(self, steps: int) -> dict[str, int]:
-        """The state once ``steps`` rank steps of the current iteration have been consumed."""
-        pos = self._base + steps * self.step_size
-        if not self.loop:
-            pos = min(pos, self._epoch_end(self._base))
-        epoch, consumed = divmod(pos, self.num_samples)
-        return {"seed": self.seed, "epoch": epoch, "consumed": consumed, "num_samples": self.num_samples}
-
-    def state_dict(self) -> dict[str, int]:
-        return self.state_after(self._steps)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if int(state["num_samples"]) != self.num_samples:
-            raise ValueError(
-                f"ElasticSampler state is for {state['num_samples']} samples but this dataset has {self.num_samples}: the "
-                "shard set changed since the checkpoint; resume on the same shards"
-            )
-        if int(state["seed"]) != self.seed:
-            raise ValueError(f"ElasticSampler state has seed {state['seed']} but this sampler uses seed {self.seed}; resume with the same seed")
-        self.epoch, self.consumed = int(state["epoch"]), int(state["consumed"])
-        self._base, self._steps = self._position(), 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """DistributedSampler-compatible. Moving to another epoch starts it from the top;
-        the same epoch (a resume) keeps the position. No-op with ``loop=True``, where the
-        epoch is part of the stream position."""
-        if self.loop or epoch == self.epoch:
-            return
-        self.epoch, self.consumed = int(epoch), 0
-        self._base, self._steps = self._position(), 0
-
-
-class ElasticBatchNode(BaseNode[np.ndarray]):
-    """``torchdata.nodes`` source of this rank's index batches (``np.ndarray`` of B indices).
-
-    State: the sampler's ``(seed, epoch, consumed)`` after the last yielded batch. Chain it
-    with ``Mapper(node, dataset.get_batch)`` for batch-contract dicts.
-    """
-
-    def __init__(self, sampler: ElasticSampler, worker: int = 0, num_workers: int = 1) -> None:
-        super().__init__()
-        self.sampler, self.worker, self.num_workers = sampler, worker, num_workers
-        self._it: Iterator[np.ndarray] | None = None
-
-    def reset(self, initial_state: dict | None = None) -> None:
-        super().reset(initial_state)
-        if initial_state is not None:
-            self.sampler.load_state_dict(initial_state)
-        self._it = self.sampler.batches(self.worker, self.num_workers)
-
-    def next(self) -> np.ndarray:
-        return next(self._it)
-
-    def get_state(self) -> dict[str, int]:
-        return self.sampler.state_dict()

@@ -20,17 +20,14 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
+from stacklm.data.storage.shards import atomic_write_shard_file
+from stacklm.errors import DataError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "stacklm-shards"
 VERSION = 1
 REQUIRED = ("format", "version", "seq_len", "dtype", "vocab_size", "bos_id", "eos_id", "pad_id", "tokenizer_hash")
 SPLIT_REQUIRED = REQUIRED + ("split", "shards", "n_seq")
-
-
-class ManifestError(ShardError):
-    """A manifest is missing, unreadable or does not match what it is checked against."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -43,14 +40,16 @@ def _canonical(obj: Any) -> bytes:
 def tokenizer_hash(tokenizer) -> str:
     """sha256 of the tokenizer artifact's content: vocab size, pattern, merges, specials.
 
-    ``tokenizer`` is a ``StackTokenizer`` or a path (artifact file or its directory). The
+    ``tokenizer`` is a loaded tokenizer (a ``StackTokenizer``): the data layer takes it as an
+    argument and never loads one, so data/ does not depend on the tokenizer's code. The
     artifact's ``metadata`` (training time, sample audit) is left out, so re-saving or
     re-training the same tokenizer gives the same hash, and any change to the ids does not.
     """
     if isinstance(tokenizer, (str, os.PathLike)):
-        from stacklm.tokenizer.bpe import StackTokenizer
-
-        tokenizer = StackTokenizer.load(tokenizer)
+        raise TypeError(
+            f"tokenizer_hash: got the path {os.fspath(tokenizer)!r}; pass the loaded tokenizer "
+            "(stacklm.tokenizer.bpe.StackTokenizer.load(path))"
+        )
     content = {k: v for k, v in tokenizer.to_dict().items() if k != "metadata"}
     return hashlib.sha256(_canonical(content)).hexdigest()
 
@@ -79,7 +78,7 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
     directory = Path(directory)
     path = manifest_path(directory)
     if not directory.is_dir():
-        raise ManifestError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
+        raise DataError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
     if not path.exists():
         if not any(directory.iterdir()):
             why = f"{directory} is empty: it is not a prebuilt shard directory"
@@ -87,20 +86,20 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
             why = f"{path} is missing: the prebuild into {directory} has not finished (the manifest is written last); re-run the same `stacklm prebuild` command to resume it"
         else:
             why = f"{path} is missing: {directory} is not a finished shard set"
-        raise ManifestError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
+        raise DataError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
     try:
         data = json.loads(path.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ManifestError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
+        raise DataError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
     if not isinstance(data, dict):
-        raise ManifestError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path}: expected a JSON object, got {type(data).__name__}; rebuild with `stacklm prebuild`", path=path)
     if data.get("format") != FORMAT:
-        raise ManifestError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}: not a stacklm shard manifest", path=path)
+        raise DataError(f"{path}: field 'format' is {data.get('format')!r}, expected {FORMAT!r}: not a stacklm shard manifest", path=path)
     if data.get("version") != VERSION:
-        raise ManifestError(f"{path}: field 'version' is {data.get('version')!r}; this stacklm reads version {VERSION} — rebuild the shards with this version", path=path)
+        raise DataError(f"{path}: field 'version' is {data.get('version')!r}; this stacklm reads version {VERSION} — rebuild the shards with this version", path=path)
     missing = [k for k in required if k not in data]
     if missing:
-        raise ManifestError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
+        raise DataError(f"{path}: missing field(s) {missing}; the manifest is incomplete — rebuild with `stacklm prebuild`", path=path)
     check_names(data, path)
     return data
 
@@ -120,8 +119,8 @@ def check_names(data: Mapping[str, Any], path: str | os.PathLike) -> None:
     so every reader gets it; one line naming the file, the field and the value."""
     path = Path(path)
 
-    def bad(field: str, value: Any, what: str) -> ManifestError:
-        return ManifestError(
+    def bad(field: str, value: Any, what: str) -> DataError:
+        return DataError(
             f"{path}: field '{field}' is {value!r}, not {what} inside {path.parent} (no '/', no '..', not absolute, not "
             "empty): the manifest is damaged or was not written by stacklm; rebuild with `stacklm prebuild`", path=path)
 

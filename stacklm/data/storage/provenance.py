@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.storage.shards import ShardError, atomic_write_shard_file
+from stacklm.data.storage.shards import atomic_write_shard_file
+from stacklm.errors import DataError
 
 PROV_SUFFIX = ".prov.npz"
 FORMAT = "stacklm-provenance/1"
@@ -52,7 +53,7 @@ def _smallest_uint(values: np.ndarray) -> np.ndarray:
 def row_columns(rows: Sequence[Sequence[tuple[int, ...]]]) -> dict[str, np.ndarray]:
     """Rows of pieces (``rows[i]``: row ``i``'s ``PIECE_FIELDS`` tuples) as the compact columns
     both side files store (a shard's here, a training run's step log in
-    ``stacklm.datamodule.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
+    ``stacklm.data.storage.steplog``): ``row_pieces`` and per piece ``source``, ``file_index``,
     ``record``, ``length``, ``doc_offset``, each in the smallest unsigned type."""
     flat = np.array([p for row in rows for p in row], dtype=np.int64).reshape(-1, len(PIECE_FIELDS))
     counts = np.array([len(row) for row in rows], dtype=np.int64)
@@ -81,7 +82,7 @@ def decode_rows(data: bytes | Path, where: str | Path | None = None) -> tuple[np
     """``(row_ptr, pieces)``: row ``i``'s pieces are ``pieces[row_ptr[i]:row_ptr[i+1]]``, each a
     ``PIECE_FIELDS`` row (``row_start``/``row_end`` restored). Read with ``allow_pickle=False``:
     a side file sits in a shard directory anyone may have written, so a pickle (or an object
-    array) in its place is a ``ShardError`` naming it, never run."""
+    array) in its place is a ``DataError`` naming it, never run."""
     where = where if where is not None else (data if isinstance(data, Path) else "provenance side file")
     try:
         with np.load(io.BytesIO(data) if isinstance(data, bytes) else data, allow_pickle=False) as z:
@@ -89,7 +90,7 @@ def decode_rows(data: bytes | Path, where: str | Path | None = None) -> tuple[np
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, AttributeError) as e:
         from stacklm.data.storage.statefile import load_error_detail
 
-        raise ShardError(f"{where}: not a stacklm provenance side file ({load_error_detail(e)}); rebuild the prebuild, "
+        raise DataError(f"{where}: not a stacklm provenance side file ({load_error_detail(e)}); rebuild the prebuild, "
                          "or restore the file from the build", path=where) from None
 
 
@@ -105,54 +106,6 @@ def columns_to_pieces(columns: Mapping[str, np.ndarray]) -> tuple[np.ndarray, np
     end = ends - row_base
     pieces = np.stack([*cols, end - lengths, end, off], axis=1) if len(lengths) else np.zeros((0, len(PIECE_FIELDS)), np.int64)
     return ptr, pieces
-
-
-class ShardTracker:
-    """Sits next to the shard writer of a prebuild job: counts what each written window
-    delivers per source (the ledger's ``delivered``: documents where their ``<bos>`` is,
-    document tokens) and, with ``provenance``, collects each row's pieces and writes the
-    shard's side file right before the shard itself. Its state (the counts) goes into the job's
-    checkpoint; the pieces never need to, since a checkpoint is taken only after a shard."""
-
-    def __init__(self, pack_node, provenance: bool) -> None:
-        from stacklm.data.packing.origins import content_by_source
-
-        self._content = content_by_source
-        self.pack = pack_node
-        self.provenance = bool(provenance)
-        self.delivered = np.zeros((len(pack_node.packer.sources), 2), dtype=np.int64)
-        self.rows: list[list[tuple[int, ...]]] = []
-        self.bytes = 0  # side-file bytes written by this job (this run)
-
-    def window(self, window: np.ndarray) -> None:
-        origin = self.pack.last_origin  # stacklm.data.packing.origins.WindowOrigin
-        p = self.pack.packer
-        n = len(p.sources)
-        if len(self.delivered) < n:
-            self.delivered = np.vstack([self.delivered, np.zeros((n - len(self.delivered), 2), np.int64)])
-        self.delivered[:, 1] += self._content(window, origin.origin, n, p.bos_id, p.eos_id)
-        for src, _ in origin.starts:
-            self.delivered[src, 0] += 1
-        if self.provenance:
-            self.rows.append(origin.pieces)
-
-    def commit(self, split_dir: Path, name: str) -> None:
-        if self.provenance:
-            data = encode_rows(self.rows)
-            atomic_write_shard_file(prov_path(split_dir, name), data, fsync_parent=False)
-            self.bytes += len(data)
-        self.rows = []
-
-    def delivered_by_source(self) -> dict[str, list[int]]:
-        return {s: [int(x) for x in self.delivered[i]] if i < len(self.delivered) else [0, 0]
-                for i, s in enumerate(self.pack.packer.sources)}
-
-    def state(self) -> dict[str, Any]:
-        return {"delivered": self.delivered.tolist()}
-
-    def load_state(self, state: Mapping[str, Any] | None) -> None:
-        if state:
-            self.delivered = np.asarray(state["delivered"], dtype=np.int64).reshape(-1, 2)
 
 
 def source_files(node) -> list[str]:
@@ -179,13 +132,13 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     d = Path(directory)
     top = d / "manifest.json"
     if not top.exists():
-        raise ShardError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
+        raise DataError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
     from stacklm.data.storage import manifest as mf
 
     m = mf.read_manifest(d)  # names checked: a split path from the manifest never leaves d
     if "splits" in m:
         if split not in m["splits"]:
-            raise ShardError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
+            raise DataError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
         return d / m["splits"][split]["path"]
     return d
 
@@ -205,7 +158,7 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
         return None
     column = np.array([list(sources).index(name) if name in sources else -1 for name in prov["sources"]], dtype=np.int64)
     if (column < 0).any():
-        raise ShardError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
+        raise DataError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
                          "does not", path=split_dir)
     last = int(m["seq_len"]) - 1  # input_ids = window[:-1]
     n_rows = int(m["n_seq"])
@@ -216,7 +169,7 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
         n = int(shard["n_seq"])
         ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
         if len(ptr) - 1 != n:
-            raise ShardError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}", path=split_dir)
+            raise DataError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}", path=split_dir)
         rows = first + np.repeat(np.arange(n), np.diff(ptr))
         src = column[pieces[:, 0]]
         inside = np.clip(np.minimum(pieces[:, 4], last) - pieces[:, 3], 0, None)
@@ -303,7 +256,7 @@ class RowProvenance:
         self.manifest = m = mf.read_manifest(self.split_dir)
         self.prov = m.get("provenance")
         if not self.prov:
-            raise ShardError(f"{self.split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
+            raise DataError(f"{self.split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
                              "(or before stacklm recorded it); rebuild it to ask where rows came from", path=self.split_dir)
         self.n_rows = int(m["n_seq"])
         self.first_rows = np.cumsum([0] + [int(shard["n_seq"]) for shard in m["shards"]])  # each shard's first global row
@@ -318,10 +271,10 @@ class RowProvenance:
             n = int(shard["n_seq"])
             path = prov_path(self.split_dir, shard["name"])
             if not path.exists():
-                raise ShardError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
+                raise DataError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
             ptr, pieces = decode_rows(path.read_bytes(), path)
             if len(ptr) - 1 != n:
-                raise ShardError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build",
+                raise DataError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build",
                                  path=path)
             tokens = open_tokens(self.split_dir, shard["name"], parse_dtype(m["dtype"], where=str(self.split_dir)), n,
                                  int(m["seq_len"]))
@@ -330,7 +283,7 @@ class RowProvenance:
 
     def __call__(self, row: int) -> dict[str, Any]:
         if not 0 <= row < self.n_rows:
-            raise ShardError(f"row {row} is out of range: split {self.split!r} of {self.directory} has {self.n_rows:,} rows "
+            raise DataError(f"row {row} is out of range: split {self.split!r} of {self.directory} has {self.n_rows:,} rows "
                              f"(0..{self.n_rows - 1})", path=self.split_dir)
         k = int(np.searchsorted(self.first_rows, row, side="right")) - 1
         local = row - int(self.first_rows[k])

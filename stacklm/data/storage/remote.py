@@ -6,7 +6,8 @@ row would be a request per row. So a remote shard set is *mirrored* into a local
 directory and memory-mapped from there: a local path keeps exactly today's code path, a remote
 one is "cache, then the same memmap".
 
-* **Writing** (``prebuild_remote``): the build runs into a local staging directory exactly as
+* **Writing** (``upload_shard_set``, driven by ``stacklm.prebuild.build.prebuild_remote``):
+  the build runs into a local staging directory exactly as
   a local build (crash-safe and resumable there), then uploads each shard (side file, tokens,
   meta last), then each split's manifest, then the top manifest last. An object store PUT is
   visible only complete, and a reader trusts only what a manifest lists, so a crash at any
@@ -46,11 +47,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from stacklm import atomic
-from stacklm.data.storage.shards import ShardError, file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.data.storage.manifest import MANIFEST_NAME as MANIFEST
+from stacklm.data.storage.shards import file_xxh64, meta_path, parse_dtype, remove_temp_files, tokens_path
+from stacklm.errors import RemoteError
 
 T = TypeVar("T")
 
-MANIFEST = "manifest.json"
 _URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 MAX_ATTEMPTS = 8  # tries of one request (the first and 7 retries)
 BACKOFF_S = 0.25  # first retry delay; doubled each time, jittered, capped at BACKOFF_MAX_S
@@ -59,10 +61,6 @@ RETRIES = {"count": 0}  # retries taken in this process (counted, and each one s
 _IN_USE: dict[str, Any] = {}  # mirror dir -> open file holding a shared lock while this process reads it
 _CREDENTIALS_FIX = ("check the credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or the fsspec "
                     "storage options) and the bucket name")
-
-
-class RemoteError(ShardError):
-    """Object storage refused or failed a request for good; the message names the URL and the fix."""
 
 
 def is_remote(path: Any) -> bool:
@@ -211,40 +209,6 @@ def upload_shard_set(local: Path, url: str) -> int:
         n += 1
     put_file(local / MANIFEST, join(url, MANIFEST))
     return n + 1
-
-
-def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage: Path | None = None, say=None) -> dict[str, Any]:
-    """``prebuild`` into ``url``: ``build(stage)`` runs the ordinary local build, then the result
-    is uploaded (``upload_shard_set``) and the staging directory removed. An existing remote top
-    manifest is copied into the staging directory first, so the local checks decide as they do
-    for a local ``--out``: the same build is complete (nothing to do), another build is refused."""
-    from stacklm.prebuild.plan import PrebuildError
-
-    stage = Path(stage or staging_dir(url))
-    stage.mkdir(parents=True, exist_ok=True)
-    remote_top = read_bytes(join(url, MANIFEST), missing_ok=True)
-    copied = False
-    built_here = any(p.is_dir() for p in stage.iterdir())  # split dirs or .prebuild: a local build to resume
-    if remote_top is None and (stage / MANIFEST).exists() and not built_here:
-        (stage / MANIFEST).unlink()  # a copy of a remote manifest that is gone now: nothing to trust
-    if remote_top is not None and not (stage / MANIFEST).exists():
-        atomic.atomic_write_bytes(stage / MANIFEST, remote_top)
-        copied = True
-    try:
-        top = build(stage)
-    except PrebuildError as e:  # name the URL the user gave, not the staging directory
-        if copied:
-            shutil.rmtree(stage, ignore_errors=True)
-        raise PrebuildError(str(e).replace(str(stage), url), path=url) from None
-    if remote_top is not None and (stage / MANIFEST).read_bytes() == remote_top and not any(p.is_dir() for p in stage.iterdir()):
-        shutil.rmtree(stage, ignore_errors=True)  # already complete there
-        return top
-    t0 = time.perf_counter()
-    n = upload_shard_set(stage, url)
-    if say is not None:
-        say(f"prebuild: uploaded {n} files to {url} ({time.perf_counter() - t0:.1f}s; manifests last)")
-    shutil.rmtree(stage, ignore_errors=True)
-    return top
 
 
 # ---------------------------------------------------------------------------------------

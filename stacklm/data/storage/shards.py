@@ -32,7 +32,7 @@ import xxhash
 
 from stacklm import atomic
 from stacklm.atomic import TMP_MARK  # temporary files start with this; never matched as shards
-from stacklm.errors import StackLMError
+from stacklm.errors import DataError, ShardWriteError
 from stacklm.parent_death import exit_if_orphaned, orphaned
 
 SHARD_PREFIX = "shard_"
@@ -43,18 +43,6 @@ META_BYTES = 2 * META_DTYPE.itemsize
 _SHARD_RE = re.compile(rf"^{SHARD_PREFIX}(\d{{5,}}){re.escape(TOKENS_SUFFIX)}$")
 _XXH64_RE = re.compile(r"^[0-9a-f]{16}$")  # what ``xxhash.xxh64_hexdigest`` writes
 _HASH_CHUNK = 1 << 20
-
-
-class ShardError(StackLMError, RuntimeError):
-    """A shard (or shard directory) is unusable; the message names the file and the fix."""
-
-    def __init__(self, message: str, *, path: str | os.PathLike | None = None) -> None:
-        super().__init__(message)
-        self.path = str(path) if path is not None else None
-
-
-class ShardWriteError(ShardError, OSError):
-    """Writing a shard failed (typically: the disk is full); nothing partial is left visible."""
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -71,7 +59,7 @@ def dtype_name(dtype: np.dtype) -> str:
 
 def parse_dtype(name: str, *, where: str) -> np.dtype:
     if name not in ("uint16", "uint32"):
-        raise ShardError(f"{where}: field 'dtype' must be 'uint16' or 'uint32', got {name!r}; the manifest is corrupt — rebuild with `stacklm prebuild`", path=where)
+        raise DataError(f"{where}: field 'dtype' must be 'uint16' or 'uint32', got {name!r}; the manifest is corrupt — rebuild with `stacklm prebuild`", path=where)
     return np.dtype(name).newbyteorder("<")
 
 
@@ -191,16 +179,16 @@ def read_meta(path: str | os.PathLike) -> tuple[int, int]:
         raw = path.read_bytes()
     except FileNotFoundError:
         tokens = path.with_name(path.name[: -len(META_SUFFIX)] + TOKENS_SUFFIX)
-        raise ShardError(
+        raise DataError(
             f"{path} is missing (its tokens file {tokens.name} has no meta): the shard was never completed or the "
             f"file was deleted; {_REBUILD}",
             path=path,
         ) from None
     if len(raw) != META_BYTES:
-        raise ShardError(f"{path} is {len(raw)} bytes, a meta file is {META_BYTES} (int64 n_seq, seq_len); {_REBUILD}", path=path)
+        raise DataError(f"{path} is {len(raw)} bytes, a meta file is {META_BYTES} (int64 n_seq, seq_len); {_REBUILD}", path=path)
     n_seq, seq_len = (int(x) for x in np.frombuffer(raw, dtype=META_DTYPE))
     if n_seq < 0 or seq_len < 2:
-        raise ShardError(f"{path} says n_seq={n_seq}, seq_len={seq_len}, which is impossible; {_REBUILD}", path=path)
+        raise DataError(f"{path} says n_seq={n_seq}, seq_len={seq_len}, which is impossible; {_REBUILD}", path=path)
     return n_seq, seq_len
 
 
@@ -208,17 +196,17 @@ def check_shard_files(directory: str | os.PathLike, name: str, dtype: np.dtype, 
     """Check a shard's meta against the expected layout and its tokens file size; return n_seq."""
     mpath, tpath = meta_path(directory, name), tokens_path(directory, name)
     if not tpath.exists():
-        raise ShardError(f"{tpath} is missing (listed in the manifest); {_REBUILD}", path=tpath)
+        raise DataError(f"{tpath} is missing (listed in the manifest); {_REBUILD}", path=tpath)
     meta_n, meta_len = read_meta(mpath)
     if meta_len != seq_len:
-        raise ShardError(f"{mpath} says seq_len={meta_len} but the manifest says {seq_len}: the shard belongs to another build; {_REBUILD}", path=mpath)
+        raise DataError(f"{mpath} says seq_len={meta_len} but the manifest says {seq_len}: the shard belongs to another build; {_REBUILD}", path=mpath)
     if n_seq is not None and meta_n != n_seq:
-        raise ShardError(f"{mpath} says n_seq={meta_n} but the manifest lists {n_seq}: the shard was replaced after the build; {_REBUILD}", path=mpath)
+        raise DataError(f"{mpath} says n_seq={meta_n} but the manifest lists {n_seq}: the shard was replaced after the build; {_REBUILD}", path=mpath)
     want = meta_n * meta_len * np.dtype(dtype).itemsize
     have = tpath.stat().st_size
     if have != want:
         kind = "truncated" if have < want else "longer than its meta says"
-        raise ShardError(
+        raise DataError(
             f"{tpath} is {have:,} bytes but its meta says {meta_n} x {meta_len} {np.dtype(dtype).name} = {want:,} bytes: "
             f"the file is {kind}; {_REBUILD}",
             path=tpath,
@@ -258,7 +246,7 @@ def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str 
     want = entry.get("xxh64")
     split_dir = Path(directory)
     if not isinstance(want, str) or not _XXH64_RE.match(want):
-        raise ShardError(
+        raise DataError(
             f"{manifest}: shard {name!r} lists content hash (field 'xxh64') {want!r}, not 16 hex digits: the manifest "
             f"is damaged, so {tpath.name} cannot be checked; run `stacklm verify {split_dir}` and restore the manifest "
             "from a copy or rebuild with `stacklm prebuild`",
@@ -266,7 +254,7 @@ def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str 
         )
     digest = file_xxh64(tpath)
     if digest != want:
-        raise ShardError(
+        raise DataError(
             f"{tpath}: content hash {digest} differs from {want} listed for shard {name!r} in {manifest}: the file (or the "
             f"manifest) changed after the build; run `stacklm verify {split_dir}` and restore both from a copy or rebuild "
             "with `stacklm prebuild`",

@@ -28,15 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.errors import StackLMError
+from stacklm.errors import StateFileError
 
 FORMAT = "stacklm-state/1"
 _JSON = "state"  # the member holding the structure (state.npy in the zip)
 _TAG = "$t"
-
-
-class StateFileError(StackLMError, ValueError):
-    """A state file that is not a readable stacklm state file (damaged, foreign, or a pickle)."""
 
 
 def load_error_detail(e: BaseException) -> str:

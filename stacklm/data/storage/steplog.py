@@ -28,6 +28,10 @@ The rows are those the loader handed to the step, in the main process, with the 
 ``global_step`` at that moment (Lightning does not fetch ahead of a loader with a length), so
 with gradient accumulation a step holds several batches per rank (``batch``: the rank's batch
 index in its epoch).
+
+A file format beside the prebuild's provenance side files (its columns are theirs), so here in
+data/storage/: the datamodule's loaders write it and ``stacklm inspect`` (below the datamodule)
+reads it.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import numpy as np
 
 from stacklm.atomic import atomic_write_text
 from stacklm.data.storage.provenance import columns_to_pieces, row_columns
-from stacklm.errors import StackLMError
+from stacklm.errors import DataError
 
 FORMAT = "stacklm-steplog/1"
 DIR_NAME = "steplog"
@@ -58,10 +62,6 @@ FRAME_BATCHES = 64
 FRAME_SECONDS = 30.0
 _HEADER = struct.Struct("<4sQ")
 _BATCH_COLUMNS = ("step", "epoch", "batch", "n_rows", "n_pad", "skipped")
-
-
-class StepLogError(StackLMError):
-    """A step log that is missing, of another format, or has no record of the step asked for."""
 
 
 def new_generation() -> str:
@@ -203,7 +203,7 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
     while pos + _HEADER.size <= len(data):
         magic, length = _HEADER.unpack_from(data, pos)
         if magic != MAGIC:
-            raise StepLogError(f"{path}: not a step-log frame at byte {pos} (expected {MAGIC!r}, found {magic!r}): the file "
+            raise DataError(f"{path}: not a step-log frame at byte {pos} (expected {MAGIC!r}, found {magic!r}): the file "
                                "is damaged or is not a step log; move it away to read the rest of the log")
         if pos + _HEADER.size + length > len(data):
             return  # the torn last frame of a killed run
@@ -213,7 +213,7 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
         except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
             from stacklm.data.storage.statefile import load_error_detail
 
-            raise StepLogError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e)}); move the file away "
+            raise DataError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e)}); move the file away "
                                "to read the rest of the log") from None
         pos += _HEADER.size + length
 
@@ -248,7 +248,7 @@ def resolve_root(path: str | Path) -> Path:
     for candidate in (p / DIR_NAME, p):
         if candidate.is_dir() and any((g / META).is_file() for g in candidate.iterdir() if g.is_dir()):
             return candidate
-    raise StepLogError(
+    raise DataError(
         f"{p}: no step log here (looked for {p / DIR_NAME}/<run>/{META}); a shards- or stream-mode fit writes one under "
         f"<trainer default_root_dir>/{DIR_NAME} unless StackDataModule(step_log=False) (sft and preference modes do not "
         "write one); pass that directory"
@@ -264,11 +264,11 @@ def read_meta(generation: Path) -> dict[str, Any]:
     try:
         meta = json.loads((generation / META).read_text())
     except (ValueError, OSError) as e:
-        raise StepLogError(f"{generation / META}: unreadable ({type(e).__name__}: {e}); it is not a step-log run folder "
+        raise DataError(f"{generation / META}: unreadable ({type(e).__name__}: {e}); it is not a step-log run folder "
                            "(move it away)") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
-        raise StepLogError(f"{generation / META}: format {found!r}, this stacklm reads {FORMAT!r}")
+        raise DataError(f"{generation / META}: format {found!r}, this stacklm reads {FORMAT!r}")
     return meta
 
 
@@ -283,7 +283,7 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
         meta = read_meta(gen)
         lo, hi, records = _scan(gen, step)
         if not records:
-            raise StepLogError(f"{gen}: this run did not log global step {step} (it logged steps "
+            raise DataError(f"{gen}: this run did not log global step {step} (it logged steps "
                                f"{'none' if lo is None else f'{lo}..{hi}'})")
         return gen, meta, records
     root = resolve_root(root)
@@ -296,11 +296,11 @@ def find_step(root: str | Path, step: int) -> tuple[Path, dict[str, Any], list[d
             spans.append((gen, meta, int(start), hi, records))
     owners = [span for span in spans if span[2] <= step]
     if not owners:
-        raise StepLogError(f"{root}: no run logged global step {step} (runs: {_describe(spans)})")
+        raise DataError(f"{root}: no run logged global step {step} (runs: {_describe(spans)})")
     gen, meta, start, hi, records = owners[-1]
     if not records:
         older = [g for g, _, s, h, _ in spans if g != gen and h is not None and s <= step <= h]
-        raise StepLogError(
+        raise DataError(
             f"{root}: global step {step} belongs to run {gen.name} (the newest to start at or before it, at step {start}), "
             f"which logged steps {start}..{hi if hi is not None else '(none)'} and stopped before it"
             + (f"; {', '.join(str(g) for g in older)} trained it before being superseded by that resume (pass that folder to "

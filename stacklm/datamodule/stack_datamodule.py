@@ -7,12 +7,14 @@ Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targe
   resume is O(1) and elastic (docs/trainer.md, "Resume").
 - ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources,
   as ``logical_streams`` logical streams (each its own graph over its shard of the documents)
-  dealt to (rank, worker) at run time, so resume is elastic too (``logical``).
+  dealt to (rank, worker) at run time, so resume is elastic too (``resume.logical``).
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
 - ``preference``: chosen/rejected pairs (``stacklm.data.sft.preference``) on the SFT config;
   batches of ``chosen_*``/``rejected_*`` tensors and ``pair_ids``.
-Each mode is one class in ``modes`` (its loaders, logging numbers and config hash), chosen
-once from ``mode``; the module keeps what they share.
+Each mode is one class in ``modes`` (its loaders, logging numbers, config hash and its part of
+the checkpoint state), chosen once from ``mode`` and called with explicit arguments; the module
+keeps what they share. How a checkpoint resumes (what is stored, what is refused, how a
+position is re-dealt to another shape) is in ``stacklm.datamodule.resume``.
 
 Loaders are ``torchdata``'s ``StatefulDataLoader`` (or a thin elastic wrapper in shards
 mode): Lightning stores their ``state_dict()`` in the checkpoint and restores it, so a resumed
@@ -37,10 +39,10 @@ import lightning as L
 import numpy as np
 
 from stacklm.data.nodes import PipelineConfig
-from stacklm.datamodule.errors import DataConfigError
-from stacklm.datamodule.modes import MODE_CLASSES
+from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run, pipeline_config, sft_config
+from stacklm.datamodule.resume.state import EpochReload
 from stacklm.datamodule.section import DataSection, check_pipeline
-from stacklm.config import PIPELINE_PATH
+from stacklm.errors import DataConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
@@ -85,13 +87,13 @@ class StackDataModule(L.LightningDataModule):
             (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
             ``DEFAULT_SNAPSHOT_STEPS``.
         logical_streams: stream mode: the number of logical streams the data is read as, fixed
-            for the run and recorded in the checkpoint (``stacklm.datamodule.logical``); they are
+            for the run and recorded in the checkpoint (``stacklm.datamodule.resume.logical``); they are
             dealt to (rank x worker) at run time, so a resume may change world size, workers and
             batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
             divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
         step_log: shards and stream modes: log which rows each global step trains on, so
             ``stacklm inspect RUN --step S`` can say which documents were in step ``S``
-            (``stacklm.datamodule.steplog``; a fraction of a percent of the token bytes).
+            (``stacklm.data.storage.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
         verify_shards: shards mode: check each shard's content hash against its manifest the
@@ -168,8 +170,7 @@ class StackDataModule(L.LightningDataModule):
         self.val_batches = val_batches
         self.train_batches = train_batches
         self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.logical_streams = None if logical_streams is None else int(logical_streams)
-        self._logical_streams_arg = self.logical_streams
+        self.logical_streams = None if logical_streams is None else int(logical_streams)  # the argument; the run's: the mode's
         self.step_log = step_log
         self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
@@ -183,7 +184,13 @@ class StackDataModule(L.LightningDataModule):
         # Online re-weighting (set_mix_weights): [{"step", "batch" or None, "weights"}], in the checkpoint.
         self.mix_changes: list[dict[str, Any]] = []
         self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
-        self._mode = MODE_CLASSES[mode](self)
+        self._mode = MODE_CLASSES[mode](ModeArgs(
+            tokenizer_path=tokenizer, data_dir=self.data_dir, data_url=self.data_url, pipeline=self.pipeline_dict,
+            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
+            train_batches=train_batches, logical_streams=self.logical_streams, skip_steps=tuple(self.skip_steps),
+            verify_shards=verify_shards,
+        ))
+        self._reload = EpochReload()  # asks Lightning to rebuild a train loader whose resumed epoch is short
 
     # ------------------------------------------------------------------ shared facts
     @property
@@ -205,17 +212,7 @@ class StackDataModule(L.LightningDataModule):
         return tokenizer_hash(self.tokenizer)
 
     def pipeline_config(self) -> PipelineConfig:
-        d = dict(self.pipeline_dict)
-        d.setdefault("seq_len", self.seq_len)
-        d.setdefault("batch_size", self.batch_size)
-        d.setdefault("seed", self.seed)
-        cfg = PipelineConfig.from_dict(d, path=PIPELINE_PATH)
-        if cfg.seq_len != self.seq_len or cfg.batch_size != self.batch_size:
-            raise DataConfigError(
-                f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
-                f"({self.seq_len}/{self.batch_size}); set them in one place"
-            )
-        return cfg
+        return pipeline_config(self._mode.args)
 
     def data_config_hash(self) -> str:
         return self._mode.data_config_hash()
@@ -236,16 +233,34 @@ class StackDataModule(L.LightningDataModule):
         steps = [n for n in steps if n > 0]
         return min(steps) if steps else DEFAULT_SNAPSHOT_STEPS
 
+    def _run(self, *, mix_changes: bool = False) -> Run:
+        """The fit the mode serves now (``modes.Run``): the trainer's rank, step and epoch; with
+        ``mix_changes``, the re-weightings resolved to batch indices (which fixes them: only
+        when a train loader takes them)."""
+        trainer = getattr(self, "trainer", None)
+        changes = tuple(self.resolved_mix_changes()) if mix_changes else ()
+        if trainer is None:
+            return Run(tokenizer=self.tokenizer, rank=self.rank, world_size=self.world_size,
+                       snapshot_interval=self.snapshot_interval(), mix_changes=changes)
+        return Run(tokenizer=self.tokenizer, rank=self.rank, world_size=self.world_size,
+                   current_epoch=lambda: trainer.current_epoch, step=int(trainer.global_step),
+                   accumulate=int(trainer.accumulate_grad_batches), snapshot_interval=self.snapshot_interval(),
+                   mix_changes=changes)
+
     def train_dataloader(self):
         gate = self._data_gate()
-        self._train_loader = self._mode.train_loader()
+        run = self._run(mix_changes=self.mode == "stream")
+        self._train_loader = self._mode.train_loader(run, self._train_loader)
+        lengths = self._mode.epoch_lengths(self._train_loader)
+        if lengths is not None:
+            self._reload.after_build(getattr(self, "trainer", None), *lengths)
         writer = self._step_log()
         if writer is not None:
             self._train_loader.step_log = writer
             if self.mode == "shards" and self.rank == 0 and not getattr(writer, "skips_logged", False):
                 writer.skips_logged = True  # this generation's record of the skipped steps, once
                 start = int(self.trainer.global_step) if getattr(self, "trainer", None) is not None else 0
-                for step, epoch, rows in self._mode.skipped_steps():
+                for step, epoch, rows in self._mode.skipped_steps(run):
                     if step >= start:
                         writer.add_skipped(step, epoch, rows)
         if gate is not None and gate.checked < gate.n_batches:
@@ -284,7 +299,7 @@ class StackDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if self.step_log is True and trainer is None:
             return None
-        from stacklm.datamodule.steplog import DIR_NAME, StepLogWriter, new_generation
+        from stacklm.data.storage.steplog import DIR_NAME, StepLogWriter, new_generation
 
         root = Path(trainer.default_root_dir) / DIR_NAME if self.step_log is True else Path(str(self.step_log))
         generation = new_generation()  # a collective under DDP: train_dataloader runs on every rank
@@ -325,7 +340,7 @@ class StackDataModule(L.LightningDataModule):
     def val_dataloader(self):
         if self.val_batches == 0:
             return []
-        self._val_loader = self._mode.val_loader()
+        self._val_loader = self._mode.val_loader(self._run())
         return self._val_loader
 
     def batch_sources(self, split: str = "train") -> tuple[list[str], np.ndarray] | None:
@@ -355,24 +370,13 @@ class StackDataModule(L.LightningDataModule):
         return names, provenance.pieces_positions(pieces, self.seq_len, n_rows - len(pieces))
 
     def shards_dataset(self, split: str):
-        from stacklm.data.storage.dataset import PackedMemmapDataset
+        """The prebuilt ``split`` (shards mode's ``ShardsMode.dataset``)."""
+        from stacklm.datamodule.modes import shards_dataset
 
-        ds = PackedMemmapDataset(self.data_dir, split, tokenizer=self.tokenizer, verify_content=self.verify_shards)
-        if ds.seq_len != self.seq_len:
-            raise DataConfigError(
-                f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {self.seq_len}; "
-                "use the same seq_len or rebuild the shards"
-            )
-        return ds
+        return shards_dataset(self._mode.args, split, self.tokenizer)
 
     def sft_config(self):
-        from stacklm.data.sft import SFTConfig
-
-        d = dict(self.pipeline_dict)
-        d.setdefault("seq_len", self.seq_len)
-        d.setdefault("batch_size", self.batch_size)
-        d.setdefault("seed", self.seed)
-        return SFTConfig.from_dict(d, path=PIPELINE_PATH)
+        return sft_config(self._mode.args)
 
     def mix_phase(self) -> str | None:
         """The mixture phase (of a ``schedule:``, or a re-weighting) the training step is in:
@@ -475,89 +479,40 @@ class StackDataModule(L.LightningDataModule):
         return {"world_size": self.world_size, "num_workers": self.num_workers, "batch_size": self.batch_size}
 
     def state_dict(self) -> dict[str, Any]:
-        """Stored in the checkpoint: what the data is (``identity``, content hashes), the shape
-        that read it, in shards mode the shape-free position (``ShardsLoader``), and the online
-        re-weightings (``set_mix_weights``)."""
-        from stacklm.datamodule.identity import data_identity
-
-        if self._identity is None:
-            self._identity = data_identity(self)
+        """Stored in the checkpoint, in its mode's shape (``resume.state``): what the data is
+        (``identity``, content hashes: the fingerprint), the shape that read it, the mode's
+        position (``modes``, e.g. shards mode's shape-free ``ShardsLoader`` position) and the
+        online re-weightings (``set_mix_weights``)."""
         if self._step_log_writer is not None:  # a checkpoint: what trained up to it is on disk too
             self._step_log_writer.flush()
-        state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._identity), "shape": self.shape(), "seq_len": self.seq_len}
-        if self.mode == "shards":
-            state["position"] = self._mode.position()
-            state["skips"] = [{k: list(v) if isinstance(v, list) else v for k, v in r.items()} for r in self._mode.skips]
-            trainer = getattr(self, "trainer", None)
-            state["accumulate_grad_batches"] = int(trainer.accumulate_grad_batches) if trainer is not None else 1
-            state["delivered"] = self._mode.delivered_state()
-        elif self.mode == "stream":
-            state["streams"] = self._mode.stream_state()
+        state: dict[str, Any] = {"mode": self.mode, "identity": dict(self._data_identity()), "shape": self.shape(),
+                                 "seq_len": self.seq_len}
+        state.update(self._mode.state(self._train_loader, self._run()))
         state["mix_changes"] = [dict(c, weights=dict(c["weights"])) for c in self.mix_changes]
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Refuse, before the first step, a checkpoint of other data, or (sft mode) of another
-        shape; in shards and stream modes, take its position for the next train loader."""
-        from stacklm.datamodule.identity import check_identity
+    def _data_identity(self) -> dict[str, Any]:
+        """Computed once, at the first checkpoint or resume (``resume.identity``)."""
+        from stacklm.datamodule.resume.identity import data_identity
 
-        if "identity" not in state:
-            raise DataConfigError(
-                "refusing to resume: the checkpoint's data state is from an older stacklm (no content identity); "
-                "resume it with the stacklm version that wrote it, or start a new run"
-            )
-        mine = self.state_dict()
-        check_identity(state["identity"], mine["identity"])
-        if state.get("seq_len") != self.seq_len:
-            raise DataConfigError(f"refusing to resume: the checkpoint has seq_len {state.get('seq_len')}, this run {self.seq_len}; use the same seq_len")
+        if self._identity is None:
+            self._identity = data_identity(self)
+        return self._identity
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Refuse, before the first step, a checkpoint this run cannot resume
+        (``resume.state.check_state``: other data, another seq_len, an older state, or in sft
+        mode another shape); else hand the mode its part for the next train loader."""
+        from stacklm.datamodule.resume.state import check_state
+
+        saved = check_state(state, mode=self.mode, identity=self._data_identity(), seq_len=self.seq_len, shape=self.shape())
+        self._mode.restore(saved)
         if self.mode == "shards":
-            self._mode.restored = state.get("position")
-            self._mode.skips = [dict(r) for r in state.get("skips", [])]
-            old = state.get("shape") or {}
-            if old.get("world_size") and old.get("batch_size"):
-                self._mode.restored_step_rows = int(old["world_size"]) * int(old["batch_size"]) * int(state.get("accumulate_grad_batches", 1))
-            if state.get("delivered"):
-                self._mode.restore_delivered(state["delivered"])
             return
-        old, new = state["shape"], mine["shape"]
-        if self.mode == "stream":
-            self._restore_streams(state)
-        elif old != new:
-            changed = ", ".join(f"{k} {old.get(k)} -> {new[k]}" for k in new if old.get(k) != new[k])
-            raise DataConfigError(
-                f"refusing to resume: this {self.mode}-mode checkpoint was written with world_size={old.get('world_size')}, "
-                f"num_workers={old.get('num_workers')}, batch_size={old.get('batch_size')} and this run has "
-                f"world_size={new['world_size']}, num_workers={new['num_workers']}, batch_size={new['batch_size']} "
-                f"({changed}). A {self.mode}-mode position belongs to each (rank, worker) stream and cannot be re-dealt yet: "
-                "resume with the checkpoint's devices x nodes, num_workers and batch_size (or use shards mode, "
-                "`stacklm prebuild`, which resumes on any shape)."
-            )
         # the re-weightings made before the checkpoint replay at the same batches (epoch-relative per-rank batch indices)
-        self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in state.get("mix_changes", [])]
+        self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in saved["mix_changes"]]
         if self._train_loader is not None:
             self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
-
-    def _restore_streams(self, state: dict[str, Any]) -> None:
-        """Stream mode: take the checkpoint's logical streams (``logical_streams``, quota,
-        position) for the next train loader, which deals them to this run's shape."""
-        if "streams" not in state:
-            raise DataConfigError(
-                "refusing to resume: this stream-mode checkpoint was written by an older stacklm (per-worker stream "
-                "positions, no logical streams); resume it with the stacklm version that wrote it, or start a new run"
-            )
-        rec = state["streams"]
-        if rec is None:  # saved before the first train loader: nothing was read yet
-            return
-        saved = int(rec["logical_streams"])
-        if self._logical_streams_arg is not None and self._logical_streams_arg != saved:
-            raise DataConfigError(
-                f"refusing to resume: the checkpoint reads the data as logical_streams={saved} but this run sets "
-                f"logical_streams={self._logical_streams_arg}; the number of logical streams is fixed for a run. Drop the "
-                f"argument (it is taken from the checkpoint) or set it to {saved}."
-            )
-        self.logical_streams = saved
-        self._mode.restored = dict(rec)
-        self._mode.quota = None
 
 
 def _check_skip_steps(value: Any, mode: str) -> list[tuple[int, int]]:

@@ -147,7 +147,7 @@ class SampleAudit:
         if self.duplicate_paths:
             lines.append(f"  skipped {len(self.duplicate_paths)} path(s) matched twice: {self.duplicate_paths[:5]}")
         records = [c for c in self.per_file.values() if "records_empty" in c]
-        if records:  # JSON lines / parquet / datasets inputs (stacklm.tokenizer.inputs)
+        if records:  # JSON lines / parquet / datasets inputs (stacklm.data.sources.text_input)
             skipped = {k: sum(c.get(k, 0) for c in records) for k in RECORD_COUNTERS}
             lines.append(
                 f"  records: {sum(c['documents'] for c in records):,} documents read; skipped: "

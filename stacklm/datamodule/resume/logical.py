@@ -39,7 +39,6 @@ from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.packing.origins import delivery_counts
 from stacklm.data.packing.pack import Collate
 from stacklm.data.sources import ShardSpec
-from stacklm.datamodule.errors import DataConfigError
 from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
     SUMMARY_KEY,
@@ -47,6 +46,7 @@ from stacklm.datamodule.stream import (
     _padding_batch,
     first_local_batch,
 )
+from stacklm.errors import ResumeRefused
 
 LOGICAL_KEY = "stacklm_logical"  # rides on a batch: [[logical stream, rows taken], ..., [-1, padding rows]]; the loader takes it off
 
@@ -291,7 +291,7 @@ class LogicalStreamDataset(StreamDataset):
         states = replay_logical_states(self, per_rank_loader, old_shape, needed)
         for l, st in states.items():
             if int(st["left"]) != int(self.resume["left"][l]):
-                raise DataConfigError(
+                raise ResumeRefused(
                     f"refusing to resume: logical stream {l} replays to {st['left']} windows left but the checkpoint counted "
                     f"{self.resume['left'][l]}; the checkpoint's loader state and data state disagree (written by another "
                     "stacklm version?). Resume on the checkpoint's shape, or start a new run."
@@ -327,7 +327,7 @@ def resume_segment(record: Mapping[str, Any] | None, quota: int, shape: Mapping[
     consumed = {int(l): int(n) for l, n in record["consumed"].items()}
     left = {l: quota - consumed.get(l, 0) for l in range(int(record["logical_streams"]))}
     if any(n < 0 for n in left.values()):
-        raise DataConfigError(f"refusing to resume: the checkpoint consumed more windows than the quota {quota}: {left}")
+        raise ResumeRefused(f"refusing to resume: the checkpoint consumed more windows than the quota {quota}: {left}")
     if sum(left.values()) == 0:
         return None
     out = {"epoch": int(record["epoch"]), "left": left, "steps_before": int(record["steps"]), "shape": dict(record["shape"]),
@@ -377,13 +377,13 @@ def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], 
             if state is None and delivered == 0:
                 continue  # never started: its logical streams start from their top
             if state is None:
-                raise DataConfigError(
+                raise ResumeRefused(
                     f"refusing to resume: the checkpoint holds no stream state for rank {rank} worker {w}; it was written "
                     "before that worker started. Resume from a later checkpoint."
                 )
             it.load_state_dict(state)
             if delivered < it.yielded:
-                raise DataConfigError(f"refusing to resume: rank {rank} worker {w}'s snapshot is ahead of its delivered batches "
+                raise ResumeRefused(f"refusing to resume: rank {rank} worker {w}'s snapshot is ahead of its delivered batches "
                                       f"({it.yielded} > {delivered}); the checkpoint's loader state is inconsistent")
             for _ in range(delivered - it.yielded):
                 next(it)

@@ -1,6 +1,6 @@
 """What a run's data *is*, for the resume guard: content hashes, never paths.
 
-A checkpoint stores ``data_identity(dm)``; a resume recomputes it and refuses on any
+A checkpoint stores ``data_identity(dm)`` (its fingerprint, ``resume.state``); a resume recomputes it and refuses on any
 difference (``check_identity``), naming both hashes. Because nothing here depends on where the
 data lies, a shard directory moved or copied to another disk or node resumes, while another
 dataset rebuilt at the same path is refused.
@@ -24,12 +24,10 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from stacklm.datamodule.errors import DataConfigError
+from stacklm.errors import ResumeRefused
 
-if TYPE_CHECKING:
-    from stacklm.datamodule.module import StackDataModule
 
 COMPARED = ("mode", "data", "tokenizer", "pipeline")
 
@@ -53,20 +51,31 @@ def shards_content_hash(data_dir: str | Path) -> str:
     })
 
 
-def data_identity(dm: StackDataModule) -> dict[str, Any]:
-    """The identity of ``dm``'s data (see the module docstring)."""
-    if dm.mode == "shards":
-        data = shards_content_hash(dm.data_dir)
-        pipeline = _sha({"seed": dm.seed, "seq_len": dm.seq_len})
-        where = getattr(dm, "data_url", None) or str(Path(dm.data_dir).resolve())  # named only: the content is compared
+def identity_of(mode: str, *, tokenizer_hash: str, data_dir: str | None = None, data_url: str | None = None,
+                seed: int = 0, seq_len: int = 0, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The identity of a run's data (see the module docstring): shards mode from ``data_dir``
+    (``data_url``, a remote one's URL, only named), ``seed`` and ``seq_len``; stream and SFT
+    modes from their parsed ``config`` (``to_dict()``)."""
+    if mode == "shards":
+        data = shards_content_hash(data_dir)
+        pipeline = _sha({"seed": seed, "seq_len": seq_len})
+        where = data_url or str(Path(data_dir).resolve())  # named only: the content is compared
     else:
-        cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
-        d = cfg.to_dict()
+        d = dict(config or {})
         data = _sha(d.get("mix", d.get("sources")))
         # the batch size is part of the shape, checked (and named) on its own
         pipeline = _sha({k: v for k, v in d.items() if k not in ("num_threads", "batch_size")})
         where = None
-    return {"mode": dm.mode, "data": data, "tokenizer": dm.tokenizer_hash(), "pipeline": pipeline, "where": where}
+    return {"mode": mode, "data": data, "tokenizer": tokenizer_hash, "pipeline": pipeline, "where": where}
+
+
+def data_identity(dm: Any) -> dict[str, Any]:
+    """The identity of a ``StackDataModule``'s data, from its public arguments (``identity_of``)."""
+    if dm.mode == "shards":
+        return identity_of("shards", tokenizer_hash=dm.tokenizer_hash(), data_dir=dm.data_dir,
+                           data_url=getattr(dm, "data_url", None), seed=dm.seed, seq_len=dm.seq_len)
+    cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
+    return identity_of(dm.mode, tokenizer_hash=dm.tokenizer_hash(), config=cfg.to_dict())
 
 
 def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
@@ -79,7 +88,7 @@ def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
     if "data" in (d.split(":")[0] for d in diffs) and now.get("where"):
         where = (f" The checkpoint's shards were read from {saved.get('where')}; {now['where']} holds other content"
                  " (a moved or copied directory with the same shards would resume).")
-    raise DataConfigError(
+    raise ResumeRefused(
         "refusing to resume: the checkpoint was trained on different data (" + "; ".join(diffs) + ")." + where
         + " Resume with the data, tokenizer and seed of the checkpoint, or start a new run."
     )

@@ -8,7 +8,7 @@ import tracemalloc
 import pytest
 
 from stacklm import corpus
-from stacklm.tokenizer.sample import COUNTERS, sample_texts, stream_sample
+from stacklm.data.sources.text_sample import COUNTERS, sample_texts, stream_sample
 
 # Bytes with every kind of loss: 2 stray bytes, a NUL, an encoded lone surrogate, a truncated
 # 3-byte sequence, plus a genuine U+FFFD and a valid euro sign that must survive untouched.

@@ -14,7 +14,8 @@ import pytest
 
 from stacklm.cli import main
 from stacklm.tokenizer.bpe import StackTokenizer
-from stacklm.tokenizer.inputs import TextInputError, open_text_input
+from stacklm.data.sources.text_input import open_text_input
+from stacklm.errors import TextInputError
 
 WORDS = ["zorblax", "quennet", "flimwise", "drabbleton", "ostrovar", "the", "and", "of", "über", "日本語"]
 
@@ -179,7 +180,7 @@ def test_budget_counts_bytes_across_formats(tmp_path):
 def tok_dir(tmp_path_factory):
     from stacklm.corpus import iter_default_corpus
     from stacklm.tokenizer.bpe import train_from_iterable
-    from stacklm.tokenizer.export import export_all
+    from stacklm.chat.export import export_all
 
     out = tmp_path_factory.mktemp("tok")
     tok = train_from_iterable(iter_default_corpus(200_000), 600).tokenizer
@@ -252,7 +253,7 @@ def test_compare_takes_plain_tiktoken_files_with_a_pattern(tmp_path, capsys, tok
 
 
 def test_library_domain_texts_read_records(tmp_path):
-    from stacklm.tokenizer.evaluate import domain_texts_from_files
+    from stacklm.data.sources.text_input import domain_texts_from_files
 
     jsonl = _write_jsonl(tmp_path / "d.jsonl", DOCS, column="body")
     texts, audits = domain_texts_from_files({"records": jsonl}, None, text_column="body")

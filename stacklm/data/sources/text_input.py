@@ -2,10 +2,10 @@
 
 ``open_text_input`` is what ``stacklm train-tokenizer`` and ``stacklm tok-eval`` read: plain
 text files (``.txt``, source code, ..., optionally ``.gz``/``.zst``) streamed block by block
-through ``sample.stream_sample``'s rules, and *records* -- JSON lines (``.jsonl``/``.json``/
+through ``text_sample.stream_sample``'s rules, and *records* -- JSON lines (``.jsonl``/``.json``/
 ``.ndjson``, optionally compressed), parquet, or a ``datasets`` dataset (hub id or local
 builder such as ``json``/``parquet`` with ``data_files``) -- whose ``text_column`` is read by
-the same source nodes the data pipes use (``stacklm.data.sources``: JSON errors naming the
+the same source nodes the data pipes use (this folder: JSON errors naming the
 line, the missing-column error with the nearest name, the byte-loss audit). Each record is a
 document: chunks never span two.
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
 
 from stacklm.data.audit import BINARY_INVALID_FRACTION, INVALID_RECORDS
-from stacklm.errors import StackLMError
-from stacklm.tokenizer.sample import (
+from stacklm.data.sources.text_sample import (
     DEFAULT_CHUNK_BYTES,
     RECORD_COUNTERS,
     SampleAudit,
@@ -36,6 +36,8 @@ from stacklm.tokenizer.sample import (
     _safe_split,
     resolve_inputs,
 )
+from stacklm.errors import TextInputError, TextInputNotFoundError
+from stacklm.tokenizer.evaluate import DEFAULT_DOMAIN_BYTES
 
 FORMATS = ("auto", "txt")  # txt: every file is plain text (JSON too, on purpose)
 SNIFF_BYTES = 64 * 1024
@@ -52,15 +54,6 @@ _NODE_COUNTERS = {
 }
 # C0 controls that never occur in text (tab, newline, CR, form feed, vertical tab and escape do)
 _CONTROL = frozenset(chr(c) for c in range(32)) - set("\t\n\r\f\v\x1b")
-
-
-class TextInputError(StackLMError, ValueError):
-    """An input that cannot be tokenizer training/evaluation text; the message names the file
-    and the fix."""
-
-
-class TextInputNotFoundError(TextInputError, FileNotFoundError):
-    """An input path or glob that matches no file."""
 
 
 def input_format(path: str, fmt: str = "auto") -> str:
@@ -258,4 +251,21 @@ def open_text_input(
     return TextSample(gen_files(), audit)
 
 
-__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "input_format", "open_text_input", "share_of"]
+def domain_texts_from_files(
+    files_by_domain: Mapping[str, Any], max_bytes: int = DEFAULT_DOMAIN_BYTES, *, text_column: str = "text"
+) -> tuple[dict[str, list[str]], dict[str, Any]]:
+    """Read user files per domain (paths or globs: text, JSON lines or parquet with
+    ``text_column``) through ``open_text_input``, for ``stacklm.tokenizer.evaluate.compression_report``.
+
+    Returns ``(texts, audits)``: the byte-budgeted chunks per domain and each domain's
+    ``SampleAudit`` so the caller can print what was replaced or removed.
+    """
+    texts, audits = {}, {}
+    for domain, spec in files_by_domain.items():
+        sample = open_text_input(spec, max_bytes, text_column=text_column)
+        texts[domain] = list(sample)
+        audits[domain] = sample.audit
+    return texts, audits
+
+
+__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "domain_texts_from_files", "input_format", "open_text_input", "share_of"]
