@@ -274,7 +274,7 @@ class ShardsMode(DataMode):
             from stacklm.data.storage.provenance import RowSources
 
             names = [s["name"] for s in self._manifest["sources"]]
-            spans = RowSources.load(Path(self.dm.data_dir) / self._manifest["splits"][split]["path"], names)
+            spans = RowSources.load(Path(self.args.data_dir) / self._manifest["splits"][split]["path"], names)
             if spans is not None:
                 spans.names = names
             cache[split] = spans
