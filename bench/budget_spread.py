@@ -62,7 +62,7 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=3400)
     args = ap.parse_args()
 
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild
     from stacklm.tokenizer.bpe import train_from_iterable

@@ -61,7 +61,7 @@ def main() -> None:
 
     from stacklm.corpus import iter_default_corpus as corpus
     from stacklm.data.storage import manifest as mf
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
     from stacklm.tokenizer.bpe import train_from_iterable
 
@@ -101,7 +101,7 @@ def stream_cross_rate(cfg, readers_list=(1, 2, 4, 8), split="train") -> list[tup
     delivers that the global pass removes (duplicates whose earlier copy another reader read)."""
     from stacklm.data.dedup import DedupNode, ExactDeduper, NearDeduper
     from stacklm.data.dedup.global_index import id_keys
-    from stacklm.data.nodes import document_chain
+    from stacklm.data.pipeline import document_chain
     from stacklm.data.sources import ShardSpec
     from stacklm.prebuild.dedup_pass import build_dedup_index
 

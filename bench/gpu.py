@@ -431,7 +431,7 @@ def pipeline_dict(args, total_tokens: int) -> dict:
 
 
 def prebuild_shards(args, pipeline: dict, tok_dir: Path, workdir: Path) -> Path:
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
 
     out = workdir / "shards"
@@ -454,7 +454,7 @@ def datamodule_loader(mode: str, args, tok_dir: Path, workers: int, data_dir: Pa
 
 def train(args, config: GPTConfig, loader, device: torch.device, pad_id: int) -> dict:
     """Warm-up, then ``args.steps`` timed steps from ``loader``; the numbers of the timed part."""
-    from stacklm.train.module import GPTModule, OptimConfig
+    from stacklm.train.gpt_module import GPTModule, OptimConfig
 
     total = args.warmup + args.steps
     torch.manual_seed(0)

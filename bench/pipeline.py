@@ -98,7 +98,7 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
     reading its own files: how a trainer runs it. Raw tiktoken, in-process and workers runs
     are interleaved for ``rounds`` rounds and each keeps its best, so bursts of load elsewhere
     on the machine do not decide the ratio."""
-    from stacklm.data.nodes import PipelineConfig, build_pipeline
+    from stacklm.data.pipeline import PipelineConfig, build_pipeline
     from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, PipelineBuilder, StackDataLoader, StreamDataset
 
     texts = [text for _, text in docs]

@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.storage import manifest as mf
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import PackNode
 
 

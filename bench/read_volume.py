@@ -30,7 +30,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from stacklm.corpus import iter_default_corpus
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.sources import LocalFileSource, ShardSpec
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild

@@ -110,7 +110,7 @@ def run_loader(args, tok_dir: Path, pipeline: dict, log_dir: Path | None) -> dic
 
 
 def graph_cpu_seconds(args, tok, pipeline: dict, provenance: bool) -> float:
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
 
     cfg = PipelineConfig.from_dict({**pipeline, "seq_len": args.seq_len, "batch_size": args.batch})
     pipe = cfg.build(tok, "train", provenance=provenance)

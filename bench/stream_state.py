@@ -3,7 +3,7 @@
     python3 bench/stream_state.py [--docs 1000000] [--at 10000 100000 1000000] [--shuffle-buffer 10000]
 
 A real stream graph (local jsonl sources -> holdout -> filter -> dedup -> tokenize -> mix ->
-shuffle -> best-fit pack -> batch, ``stacklm.data.nodes.build_pipeline``) runs over a synthetic
+shuffle -> best-fit pack -> batch, ``stacklm.data.pipeline.build_pipeline``) runs over a synthetic
 corpus with planted exact and near duplicates, twice, side by side:
 
 * **in-flight** dedup (``dedup: {exact: true, near: true}``: what the Stack-100M config ran before)
@@ -109,7 +109,7 @@ def state_parts(state) -> dict[str, int]:
 
 
 def run_graph(cfg_dict: dict, tok, at: list[int]) -> list[dict]:
-    from stacklm.data.nodes import PipelineConfig, build_pipeline
+    from stacklm.data.pipeline import PipelineConfig, build_pipeline
 
     cfg = PipelineConfig.from_dict(cfg_dict)
     p = build_pipeline(cfg, tok)

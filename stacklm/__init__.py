@@ -29,8 +29,8 @@ __version__ = "0.1.0"
 _WHERE = {
     "StackTokenizer": ("stacklm.tokenizer.bpe", "StackTokenizer"),
     "train_tokenizer": ("stacklm.tokenizer.bpe", "train_from_iterable"),
-    "PipelineConfig": ("stacklm.data.nodes", "PipelineConfig"),
-    "build_pipeline": ("stacklm.data.nodes", "build_pipeline"),
+    "PipelineConfig": ("stacklm.data.pipeline", "PipelineConfig"),
+    "build_pipeline": ("stacklm.data.pipeline", "build_pipeline"),
     # not "prebuild": importing the subpackage stacklm.prebuild sets that attribute of this module
     "prebuild_shards": ("stacklm.prebuild.build", "prebuild"),
     "StackDataModule": ("stacklm.datamodule", "StackDataModule"),
@@ -39,7 +39,7 @@ _WHERE = {
 __all__ = ["__version__", *_WHERE]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from stacklm.data.nodes import PipelineConfig, build_pipeline  # noqa: F401
+    from stacklm.data.pipeline import PipelineConfig, build_pipeline  # noqa: F401
     from stacklm.datamodule import StackDataModule  # noqa: F401
     from stacklm.prebuild.build import prebuild as prebuild_shards  # noqa: F401
     from stacklm.tokenizer.bpe import StackTokenizer  # noqa: F401

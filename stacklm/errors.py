@@ -104,7 +104,7 @@ class DataError(StackLMError, RuntimeError):
 class ConfigError(UserError, ValueError):
     """A config file, section, key or value is wrong; the message names where (dotted path).
     Caught by name where a caller adds where the value sits (``config.py``,
-    ``prebuild/config.py``, ``scale/resources.py``, ``prebuild/dedup_pass.py``)."""
+    ``prebuild/settings.py``, ``scale/resources.py``, ``prebuild/dedup_pass.py``)."""
 
 
 # The datamodule's name for a data set-up that does not fit the model or the checkpoint: a

@@ -87,7 +87,7 @@ def saved_tokenizer_dir(tmp_path_factory):
             if fmt == "stacklm":
                 tok.save(directory / "tokenizer.stacklm.json")
             elif fmt == "hf":
-                from stacklm.chat.export import export_hf
+                from stacklm.chat.template_export import export_hf
 
                 export_hf(tok, directory)
             else:

@@ -14,8 +14,8 @@ import pytest
 
 from stacklm.config import Config
 from stacklm.configs import CONFIG_DIR, packaged_configs, resolve_config
-from stacklm.data.nodes import PipelineConfig
-from stacklm.data.registry import SourceConfig
+from stacklm.data.pipeline import PipelineConfig
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.errors import ConfigError
 

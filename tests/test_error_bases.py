@@ -65,7 +65,7 @@ def test_user_errors_share_one_base_and_keep_their_builtin_one(cls, builtin):
 
 
 def test_data_mix_errors_are_config_errors_and_errors_keep_their_fields():
-    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sources.schema import SourceConfig
 
     with pytest.raises(ConfigError, match="field 'name' must be a non-empty string without '/'"):
         SourceConfig("a/b", "synthetic", 1.0, "prose", seed=1, num_docs=3)

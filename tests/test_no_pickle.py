@@ -249,7 +249,7 @@ def test_a_batch_file_and_a_lightning_checkpoint_load_weights_only(built, tmp_pa
     with pytest.raises(pickle.UnpicklingError):
         TorchCheckpointIO().load_checkpoint(evil)
     from stacklm.errors import ConfigError
-    from stacklm.train.module import load_init_weights
+    from stacklm.train.gpt_module import load_init_weights
 
     with pytest.raises(ConfigError, match=r"^model\.init_from: .*batch\.pt: not a readable checkpoint \(UnpicklingError"):
         load_init_weights(None, str(evil))  # `model.init_from`: refused before the module is touched

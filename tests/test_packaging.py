@@ -35,7 +35,7 @@ def test_import_loads_no_heavy_optional_library(module):
 
 def test_the_pipes_import_without_the_optional_libraries():
     """The node graph and the SFT pipes read local jsonl without transformers/datasets/wandb."""
-    res = _python("import sys, stacklm.data.nodes, stacklm.data.sft, stacklm.prebuild; "
+    res = _python("import sys, stacklm.data.pipeline, stacklm.data.sft, stacklm.prebuild; "
                   f"print([m for m in {HEAVY!r} if m in sys.modules])")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "[]"

@@ -87,7 +87,7 @@ def test_fit_says_each_event_once(tmp_path, tok_dir):
 def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer_1024, caplog):
     """A train and a val pipeline over the same file (what a fit builds): each reader counts the
     malformed line, one log line says it."""
-    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sources.schema import SourceConfig
     from stacklm.data.sft import SFTConfig, build_sft_pipeline
     from stacklm.data.sft.preference_pipeline import build_preference_pipeline
 

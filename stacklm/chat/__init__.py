@@ -9,7 +9,8 @@ One module per job (``tokenizer/`` is below this package, ``data/`` above it)::
     render    THE SFT loss mask: turns -> ids + mask (assemble), the overlong rules and loss
               tags (render_for_sft), mask -> targets (loss_targets, sft_targets, sft_example)
     template  the Hugging Face chat template: the same ids and mask, in Jinja
-    export    the tokenizer's exports with that template
+    template_export  the tokenizer's exports with that template
+    source_fields    the SFT-only fields of a source (format, loss policy, overlong)
 
 The SFT pipes (reading, packing, batches) are ``stacklm.data.sft``; they call ``render``.
 The names below are the conversation API (``from stacklm.chat import render_conversation``).

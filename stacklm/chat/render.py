@@ -25,7 +25,7 @@ How the mask is made, in order (every step is in this module except the policy's
    their compact state) carry the mask with the ids without knowing about it.
 4. ``loss_targets``: the mask (``untag_loss`` of the tagged ids) -> next-token targets,
    ``IGNORE_INDEX`` where no loss; used for one conversation (``sft_targets``), for packed rows
-   (``stacklm.data.sft.pack.collate_sft``) and for preference pairs.
+   (``stacklm.data.sft.sft_pack.collate_sft``) and for preference pairs.
 
 Content is untrusted: a ``<|end|>`` typed by a user is encoded as the bytes ``<``, ``|``, ...,
 never as the special id, so no message can close a turn or impersonate another role.

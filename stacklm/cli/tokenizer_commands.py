@@ -49,7 +49,7 @@ def _training_texts(args: argparse.Namespace, max_bytes: int | None):
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from stacklm.tokenizer.bpe import train_from_iterable
-    from stacklm.chat.export import export_all
+    from stacklm.chat.template_export import export_all
 
     out = Path(args.out)
     sample = _training_texts(args, args.max_bytes)

@@ -6,6 +6,7 @@ Conventions shared by every stage:
 - after tokenization it becomes ``{"ids": np.ndarray[int32], "source", "domain", "doc_id"}``
   (ids without bos/eos; packing adds them);
 - each stage's logic lives in plain functions/classes testable without torchdata, and a thin
-  ``torchdata.nodes.BaseNode`` wrapper in ``nodes.py`` makes it stateful;
+  ``torchdata.nodes.BaseNode`` wrapper makes it stateful; ``pipeline.py`` wires the stages into
+  the pre-training graph (``PipelineConfig``, ``build_pipeline``), ``graph.py`` is the built one;
 - each stage counts kept/dropped-by-reason per source in a ``StageStats``.
 """

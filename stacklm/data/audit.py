@@ -44,6 +44,15 @@ NULL_TEXT = "null_text"  # the text column holds null
 NON_STRING_TEXT = "non_string_text"  # the text column holds a number, list, object, ...
 INVALID_RECORDS = (MALFORMED_JSON, NOT_AN_OBJECT, MISSING_TEXT, NULL_TEXT, NON_STRING_TEXT)
 ON_INVALID = ("skip", "raise")
+# What a row with no document does: the one definition. "drop" is the earlier SFT spelling of
+# "skip", still read where it was read (an SFT config's and a source's ``on_invalid``, the
+# conversation reader); ``invalid_policy`` maps it. A pre-training reader takes ``ON_INVALID`` only.
+ON_INVALID_SPELLINGS = (*ON_INVALID, "drop")
+
+
+def invalid_policy(value: str) -> str:
+    """``skip`` or ``raise`` for any of ``ON_INVALID_SPELLINGS`` (``drop`` reads as ``skip``)."""
+    return "skip" if value == "drop" else value
 
 
 class ByteAudit(NamedTuple):

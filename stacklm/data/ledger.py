@@ -51,7 +51,7 @@ def _add(slot: dict[str, int], key: str, n: int) -> None:
 
 
 def pipeline_ledger(pipe, delivered: Mapping[str, Iterable[int]] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
-    """The ledger of one built pre-training pipeline (``stacklm.data.nodes.Pipeline``), now.
+    """The ledger of one built pre-training pipeline (``stacklm.data.pipeline.Pipeline``), now.
 
     ``delivered``: per source ``[docs, tokens]`` that reached the consumer (the shard writer's
     count); by default what the packer emitted (``PackNode.emitted_by_source``).

@@ -78,7 +78,7 @@ class Run:
 def pipeline_config(args: ModeArgs):
     """The stream pipeline config (``PipelineConfig``) of ``args.pipeline``; its ``seq_len`` and
     ``batch_size`` default to the module's and must agree with them."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
 
     d = dict(args.pipeline or {})
     d.setdefault("seq_len", args.seq_len)
@@ -399,7 +399,7 @@ class _WorkerStreamMode(DataMode):
 
 
 class StreamMode(_WorkerStreamMode):
-    """The on-the-fly node graph (``stacklm.data.nodes``) straight from the sources, as
+    """The on-the-fly node graph (``stacklm.data.pipeline``) straight from the sources, as
     ``logical_streams`` logical streams (each its own graph over its own part of every source,
     with an equal token budget) dealt to (rank x worker) at run time
     (``stacklm.datamodule.resume.logical``): a resume may change world size, workers and batch size."""
@@ -474,7 +474,7 @@ class StreamMode(_WorkerStreamMode):
         if cfg.decontaminate is not None:  # built here, once, before any worker starts: workers memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
-            ensure_index(cfg.decontaminate)
+            ensure_index(cfg.decontaminate, announce=True)
         build = PipelineBuilder(cfg.to_dict(), args.tokenizer_path, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=run.rank, world_size=world,

@@ -34,7 +34,7 @@ TOP_LEVEL_SECTIONS = (*TRAINER_SECTIONS, "prebuild")
 def check_pipeline(value: Any) -> dict[str, Any]:
     """``value`` as a plain dict, after parsing it as the config it is (``SFTConfig`` when it
     lists ``sources``, else ``PipelineConfig``): unknown keys and wrong types raise here."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.sft import SFTConfig
 
     if not isinstance(value, Mapping):

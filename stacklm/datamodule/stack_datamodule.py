@@ -5,7 +5,7 @@ Modes, one batch contract (``input_ids``, ``position_ids``, ``seq_ids``, ``targe
   seeded permutation per epoch (seeded by seed x epoch) sliced by rank and worker; the
   position is shape-free (epoch, rows served, steps) in this module's checkpoint state, so
   resume is O(1) and elastic (docs/trainer.md, "Resume").
-- ``stream``: the on-the-fly node graph (``stacklm.data.nodes``) straight from the sources,
+- ``stream``: the on-the-fly node graph (``stacklm.data.pipeline``) straight from the sources,
   as ``logical_streams`` logical streams (each its own graph over its shard of the documents)
   dealt to (rank, worker) at run time, so resume is elastic too (``resume.logical``).
 - ``sft``: chat conversations rendered and packed by ``stacklm.data.sft``.
@@ -38,7 +38,7 @@ from typing import Any, Literal
 import lightning as L
 import numpy as np
 
-from stacklm.data.nodes import PipelineConfig
+from stacklm.data.pipeline import PipelineConfig
 from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run, pipeline_config, sft_config
 from stacklm.datamodule.resume.state import EpochReload
 from stacklm.datamodule.section import DataSection, check_pipeline

@@ -22,7 +22,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from stacklm.chat import INVALID_REASONS as CHAT_INVALID_REASONS
 from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.nodes import PipelineConfig
+from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec

@@ -103,7 +103,7 @@ class _StreamRows:
     all its parts), each needed record read by scanning its file from the top."""
 
     def __init__(self, meta: dict[str, Any]) -> None:
-        from stacklm.data.nodes import PipelineConfig
+        from stacklm.data.pipeline import PipelineConfig
         from stacklm.data.storage.manifest import tokenizer_hash
         from stacklm.tokenizer.bpe import StackTokenizer
 

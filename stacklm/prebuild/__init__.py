@@ -20,7 +20,7 @@ the differences named.
 """
 
 from stacklm.prebuild.build import lock_out_dir, prebuild, resolve_tokenizer
-from stacklm.prebuild.config import load_config
+from stacklm.prebuild.settings import load_config
 from stacklm.prebuild.jobs import job_budget, job_name, remove_own_shards_from, run_job, write_job_shards
 from stacklm.prebuild.manifests import finalize, prepare, split_manifest, top_manifest
 from stacklm.prebuild.plan import (

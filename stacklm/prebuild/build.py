@@ -91,7 +91,7 @@ def prebuild(
         if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
-            ensure_index(plan.config.decontaminate)
+            ensure_index(plan.config.decontaminate, announce=True)
         if uses_global_dedup(plan.config):
             load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
         if plan.workers == 1:
@@ -129,7 +129,7 @@ def index_pieces(config, readers: int, folder: Path) -> None:
     ``folder``, and point this process and the task processes it starts at it
     (``STACKLM_PIECE_CACHE``): each task then reads only its own pieces instead of counting
     every file's lines again."""
-    from stacklm.data.nodes import read_order_seed
+    from stacklm.data.pipeline import read_order_seed
     from stacklm.data.sources import ShardSpec, open_source
     from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 

@@ -2,7 +2,7 @@
 resources it overrides (``STAGES``); ``stacklm.scale.resources`` layers the flags on top and
 says what each stage gets.
 
-Here, not in ``stacklm.scale``: the prebuild config (``stacklm.prebuild.config``) parses and
+Here, not in ``stacklm.scale``: the prebuild config (``stacklm.prebuild.settings``) parses and
 checks this section when it loads, and prebuild/ sits below scale/, which runs the build on a
 cluster.
 """

@@ -43,7 +43,7 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     arguments, so it runs in a spawned process or a datatrove task alike."""
     from stacklm.data.dedup.global_index import collect_signatures
     from stacklm.data.dedup.minhash import MinHasher
-    from stacklm.data.nodes import PipelineConfig, document_chain, last_document_node
+    from stacklm.data.pipeline import PipelineConfig, document_chain, last_document_node
     from stacklm.data.sources import ShardSpec
 
     config = PipelineConfig.from_dict(config_dict)

@@ -56,10 +56,10 @@ def run_job(
     ``on_progress(job, shards, tokens per source, docs)`` is called at the start, after every
     shard and every ``interval`` seconds of ``clock`` in between (a shard of 100M tokens takes
     minutes: progress once per shard would look stuck). ``build`` defaults to
-    ``stacklm.data.nodes.build_pipeline``.
+    ``stacklm.data.pipeline.build_pipeline``.
     """
     if build is None:
-        from stacklm.data.nodes import build_pipeline as build
+        from stacklm.data.pipeline import build_pipeline as build
     name = job_name(split, worker)
     state_dir = state_dir_of(plan.out)
     done_path = state_dir / f"{name}.done.json"

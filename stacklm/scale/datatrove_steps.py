@@ -69,7 +69,7 @@ class TaskPlan:
     near_ranges: int = 1
 
     def prebuild_plan(self):
-        from stacklm.data.nodes import PipelineConfig
+        from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.plan import PrebuildPlan
         from stacklm.tokenizer.bpe import StackTokenizer
 
@@ -175,7 +175,7 @@ class StackMixedDocuments(_StackStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.ledger import pipeline_ledger
-        from stacklm.data.nodes import build_pipeline
+        from stacklm.data.pipeline import build_pipeline
         from stacklm.data.quality.decontam import chain_report
         from stacklm.data.storage.provenance import source_files
         from stacklm.prebuild.jobs import job_dedup_index, job_pipeline_args, read_summary
@@ -216,7 +216,7 @@ def bucket_tasks(plan: TaskPlan) -> list[tuple[str, int, int]]:
     """``(column, range, ranges)`` of every bucket task: ``exact_ranges`` digest ranges (when exact
     dedup is on), then ``near_ranges`` key ranges of each band (when near dedup is on)."""
     from stacklm.data.dedup.minhash import MinHasher
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
 
     dedup = PipelineConfig.from_dict(plan.config).dedup
     out = [("digest", r, plan.exact_ranges) for r in range(plan.exact_ranges)] if dedup.exact else []

@@ -11,7 +11,7 @@ The traps, and what the export does about each (also in ``docs/tokenizer.md``):
   transformers tokenizes the text rendered by the chat template (and vLLM & co. tokenize the
   rendered prompt) with the tokenizer's default, so with ``True`` every role marker the
   template writes would become bytes -- a silently broken chat format. ``export_hf(...,
-  split_special_tokens=True)`` (``stacklm.chat.export``) writes the other default for pure text-encoding use.
+  split_special_tokens=True)`` (``stacklm.chat.template_export``) writes the other default for pure text-encoding use.
 * **Special strings inside chat content.** The template escapes every ``<|`` in message
   content as ``<`` U+FDD0 ``|`` and this tokenizer's normalizer turns it back before BPE. Added
   tokens are matched on the raw text, before the normalizer, so content never yields a special
@@ -327,7 +327,7 @@ def write_hf_tokenizer(
     ``chat_template`` is passed in, never imported: the template is the chat wing's rule
     (``stacklm.chat.template``, which renders the same ids and loss mask as
     ``stacklm.chat.render``), and ``stacklm.chat`` sits above this package. Callers export with
-    ``stacklm.chat.export.export_hf``, which passes it; None writes a tokenizer without one.
+    ``stacklm.chat.template_export.export_hf``, which passes it; None writes a tokenizer without one.
     The argument is required so no caller leaves the template out by accident."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

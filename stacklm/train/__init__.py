@@ -7,6 +7,6 @@ the project's own name, so the wheel claims no top-level ``trainer`` package.
 """
 
 from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss
-from stacklm.train.module import GPTModule, OptimConfig, warmup_cosine
+from stacklm.train.gpt_module import GPTModule, OptimConfig, warmup_cosine
 
 __all__ = ["GPT", "GPTConfig", "GPTModule", "OptimConfig", "check_batch", "lm_loss", "warmup_cosine"]

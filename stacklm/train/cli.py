@@ -105,7 +105,7 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
     """Build (and by default run) the CLI; ``args`` as for ``LightningCLI`` (None: sys.argv)."""
     from lightning.pytorch.cli import LightningCLI
 
-    from stacklm.train.module import GPTModule
+    from stacklm.train.gpt_module import GPTModule
 
     quiet_third_party_notices()
     if datamodule_class is None:
@@ -139,7 +139,7 @@ def _cli_class() -> type:
         def add_arguments_to_parser(self, parser) -> None:
             # The shared layout's prebuild settings: validated here (the prebuild's schema),
             # otherwise ignored by the trainer, so one file serves both commands.
-            from stacklm.prebuild.config import PrebuildSpec
+            from stacklm.prebuild.settings import PrebuildSpec
 
             parser.add_argument("--prebuild", type=PrebuildSpec | None, default=None,
                                 help="the `stacklm prebuild` settings of this config (out, tokens_per_shard, workers, "

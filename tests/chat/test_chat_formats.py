@@ -22,7 +22,7 @@ from stacklm.chat.formats import (
     tool_call_text,
 )
 from stacklm.chat.policy import LossPolicy
-from stacklm.chat.export import export_hf
+from stacklm.chat.template_export import export_hf
 from tests.helpers.lightning import tiny_llama
 
 WORDS = ["hello", "world", " the", "Oslo", "<|end|>", "<|im_start|>x", "naïve", "数学", "\n", "  ", "x=1;", "é", "{", "}"]

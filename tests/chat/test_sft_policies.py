@@ -12,7 +12,7 @@ import pytest
 from stacklm.chat import Turn, render_conversation
 from stacklm.chat.formats import conversation_from_record
 from stacklm.chat.policy import LossPolicy
-from stacklm.data.registry import SourceConfig
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.chat.render import render_for_sft, untag_loss
 from stacklm.data.sft import SFTConfig, build_sft_pipeline, sft_batch
 from stacklm.data.stats import StageStats

@@ -332,7 +332,7 @@ def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, t
 def test_progress_moves_within_a_shard(tmp_path, tok_dir):
     """A job reports on its clock, not only per shard: with a fake clock ticking 1 s per call and
     a 3 s interval, there are many more reports than shards, and they only go up."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import PrebuildPlan, run_job, state_dir_of
     from stacklm.tokenizer.bpe import StackTokenizer
 
@@ -382,7 +382,7 @@ def test_summary_counts_records_every_split_reads_once():
 def test_sft_and_preference_sources_name_the_glob_that_matches_nothing(node, kind, path, files, tmp_path, monkeypatch):
     """The chat sources' globs (``kind: hf`` builders and ``kind: local``): a SourceNotFoundError
     (a StackLMError: the CLIs print it as one line) naming the source and the pattern."""
-    from stacklm.data.registry import SourceConfig
+    from stacklm.data.sources.schema import SourceConfig
     from stacklm.data.sft import preference_pipeline, reader
     from stacklm.errors import SourceNotFoundError, StackLMError
 

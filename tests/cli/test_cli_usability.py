@@ -90,7 +90,7 @@ def test_accepted_values_parse():
 @pytest.fixture(scope="module")
 def built(tmp_path_factory, tokenizer_2048, saved_tokenizer_dir):
     """A real (tiny) prebuild output: OUT/train and OUT/val."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
 
     tok_dir = saved_tokenizer_dir(tokenizer_2048)

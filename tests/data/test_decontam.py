@@ -20,7 +20,7 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.data import ledger
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.quality import decontam as dc
 from stacklm.data.quality.ngrams import NgramIndex, build_index, ngram_hashes, word_hashes, words_of
 from stacklm.errors import ConfigError
@@ -361,6 +361,20 @@ def test_an_empty_or_broken_set_file_is_one_error_naming_the_set(tmp_path):
         with pytest.raises(ConfigError, match=f"decontaminate set 'ev' \\(.*{re.escape(name)}\\): {message}") as e:
             dc.ensure_index(cfg)
         assert "\n" not in str(e.value)
+
+
+def test_a_set_too_short_to_match_anything_is_warned_once(tmp_path):
+    # records of fewer than n words hold no n-gram: such a set silently decontaminates nothing
+    (tmp_path / "short.jsonl").write_text('{"q": "what is two plus two"}\n{"q": "name a prime"}\n')
+    (tmp_path / "long.jsonl").write_text('{"q": "' + " ".join(f"w{i}" for i in range(20)) + '"}\n')
+    cfg = dc.DecontamConfig.from_dict({"cache_dir": str(tmp_path / "cache"), "sets": [
+        {"name": "shorty", "files": [str(tmp_path / "short.jsonl")], "fields": ["q"]},
+        {"name": "longer", "files": [str(tmp_path / "long.jsonl")], "fields": ["q"]}]})
+    with pytest.warns(RuntimeWarning, match="set 'shorty': none of its 2 records has 13 words") as caught:
+        dc.ensure_index(cfg, announce=True)
+        dc.ensure_index(cfg, announce=True)  # the datamodule asks once per split: said once
+    assert len([w for w in caught if "none of its" in str(w.message)]) == 1
+    assert not any("'longer'" in str(w.message) for w in caught)
 
 
 def test_without_the_section_the_config_hash_is_unchanged(data):

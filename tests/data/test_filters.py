@@ -158,7 +158,7 @@ def test_filters_a_user_can_steer_off_per_source_and_by_label(tmp_path, caplog):
     reason), and a default config keeps its hash."""
     import logging
 
-    from stacklm.data.nodes import PipelineConfig, document_chain
+    from stacklm.data.pipeline import PipelineConfig, document_chain
     from stacklm.data.sources import ShardSpec
     from stacklm.errors import ConfigError
 

@@ -26,7 +26,7 @@ from stacklm.data.dedup import (
     id_key,
 )
 from tests.helpers.synthetic_edits import inject_edits
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.prebuild import lock_out_dir, prebuild, state_dir_of
 from stacklm.errors import PrebuildError
@@ -163,7 +163,7 @@ def test_dedup_index_writes_where_a_stream_config_reads(corpus, tmp_path):
 
 
 def _iter_filtered(cfg, reader, readers):
-    from stacklm.data.nodes import document_chain
+    from stacklm.data.pipeline import document_chain
 
     node = document_chain(cfg, cfg.mix.entries[0], "train", ShardSpec(0, 1, reader, readers))["filter"]
     node.reset(None)
@@ -335,7 +335,7 @@ def split_corpus(tmp_path_factory):
 
 
 def _split_docs(cfg, split):
-    from stacklm.data.nodes import document_chain
+    from stacklm.data.pipeline import document_chain
 
     node = document_chain(cfg, cfg.mix.entries[0], split, ShardSpec(0, 1, 0, 1))["filter"]
     node.reset(None)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from stacklm.data.audit import INVALID_RECORDS
-from stacklm.data.registry import SourceConfig
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.errors import ConfigError
 from stacklm.data.sources import HFStreamSource, LocalFileSource, ShardSpec, open_source
 from stacklm.errors import InvalidRecordError, SourceError, TextColumnError

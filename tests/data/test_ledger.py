@@ -17,7 +17,7 @@ from stacklm.data import ledger
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage import shards as sh
 from stacklm.data.quality.holdout import holdout_split
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.errors import LedgerError
 from stacklm.prebuild import prebuild
 from tests.helpers.ledger import SEQ_LEN, HOLDOUT, SEED, BIG, write_corpus, data_section

@@ -275,7 +275,7 @@ def test_a_single_line_megabyte_document_trains_and_exports(tmp_path):
     a run: the documented exception, segments.py)."""
     from tokenizers import Tokenizer
 
-    from stacklm.chat.export import export_hf
+    from stacklm.chat.template_export import export_hf
     from stacklm.tokenizer.export import load_tiktoken_encoding, save_tiktoken_ranks
 
     doc = "a" * MB

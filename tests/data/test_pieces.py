@@ -123,7 +123,7 @@ def test_prebuild_reads_one_file_once_per_pass_and_says_so(files, tokenizer_512,
     """One JSON-lines file, ``--workers 1`` and ``3``: the same delivered documents (budget not
     binding), and the manifest's read volume is 1.0x per pass (global dedup signatures, packing)
     for both (each of the 3 tasks scanned the whole file before: 3.0x)."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild
     from stacklm.prebuild.summary import summary_table
@@ -222,7 +222,7 @@ def test_a_small_budget_takes_every_file_in_proportion_and_tokenizes_about_what_
     adds up (``stacklm ledger`` exits 0), and the documents tokenized are about those kept.
     With ``read_order: sequential`` (file by file, as before) the largest file gives nothing."""
     from stacklm.cli import main as stacklm_main
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild
 

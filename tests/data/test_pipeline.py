@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stacklm.data.contract import BATCH_KEYS
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.registry import DataMix, SourceConfig
 from tests.helpers.resume import check_save_load_state

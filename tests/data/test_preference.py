@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from stacklm.chat import render_conversation
 from stacklm.errors import ChatFormatError
 from stacklm.chat.policy import LossPolicy
-from stacklm.data.registry import SourceConfig
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.data.sft.preference import (
     PREFERENCE_KEYS,
@@ -355,7 +355,7 @@ def test_trl_dpo_trainer_tokenizes_like_us(tok, pairs, tmp_path):
     from transformers import AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    from stacklm.chat.export import export_hf
+    from stacklm.chat.template_export import export_hf
     from tests.helpers.lightning import tiny_llama
 
     hf_tok = AutoTokenizer.from_pretrained(export_hf(tok, tmp_path / "hf"))
@@ -463,7 +463,7 @@ def test_the_built_in_gpt_refuses_preference_batches_up_front():
 
     from stacklm.errors import ConfigError
     from stacklm.train.model import GPTConfig
-    from stacklm.train.module import check_datamodule
+    from stacklm.train.gpt_module import check_datamodule
 
     with pytest.raises(ConfigError, match=r"mode='preference'.*own LightningModule"):
         check_datamodule(SimpleNamespace(mode="preference"), GPTConfig())

@@ -13,7 +13,7 @@ import pytest
 
 from stacklm.cli import main as stacklm_main
 from stacklm.data.storage import manifest as mf
-from stacklm.data.nodes import PipelineConfig
+from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.storage.provenance import decode_rows, encode_rows, prov_path, row_provenance
 from stacklm.prebuild import prebuild
 from tests.helpers.ledger import SEQ_LEN, data_section, write_corpus

@@ -44,7 +44,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 
 def _config():
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
 
     return PipelineConfig.from_dict({**stream_pipeline(total_tokens=20_000), "seq_len": SEQ_LEN, "batch_size": BATCH})
 

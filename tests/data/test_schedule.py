@@ -8,7 +8,7 @@ import pytest
 from torchdata.nodes import BaseNode, IterableWrapper
 
 from stacklm.data.mix.mix import MixNode, TokenBudgetMixer, mix_budgeted
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.registry import DataMix, SourceConfig
 from stacklm.data.mix.schedule import MixScheduleConfig, compile_schedule, merge_phase_reports, temperature_weights
 from stacklm.errors import ConfigError

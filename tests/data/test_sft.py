@@ -16,7 +16,7 @@ from stacklm.configs import CONFIG_DIR
 from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.packing.masks import dense_mask
 from stacklm.data.packing.nodes import DELIVERY_KEY
-from stacklm.data.registry import SourceConfig
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.chat.render import render_for_sft, tag_loss, truncation_point, untag_loss
 from stacklm.data.sft import (
     ConversationPacker,

@@ -180,7 +180,7 @@ def test_budget_counts_bytes_across_formats(tmp_path):
 def tok_dir(tmp_path_factory):
     from stacklm.corpus import iter_default_corpus
     from stacklm.tokenizer.bpe import train_from_iterable
-    from stacklm.chat.export import export_all
+    from stacklm.chat.template_export import export_all
 
     out = tmp_path_factory.mktemp("tok")
     tok = train_from_iterable(iter_default_corpus(200_000), 600).tokenizer

@@ -7,7 +7,7 @@ in maintenance mode, so we defend them in our own tests):
 (b) a load ignored after ``state_dict()``: call ``state_dict()``, then load another state, then
     iterate -- the stream must follow the loaded state.
 
-Run on the real graphs (``stacklm.data.nodes.build_pipeline``: sources, holdout, filter, dedup,
+Run on the real graphs (``stacklm.data.pipeline.build_pipeline``: sources, holdout, filter, dedup,
 tokenize, mix, shuffle, pack, batch) and the stream-mode loader. Neither bug bites them today
 (every stage copies what it snapshots, and a load is a ``reset`` that happens at once); a
 mutation check (the mixer returning its live counters) fails these tests.
@@ -27,7 +27,7 @@ AFTER = 25  # batches run after a snapshot: enough that every stage (the mixer t
 
 
 def pipe_config(**over):
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
 
     d = {
         "seq_len": SEQ_LEN, "batch_size": 4, "shuffle_buffer": 4, "pack_buffer_docs": 4, "holdout_fraction": 0.1,
@@ -60,7 +60,7 @@ def take(node, n: int) -> list:
 
 def graphs(tok):
     """name -> a builder of a fresh graph's root node (and the graph)."""
-    from stacklm.data.nodes import build_pipeline
+    from stacklm.data.pipeline import build_pipeline
 
     return {
         "pretrain": lambda: build_pipeline(pipe_config(), tok).batches,
@@ -127,7 +127,7 @@ def test_a_load_after_state_dict_is_followed(name, tokenizer_1024):
 def test_each_stage_snapshot_is_independent(tokenizer_1024):
     """Per stage of the graph: a stage's own ``state_dict()`` (what its parent nests) is not
     changed by iterating on; names the stage that aliases."""
-    from stacklm.data.nodes import build_pipeline
+    from stacklm.data.pipeline import build_pipeline
 
     p = build_pipeline(pipe_config(), tokenizer_1024, provenance=True)
     stages = {"batches": p.batches, "windows": p.windows, "shuffle": p.shuffle, "mix": p.mix}

@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 
-from stacklm.data.sft.pack import CollateSFT
+from stacklm.data.sft.sft_pack import CollateSFT
 from stacklm.datamodule import StackDataModule
 from stacklm.errors import DataGateError
 from stacklm.datamodule.gate import GateRules, check_batches, inspect_tokenizer, sample_sft
@@ -128,7 +128,7 @@ def test_the_rules_follow_the_sources_loss_policy(tokenizer_dir, chats):
 
 @pytest.fixture(scope="module")
 def shards_dir(tokenizer_dir, tmp_path_factory):
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
     from tests.helpers.datamodule import stream_pipeline
 

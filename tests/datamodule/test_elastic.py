@@ -169,7 +169,7 @@ def test_each_epoch_draws_a_new_order_and_resumes_exactly_inside_it(tokenizer_di
 
 def test_stream_epochs_keep_the_holdout_and_reseed_mix_and_shuffle(tokenizer_512):
     from stacklm.data.quality.holdout import holdout_split
-    from stacklm.data.nodes import PipelineConfig, build_pipeline, epoch_seed
+    from stacklm.data.pipeline import PipelineConfig, build_pipeline, epoch_seed
     from tests.helpers.datamodule import stream_pipeline
 
     cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=3_000), "seq_len": 64, "batch_size": 2})
@@ -234,7 +234,7 @@ def _fit_shards(root, data_dir, tokenizer_dir, *, steps, ckpt_every=None, ckpt_p
 def test_a_moved_shard_dir_resumes_and_other_data_at_the_same_path_is_refused(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
     import shutil
 
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.errors import DataConfigError
     from stacklm.datamodule.resume.identity import shards_content_hash
     from stacklm.prebuild import prebuild

@@ -15,7 +15,7 @@ SEQ_LEN, BATCH = 64, 2
 
 def build_shards(tokenizer_dir, out, total_tokens: int = 20_000):  # noqa: F811
     """Prebuilt shards of ``stream_pipeline``'s two-source mix at the tests' seq_len and batch."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
 
     cfg = PipelineConfig.from_dict({**stream_pipeline(total_tokens=total_tokens), "seq_len": SEQ_LEN, "batch_size": BATCH})

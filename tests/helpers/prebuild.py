@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from stacklm.data.nodes import PipelineConfig
+from stacklm.data.pipeline import PipelineConfig
 
 
 REPO = Path(__file__).resolve().parents[2]

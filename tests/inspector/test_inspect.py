@@ -24,7 +24,7 @@ from stacklm.inspector import (
     load_tokenizer,
 )
 from stacklm.chat.template import CHAT_TEMPLATE
-from stacklm.chat.export import export_hf
+from stacklm.chat.template_export import export_hf
 from tests.helpers.sft import make_conversations, write_jsonl
 from tests.helpers.cli import run
 

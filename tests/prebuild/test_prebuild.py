@@ -21,7 +21,7 @@ from stacklm.cli.prebuild_commands import add_prebuild_subcommands
 from stacklm.data.storage import manifest as mf
 from stacklm.data.storage import shards as sh
 from stacklm.data.storage.dataset import PackedMemmapDataset, verify_shard_set
-from stacklm.data.nodes import PipelineConfig, build_pipeline
+from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.prebuild import load_config, prebuild
 from stacklm.errors import DataError, PrebuildError, ShardWriteError

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from stacklm.data import ledger
-from stacklm.data.nodes import PipelineConfig
+from stacklm.data.pipeline import PipelineConfig
 from stacklm.scale.datatrove_steps import describe_task, prebuild_executors
 from stacklm.scale.supervise import run_chain
 from stacklm.errors import LedgerError, TaskFailed

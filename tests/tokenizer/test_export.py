@@ -18,7 +18,7 @@ from stacklm import corpus
 from stacklm.tokenizer import export
 from stacklm.tokenizer.bpe import train_from_iterable
 from stacklm.chat.template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, encode_chat
-from stacklm.chat.export import export_all, export_hf
+from stacklm.chat.template_export import export_all, export_hf
 from stacklm.tokenizer.export import (
     load_tiktoken_encoding,
     read_tiktoken_ranks,

@@ -15,7 +15,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 
 from stacklm import corpus
 from stacklm.tokenizer.bpe import StackTokenizer, train_from_iterable
-from stacklm.chat.export import export_all, export_hf
+from stacklm.chat.template_export import export_all, export_hf
 from stacklm.tokenizer.export import (
     build_hf_tokenizer,
     hf_to_token,

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import WandbLogger
 
 from stacklm.callbacks import DataStatsCallback, merge_data_stats
 from tests.helpers.model import ContractDataModule, tiny_config
-from stacklm.train.module import GPTModule, OptimConfig
+from stacklm.train.gpt_module import GPTModule, OptimConfig
 
 HASHES = {"tokenizer": "tok-5f2c", "manifest": None, "data_config": "cfg-91ab"}
 TARGET = {"web": 0.7, "code": 0.3}

@@ -21,7 +21,7 @@ from stacklm.configs import CONFIG_DIR
 from stacklm.data.packing.pack import collate
 from stacklm.train.attention import attend, build_attention_mask, reference_attention
 from stacklm.train.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss
-from stacklm.train.module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
+from stacklm.train.gpt_module import GPTModule, OptimConfig, check_datamodule, warmup_cosine
 from tests.helpers.model import BOS, EOS, PAD, VOCAB, ContractDataModule, byte_docs, packed_windows, tiny_config
 
 ROOT = Path(__file__).resolve().parents[2]

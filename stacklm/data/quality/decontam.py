@@ -38,6 +38,7 @@ from stacklm.constants import KEPT
 from stacklm.data.quality.ngrams import NgramIndex, build_index, word_spans, words_of
 from stacklm.data.stats import StageStats
 from stacklm.errors import ConfigError
+from stacklm.once import first_time
 
 STAGE = "decontam"
 EXCERPT_CHARS = 240
@@ -185,10 +186,11 @@ class DecontamConfig(Config):
 _LOADED: dict[str, NgramIndex] = {}  # per process: folder -> index
 
 
-def ensure_index(config: DecontamConfig) -> NgramIndex:
+def ensure_index(config: DecontamConfig, announce: bool = False) -> NgramIndex:
     """The index of ``config``'s sets: loaded (memory-mapped) when its folder exists, else built
     there once. Called by the prebuild driver and the datamodule before workers start, so
-    workers and tasks only load it."""
+    workers and tasks only load it. ``announce`` (those two main-process callers): warn, once per
+    process, about a set that holds no n-gram at all."""
     folder = config.index_root() / config.index_key()
     key = str(folder)
     if key not in _LOADED:
@@ -196,7 +198,28 @@ def ensure_index(config: DecontamConfig) -> NgramIndex:
             _LOADED[key] = NgramIndex.load(folder)
         else:
             _LOADED[key] = build_index(folder, config.n, [(s.name, s.texts()) for s in config.sets], folder.name)
+    if announce:
+        _warn_unmatchable(_LOADED[key])
     return _LOADED[key]
+
+
+def _warn_unmatchable(index: NgramIndex) -> None:
+    """A set whose every record has fewer than ``n`` words (short questions, a short-text field)
+    can match no document: the run would look decontaminated and be not. Said on every run, also
+    when the index comes from the cache, since the build that saw it may be long gone."""
+    import warnings
+
+    import numpy as np
+
+    per_set = np.bincount(np.asarray(index.set_of, dtype=np.int64), minlength=len(index.sets))
+    records = index.meta.get("records", {})
+    for s, name in enumerate(index.sets):
+        if per_set[s] == 0 and first_time("decontam_unmatchable", index.content_hash, name):
+            warnings.warn(
+                f"decontaminate set {name!r}: none of its {records.get(name, 0):,} records has {index.n} words, so it "
+                f"can match no document; lower 'n' or name the longer text columns in 'fields'",
+                RuntimeWarning, stacklevel=3,
+            )
 
 
 def _merge_spans(hits: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:

@@ -20,16 +20,16 @@ Every rejected conversation is counted by reason, per source (``chat.INVALID_REA
 source stage; ``truncated`` / ``dropped_too_long`` in the render stage), and the first
 location of each reason is kept (``SFTPipeline.examples()``) so a drop is never silent.
 
-One module per job: ``config`` (``SFTConfig``; its sources are ``registry.SourceConfig``), ``reader``
-(``ConversationSource``), ``render_node`` (``RenderNode``, the render stage), ``pack``
-(``ConversationPacker``, ``SFTPackNode``, ``collate_sft``, ``sft_batch``) and ``pipeline``
+One module per job: ``sft_config`` (``SFTConfig``; its sources are ``sources.schema.SourceConfig``), ``reader``
+(``ConversationSource``), ``render_node`` (``RenderNode``, the render stage), ``sft_pack``
+(``ConversationPacker``, ``SFTPackNode``, ``collate_sft``, ``sft_batch``) and ``sft_pipeline``
 (``build_sft_pipeline``, ``SFTPipeline``); preference pairs in ``preference`` and
 ``preference_pipeline``.
 """
 
-from stacklm.data.sft.config import ON_INVALID, OVERLONG_RULES, SFTConfig
-from stacklm.data.sft.pack import CollateSFT, ConversationPacker, SFTPackNode, collate_sft, sft_batch
-from stacklm.data.sft.pipeline import SFTPipeline, build_sft_pipeline
+from stacklm.data.sft.sft_config import OVERLONG_RULES, SFTConfig
+from stacklm.data.sft.sft_pack import CollateSFT, ConversationPacker, SFTPackNode, collate_sft, sft_batch
+from stacklm.data.sft.sft_pipeline import SFTPipeline, build_sft_pipeline
 from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
 from stacklm.data.sft.render_node import RenderNode
 
@@ -39,7 +39,6 @@ __all__ = [
     "ConversationPacker",
     "ConversationSource",
     "INVALID_UTF8_LINES",
-    "ON_INVALID",
     "OVERLONG_RULES",
     "RenderNode",
     "SFTConfig",

@@ -25,8 +25,8 @@ from stacklm.chat.turns import Turn, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
-from stacklm.data.sft.config import SFTConfig
-from stacklm.data.sft.pipeline import SFTPipeline
+from stacklm.data.sft.sft_config import SFTConfig
+from stacklm.data.sft.sft_pipeline import SFTPipeline
 from stacklm.data.sft.preference import (
     DROPPED_LAST_BATCH,
     collate_preference,

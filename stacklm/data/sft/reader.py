@@ -15,9 +15,8 @@ from stacklm.chat.turns import (
     validate_conversation,
 )
 from stacklm.chat.formats import conversation_from_record
-from stacklm.data.audit import KEPT, clean_text
-from stacklm.data.registry import SourceConfig
-from stacklm.data.sft.config import ON_INVALID, SFT_DOMAIN
+from stacklm.data.audit import KEPT, ON_INVALID_SPELLINGS, clean_text
+from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sources import (
     DatasetsReader,
     JsonlReader,
@@ -35,6 +34,7 @@ from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
 
+SFT_DOMAIN = "chat"  # a conversation source's domain when its config names none
 CONTENT_REPAIRED = "content_repaired"
 INVALID_UTF8_LINES = "invalid_utf8_lines"
 
@@ -79,8 +79,8 @@ class ConversationSource(PartNode):
         role_aliases: Mapping[str, str] = DEFAULT_ROLE_ALIASES,
         on_invalid: str = "skip",
     ) -> None:
-        if on_invalid not in ON_INVALID:
-            raise ValueError(f"on_invalid must be one of {ON_INVALID}, got {on_invalid!r}")
+        if on_invalid not in ON_INVALID_SPELLINGS:
+            raise ValueError(f"on_invalid must be one of {ON_INVALID_SPELLINGS}, got {on_invalid!r}")
         super().__init__(spec.name, spec.domain or SFT_DOMAIN, shard=shard, stage="sft_source")
         self.spec = spec
         self.role_aliases, self.on_invalid = dict(role_aliases), on_invalid

@@ -15,7 +15,9 @@ One module per stage of reading:
 - ``hub``: Hugging Face streams with the offline fallback (``HFStreamSource``);
 - ``synthetic``: the offline synthetic corpus as a node (``SyntheticSource``; the text itself
   is ``stacklm.corpus.synthetic``);
-- ``entry``: ``open_source``, the node for one data-mix registry entry;
+- ``schema``: ``SourceConfig``, the one source schema (pre-training and SFT; its SFT-only fields
+  are ``stacklm.chat.source_fields``), which the data mix (``stacklm.data.registry``) lists;
+- ``entry``: ``open_source``, the node for one ``SourceConfig``;
 - ``errors``: the errors, each naming the source and the file or hub path.
 - ``text_sample`` / ``text_input``: the tokenizer's training and evaluation text (an audited,
   byte-budgeted sample of text files, records or strings); the tokenizer takes texts and

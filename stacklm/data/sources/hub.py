@@ -9,9 +9,8 @@ from typing import Any
 
 from torchdata.nodes import BaseNode
 
-from stacklm.data.registry import DEFAULT_TEXT_COLUMN, SourceConfig
 from stacklm.data.sources.files import glob_files
-from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
+from stacklm.data.sources.parts import DEFAULT_TEXT_COLUMN, FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.readers import DatasetsReader, dataset_rows, import_datasets
 from stacklm.data.sources.sharding import ShardSpec, assign_parts
 from stacklm.data.sources.synthetic import SyntheticSource
@@ -95,7 +94,9 @@ class HFStreamSource(TextPartSource):
         self._fallback: SyntheticSource | None = None
 
     @classmethod
-    def from_entry(cls, entry: SourceConfig, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> HFStreamSource:
+    def from_entry(cls, entry: Any, *, shard: ShardSpec | None = None, fallback_offline: bool = False) -> HFStreamSource:
+        """The stream of a ``SourceConfig`` (typed ``Any``: the schema builds through ``entry``,
+        which imports this module, so importing the schema here would be a circle)."""
         return cls(
             entry.name, entry.path, entry.domain, config_name=entry.config_name, split=entry.split,
             data_dir=entry.data_dir, data_files=entry.data_files, revision=entry.revision,

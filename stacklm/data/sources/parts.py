@@ -32,6 +32,7 @@ from stacklm.once import first_time
 logger = logging.getLogger(__name__)
 
 # A stream whose first rows are all empty almost always reads the wrong column or files.
+DEFAULT_TEXT_COLUMN = "text"  # a pre-training source's text column when none is given
 FIRST_ROWS_CHECK = 100
 BLANK_LINES = "blank_lines_skipped"
 RECORDS_READ = "records_read"  # rows this reader owns and looked at (not blank lines, not other readers' rows)

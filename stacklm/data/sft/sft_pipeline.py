@@ -8,11 +8,11 @@ from typing import Any
 from torchdata.nodes import BaseNode, MultiNodeWeightedSampler, StopCriteria
 
 from stacklm.chat.render import chat_tokens
+from stacklm.config import Config
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
-from stacklm.data.sft.config import SFTConfig
 from stacklm.data.packing.nodes import PackBatchNode
-from stacklm.data.sft.pack import CollateSFT, SFTPackNode
+from stacklm.data.sft.sft_pack import CollateSFT, SFTPackNode
 from stacklm.data.sft.reader import ConversationSource
 from stacklm.data.sft.render_node import RenderNode
 from stacklm.data.shuffle import ShuffleNode
@@ -49,10 +49,11 @@ class SFTPipeline(BuiltPipeline):
         }
 
 
-def build_sft_pipeline(config: SFTConfig, tokenizer: Any, split: str = "train", shard: ShardSpec | None = None) -> SFTPipeline:
+def build_sft_pipeline(config: Config, tokenizer: Any, split: str = "train", shard: ShardSpec | None = None) -> SFTPipeline:
     """The SFT node graph for one split and one (rank, worker) shard of the sources.
 
-    ``tokenizer``: a ``StackTokenizer`` (or an HF tokenizer with the stacklm specials).
+    ``config``: an ``SFTConfig``, typed by its base class because ``SFTConfig.build`` imports
+    this module (an import back would be a circle). ``tokenizer``: a ``StackTokenizer`` (or an HF tokenizer with the stacklm specials).
     The validation split is the ``holdout_fraction`` of conversations chosen by a hash of
     their text (``holdout.holdout_split``), the same in every run, rank and worker.
     """

@@ -65,7 +65,7 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     import yaml
 
     from stacklm.configs import resolve_config
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.datamodule.section import DATA_PATH, DataSection, check_top_level
 
     path = resolve_config(path)

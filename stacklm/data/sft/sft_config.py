@@ -1,5 +1,5 @@
 """The SFT configuration: ``SFTConfig``, the stream over conversation datasets, each one a
-``SourceConfig`` -- the same source schema as pre-training (``stacklm.data.registry``)."""
+``SourceConfig`` -- the same source schema as pre-training (``stacklm.data.sources.schema``)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ from dataclasses import dataclass, field, replace
 from stacklm.chat.policy import OVERLONG_RULES
 from stacklm.chat.turns import DEFAULT_ROLE_ALIASES
 from stacklm.config import Config
-from stacklm.data.registry import SourceConfig
+from stacklm.data.audit import ON_INVALID_SPELLINGS
+from stacklm.data.sources.schema import SourceConfig
+from stacklm.data.sft.reader import SFT_DOMAIN
 from stacklm.errors import ConfigError
 
-ON_INVALID = ("skip", "raise", "drop")  # "drop": the earlier spelling of "skip"
 SFT_KINDS = ("local", "hf")
-SFT_DOMAIN = "chat"
 
 
 @dataclass(frozen=True)
@@ -73,13 +73,15 @@ class SFTConfig(Config):
             raise ConfigError(f"{w}: fields 'pack_buffer_docs' and 'shuffle_buffer' must be >= 1")
         if self.overlong not in OVERLONG_RULES:
             raise ConfigError(f"{w}: field 'overlong' must be one of {OVERLONG_RULES}, got {self.overlong!r}")
-        if self.on_invalid not in ON_INVALID:
-            raise ConfigError(f"{w}: field 'on_invalid' must be one of {ON_INVALID}, got {self.on_invalid!r}")
+        if self.on_invalid not in ON_INVALID_SPELLINGS:
+            raise ConfigError(f"{w}: field 'on_invalid' must be one of {ON_INVALID_SPELLINGS}, got {self.on_invalid!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ConfigError(f"{w}: field 'holdout_fraction' must be in [0, 1), got {self.holdout_fraction}")
 
     def build(self, tokenizer, split: str = "train", shard=None):
-        """The SFT node graph for one split and one (rank, worker) shard (``build_sft_pipeline``)."""
-        from stacklm.data.sft.pipeline import build_sft_pipeline
+        """The SFT node graph for one split and one (rank, worker) shard (``build_sft_pipeline``).
+        The one arrow between this module and the graph (imported here, at call time); the
+        graph module does not import this one, so the two make no circle."""
+        from stacklm.data.sft.sft_pipeline import build_sft_pipeline
 
         return build_sft_pipeline(self, tokenizer, split, shard)
