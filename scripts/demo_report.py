@@ -54,8 +54,11 @@ def main(out: Path) -> int:
     print(f"loss: first {k} logs mean {first:.3f} -> last {k} logs mean {last:.3f} "
           f"(steps {losses[0][0]}..{losses[-1][0]}; chance level ln(vocab) = {__import__('math').log(manifest['vocab_size']):.2f})")
     runs = sorted({v for _, _, v in losses})
-    if len(runs) > 1:
-        resumed_at = min(s for s, _, v in losses if v == runs[-1])
+    # stacklm-train continues the run's CSV folder on a resume and marks it with run/resumed_at
+    marks = [int(float(r["run/resumed_at"])) for m in sorted(out.glob("csv/version_*/metrics.csv"))
+             for r in csv.DictReader(m.open()) if r.get("run/resumed_at")]
+    if len(runs) > 1 or marks:
+        resumed_at = marks[-1] if marks else min(s for s, _, v in losses if v == runs[-1])
         print(f"resumed once: the second run restored the checkpoint (model, optimizer, loader position) "
               f"and logged from step {resumed_at} on")
     for step, v in _val(out):

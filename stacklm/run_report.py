@@ -5,8 +5,10 @@ with a line where a resume started), the realized against the target mix over th
 documents dropped by stage and reason, the delivered documents' length histogram per source and
 the padding fraction. Read from what the run wrote:
 
-- every ``metrics.csv`` a Lightning ``CSVLogger`` wrote under ``RUN`` (one ``version_N`` per fit:
-  a resume's rows continue the first fit's steps; a fit that starts over -- a new run in the
+- every ``metrics.csv`` a Lightning ``CSVLogger`` wrote under ``RUN`` (one ``version_N`` per fit,
+  or one for the whole run when a resume continued it, ``stacklm.run_identity``, whose
+  ``run/resumed_at`` rows mark the resumes: a resume's rows continue the first fit's steps; a
+  fit that starts over -- a new run in the
   same folder, such as an SFT run after its pre-training -- is another run, and the newest run
   is the one drawn), with the scalars ``DataStatsCallback`` logs;
 - ``data_stats.json`` beside them (``stacklm.callbacks.DATA_STATS_FILE``, the newest by step):
@@ -72,6 +74,8 @@ def read_run(run: str | Path) -> dict[str, Any]:
     newest = runs[-1]
     rows = [r for _, fit_rows in newest for r in fit_rows]
     starts = [int(min(r["step"] for r in fit_rows)) for _, fit_rows in newest[1:]]
+    # a resume that continued the same CSV (stacklm.run_identity) says where, in its own row
+    starts = sorted({*starts, *(int(r["run/resumed_at"]) for r in rows if "run/resumed_at" in r)})
     csvs = [p for p, _ in newest]
     others = [str(p) for older in runs[:-1] for p, _ in older]
     snapshots = []

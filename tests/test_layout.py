@@ -199,7 +199,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("inspector", ("stacklm.inspector",)),
     ("datamodule", ("stacklm.datamodule",)),  # below prebuild/: prebuild's config reads the data section
     ("prebuild", ("stacklm.prebuild",)),
-    ("callbacks", ("stacklm.callbacks", "stacklm.run_report")),
+    ("callbacks", ("stacklm.callbacks", "stacklm.run_report", "stacklm.source_loss", "stacklm.run_identity")),
     ("scale", ("stacklm.scale",)),
     ("train", ("stacklm.train", "trainer")),
     ("public face", ("stacklm",)),

@@ -115,6 +115,7 @@ class StackDataLoader(StatefulDataLoader):
         self._restored_consumed: dict[int, int] | None = None  # a same-shape resume continues the count
         self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
+        self.last_pieces: tuple[list | None, int] | None = None  # (pieces per real row, rows) of the last batch handed out
 
     @property
     def batches_yielded(self) -> int:
@@ -181,6 +182,9 @@ class StackDataLoader(StatefulDataLoader):
                         self.consumed[l] = self.consumed.get(l, 0) + n
             delivery = batch.pop(DELIVERY_KEY, None)
             self.delivered.add(ids.numel(), delivery, padding)
+            # the rows' pieces of the batch about to be trained on (a reference, no copy): per-source
+            # loss reads them for this batch (``StackDataModule.batch_sources``)
+            self.last_pieces = (delivery.get("pieces") if delivery is not None else None, len(ids))
             if self.step_log is not None:  # which rows this step trains on (``steplog``)
                 pieces = delivery.get("pieces", []) if delivery is not None else []
                 self.step_log.add_pieces(self.epoch, self.batches_yielded - 1, pieces,

@@ -270,6 +270,20 @@ class ShardsMode(DataMode):
             self._delivered = DeliveryCounter([s["name"] for s in sources], {s["name"]: s["target_weight"] for s in sources})
         return self._delivered
 
+    def row_sources(self, split: str):
+        """The split's ``provenance.RowSources`` (loaded once, on first use), its source names
+        in ``names``; ``None`` for a prebuild without provenance."""
+        cache = self.__dict__.setdefault("_row_sources", {})
+        if split not in cache:
+            from stacklm.data.storage.provenance import RowSources
+
+            names = [s["name"] for s in self._manifest["sources"]]
+            spans = RowSources.load(Path(self.args.data_dir) / self._manifest["splits"][split]["path"], names)
+            if spans is not None:
+                spans.names = names
+            cache[split] = spans
+        return cache[split]
+
     @functools.cached_property
     def _row_counts(self):
         from stacklm.data.storage.provenance import row_source_counts

@@ -91,6 +91,7 @@ class ShardsLoader:
         self.delivered, self.row_counts = delivered, row_counts
         self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
+        self.last_rows: tuple[np.ndarray, int] | None = None  # (global rows, padding rows) of the last batch handed out
         # Stream positions never served (``skip_steps``): global ``[lo, hi)``, position = epoch x rows + row.
         self.skips = sorted((int(lo), int(hi)) for lo, hi in (skips or ()))
         self._set_position(position or start_position())
@@ -201,6 +202,7 @@ class ShardsLoader:
             self.batches_yielded += 1
             self.samples_yielded += self.batch_size - plan[t - 1][1]
             self.padding_rows += plan[t - 1][1]
+            self.last_rows = plan[t - 1]  # per-source loss maps them to sources (``StackDataModule.batch_sources``)
             if self.step_log is not None:  # which rows this step trains on (``steplog``)
                 self.step_log.add_rows(self.epoch, self.steps - 1, plan[t - 1][0], plan[t - 1][1])
             if self.delivered is not None:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
+import numpy as np
 
 from stacklm.data.pipeline import PipelineConfig
 from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run, pipeline_config, sft_config
@@ -198,6 +199,7 @@ class StackDataModule(L.LightningDataModule):
         self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
         self._tok = None
         self._train_loader = None
+        self._val_loader = None  # the last val_dataloader(): per-source validation loss reads its batches' rows
         self._identity: dict[str, Any] | None = None  # computed at the first checkpoint
         # Online re-weighting (set_mix_weights): [{"step", "batch" or None, "weights"}], in the checkpoint.
         self.mix_changes: list[dict[str, Any]] = []
@@ -358,7 +360,34 @@ class StackDataModule(L.LightningDataModule):
     def val_dataloader(self):
         if self.val_batches == 0:
             return []
-        return self._mode.val_loader(self._run())
+        self._val_loader = self._mode.val_loader(self._run())
+        return self._val_loader
+
+    def batch_sources(self, split: str = "train") -> tuple[list[str], np.ndarray] | None:
+        """The sources of the batch the ``split`` loader ("train" or "val") handed out last:
+        ``(names, positions)``, ``positions`` an int16 ``(B, seq_len)`` array of each window
+        position's source index into ``names`` (-1: padding, or not known). The batch's
+        ``targets[:, t]`` is window position ``t + 1``. From the rows' provenance: stream mode's
+        per-row document pieces, shards mode's global rows looked up in the prebuild's side
+        files. ``None`` when there is none (SFT and preference batches; a prebuild without
+        provenance; no batch yet). Read in the main process between the loader handing a batch
+        out and the next one: Lightning does not fetch ahead of a loader with a length, so in a
+        batch hook it is that batch's (``stacklm.source_loss``)."""
+        loader = self._train_loader if split == "train" else getattr(self, "_val_loader", None)
+        if loader is None:
+            return None
+        from stacklm.data.storage import provenance
+
+        last = getattr(loader, "last_rows", None)
+        if last is not None:  # shards mode
+            spans = self._mode.row_sources(split)
+            return None if spans is None else (spans.names, spans.positions(last[0], last[1]))
+        last = getattr(loader, "last_pieces", None)
+        names = list(getattr(loader.dataset, "sources", None) or ())
+        if last is None or last[0] is None or not names:
+            return None
+        pieces, n_rows = last
+        return names, provenance.pieces_positions(pieces, self.seq_len, n_rows - len(pieces))
 
     def shards_dataset(self, split: str):
         """The prebuilt ``split`` (shards mode's ``ShardsMode.dataset``)."""
@@ -389,6 +418,30 @@ class StackDataModule(L.LightningDataModule):
 
     def sft_config(self):
         return sft_config(self._mode.args)
+
+    def mix_phase(self) -> str | None:
+        """The mixture phase (of a ``schedule:``, or a re-weighting) the training step is in:
+        where the tokens delivered to training on this rank fall among the phases' planned
+        token ranges, summed over this rank's readers (from their latest summaries). Not the
+        phase the readers are drawing in: they run ahead of the step by the prefetch and the
+        shuffle and packing buffers. ``None`` without a schedule (one phase) or before any
+        summary. Near a boundary a step holds documents of both phases (the shuffle buffer
+        mixes them), and delivered tokens count ``<bos>``/``<eos>``, planned ones do not."""
+        loader = self._train_loader
+        summaries = list(getattr(loader, "worker_summaries", {}).values())
+        reports = [s["mix_phases"] for s in summaries if s.get("mix_phases")]
+        if not reports or len(reports[0]) < 2:
+            return None
+        from stacklm.data.mix.schedule import merge_phase_reports
+
+        phases = merge_phase_reports(reports)
+        delivered = int(np.sum(loader.delivered.tokens))
+        end = 0
+        for phase in phases:
+            end += sum(phase["planned_tokens"].values())
+            if delivered < end:
+                return str(phase["name"])
+        return str(phases[-1]["name"])
 
     # ------------------------------------------------------------------ online re-weighting
     def set_mix_weights(self, weights: Mapping[str, float], at_step: int | None = None) -> None:

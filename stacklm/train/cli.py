@@ -160,9 +160,27 @@ def _cli_class() -> type:
                     "or not one the trainer wrote: pass another .ckpt file (e.g. the previous one), or 'last'"
                 ) from e
 
+        def before_instantiate_classes(self) -> None:
+            # A resume continues the run's W&B run and CSV folder (stacklm.run_identity): the
+            # loggers must be built with the ids the checkpoint keeps, before the trainer opens them.
+            from stacklm.run_identity import continue_logger_config, saved_run
+
+            subcommand = self.config.get("subcommand")
+            self._saved_run = saved_run(self.config[subcommand].get("ckpt_path")) if subcommand == "fit" else {}
+            trainer_cfg = self.config[subcommand].get("trainer") if subcommand else None
+            if self._saved_run and trainer_cfg is not None and trainer_cfg.get("logger") not in (None, True):
+                trainer_cfg["logger"] = continue_logger_config(trainer_cfg["logger"], self._saved_run,
+                                                               trainer_cfg.get("default_root_dir"))
+
         def _instantiate_trainer(self, config, callbacks):
+            from stacklm.run_identity import RunIdentity, continue_logger_config
+
             if config.get("logger") in (None, True):  # Trainer(logger=None) is its default logger too
-                config = {**config, "logger": CSVLogger(save_dir=config.get("default_root_dir") or os.getcwd())}
+                root = config.get("default_root_dir") or os.getcwd()
+                logger = continue_logger_config(None, getattr(self, "_saved_run", {}), root)
+                config = {**config, "logger": logger if logger is not None else CSVLogger(save_dir=root)}
+            if not any(isinstance(cb, RunIdentity) for cb in [*(config.get("callbacks") or []), *callbacks]):
+                callbacks = [*callbacks, RunIdentity()]  # every checkpoint keeps the run's logger ids
             return super()._instantiate_trainer(config, callbacks)
 
     return StackCLI

@@ -1,7 +1,8 @@
 """``GPTModule``: the LightningModule that trains ``stacklm.train.model.GPT`` on batch-contract dicts.
 
 Logs (per optimizer step, written at Lightning's ``log_every_n_steps``):
-  - ``train/loss`` — mean cross-entropy over targets != -100;
+  - ``train/loss`` — mean cross-entropy over targets != -100 (``training_step`` also returns
+    each target's own loss as ``token_loss``, for ``stacklm.source_loss.SourceLossCallback``);
   - ``train/lr``;
   - ``train/tokens`` — trained tokens (targets != -100) over all ranks since the start of
     the run; kept in a buffer, so it is in the checkpoint and continues across a resume;
@@ -30,7 +31,7 @@ import torch
 
 from stacklm.config import Config
 from stacklm.errors import ConfigError
-from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss
+from stacklm.train.model import GPT, GPTConfig, check_batch, lm_token_loss
 
 
 @dataclass
@@ -99,12 +100,13 @@ class GPTModule(L.LightningModule):
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return self.model(batch["input_ids"], batch["position_ids"], batch["seq_ids"])
 
-    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         self._check_first_batch(batch)
-        loss, n_tokens = lm_loss(self(batch), batch["targets"])
+        loss, n_tokens, token_loss = lm_token_loss(self(batch), batch["targets"])
         self.tokens_seen += sum_across_ranks(n_tokens.detach().to(torch.long))
         self.log("train/loss", loss, prog_bar=True)
-        return loss
+        # token_loss: each target's loss, for callbacks (per-source loss, stacklm.source_loss); detached
+        return {"loss": loss, "token_loss": token_loss.detach()}
 
     def on_fit_start(self) -> None:
         # After Lightning restored a resumed run's checkpoint (trainer.ckpt_path set): then the
@@ -131,12 +133,12 @@ class GPTModule(L.LightningModule):
         self.log("train/lr", self.trainer.optimizers[0].param_groups[0]["lr"])
         self._last_log_time, self._last_log_tokens = now, tokens
 
-    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         self._check_first_batch(batch)
-        loss, n_tokens = lm_loss(self(batch), batch["targets"])
+        loss, n_tokens, token_loss = lm_token_loss(self(batch), batch["targets"])
         # batch_size=n_tokens makes the epoch value a token-weighted mean, not a mean of batch means.
         self.log("val/loss", loss, prog_bar=True, sync_dist=True, batch_size=max(int(n_tokens), 1))
-        return loss
+        return {"loss": loss, "token_loss": token_loss}
 
     # ---------------------------------------------------------------- optimizer
     def configure_optimizers(self):

@@ -184,12 +184,22 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, 
     Summed then divided by the count (clamped to 1), so a batch whose targets are all -100
     (e.g. an SFT batch without assistant tokens) gives loss 0 instead of NaN.
     """
+    loss, n_tokens, _ = lm_token_loss(logits, targets)
+    return loss, n_tokens
+
+
+def lm_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``lm_loss`` plus each target's own cross-entropy, ``(B, T)`` (0 where the target is -100).
+
+    One ``reduction="none"`` cross-entropy, then its sum: the per-token values come at no extra
+    pass over the logits, which is what lets per-source loss (``stacklm.source_loss``) attribute
+    each target token's loss to its document's source."""
     flat_targets = targets.reshape(-1)
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), flat_targets, ignore_index=IGNORE_INDEX, reduction="sum"
+    per_token = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), flat_targets, ignore_index=IGNORE_INDEX, reduction="none"
     )
     n_tokens = (flat_targets != IGNORE_INDEX).sum()
-    return total / n_tokens.clamp(min=1), n_tokens
+    return per_token.sum() / n_tokens.clamp(min=1), n_tokens, per_token.view(targets.shape)
 
 
 def check_batch(batch: Mapping[str, torch.Tensor], config: GPTConfig) -> None:

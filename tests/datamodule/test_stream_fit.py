@@ -114,7 +114,10 @@ def test_stream_fit_with_workers_wandb_and_datasets_sources_resumes_and_logs_tru
     tally = {**first_tally, **{int(k): v for k, v in json.loads((tmp_path / "tally.json").read_text()).items()}}
     assert sorted(tally) == list(range(1, STEPS + 1))
 
-    first, resumed = (data_rows(tmp_path / "csv" / f"version_{v}" / "metrics.csv") for v in (0, 1))
+    # the resume continued the run's CSV folder (stacklm.run_identity): one version, both fits' rows
+    assert [p.name for p in (tmp_path / "csv").iterdir()] == ["version_0"]
+    rows = data_rows(tmp_path / "csv" / "version_0" / "metrics.csv")
+    first, resumed = ({s: r for s, r in rows.items() if s <= CKPT_EVERY}, {s: r for s, r in rows.items() if s > CKPT_EVERY})
     assert sorted(first) == [2, 4, 6] and sorted(resumed) == [8, 10, 12]  # the first numbers at the first logging step
     for step, row in {**first, **resumed}.items():
         tokens, bos = tally[step]
@@ -130,5 +133,6 @@ def test_stream_fit_with_workers_wandb_and_datasets_sources_resumes_and_logs_tru
         assert 0 <= float(row["loader/wait_fraction"]) <= 1
     assert float(resumed[STEPS]["data/tokens/web"]) > 0 and float(resumed[STEPS]["data/tokens/code"]) > 0
     assert float(resumed[12]["data/dropped_docs/dedup/web/exact_dup"]) + float(resumed[12].get("data/dropped_docs/dedup/web/near_dup") or 0) > 0
-    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 2 and len({r.name for r in runs}) == 1  # two attempts, one W&B run id
     (tmp_path / "loader_wait.json").write_text(json.dumps({s: float(r["loader/wait_fraction"]) for s, r in {**first, **resumed}.items()}))

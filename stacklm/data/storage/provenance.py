@@ -179,6 +179,64 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
     return tokens, docs
 
 
+class RowSources:
+    """Per global row of a split, the source of every window position, from the provenance
+    side files: what per-source loss (``stacklm.source_loss``) attributes each target token by.
+    Held as the pieces' ``(source, row_start, row_end)`` of the whole split (``ptr`` indexes
+    them per row), about 10 bytes a piece; ``None`` from ``load`` when the split was built
+    without provenance. ``sources`` fixes the column order (the manifest's mix order)."""
+
+    def __init__(self, ptr: np.ndarray, source: np.ndarray, start: np.ndarray, end: np.ndarray, seq_len: int) -> None:
+        self.ptr, self.source, self.start, self.end, self.seq_len = ptr, source, start, end, int(seq_len)
+
+    @classmethod
+    def load(cls, split_dir: str | Path, sources: Sequence[str]) -> RowSources | None:
+        from stacklm.data.storage import manifest as mf
+
+        split_dir = Path(split_dir)
+        m = mf.read_manifest(split_dir)
+        prov = m.get("provenance")
+        if not prov:
+            return None
+        column = np.array([list(sources).index(name) if name in sources else -1 for name in prov["sources"]], dtype=np.int64)
+        if (column < 0).any():
+            raise ShardError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
+                             "does not", path=split_dir)
+        ptrs, srcs, starts, ends, first = [np.zeros(1, np.int64)], [], [], [], 0
+        for shard in m["shards"]:
+            ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
+            if len(ptr) - 1 != int(shard["n_seq"]):
+                raise ShardError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has "
+                                 f"{shard['n_seq']}", path=split_dir)
+            ptrs.append(ptr[1:] + first)
+            first += int(ptr[-1])
+            srcs.append(column[pieces[:, 0]].astype(np.int16))
+            starts.append(pieces[:, 3].astype(np.int32))
+            ends.append(pieces[:, 4].astype(np.int32))
+        cat = (lambda parts, dtype: np.concatenate(parts) if parts else np.zeros(0, dtype))
+        return cls(np.concatenate(ptrs), cat(srcs, np.int16), cat(starts, np.int32), cat(ends, np.int32), int(m["seq_len"]))
+
+    def positions(self, rows: Sequence[int], n_pad: int = 0) -> np.ndarray:
+        """``(len(rows) + n_pad, seq_len)`` int16: the source index of each window position of
+        each row, -1 where no document is (padding)."""
+        out = np.full((len(rows) + int(n_pad), self.seq_len), -1, dtype=np.int16)
+        for i, row in enumerate(np.asarray(rows, dtype=np.int64).tolist()):
+            for k in range(int(self.ptr[row]), int(self.ptr[row + 1])):
+                out[i, self.start[k] : self.end[k]] = self.source[k]
+        return out
+
+
+def pieces_positions(rows: Sequence[Sequence[Sequence[int]] | None], seq_len: int, n_pad: int = 0) -> np.ndarray:
+    """Stream mode's counterpart of ``RowSources.positions``: each row's ``PIECE_FIELDS``
+    tuples (as the packer puts them on a batch) to per-position source indices; a row whose
+    pieces are unknown (``None``: restored from a state saved without provenance) is all -1."""
+    out = np.full((len(rows) + int(n_pad), int(seq_len)), -1, dtype=np.int16)
+    for i, row in enumerate(rows):
+        for src, _file, _rec, a, b, _off in row or ():
+            out[i, a:b] = src
+    return out
+
+
 def row_provenance(directory: str | Path, row: int, split: str = "train") -> dict[str, Any]:
     """``{"row", "input_ids", "segments": [{"source", "file", "record", "row_start", "row_end",
     "doc_offset"}, ...]}`` for global row ``row`` of ``split`` (shards in manifest order);
