@@ -24,7 +24,7 @@ WINDOW = 2
 @pytest.fixture(scope="module")
 def small_shards(tokenizer_dir, tmp_path_factory):
     """A set of many small shards (16 rows each): ~17 train shards."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
 
     out = tmp_path_factory.mktemp("small")
