@@ -24,7 +24,7 @@ WINDOW = 2
 @pytest.fixture(scope="module")
 def small_shards(tokenizer_dir, tmp_path_factory):
     """A set of many small shards (16 rows each): ~17 train shards."""
-    from stacklm.data.nodes import PipelineConfig
+    from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
 
     out = tmp_path_factory.mktemp("small")
@@ -209,7 +209,7 @@ def _rank_reads(url: str, cache: str, env: dict, rank: int, world: int, limit: i
     rows = []
     for batch in loader:
         rows.append(batch["input_ids"][:, :8].tolist())
-        barrier.wait(60)
+        barrier.wait(300)  # generous: a rank that started (spawn, imports) late on a loaded machine must not fail the other
     return rows
 
 
