@@ -239,7 +239,7 @@ def test_a_source_changed_since_the_run_is_not_verified(stream_run, tmp_path, ca
 # ------------------------------------------------------------------ resume on another world size, real gloo DDP
 def _fit(script: str, args: list[str], out: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = run_program([sys.executable, str(ROOT / "tests" / script), *args, "--out", str(out)], cwd=ROOT, env=env, timeout=600)
+    res = run_program([sys.executable, str(ROOT / "tests" / "runners" / script), *args, "--out", str(out)], cwd=ROOT, env=env, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
 
 
