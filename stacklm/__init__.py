@@ -56,4 +56,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+    # the face and the subpackages already imported; not this module's own helpers (importlib, Any, _WHERE)
+    return sorted({*__all__, *(n for n, v in globals().items() if getattr(v, "__package__", None) == f"{__name__}.{n}")})

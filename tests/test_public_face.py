@@ -22,6 +22,7 @@ FACE = ["PipelineConfig", "StackDataModule", "StackTokenizer", "build_pipeline",
 def test_the_face_is_small_and_named():
     assert sorted(n for n in stacklm.__all__ if n != "__version__") == FACE
     assert set(FACE) <= set(dir(stacklm))
+    assert not {n for n in dir(stacklm) if n.startswith("_") and n != "__version__"} | ({"importlib", "Any"} & set(dir(stacklm)))
 
 
 @pytest.mark.parametrize("name", FACE)
