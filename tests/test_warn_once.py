@@ -118,32 +118,3 @@ def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer
     assert [m for m in said if "dropped" in m] == [f"{mode} source 'chats': dropped 1 of 40 conversations in this "
                                                    "reader's pass (malformed_json 1)"], said
 
-
-def test_a_later_pass_does_not_say_the_dropped_rows_again(tmp_path, tokenizer_1024, saved_tokenizer_dir, caplog):
-    """Each pass over SFT data runs in fresh loader worker processes, where the once-per-process
-    memory is empty: the first pass says a dropped row, the later ones only count it."""
-    from stacklm.data.sources.schema import SourceConfig
-    from stacklm.data.sources import ShardSpec
-    from stacklm.data.sft import SFTConfig
-    from stacklm.datamodule.stream import SFTBuilder
-    from stacklm.once import forget
-
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"q {i}?"}, {"role": "assistant", "content": f"a {i}."}]})
-             for i in range(20)]
-    lines[3] = "{not json"
-    path = tmp_path / "chats.jsonl"
-    path.write_text("\n".join(lines) + "\n")
-    cfg = SFTConfig(sources=(SourceConfig("chats", path=(str(path),)),), seq_len=64, batch_size=2, shuffle_buffer=1,
-                    pack_buffer_docs=8, holdout_fraction=0.0)
-    build = SFTBuilder(cfg.to_dict(), str(saved_tokenizer_dir(tokenizer_1024)), "train")
-    said = {}
-    for epoch in (0, 1):
-        forget()  # a new worker process
-        caplog.clear()
-        with caplog.at_level("WARNING"):
-            graph = build(ShardSpec(0, 1, 0, 1), 1, epoch=epoch)
-            graph.batches.reset()
-            list(graph.batches)
-        assert graph.stats()["source"]["chats"]["malformed_json"] == 1  # counted in every pass
-        said[epoch] = [r.getMessage() for r in caplog.records if "malformed_json" in r.getMessage()]
-    assert len(said[0]) == 2 and said[1] == [], said  # first sight + the pass's count; then nothing

@@ -267,8 +267,7 @@ class SFTBuilder:
         from stacklm.data.sft import SFTConfig
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        graph = SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
-        return said_in_first_pass(graph, epoch)
+        return SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
 
 
 class PreferenceBuilder:
@@ -282,18 +281,7 @@ class PreferenceBuilder:
         from stacklm.data.sft.preference_pipeline import build_preference_pipeline
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        graph = build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)
-        return said_in_first_pass(graph, epoch)
-
-
-def said_in_first_pass(graph: Any, epoch: int) -> Any:
-    """Every pass reads the same conversations, each in a fresh loader worker process (where
-    ``stacklm.once`` starts empty): the readers say their dropped rows in the first pass only.
-    The counts go on in every pass (the stats)."""
-    readers = getattr(graph, "sources", None)
-    for source in readers.values() if epoch and isinstance(readers, dict) else ():
-        source.log_rows = False
-    return graph
+        return build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)
 
 
 class StreamDataset(IterableDataset):
