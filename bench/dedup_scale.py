@@ -2,7 +2,7 @@
 (``stacklm.data.dedup.staged``, what ``prebuild-datatrove`` runs) side by side with the old
 single-process ``decide_splits``, on synthetic signatures.
 
-    python3 bench/dedup_scale.py --docs 1000000 2000000 --old 1000000 2000000 [--slices 8] [--dup 0.1]
+    python3 bench/dedup_scale.py --docs 1000000 2000000 --old 1000000 2000000 [--inproc 1000000] [--slices 8] [--dup 0.1]
 
 Signatures are synthetic (no text): document ``j`` of the corpus gets random 64-bit band keys
 and digest from a hash of ``j``; a ``--dup`` fraction of documents copies an earlier document
@@ -14,7 +14,9 @@ signature tasks), ids ``s<source>/part<p>/<row>`` like a real source's.
 Every stage task runs as its own process, one after the other (``os.wait4`` gives its peak
 RSS, ``ru_maxrss``): ``sig`` (one per slice: generate and write the slice's signature columns,
 and the old format when ``--old`` includes this size), ``buckets`` (1 digest range + 12 bands
-x ``--ranges``), ``cluster`` (one: the pairs -> sharded removed ids) and ``old`` (one: load
+x ``--ranges``), ``cluster`` (one: the pairs -> sharded removed ids), ``inproc`` (one, sizes in
+``--inproc``: every bucket task and the cluster in one process, ``staged.staged_decision``, the
+decision ``stacklm prebuild`` and ``stacklm dedup-index`` make in their parent process) and ``old`` (one: load
 every slice and run ``decide_splits``, what ``StackDedupDecision`` did); ``base`` is a task
 that only imports (every task's floor: numpy, torch via stacklm.data). CPU seconds are
 printed beside wall seconds: on a shared machine the wall time includes waiting for a core.
@@ -124,6 +126,10 @@ def task(args) -> None:
         (root / "new.json").write_text(json.dumps({"hash": staged.load_shards(sorted((root / "index").glob("*.npz"))).content_hash,
                                                    "pairs": int(sum(p.shape[0] for p in ex + nr)),
                                                    "pairs_written": int(sum(staged.load_pairs(p).shape[0] for p in files))}))
+    elif args.task == "inproc":  # stages 2 and 3 in one process: `stacklm prebuild`'s and `dedup-index`'s decision
+        removed = staged.staged_decision(dirs, args.ranges, args.ranges)
+        staged.write_index_shards(dirs, removed, root / "index-inproc")
+        (root / "inproc.json").write_text(json.dumps({"hash": staged.load_shards(sorted((root / "index-inproc").glob("*.npz"))).content_hash}))
     elif args.task == "old":
         from stacklm.data.dedup.global_index import DedupIndex, decide_splits
 
@@ -154,6 +160,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, nargs="+", default=[1_000_000])
     ap.add_argument("--old", type=int, nargs="*", default=[], help="sizes at which to also run the old single-process decision")
+    ap.add_argument("--inproc", type=int, nargs="*", default=[], help="sizes at which to also run the buckets and cluster in one process (what `stacklm prebuild` and `dedup-index` do)")
     ap.add_argument("--slices", type=int, default=8, help="signature tasks per split")
     ap.add_argument("--ranges", type=int, default=1, help="key ranges per band (and digest ranges)")
     ap.add_argument("--dup", type=float, default=0.1)
@@ -174,7 +181,7 @@ def main() -> None:
         shutil.rmtree(args.root, ignore_errors=True)
         Path(args.root).mkdir(parents=True)
         old = n in args.old
-        stages = [("base", 1), ("sig", len(jobs(args.slices))), ("buckets", (1 + NUM_BANDS) * args.ranges), ("cluster", 1)] + ([("old", 1)] if old else [])
+        stages = [("base", 1), ("sig", len(jobs(args.slices))), ("buckets", (1 + NUM_BANDS) * args.ranges), ("cluster", 1)] + ([("inproc", 1)] if n in args.inproc else []) + ([("old", 1)] if old else [])
         for name, count in stages:
             got = [run_task(args, name, i, write_old=old) for i in range(count)]
             row = {"docs": n, "stage": name, "tasks": count, "max_rss_mb": round(max(g[1] for g in got), 1),
@@ -190,6 +197,10 @@ def main() -> None:
             if ref["hash"] != new["hash"]:
                 raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the staged decision removed other ids than decide_splits")
             line += f"; removed ids identical to decide_splits ({json.dumps(ref['counts'], sort_keys=True)})"
+        if n in args.inproc:
+            if json.loads((Path(args.root) / "inproc.json").read_text())["hash"] != new["hash"]:
+                raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the in-process staged decision removed other ids than the staged tasks")
+            line += "; in-process staged decision identical"
         print(line, flush=True)
         rows.append({"docs": n, "pairs": new["pairs"], "pairs_written": new["pairs_written"], "identical_to_old": old or None})
         shutil.rmtree(args.root, ignore_errors=True)

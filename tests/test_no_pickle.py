@@ -101,7 +101,7 @@ def built(tmp_path_factory, tok_dir):
             prebuild(config(), tok_dir, half, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     finally:
         atomic._write_all = real
-    assert (half / ".prebuild" / "train-w000.ckpt").exists() and (half / ".prebuild" / "dedup_index.npz").exists()
+    assert (half / ".prebuild" / "train-w000.ckpt").exists() and (half / ".prebuild" / "dedup-index" / "train-w000.npz").exists()
     cfg = root / "c.yaml"
     cfg.write_text(json.dumps({"data": {"tokenizer": str(tok_dir), "pipeline": data_section()}}))
     return half, cfg
@@ -135,7 +135,7 @@ def test_a_checkpoint_is_data_only_and_resumes_byte_identically(finished, tok_di
 
 
 @pytest.mark.parametrize("plant", sorted(PLANTS))
-@pytest.mark.parametrize("place", ["train-w000.ckpt", "dedup_index.npz"])
+@pytest.mark.parametrize("place", ["train-w000.ckpt", "dedup-index/train-w000.npz"])
 def test_a_planted_prebuild_state_file_is_refused_and_never_runs(built, tok_dir, tmp_path, capsys, place, plant):
     half, cfg = built
     out = tmp_path / "out"

@@ -112,5 +112,9 @@ def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer
             list(pipe.batches)
             seen[split] = pipe.stats()["source"]["chats"]["malformed_json"]
     assert seen == {"val": 1, "train": 1}  # counted by both readers
-    said = [r for r in caplog.records if "malformed_json" in r.getMessage()]
-    assert len(said) == 1, [r.getMessage() for r in said]
+    said = [r.getMessage() for r in caplog.records if "malformed_json" in r.getMessage()]
+    assert len([m for m in said if "dropping" in m]) == 1, said  # where the first one was, as soon as it is seen
+    # and the count, once, when the train reader's pass ends (the val reader's is the same rows)
+    assert [m for m in said if "dropped" in m] == [f"{mode} source 'chats': dropped 1 of 40 conversations in this "
+                                                   "reader's pass (malformed_json 1)"], said
+

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from stacklm.cli.parser import build_parser
 from stacklm.errors import is_user_error, user_error_message
+from stacklm.once import one_line_warnings
 
 __all__ = ["is_user_error", "main"]
 
@@ -24,6 +25,7 @@ __all__ = ["is_user_error", "main"]
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``stacklm`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    one_line_warnings()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -21,10 +21,19 @@ EXAMPLES = """examples (each command has its own: stacklm COMMAND --help):
 """
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """An argument error is one line, like every other refusal of the program (exit 2): argparse
+    printed its whole usage block ahead of it (``--workers 0``), burying the line that says what
+    is wrong. ``--help`` still prints the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from stacklm import __version__
 
-    p = argparse.ArgumentParser(
+    p = OneLineParser(
         prog="stacklm", description="stacklm: the training-data layer of a small-LM stack",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -106,7 +106,9 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
     workers = max(1, args.workers)
     splits = tuple(args.splits or settings["splits"])
-    index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs))
+    # the staged decision's signature columns go beside the index (``build_dedup_index``: a temporary folder, removed after)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs), work_dir=Path(out).parent)
     index.save(out)
     for split, c in index.counts().items():
         print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")

@@ -69,10 +69,14 @@ class DataMix(Config):
             dataclasses.replace(e, text_column=DEFAULT_TEXT_COLUMN) if isinstance(e, SourceConfig) and e.text_column is None else e
             for e in self.entries
         ))
-        self._normalize_weights()
+        normalized = self._normalize_weights()
         if isinstance(self.schedule, Mapping):
             object.__setattr__(self, "schedule", MixScheduleConfig.from_dict(self.schedule, "schedule"))
         self.validate()
+        # said once the mix is accepted: before, the line came ahead of an unrelated refusal
+        if normalized and first_time("normalized_weights", self.name, normalized[0]):
+            logging.getLogger(__name__).warning(
+                "data mix %r: the weights (%s) sum to %g; taken as relative and normalized to %s", self.name, *normalized)
 
     def validate(self) -> None:
         if isinstance(self.total_tokens, bool) or not isinstance(self.total_tokens, int) or self.total_tokens <= 0:
@@ -97,25 +101,24 @@ class DataMix(Config):
         if self.schedule is not None:
             self.schedule.check_sources([e.name for e in self.entries])
 
-    def _normalize_weights(self) -> None:
+    def _normalize_weights(self) -> tuple[str, float, str] | None:
         """Weights are relative (as in Mosaic streaming's ``proportion`` and litdata's
         ``weights``): entries summing to anything but 1 are divided by their sum, and one line
-        per process says so. The normalized weights are what the config (and its hash, the
+        per process says so (``__post_init__``, after the mix is validated; this returns what
+        to say: the given weights, their sum, the normalized ones). The normalized weights are what the config (and its hash, the
         manifest and the logs) then hold, so 2/1/1 and 0.5/0.25/0.25 are the same mix."""
         ok = [e for e in self.entries if isinstance(e, SourceConfig) and not isinstance(e.weight, bool)
               and isinstance(e.weight, (int, float)) and math.isfinite(e.weight) and e.weight > 0]
         if len(ok) != len(self.entries) or not ok:
-            return  # validate() names the bad entry
+            return None  # validate() names the bad entry
         total = math.fsum(e.weight for e in ok)
         if abs(total - 1.0) <= WEIGHT_SUM_TOLERANCE:
-            return
+            return None
         entries = tuple(dataclasses.replace(e, weight=e.weight / total) for e in ok)
         object.__setattr__(self, "entries", entries)
         given = ", ".join(f"{e.name}={e.weight:g}" for e in ok)
         now = ", ".join(f"{e.name}={e.weight:.4f}" for e in entries)
-        if first_time("normalized_weights", self.name, given):
-            logging.getLogger(__name__).warning(
-                "data mix %r: the weights (%s) sum to %g; taken as relative and normalized to %s", self.name, given, total, now)
+        return given, total, now
 
     def __getitem__(self, name: str) -> SourceConfig:
         for entry in self.entries:

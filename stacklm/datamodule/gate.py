@@ -207,6 +207,11 @@ def sample_sft(dm: Any, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[s
     out: list[tuple[str, dict[str, Any]]] = []
     for w in range(workers):
         graph = build(ShardSpec(dm.rank, dm.world_size, w, workers), dm.world_size * workers)
+        readers = getattr(graph, "sources", None)
+        for source in readers.values() if isinstance(readers, dict) else ():
+            # The loader reads these records again in its own worker process, where this process's
+            # stacklm.once cannot reach: a dropped row said here was said twice. The loader says it.
+            source.log_rows = False
         for k, batch in enumerate(graph.batches):
             out.append((f"{dm.mode} train batch {k} of rank {dm.rank} worker {w}", dict(batch)))
             if len(out) >= n_batches:

@@ -171,14 +171,16 @@ def release_if_empty(plan: PrebuildPlan) -> bool:
 
 
 def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
-    """``signature_slice`` over ``args`` in ``workers`` spawned processes, in order."""
+    """``dedup_pass.write_slice`` over ``args`` in ``workers`` spawned processes, in order: each
+    writes its slice's signature columns to disk and returns only its read volume (small
+    plain dicts), so the parent never holds the signatures."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from stacklm.prebuild.dedup_pass import slice_bytes, slice_from_bytes
+    from stacklm.prebuild.dedup_pass import write_slice
 
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=pool_initializer, initargs=(os.getpid(),)) as pool:
-        return [slice_from_bytes(b) for b in pool.map(slice_bytes, args)]
+        return list(pool.map(write_slice, *zip(*args)))
 
 
 def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL) -> list[dict[str, Any]]:

@@ -1,6 +1,8 @@
 """The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision over
-all splits (no duplicate set keeps members in two splits), saved as
-``OUT/.prebuild/dedup_index.npz`` before any packing job starts.
+all splits (no duplicate set keeps members in two splits), made by the staged decision's
+functions (``stacklm.data.dedup.staged``: buckets, then the cluster, in this process) so its
+memory is bounded by one bucket chunk or the duplicate pairs, not by the corpus; saved as one
+removed-id shard per packing job in ``OUT/.prebuild/dedup-index/`` before any packing job starts.
 
 The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
 documents removed (and, unless the token budget binds, the documents kept) are the same for
@@ -12,8 +14,7 @@ engine of ``stacklm dedup-index`` (stream mode's offline index).
 from __future__ import annotations
 
 import dataclasses
-import io
-import zipfile
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -63,37 +64,77 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     return {**collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact), "bytes_in": bytes_in}
 
 
-def decide_index(config, slices: dict[str, Sequence[dict[str, Any]]]):
-    """Step 2, one decision over all splits together (``decide_splits``: a duplicate set with
-    members in two splits keeps its val copy); a ``DedupIndex`` of the removed ids with the
-    counts in its meta."""
-    from stacklm.data.dedup.global_index import REASONS, DedupIndex, decide_splits
+def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int, sig_dir: str) -> dict[str, Any]:
+    """Step 1 for one slice, written to disk as the staged decision's signature columns
+    (``staged.write_signature_dir``) by the process that read it: what comes back to the
+    parent is only the slice's read volume, so the parent never holds every signature (the
+    one-process decision did: ~1.5 GB per million documents)."""
+    from stacklm.data.dedup.staged import write_signature_dir
 
-    decisions = decide_splits(slices, exact=config.dedup.exact, near=config.dedup.near)
-    meta = {
-        "dedup": dataclasses.asdict(config.dedup),
-        "docs": {s: d["docs"] for s, d in decisions.items()},
-        "removed": {s: {r: len(d[r]) for r in REASONS} for s, d in decisions.items()},
-        # the signature pass's read volume (input bytes read, per split and source): not in
-        # the index's content hash, reported in the top manifest's ``read_volume``
-        "bytes_read": {s: {e.name: int(sum(int(x["bytes_in"][i]) for x in per if "bytes_in" in x))
-                           for i, e in enumerate(config.mix.entries)} for s, per in slices.items()},
-    }
-    return DedupIndex.from_decisions(decisions, meta)
+    sig = signature_slice(config_dict, split, reader, readers)
+    meta = write_signature_dir(sig, split, sig_dir)
+    return {"split": split, "docs": int(meta["n"]), "bytes_in": [int(x) for x in sig["bytes_in"]]}
+
+
+def build_index_shards(
+    config, splits: Sequence[str], readers: int, work_dir: str | Path, out_dir: str | Path,
+    run_all: Callable[[list[tuple]], list[Any]] | None = None,
+) -> list[Path]:
+    """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), in this process
+    and ``run_all``'s: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then
+    every bucket task and the cluster here (``staged.staged_decision``), so the largest
+    process holds one bucket chunk or the duplicate pairs, never every document; then one
+    removed-id shard per slice in ``out_dir/<job>.npz`` (written beside and renamed, so a
+    half-written set is never taken for a finished one). ``run_all`` maps a list of
+    ``write_slice`` argument tuples to results (e.g. in a process pool); default: here.
+    The decision is ``decide_splits``'s (canonical kept copy, val wins across splits), so the
+    removed ids are the same as the one-process decision's for any ``readers``.
+    Returns the shard paths, in (split, reader) order."""
+    import shutil
+
+    from stacklm.data.dedup import staged
+    from stacklm.prebuild.plan import job_name
+
+    work_dir, out_dir = Path(work_dir), Path(out_dir)
+    cfg = config.to_dict()
+    names = [job_name(s, r) for s in splits for r in range(readers)]
+    dirs = [work_dir / "sig" / n for n in names]
+    jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
+    results = run_all(jobs) if run_all is not None else [write_slice(*j) for j in jobs]
+    # the signature pass's read volume (input bytes read, per split and source): not in the
+    # index's content hash, reported in the top manifest's ``read_volume``
+    bytes_read = {s: {e.name: 0 for e in config.mix.entries} for s in splits}
+    for res in results:
+        for e, n in zip(config.mix.entries, res["bytes_in"]):
+            bytes_read[res["split"]][e.name] += int(n)
+    removed = staged.staged_decision(dirs)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    staged.write_index_shards(dirs, removed, tmp, {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read})
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(work_dir / "sig", ignore_errors=True)
+    return [out_dir / f"{n}.npz" for n in names]
 
 
 def build_dedup_index(
-    config, splits: Sequence[str], readers: int, run_all: Callable[[list[tuple]], list[Any]] | None = None
+    config, splits: Sequence[str], readers: int, run_all: Callable[[list[tuple]], list[Any]] | None = None,
+    work_dir: str | Path | None = None,
 ):
-    """Steps 1 and 2 over ``readers`` slices per split. ``run_all`` maps a list of
-    ``(config_dict, split, reader, readers)`` to results (e.g. in a process pool); default: here."""
-    cfg = config.to_dict()
-    jobs = [(cfg, split, r, readers) for split in splits for r in range(readers)]
-    results = run_all(jobs) if run_all is not None else [signature_slice(*j) for j in jobs]
-    slices: dict[str, list[dict[str, Any]]] = {s: [] for s in splits}
-    for (_, split, _, _), res in zip(jobs, results):
-        slices[split].append(res)
-    return decide_index(config, slices)
+    """The whole index in one ``DedupIndex`` (``stacklm dedup-index``, tests): the staged
+    decision's shards (``build_index_shards``, in ``work_dir``, default a temporary folder)
+    merged (``staged.load_shards``: the same arrays, hash and counts as one file)."""
+    import shutil
+    import tempfile
+
+    from stacklm.data.dedup.staged import load_shards
+
+    work = Path(tempfile.mkdtemp(prefix=".dedup-index-", dir=work_dir))
+    try:
+        return load_shards(build_index_shards(config, splits, readers, work, work / "index", run_all))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def load_build_index(path: Path):
@@ -107,38 +148,14 @@ def load_build_index(path: Path):
         raise PrebuildError(str(e).removeprefix("dedup.index: "), path=path) from None
 
 
-def load_or_build(plan, run_all=None):
-    """The build's index: read back on a resume (it was saved before any packing job), else built
-    and saved atomically."""
+def load_or_build(plan, run_all=None) -> None:
+    """The build's index, before any packing job: one removed-id shard per job in
+    ``.prebuild/dedup-index/`` (``build_index_shards``; each packing job loads only its own,
+    ``jobs.job_dedup_index``). Kept on a resume (it is renamed into place only when complete);
+    a build begun before the staged decision, with its one-file ``dedup_index.npz``, keeps that."""
     from stacklm.prebuild.plan import state_dir_of
 
-    path = state_dir_of(plan.out) / INDEX_FILE
-    if Path(path).exists():
-        return load_build_index(path)
-    index = build_dedup_index(plan.config, plan.splits, plan.workers, run_all)
-    index.save(path)
-    return index
-
-
-SLICE_FIELDS = ("ids", "source", "digest", "bands", "bytes_in")
-
-
-def slice_bytes(args: tuple) -> bytes:
-    """``signature_slice`` as an ``.npz`` (plain arrays: ids as fixed-width unicode, never
-    objects), what a pool returns and a datatrove task writes to disk: data only, so reading
-    it back (``slice_from_bytes``) runs no code."""
-    res = signature_slice(*args)
-    buf = io.BytesIO()
-    np.savez(buf, **{k: np.asarray(res[k]) for k in SLICE_FIELDS})
-    return buf.getvalue()
-
-
-def slice_from_bytes(blob: bytes, where: str = "dedup signatures") -> dict[str, Any]:
-    """A ``slice_bytes`` result; ``allow_pickle=False``, so an object array (or a pickle) is refused."""
-    try:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            return {k: z[k] for k in SLICE_FIELDS if k in z.files or k != "bytes_in"}
-    except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as e:
-        from stacklm.data.storage.statefile import load_error_detail
-
-        raise ValueError(f"{where}: not a stacklm dedup signature file ({load_error_detail(e)}); delete it and re-run the signature step") from None
+    state = state_dir_of(plan.out)
+    if (state / INDEX_FILE).exists() or (state / INDEX_SHARDS).is_dir():
+        return
+    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, run_all)

@@ -14,13 +14,9 @@ from stacklm.data.storage import statefile
 from stacklm.data.storage.provenance import prov_path
 from stacklm.data.storage.shards import atomic_write_shard_file, list_shard_files, meta_path, shard_name, tokens_path, write_shard
 from stacklm.errors import PrebuildError, StateFileError
-from stacklm.prebuild.plan import PrebuildPlan, state_dir_of, worker_config
+from stacklm.prebuild.plan import PrebuildPlan, job_name, state_dir_of, worker_config
 
 PROGRESS_INTERVAL = 2.0  # seconds between progress reports of a job (besides one per shard)
-
-
-def job_name(split: str, worker: int) -> str:
-    return f"{split}-w{worker:03d}"
 
 
 def load_checkpoint(path: Path) -> dict[str, Any] | None:

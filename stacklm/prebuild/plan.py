@@ -82,6 +82,12 @@ def worker_config(config, worker: int, workers: int):
     return dataclasses.replace(config, mix=dataclasses.replace(config.mix, total_tokens=share))
 
 
+def job_name(split: str, worker: int) -> str:
+    """A job's name in the build's state (checkpoints, summaries, removed-id shards): the same
+    for the pool's job and the datatrove task of that (split, worker)."""
+    return f"{split}-w{worker:03d}"
+
+
 def state_dir_of(out: Path) -> Path:
     """Where a build in ``out`` keeps its claim, checkpoints and job summaries until it is done."""
     return out / STATE_DIR

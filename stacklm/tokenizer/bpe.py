@@ -577,20 +577,27 @@ def train_from_iterable(
                 docs_seen[0] += 1
                 yield from split_long_runs(doc)  # as encoding does; the Rust regex fails on ~1M runs
 
-    bar = bar2 = None
+    # One bar at a time: reading ends before merging starts, so the merging bar opens on the
+    # first merge, after the reading bar closed (two bars open at once tangled in a log or pipe).
+    bars: list = []
+
+    def merged(n: int) -> None:
+        if len(bars) == 1:
+            bars[0].close()
+            bars.append(tqdm(total=max_merges, unit="merge", desc=f"tokenizer[{backend}] merging"))
+        bars[-1].update(n)
+
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizer[{backend}] reading")
-        bar2 = tqdm(total=max_merges, unit="merge", desc=f"tokenizer[{backend}] merging")
-    meter = _Counter(bar)
+        bars.append(tqdm(total=total_bytes, unit="B", unit_scale=True, desc=f"tokenizer[{backend}] reading"))
+    meter = _Counter(bars[0] if bars else None)
     t0 = time.perf_counter()
     try:
-        out = get_backend(backend)(clean(docs), max_merges, pattern, meter, bar2.update if bar2 else None)
+        out = get_backend(backend)(clean(docs), max_merges, pattern, meter, merged if bars else None)
     finally:
-        if bar is not None:
+        for bar in bars:
             bar.close()
-            bar2.close()
     seconds = time.perf_counter() - t0
     if meter.bytes == 0:
         raise ValueError("empty training corpus: the input yielded no text; check the input paths/globs and byte budget")
@@ -601,8 +608,7 @@ def train_from_iterable(
             f"padded the vocab with {shortfall} <|unused_N|> fillers (ids {N_BYTES + len(out.token_bytes)}.."
             f"{N_BYTES + max_merges - 1}). Train on more (or more varied) text for a full vocab."
         )
-        logger.warning(msg)
-        warnings.warn(msg, stacklevel=2)
+        warnings.warn(msg, stacklevel=2)  # one line on the command line (stacklm.once.one_line_warnings)
     meta = {
         "backend": backend,
         "bytes_seen": meter.bytes,

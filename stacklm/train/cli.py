@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from stacklm.errors import ConfigError, StackLMError, is_user_error, user_error_message
+from stacklm.once import one_line_warnings
 
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -108,6 +109,7 @@ def cli_main(args=None, datamodule_class: type | None = None, run: bool = True):
     from stacklm.train.gpt_module import GPTModule
 
     quiet_third_party_notices()
+    one_line_warnings()
     if datamodule_class is None:
         datamodule_class = import_class(os.environ.get("STACKLM_DATAMODULE", DEFAULT_DATAMODULE))
     if args is None:  # LightningCLI reads sys.argv itself (and DDP re-runs it for the other ranks)
@@ -181,9 +183,26 @@ def _cli_class() -> type:
                 config = {**config, "logger": logger if logger is not None else CSVLogger(save_dir=root)}
             if not any(isinstance(cb, RunIdentity) for cb in [*(config.get("callbacks") or []), *callbacks]):
                 callbacks = [*callbacks, RunIdentity()]  # every checkpoint keeps the run's logger ids
+            callbacks = [*callbacks, *_progress_bar(config, callbacks)]
             return super()._instantiate_trainer(config, callbacks)
 
     return StackCLI
+
+
+def _progress_bar(config, callbacks) -> list:
+    """The default bar, when the trainer would add Lightning's: ``StepProgressBar`` (no
+    ``Epoch 0/-2`` in a ``max_steps`` run). A bar the config names is kept as it is."""
+    import importlib.util
+
+    from lightning.pytorch.callbacks import ProgressBar
+
+    if config.get("enable_progress_bar") is False or importlib.util.find_spec("rich") is None:
+        return []  # no bar, or Lightning's default is the tqdm bar (which prints no epoch bound)
+    if any(isinstance(cb, ProgressBar) for cb in [*(config.get("callbacks") or []), *callbacks]):
+        return []
+    from stacklm.train.progress import StepProgressBar
+
+    return [StepProgressBar()]
 
 
 def check_ckpt_path(ckpt_path: str | None) -> None:

@@ -628,3 +628,26 @@ def test_a_loader_workers_user_error_is_its_own_line():
     assert "Original Traceback" in str(info.value)
     assert user_error_message(info.value) == (
         "shards/train/00001/tokens.bin: content hash 1 != manifest 2; run `stacklm verify shards` (in DataLoader worker 1)")
+
+
+def test_a_refused_argument_is_one_line_without_the_usage_block():
+    """``--workers 0``: argparse printed its usage block ahead of the error line."""
+    res = subprocess.run([sys.executable, "-m", "stacklm", "prebuild", "--config", "demo", "--workers", "0"],
+                         capture_output=True, text=True)
+    assert res.returncode == 2 and "usage:" not in res.stderr, res.stderr
+    assert res.stderr.splitlines() == [
+        "stacklm prebuild: error: argument --workers: must be an integer >= 1, got 0 (`stacklm prebuild --help` lists the options)"]
+
+
+def test_verify_does_not_tell_its_user_to_run_verify(tmp_path):
+    from stacklm.data.storage.shards import check_content_hash
+    from stacklm.errors import DataError
+
+    entry = {"name": "shard_00000", "xxh64": "garbled"}
+    for advise in (True, False):
+        try:
+            check_content_hash(tmp_path, entry, tmp_path / "manifest.json", advise_verify=advise)
+        except DataError as e:
+            assert ("stacklm verify" in str(e)) is advise, str(e)
+        else:
+            raise AssertionError("a garbled hash passed")

@@ -198,6 +198,12 @@ def test_filters_a_user_can_steer_off_per_source_and_by_label(tmp_path, caplog):
     assert mix.weights == {"x": 0.75, "y": 0.25}
     said = [r.getMessage() for r in caplog.records if "normalized" in r.getMessage()]
     assert said == ["data mix 'rel': the weights (x=3, y=1) sum to 4; taken as relative and normalized to x=0.7500, y=0.2500"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING), pytest.raises(ConfigError, match="appears twice"):  # refused: not a word on
+        DataMix.from_dict({"name": "refused", "total_tokens": 100, "entries": [  # the weights ahead of the refusal
+            {"name": "x", "kind": "synthetic", "weight": 3, "domain": "prose"},
+            {"name": "x", "kind": "synthetic", "weight": 1, "domain": "code"}]})
+    assert not [r for r in caplog.records if "normalized" in r.getMessage()]
 
 
 def test_the_documented_thresholds_are_the_defaults():

@@ -470,6 +470,40 @@ def _planted_records(n: int, rng, nb: int = 12):
     return ids, src, digest, bands, split
 
 
+@pytest.mark.filterwarnings("ignore:.*ran dry")
+def test_prebuild_and_dedup_index_remove_what_the_one_process_decision_removed(split_corpus, tokenizer_512, tmp_path):
+    """``stacklm prebuild`` (the local pool) and ``stacklm dedup-index`` make the decision as the
+    staged one (signatures written by the workers, buckets and cluster in one process): on
+    planted exact, near and cross-split copies, the removed ids are ``decide_splits``'s (the
+    one-process decision they ran before) for 1 and 3 readers, the merged index has its hash,
+    counts and meta, and a ``--workers 2`` prebuild drops exactly those ids, from one
+    removed-id shard per job."""
+    from stacklm.data.dedup.global_index import decide_splits
+    from stacklm.prebuild.dedup_pass import signature_slice
+
+    glob, _ = split_corpus
+    cfg = dataclasses_replace_holdout(_config(glob), 0.5)
+    slices = {s: [signature_slice(cfg.to_dict(), s, 0, 1)] for s in ("train", "val")}
+    ref = DedupIndex.from_decisions(decide_splits(slices))
+    counts = ref.counts()
+    assert counts["train"]["cross_split"] >= 8 and counts["train"]["exact"] + counts["val"]["exact"] > 0
+    assert counts["train"]["near"] + counts["val"]["near"] > 0
+    for readers in (1, 3):
+        index = build_dedup_index(cfg, ("train", "val"), readers, work_dir=tmp_path)
+        assert index.content_hash == ref.content_hash and index.counts() == counts, readers
+        assert index.meta["docs"] == {s: len(slices[s][0]["ids"]) for s in slices}
+        assert index.meta["removed"] == counts
+        assert not list(tmp_path.glob(".dedup-index-*"))  # its signature columns are gone
+    out = tmp_path / "out"
+    prebuild(cfg, tokenizer_512, out, workers=2, tokens_per_shard=128 * 16, progress=False)
+    top = mf.read_manifest(out)
+    assert top["global_dedup"]["index_sha256"] == ref.content_hash and top["global_dedup"]["removed"] == counts
+    for s in ("train", "val"):
+        drops = mf.read_manifest(out / s)["drops"]["std"]
+        c = counts[s]
+        assert (drops.get("exact_dup", 0), drops.get("near_dup", 0), drops.get("cross_split_dup", 0)) == (c["exact"], c["near"], c["cross_split"])
+
+
 def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path):
     """Signatures -> per-band/range buckets -> pairs-only cluster -> sharded removed ids gives
     exactly ``decide_splits``'s removed ids (reasons included, the val copy winning across
@@ -547,3 +581,19 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
             prebuild(cfg, tokenizer_512, pool, workers=2, tokens_per_shard=128 * 16, progress=False)
             assert tree(out) == tree(pool)
     assert seen == {(ref.content_hash, json.dumps(ref.counts(), sort_keys=True))}
+
+
+def test_an_empty_slice_takes_part_in_the_staged_decision(tmp_path):
+    """A reader slice with no documents (more readers than pieces: the README's example) writes
+    an empty signature directory, and the decision over it and a full slice is the full one's."""
+    from stacklm.data.dedup import staged
+
+    hasher = MinHasher()
+    texts = ["alpha beta gamma delta " * 20, "alpha beta gamma delta " * 20, "something else entirely " * 20]
+    full = collect_signatures(iter([{"text": t, "doc_id": f"s/p0/{i}", "source": "s"} for i, t in enumerate(texts)]), {"s": 0}, hasher)
+    empty = collect_signatures(iter([]), {"s": 0}, hasher)
+    dirs = [tmp_path / "train-w000", tmp_path / "train-w001"]
+    staged.write_signature_dir(full, "train", dirs[0])
+    assert staged.write_signature_dir(empty, "train", dirs[1])["n"] == 0
+    removed = staged.staged_decision(dirs)
+    assert {f: {r: a.tolist() for r, a in per.items()} for f, per in removed.items()} == {0: {"exact": [1]}}

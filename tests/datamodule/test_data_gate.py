@@ -191,3 +191,16 @@ def test_the_cli_turns_the_gate_off(tokenizer_dir, chats, tmp_path, monkeypatch)
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     assert cli_main(["--config", str(tmp_path / "c.yaml")], run=False).datamodule.gate is True
     assert cli_main(["--config", str(tmp_path / "c.yaml"), "--data.gate", "false"], run=False).datamodule.gate is False
+
+
+def test_the_gate_leaves_saying_a_dropped_row_to_the_loader(tokenizer_dir, chats, tmp_path, caplog):
+    """The gate reads the records in this process and the loader again in its worker process:
+    the gate's readers say nothing, so a fit says a dropped row once (it said it twice)."""
+    bad = tmp_path / "chats.jsonl"
+    bad.write_text("{not json\n" + chats.read_text())
+    from stacklm.once import forget
+
+    forget()
+    with caplog.at_level("WARNING"):
+        sample_sft(sft_dm(tokenizer_dir, bad))
+    assert not [r for r in caplog.records if "dropping conversations" in r.getMessage()]

@@ -11,7 +11,9 @@ multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps
    row), the 64-bit digest of its normalised text (exact dedup) and its MinHash band keys
    (``MinHasher``, the same as the streaming near deduper). Pure functions of the text, so
    the union over any slicing is the same set of records.
-2. **decision** (``decide_splits``, one process, all splits together so that no duplicate
+2. **decision** (``decide_splits`` here, one process holding every record: the reference rule;
+   what the commands run is ``staged.staged_decision``/the datatrove stages, the same removed
+   ids with memory bounded by the duplicate pairs; all splits together so that no duplicate
    set keeps members in two splits: the val copy wins, train copies are ``cross_split``):
    records are put in a canonical order that does not depend on the slicing (split, mix
    entry, part label, row). Exact: sorted by (digest, canonical

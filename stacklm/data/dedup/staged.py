@@ -91,7 +91,8 @@ def write_signature_dir(sig: Mapping[str, Any], split: str, out: str | Path) -> 
     if exact:
         order = np.argsort(digest, kind="stable")
         cols["digest_key"], cols["digest_idx"] = digest[order], local[order]
-    bands = np.asarray(sig["bands"], dtype=np.uint64).reshape(n, -1)
+    bands = np.asarray(sig["bands"], dtype=np.uint64)
+    bands = bands if bands.ndim == 2 else bands.reshape(n, -1)  # (0, num_bands) for an empty slice: no -1 to infer
     for b in range(bands.shape[1]):
         order = np.argsort(bands[:, b], kind="stable")
         cols[f"band{b}_key"], cols[f"band{b}_idx"] = bands[order, b], local[order]
@@ -353,9 +354,19 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
 def staged_decision(
     sig_dirs: Sequence[str | Path], ranges: int = 1, exact_ranges: int = 1, chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
 ) -> dict[int, dict[str, np.ndarray]]:
-    """Stages 2 and 3 in this process (tests, ``bench/dedup_scale.py``): every bucket task, then the cluster."""
+    """Stages 2 and 3 in this process (``stacklm prebuild``'s pool and ``stacklm dedup-index``, through
+    ``prebuild.dedup_pass.build_index_shards``; tests, ``bench/dedup_scale.py``): every bucket task, one
+    after the other, then the cluster. The largest of them holds one bucket chunk (``chunk``
+    records) or the distinct duplicate pairs, as on the engine."""
     metas = [_meta(d) for d in sig_dirs]
     nb = max((m["num_bands"] for m in metas), default=0)
-    exact = [bucket_pairs(sig_dirs, "digest", *key_range(r, exact_ranges), chunk=chunk) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
-    near = [bucket_pairs(sig_dirs, f"band{b}", *key_range(r, ranges), chunk=chunk) for b in range(nb) for r in range(ranges)]
-    return cluster_pairs(sig_dirs, [unique_pairs(np.concatenate(exact))] if exact else [], [unique_pairs(np.concatenate(near))] if near else [], priority)
+
+    def pairs(tasks) -> np.ndarray:  # the distinct pairs, merged one bucket task at a time (``load_pair_files``)
+        acc = np.zeros((0, 2), dtype=np.uint64)
+        for column, r, n in tasks:
+            acc = unique_pairs(np.concatenate([acc, bucket_pairs(sig_dirs, column, *key_range(r, n), chunk=chunk)]))
+        return acc
+
+    exact = [pairs([("digest", r, exact_ranges) for r in range(exact_ranges)])] if any(m["exact"] for m in metas) else []
+    near = [pairs([(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)])] if nb else []
+    return cluster_pairs(sig_dirs, exact, near, priority)

@@ -161,6 +161,14 @@ class ConversationSource(PartNode):
         if self.on_invalid == "raise":
             raise err
 
+    def _say_drop_counts(self) -> None:
+        """At the end of this reader's pass, one line with how many it dropped, by reason: the
+        first-sight line of each reason (``_reject``) cannot know the count yet."""
+        dropped = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT and k in self.first_where}
+        if dropped and self.on_invalid != "raise" and self.log_rows and first_time(self.KIND, self.name, "dropped_in_pass"):
+            logger.warning("%s %r: dropped %d of %d conversations in this reader's pass (%s)", self.KIND, self.name,
+                           sum(dropped.values()), self._owned_rows, ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+
     def _record(self, raw: Any, where: str) -> Any:
         """A row as its record: a JSON line parsed (invalid UTF-8 counted), else the row itself."""
         if isinstance(raw, (bytes, bytearray)):
@@ -207,6 +215,7 @@ class ConversationSource(PartNode):
 
     def _check_exhausted(self) -> None:
         if self._emitted:
+            self._say_drop_counts()
             return
         if self._owned_rows:
             reasons = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT}

@@ -234,7 +234,8 @@ def file_xxh64(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str | os.PathLike) -> str:
+def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str | os.PathLike, *,
+                       advise_verify: bool = True) -> str:
     """Recompute shard ``entry``'s xxh64 (``tokens.bin`` bytes) and compare it with the one the
     manifest lists; return it. The one content check, shared by the loader (each shard, the
     first time a process reads it) and ``stacklm verify`` (every shard). Why a hash at all:
@@ -245,10 +246,12 @@ def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str 
     tpath = tokens_path(directory, name)
     want = entry.get("xxh64")
     split_dir = Path(directory)
+    # `stacklm verify` itself passes advise_verify=False: it must not tell its user to run it
+    verify = f"run `stacklm verify {split_dir}` and " if advise_verify else ""
     if not isinstance(want, str) or not _XXH64_RE.match(want):
         raise DataError(
             f"{manifest}: shard {name!r} lists content hash (field 'xxh64') {want!r}, not 16 hex digits: the manifest "
-            f"is damaged, so {tpath.name} cannot be checked; run `stacklm verify {split_dir}` and restore the manifest "
+            f"is damaged, so {tpath.name} cannot be checked; {verify}restore the manifest "
             "from a copy or rebuild with `stacklm prebuild`",
             path=manifest,
         )
@@ -256,7 +259,7 @@ def check_content_hash(directory: str | os.PathLike, entry: dict, manifest: str 
     if digest != want:
         raise DataError(
             f"{tpath}: content hash {digest} differs from {want} listed for shard {name!r} in {manifest}: the file (or the "
-            f"manifest) changed after the build; run `stacklm verify {split_dir}` and restore both from a copy or rebuild "
+            f"manifest) changed after the build; {verify}restore both from a copy or rebuild "
             "with `stacklm prebuild`",
             path=tpath,
         )
