@@ -227,9 +227,11 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
     - a job whose own token ledger does not add up (``read = dropped + holdout + buffered +
       kept``, ``kept = delivered + remainder``): the sum over jobs can add up while two jobs
       are off in opposite directions, so each job is checked, then each split's sum;
-    - a job that read documents of its split (read minus the other split's holdout) and wrote
-      no sequence: a task that silently produced nothing (a reader that lost its input, a
-      writer that never ran) must not pass as a small share.
+    - a job that kept documents of its split (read, not held out, not dropped) and wrote no
+      sequence: a task that silently produced nothing (a writer that never ran, shards lost)
+      must not pass as a small share. A job whose every document was dropped, each counted
+      under its reason, is not silent: with a global dedup decision a task's slice can be all
+      copies of documents another task keeps (4 tasks over a small corpus do this).
 
     ``LedgerError`` / ``PrebuildError``; ``strict=False`` (or ``STACKLM_LEDGER_STRICT=0``)
     makes the ledger failures a loud warning instead, recorded in the manifest.
@@ -243,8 +245,8 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
         problems += [f"{who}: {p}" for p in ledger.check(s["ledger"])]
         own = {src: int(u["docs"]["read"]) - int(u["docs"]["holdout"]) for src, u in s["ledger"].items()}
         n_seq = sum(int(d["n_seq"]) for d in s["shards"])
-        if sum(own.values()) > 0 and n_seq == 0:
-            merged = ledger.merge([s["ledger"]])
+        merged = ledger.merge([s["ledger"]])
+        if sum(own.values()) > 0 and n_seq == 0 and any(int(u["docs"]["kept"]) for u in merged.values()):
             terms = "; ".join(
                 f"{src}: {n:,} read for this split, dropped {sum(merged[src]['docs']['dropped'].values()):,}, "
                 f"kept {merged[src]['docs']['kept']:,}, delivered {merged[src]['docs']['delivered']:,}"

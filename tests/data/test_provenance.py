@@ -176,3 +176,22 @@ def test_packer_pieces_resume_exactly_and_tile_every_document(strategy):
         parts.sort()
         assert parts[0][0] == 0 and sum(n for _, n in parts) == len(docs[rec]["ids"]) + 2
     assert sorted(seen) == list(range(len(docs)))
+
+
+def test_whole_split_readers_agree_and_refuse_a_mix_without_a_provenance_source(built):
+    """``row_source_counts`` and ``RowSources`` read the side files through one shared reader: a
+    source list missing one of the side files' sources is one ``DataError`` from both (the
+    second raised a NameError before: its error class had been folded into ``DataError``)."""
+    from stacklm.data.storage import manifest as mf
+    from stacklm.data.storage.provenance import RowSources, row_source_counts
+    from stacklm.errors import DataError
+
+    _, out = built
+    split = out / "train"
+    sources = mf.read_manifest(split)["provenance"]["sources"]
+    tokens, _ = row_source_counts(split, sources)
+    rows = RowSources.load(split, sources)
+    assert tokens.sum() > 0 and rows is not None
+    for reader in (row_source_counts, RowSources.load):
+        with pytest.raises(DataError, match="provenance names sources"):
+            reader(split, sources[1:])

@@ -143,12 +143,11 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     return d
 
 
-def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per global row of a split (shards in manifest order) and per source of ``sources``:
-    ``tokens`` (``input_ids`` positions, i.e. the window but its last token, uint16) and
-    ``docs`` (documents whose ``<bos>`` is in the row, uint16); ``None`` when the split was built
-    without provenance. What lets shards mode count exactly what each delivered row holds.
-    Memory: ``4 x n_sources`` bytes a row (about 200 MB for 10M rows of 5 sources)."""
+def _split_provenance(split_dir: str | Path, sources: Sequence[str]):
+    """``(manifest, column, shards)`` of a split for the two whole-split readers below, or
+    ``None`` without provenance: ``column[i]`` is the position in ``sources`` of the side files'
+    source ``i``; ``shards`` yields ``(n_seq, ptr, pieces)`` per shard in manifest order, each
+    side file checked against its shard's row count."""
     from stacklm.data.storage import manifest as mf
 
     split_dir = Path(split_dir)
@@ -159,17 +158,36 @@ def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np
     column = np.array([list(sources).index(name) if name in sources else -1 for name in prov["sources"]], dtype=np.int64)
     if (column < 0).any():
         raise DataError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
-                         "does not", path=split_dir)
+                        "does not", path=split_dir)
+
+    def shards():
+        for shard in m["shards"]:
+            n = int(shard["n_seq"])
+            ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
+            if len(ptr) - 1 != n:
+                raise DataError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}",
+                                path=split_dir)
+            yield n, ptr, pieces
+
+    return m, column, shards()
+
+
+def row_source_counts(split_dir: str | Path, sources: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per global row of a split (shards in manifest order) and per source of ``sources``:
+    ``tokens`` (``input_ids`` positions, i.e. the window but its last token, uint16) and
+    ``docs`` (documents whose ``<bos>`` is in the row, uint16); ``None`` when the split was built
+    without provenance. What lets shards mode count exactly what each delivered row holds.
+    Memory: ``4 x n_sources`` bytes a row (about 200 MB for 10M rows of 5 sources)."""
+    found = _split_provenance(split_dir, sources)
+    if found is None:
+        return None
+    m, column, shards = found
     last = int(m["seq_len"]) - 1  # input_ids = window[:-1]
     n_rows = int(m["n_seq"])
     tokens = np.zeros((n_rows, len(sources)), dtype=np.uint16)
     docs = np.zeros((n_rows, len(sources)), dtype=np.uint16)
     first = 0
-    for shard in m["shards"]:
-        n = int(shard["n_seq"])
-        ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
-        if len(ptr) - 1 != n:
-            raise DataError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}", path=split_dir)
+    for n, ptr, pieces in shards:
         rows = first + np.repeat(np.arange(n), np.diff(ptr))
         src = column[pieces[:, 0]]
         inside = np.clip(np.minimum(pieces[:, 4], last) - pieces[:, 3], 0, None)
@@ -191,23 +209,12 @@ class RowSources:
 
     @classmethod
     def load(cls, split_dir: str | Path, sources: Sequence[str]) -> RowSources | None:
-        from stacklm.data.storage import manifest as mf
-
-        split_dir = Path(split_dir)
-        m = mf.read_manifest(split_dir)
-        prov = m.get("provenance")
-        if not prov:
+        found = _split_provenance(split_dir, sources)
+        if found is None:
             return None
-        column = np.array([list(sources).index(name) if name in sources else -1 for name in prov["sources"]], dtype=np.int64)
-        if (column < 0).any():
-            raise ShardError(f"{split_dir}: provenance names sources {prov['sources']} that the manifest's mix {list(sources)} "
-                             "does not", path=split_dir)
+        m, column, shards = found
         ptrs, srcs, starts, ends, first = [np.zeros(1, np.int64)], [], [], [], 0
-        for shard in m["shards"]:
-            ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
-            if len(ptr) - 1 != int(shard["n_seq"]):
-                raise ShardError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has "
-                                 f"{shard['n_seq']}", path=split_dir)
+        for _, ptr, pieces in shards:
             ptrs.append(ptr[1:] + first)
             first += int(ptr[-1])
             srcs.append(column[pieces[:, 0]].astype(np.int16))
