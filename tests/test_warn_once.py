@@ -118,3 +118,35 @@ def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer
     assert [m for m in said if "dropped" in m] == [f"{mode} source 'chats': dropped 1 of 40 conversations in this "
                                                    "reader's pass (malformed_json 1)"], said
 
+
+
+@pytest.mark.slow
+def test_sft_fit_says_each_drop_once_across_loader_workers(tmp_path, tok_dir):
+    """``trainer fit`` in SFT mode with two loader workers: the counting pass (main process) reads
+    every record and says each drop reason once, with one count line for the whole split; the
+    data gate and the two workers read the same records quietly (each reason was said three times)."""
+    good = [json.dumps({"messages": [{"role": "user", "content": f"question {i} about topic {i * 7}?"},
+                                     {"role": "assistant", "content": f"answer {i}: it depends on {i * 3}."}]}) for i in range(120)]
+    bad = ["{not json", json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "assistant", "content": "x"}]}),
+           json.dumps({"messages": [{"role": "user", "content": "only a question"}]})]
+    lines = list(good)
+    for k in range(9):  # three of each reason, spread over the file (so over both workers' rows)
+        lines.insert(7 + k * 14, bad[k % 3])
+    (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
+    doc = {
+        "data": {"mode": "sft", "tokenizer": str(tok_dir), "seq_len": 64, "batch_size": 2, "num_workers": 2,
+                 "pipeline": {"shuffle_buffer": 8, "pack_buffer_docs": 8, "holdout_fraction": 0.1,
+                              "sources": [{"name": "chats", "kind": "local", "path": [str(tmp_path / "chats.jsonl")]}]}},
+        "model": {"config": {"vocab_size": 512, "seq_len": 64, "n_layer": 1, "n_head": 2, "d_model": 32}},
+        "trainer": {"accelerator": "cpu", "max_steps": 6, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "limit_val_batches": 2},
+    }
+    cfg = tmp_path / "sft.yaml"
+    cfg.write_text(json.dumps(doc))
+    res = run(tmp_path, "trainer", "fit", "--config", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    for reason in ("malformed_json", "no_assistant", "unknown_role"):
+        assert res.stderr.count(f"sft source 'chats': dropping conversations ({reason})") == 1, (reason, res.stderr[-4000:])
+    counts = [line for line in res.stderr.splitlines() if "sft source 'chats': dropped" in line]
+    assert counts == ["sft source 'chats': dropped 9 of 129 conversations in the train split "
+                      "(malformed_json 3, no_assistant 3, unknown_role 3)"], res.stderr[-4000:]

@@ -202,16 +202,12 @@ def sample_sft(dm: Any, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[s
     from stacklm.datamodule.modes import MODE_CLASSES
 
     cfg = dm.sft_config()
-    build = MODE_CLASSES[dm.mode].builder(cfg.to_dict(), dm.tokenizer_path, "train")
+    # quiet: the loader reads these records again and says what it drops (said here, it was said twice)
+    build = MODE_CLASSES[dm.mode].builder(cfg.to_dict(), dm.tokenizer_path, "train", quiet=True)
     workers = max(1, dm.num_workers)
     out: list[tuple[str, dict[str, Any]]] = []
     for w in range(workers):
         graph = build(ShardSpec(dm.rank, dm.world_size, w, workers), dm.world_size * workers)
-        readers = getattr(graph, "sources", None)
-        for source in readers.values() if isinstance(readers, dict) else ():
-            # The loader reads these records again in its own worker process, where this process's
-            # stacklm.once cannot reach: a dropped row said here was said twice. The loader says it.
-            source.log_rows = False
         for k, batch in enumerate(graph.batches):
             out.append((f"{dm.mode} train batch {k} of rank {dm.rank} worker {w}", dict(batch)))
             if len(out) >= n_batches:

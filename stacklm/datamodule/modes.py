@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stacklm.config import PIPELINE_PATH
+from stacklm.data.sft.reader import say_split_drops
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
@@ -542,7 +543,12 @@ class SFTMode(_WorkerStreamMode):
     def _dataset(self, split: str, run: Run) -> StreamDataset:
         """Conversations have no token budget, so the per-worker batch count comes from a
         counting pass over every (rank, worker) reader (identical on every rank); readers
-        that run dry earlier pad with fully masked batches so all ranks step together."""
+        that run dry earlier pad with fully masked batches so all ranks step together.
+
+        The counting pass reads every record of the split, so it is the one that says what was
+        dropped (rank 0, once for the split); the loader's workers read the same records again,
+        quietly. Without a counting pass (``train_batches`` / ``val_batches`` given) the
+        workers' readers say it themselves."""
         args = self.args
         cfg = sft_config(args)
         build = self.builder(cfg.to_dict(), args.tokenizer_path, split)
@@ -552,11 +558,15 @@ class SFTMode(_WorkerStreamMode):
         if fixed is not None:
             per_worker = max(1, fixed // workers)
         else:
-            counts = [
-                sum(1 for _ in build(ShardSpec(r, world, w, workers), world * workers).batches)
-                for r in range(world)
-                for w in range(workers)
-            ]
+            build = self.builder(cfg.to_dict(), args.tokenizer_path, split, quiet=True)
+            counts, readers = [], []
+            for r in range(world):
+                for w in range(workers):
+                    graph = build(ShardSpec(r, world, w, workers), world * workers)
+                    counts.append(sum(1 for _ in graph.batches))
+                    readers.extend(graph.sources.values())
+            if run.rank == 0 and split == "train":  # the val readers read the same records (the holdout hashes them)
+                say_split_drops(readers, split)
             per_worker = max(counts)
             if per_worker == 0:
                 raise DataConfigError(f"StackDataModule(mode={self.name!r}): the {split} split yields no batches; check the sources")

@@ -258,30 +258,34 @@ class PipelineBuilder:
 
 
 class SFTBuilder:
-    """Picklable factory of one reader's SFT graph (``stacklm.data.sft``)."""
+    """Picklable factory of one reader's SFT graph (``stacklm.data.sft``). ``quiet``: its readers
+    count rejected conversations without saying them (``stacklm.data.sft.quiet_readers``), for
+    graphs whose records another reader of the run has said already."""
 
-    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
-        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str, *, quiet: bool = False) -> None:
+        self.config, self.tokenizer_path, self.split, self.quiet = config, tokenizer_path, split, quiet
 
     def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch (counted once)
-        from stacklm.data.sft import SFTConfig
+        from stacklm.data.sft import quiet_readers
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        return SFTConfig.from_dict(self.config).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard)
+        graph = self._build(StackTokenizer.load(self.tokenizer_path), shard)
+        return quiet_readers(graph) if self.quiet else graph
+
+    def _build(self, tokenizer, shard: ShardSpec):
+        from stacklm.data.sft import SFTConfig
+
+        return SFTConfig.from_dict(self.config).build(tokenizer, split=self.split, shard=shard)
 
 
-class PreferenceBuilder:
+class PreferenceBuilder(SFTBuilder):
     """Picklable factory of one reader's preference graph (``StackDataModule(mode="preference")``)."""
 
-    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
-        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
-
-    def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch
+    def _build(self, tokenizer, shard: ShardSpec):  # one order every epoch
         from stacklm.data.sft import SFTConfig
         from stacklm.data.sft.preference_pipeline import build_preference_pipeline
-        from stacklm.tokenizer.bpe import StackTokenizer
 
-        return build_preference_pipeline(SFTConfig.from_dict(self.config), StackTokenizer.load(self.tokenizer_path), self.split, shard)
+        return build_preference_pipeline(SFTConfig.from_dict(self.config), tokenizer, self.split, shard)
 
 
 class StreamDataset(IterableDataset):

@@ -30,7 +30,15 @@ One module per job: ``sft_config`` (``SFTConfig``; its sources are ``sources.sch
 from stacklm.data.sft.sft_config import OVERLONG_RULES, SFTConfig
 from stacklm.data.sft.sft_pack import CollateSFT, ConversationPacker, SFTPackNode, collate_sft, sft_batch
 from stacklm.data.sft.sft_pipeline import SFTPipeline, build_sft_pipeline
-from stacklm.data.sft.reader import CONTENT_REPAIRED, INVALID_UTF8_LINES, ConversationSource, conversation_text, parse_json_line
+from stacklm.data.sft.reader import (
+    CONTENT_REPAIRED,
+    INVALID_UTF8_LINES,
+    ConversationSource,
+    conversation_text,
+    parse_json_line,
+    quiet_readers,
+    say_split_drops,
+)
 from stacklm.data.sft.render_node import RenderNode
 
 __all__ = [
@@ -48,5 +56,7 @@ __all__ = [
     "collate_sft",
     "conversation_text",
     "parse_json_line",
+    "quiet_readers",
+    "say_split_drops",
     "sft_batch",
 ]

@@ -164,10 +164,14 @@ class ConversationSource(PartNode):
     def _say_drop_counts(self) -> None:
         """At the end of this reader's pass, one line with how many it dropped, by reason: the
         first-sight line of each reason (``_reject``) cannot know the count yet."""
-        dropped = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT and k in self.first_where}
+        dropped = self.dropped()
         if dropped and self.on_invalid != "raise" and self.log_rows and first_time(self.KIND, self.name, "dropped_in_pass"):
             logger.warning("%s %r: dropped %d of %d conversations in this reader's pass (%s)", self.KIND, self.name,
                            sum(dropped.values()), self._owned_rows, ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+
+    def dropped(self) -> dict[str, int]:
+        """This reader's rejected conversations so far, by reason."""
+        return {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT and k in self.first_where}
 
     def _record(self, raw: Any, where: str) -> Any:
         """A row as its record: a JSON line parsed (invalid UTF-8 counted), else the row itself."""
@@ -228,3 +232,39 @@ class ConversationSource(PartNode):
             )
         if self._global_row == 0:
             raise SourceError(f"sft source {self.name!r}: {self._describe()} contains no rows", source=self.name, file=self._describe())
+
+
+def quiet_readers(graph: Any) -> Any:
+    """``graph`` with its conversation readers silenced (they still count every rejection).
+
+    Why: the same records are read by more than one process -- the data gate's sample and the
+    counting pass read them in the main process, the loader's workers again in theirs, where
+    ``stacklm.once`` cannot see what was said. One of them says the drops; the others are quiet."""
+    readers = getattr(graph, "sources", None)
+    for source in readers.values() if isinstance(readers, dict) else ():
+        source.log_rows = False
+    return graph
+
+
+def say_split_drops(readers: Sequence[ConversationSource], split: str) -> None:
+    """What the quiet readers of every (rank, worker) of a counting pass dropped, said once for
+    the whole split: per source, each reason with where it was first seen (the line a reader says
+    itself), then one count line by reason (``dropped 12 of 612 conversations in the train split``)."""
+    by_name: dict[str, list[ConversationSource]] = {}
+    for r in readers:
+        by_name.setdefault(r.name, []).append(r)
+    for name, group in by_name.items():
+        dropped: dict[str, int] = {}
+        first: dict[str, str] = {}
+        for r in group:
+            for reason, n in r.dropped().items():
+                dropped[reason] = dropped.get(reason, 0) + n
+                first.setdefault(reason, r.first_where[reason])
+        kind = group[0].KIND
+        if not dropped or group[0].on_invalid == "raise" or not first_time(kind, name, "dropped_in_split", split):
+            continue
+        for reason in sorted(first):
+            if first_time(kind, name, reason):
+                logger.warning("%s %r: dropping conversations (%s); first: %s", kind, name, reason, first[reason])
+        logger.warning("%s %r: dropped %d of %d conversations in the %s split (%s)", kind, name, sum(dropped.values()),
+                       sum(r._owned_rows for r in group), split, ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
