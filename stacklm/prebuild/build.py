@@ -3,6 +3,7 @@ processes), then write the manifests."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
@@ -86,19 +87,32 @@ def prebuild(
     from stacklm.data.sources.pieces import CACHE_ENV as PIECE_CACHE_ENV
 
     saved_cache = os.environ.get(PIECE_CACHE_ENV)
+    phases: dict[str, float] = {}  # seconds per phase of this run, said in the last progress line
+
+    def timed(phase: str, start: float) -> float:
+        now = time.perf_counter()
+        phases[phase] = phases.get(phase, 0.0) + now - start
+        return now
+
     try:
+        t = time.perf_counter()
         index_pieces(plan.config, plan.workers, state_dir_of(plan.out) / "pieces")
         if plan.config.decontaminate is not None:  # the evaluation sets' index, once, before any job: jobs memory-map it
             from stacklm.data.quality.decontam import ensure_index
 
             ensure_index(plan.config.decontaminate, announce=True)
-        if uses_global_dedup(plan.config):
-            load_or_build(plan, None if plan.workers == 1 else lambda args: _map_pool(plan.workers, args))
-        if plan.workers == 1:
-            summaries = [run_job(plan, s, w, bar, interval=progress_interval) for s, w in jobs]
-        else:
-            summaries = _run_pool(plan, jobs, bar, progress_interval)
+        t = timed("index", t)
+        with _worker_pool(plan.workers) as (pool, progress_queue):  # one pool for the dedup pass and the jobs
+            if uses_global_dedup(plan.config):
+                load_or_build(plan, None if pool is None else lambda args: _map_pool(plan.workers, args, pool=pool))
+                t = timed("dedup", t)
+            if pool is None:
+                summaries = [run_job(plan, s, w, bar, interval=progress_interval) for s, w in jobs]
+            else:
+                summaries = _run_pool(plan, jobs, bar, progress_interval, pool=pool, progress_queue=progress_queue)
+            t = timed("jobs", t)
         top = finalize(plan, identity, summaries)
+        timed("merge", t)
     except BaseException:
         release_if_empty(plan)
         raise
@@ -117,7 +131,8 @@ def prebuild(
         print(
             f"prebuild: {sum(s['n_tokens'] for s in top['splits'].values()):,} tokens in "
             f"{sum(s['shards'] for s in top['splits'].values())} shards -> {plan.out} "
-            f"({done / max(secs, 1e-9):,.0f} mixed tok/s this run, {secs:.1f}s, workers={plan.workers})",
+            f"({done / max(secs, 1e-9):,.0f} mixed tok/s this run, {secs:.1f}s, workers={plan.workers}; "
+            + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()) + ")",
             file=sys.stderr,
         )
     return top
@@ -170,52 +185,67 @@ def release_if_empty(plan: PrebuildPlan) -> bool:
     return True
 
 
-def _map_pool(workers: int, args: list[tuple]) -> list[Any]:
-    """``dedup_pass.write_slice`` over ``args`` in ``workers`` spawned processes, in order: each
-    writes its slice's signature columns to disk and returns only its read volume (small
-    plain dicts), so the parent never holds the signatures."""
+@contextlib.contextmanager
+def _worker_pool(workers: int):
+    """``(pool, progress_queue)``: ``workers`` spawned processes (spawn, not fork: the parent may
+    hold torch's thread pools, which do not survive a fork), shared by the global dedup pass
+    and the packing jobs -- each process pays its start (~2-4 s of imports: torch, torchdata,
+    the tokenizer) once per build, not once per phase. ``(None, None)`` for one worker: the
+    build runs in this process. Workers die with this process (``stacklm.parent_death``: the
+    death signal is set before they import the rest of stacklm, and they check the parent
+    again before every write)."""
+    if workers <= 1:
+        yield None, None
+        return
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    from stacklm.prebuild.dedup_pass import write_slice
-
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=pool_initializer, initargs=(os.getpid(),)) as pool:
-        return list(pool.map(write_slice, *zip(*args)))
-
-
-def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL) -> list[dict[str, Any]]:
-    """Jobs in ``plan.workers`` spawned processes (spawn, not fork: the parent may hold torch's
-    thread pools, which do not survive a fork); progress comes back through a queue."""
-    import multiprocessing as mp
-    import queue as queue_lib
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
+    init_args = (os.getpid(), f"{__name__}:_init_pool_worker", q)
+    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=pool_initializer, initargs=init_args) as pool:
+        yield pool, q
+
+
+def _map_pool(workers: int, args: list[tuple], pool=None) -> list[Any]:
+    """``dedup_pass.write_slice`` over ``args`` in ``pool`` (default: ``workers`` spawned processes
+    of its own), in order: each writes its slice's signature columns to disk and returns only
+    its read volume (small plain dicts), so the parent never holds the signatures."""
+    from stacklm.prebuild.dedup_pass import write_slice
+
+    if pool is None:
+        with _worker_pool(workers) as (own, _):
+            return list(own.map(write_slice, *zip(*args)))
+    return list(pool.map(write_slice, *zip(*args)))
+
+
+def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL, *,
+              pool, progress_queue) -> list[dict[str, Any]]:
+    """Jobs in ``pool`` (``_worker_pool``); progress comes back through ``progress_queue``."""
+    import queue as queue_lib
+    from concurrent.futures import FIRST_COMPLETED, wait
+
+    q = progress_queue
     # The tokenizer travels as its artifact dict: its caches (a tiktoken core) need not pickle.
     # This pickle is in-memory IPC from this process to the workers it spawns (the pool's own
     # channel pickles anyway); it never touches disk, so no file anyone else wrote is unpickled.
     blob = pickle.dumps((dataclasses.replace(plan, tokenizer=None), plan.tokenizer.to_dict()))
     results = []
-    # Workers die with this process (stacklm.parent_death): the death signal is set before
-    # they import the rest of stacklm, and they check the parent again before every write.
-    init_args = (os.getpid(), f"{__name__}:_init_pool_worker", q)
-    with ProcessPoolExecutor(plan.workers, mp_context=ctx, initializer=pool_initializer, initargs=init_args) as pool:
-        pending = {pool.submit(_pool_job, blob, s, w, interval) for s, w in jobs}
-        try:
-            while pending:
-                done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    results.append(fut.result())  # re-raises a job's error (e.g. ShardWriteError)
-                while True:
-                    try:
-                        bar(*q.get_nowait())
-                    except queue_lib.Empty:
-                        break
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+    pending = {pool.submit(_pool_job, blob, s, w, interval) for s, w in jobs}
+    try:
+        while pending:
+            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for fut in done:
+                results.append(fut.result())  # re-raises a job's error (e.g. ShardWriteError)
+            while True:
+                try:
+                    bar(*q.get_nowait())
+                except queue_lib.Empty:
+                    break
+    except BaseException:
+        for fut in pending:
+            fut.cancel()
+        raise
     return results
 
 
