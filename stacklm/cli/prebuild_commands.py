@@ -1,5 +1,7 @@
-"""``stacklm prebuild``, ``stacklm verify`` and ``stacklm prebuild-datatrove``: write token
-shards once (locally or on a datatrove executor) and check them."""
+"""``stacklm prebuild``, ``stacklm verify``, ``stacklm prebuild-datatrove`` and ``stacklm dedup-index``:
+write token shards (or stream mode's dedup index) once, locally or on a datatrove executor, and
+check them. The two datatrove commands share their engine flags (``add_engine_arguments``) and
+how a chain is submitted or run (``_run_chain``)."""
 
 from __future__ import annotations
 
@@ -32,6 +34,10 @@ LEDGER_EXAMPLES = """examples:
 DEDUP_INDEX_EXAMPLES = """examples:
   stacklm dedup-index --config my.yaml --out dedup.npz            # then set data.pipeline.dedup.index: dedup.npz
   stacklm dedup-index --config my.yaml --out dedup.npz --workers 4 --splits train
+  stacklm dedup-index --config my.yaml --out dedup.npz --executor local --tasks 8 --workers 4
+  stacklm dedup-index --config my.yaml --out /shared/dedup.npz --executor slurm --tasks 64 --partition cpu \\
+      --stage-resources decision=mem_gb:64,time:12:00:00 --wait
+  (the same file for every engine and --tasks; a re-run after a failed task resumes)
 """
 
 DATATROVE_EXAMPLES = """examples:
@@ -90,9 +96,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_dedup_index(args: argparse.Namespace) -> int:
+    import sys
+
     from stacklm.prebuild import load_config
-    from stacklm.prebuild.build import _map_pool
-    from stacklm.prebuild.dedup_pass import build_dedup_index
 
     config, settings = load_config(args.config)
     out = args.out or config.dedup.index
@@ -104,12 +110,43 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=True, near=True, index=None))
     if not (config.dedup.exact or config.dedup.near):
         raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
-    workers = max(1, args.workers)
     splits = tuple(args.splits or settings["splits"])
-    # the staged decision's signature columns go beside the index (``build_dedup_index``: a temporary folder, removed after)
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs), work_dir=Path(out).parent)
-    index.save(out)
+    if args.wait and args.executor != "slurm":
+        raise UserError("--wait is for --executor slurm (the other executors wait anyway)")
+    if args.executor == "pool":  # in this process and a local process pool, as before the engines
+        from stacklm.prebuild.build import _map_pool
+        from stacklm.prebuild.dedup_pass import build_dedup_index
+
+        if args.tasks is not None:
+            raise UserError("--tasks is for --executor local/slurm/ray; the pool's processes are --workers N")
+        ignored = [*_cluster_flags_set(args), *(f for f, v in (("--logging-dir", args.logging_dir), ("--dedup-ranges", args.dedup_ranges)) if v)]
+        if ignored:
+            print(f"stacklm dedup-index: warning: {', '.join(ignored)} apply to --executor local/slurm/ray; the pool ignores them", file=sys.stderr)
+        workers = max(1, args.workers or 1)
+        # the staged decision's signature columns go beside the index (``build_dedup_index``: a temporary folder, removed after)
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs), work_dir=Path(out).parent)
+        index.save(out)
+    else:  # datatrove: signatures -> buckets -> decision -> index (stacklm.scale.datatrove_steps)
+        from stacklm.data.dedup.global_index import DedupIndex
+        from stacklm.scale.datatrove_steps import dedup_index_executors  # without datatrove: an error naming [scale]
+
+        if args.tasks is None:
+            raise UserError(f"--executor {args.executor} needs --tasks T: tasks per split (the index is the same for every T)")
+        cluster = _cluster_plan(args, settings)
+        kwargs: dict[str, Any] = {}
+        if args.executor == "local":
+            kwargs["workers"] = args.workers or -1
+            _warn_local_ignores(args, "dedup-index")
+        elif args.workers is not None:
+            print(f"stacklm dedup-index: warning: --workers applies to --executor pool/local; {args.executor} ignores it "
+                  "(--cpus-per-task and --stage-resources size its tasks)", file=sys.stderr)
+        last = dedup_index_executors(config, out, tasks=args.tasks, splits=splits, executor=args.executor, logging_dir=args.logging_dir,
+                                     cluster=cluster, dedup_ranges=args.dedup_ranges or 1, **kwargs)
+        if not _run_chain(args, last, cluster, "dedup-index", out):
+            print(f"when they have completed, {out} is the index: set data.pipeline.dedup.index: {out} for stream mode")
+            return 0
+        index = DedupIndex.load(out)
     for split, c in index.counts().items():
         print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
     print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
@@ -158,29 +195,16 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
 
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
-    import sys
-
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors, stage_chain  # without datatrove: an error naming [scale]
-    from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
+    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
 
     config, settings = load_config(args.config)
-    cluster = ClusterPlan.resolve(
-        settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
-        cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
-        partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
-        max_array_size=args.max_array_size,
-    )
+    cluster = _cluster_plan(args, settings)
     kwargs: dict[str, Any] = {}
     if args.executor == "local":
         kwargs["workers"] = args.workers
-        set_here = [f for f, v in (("--partition", args.partition), ("--time", args.time), ("--cpus-per-task", args.cpus_per_task),
-                                   ("--mem-per-cpu-gb", args.mem_per_cpu_gb), ("--stage-resources", args.stage_resources),
-                                   ("--qos", args.qos), ("--env-command", args.env_command), ("--sbatch-arg", args.sbatch_arg)) if v]
-        if set_here:
-            print(f"stacklm prebuild-datatrove: warning: {', '.join(set_here)} apply to --executor slurm/ray; the local executor ignores them",
-                  file=sys.stderr)
+        _warn_local_ignores(args, "prebuild-datatrove")
     if args.wait and args.executor != "slurm":
         raise UserError("--wait is for --executor slurm (the local and ray executors wait anyway)")
     out = args.out or settings["out"]
@@ -190,28 +214,69 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
         tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
         splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, cluster=cluster,
-        dedup_ranges=args.dedup_ranges, **kwargs,
+        dedup_ranges=args.dedup_ranges or 1, **kwargs,
     )
-    chain = stage_chain(merge)
     t0 = time.perf_counter()
-    if args.executor != "local":
-        print(f"stacklm prebuild-datatrove: per-task resources: {cluster.table(args.executor)}", file=sys.stderr)
-    if args.executor == "slurm":
-        from stacklm.scale.slurm import submit_chain, wait_for_chain
-
-        submit_chain(chain)
-        jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
-        print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
-        if args.wait:
-            wait_for_chain(chain, poll_seconds=args.poll_seconds, say=lambda m: print(m, file=sys.stderr))
-            print(f"{out}: every slurm task completed")
-            _print_summary(out, time.perf_counter() - t0)
-        else:
-            print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
-    else:  # local, Ray: stage by stage; a task that dies or raises is TaskFailed, one line naming it and its log
-        run_executors(merge)
+    if _run_chain(args, merge, cluster, "prebuild-datatrove", out):
         _print_summary(out, time.perf_counter() - t0)
     return 0
+
+
+def _cluster_plan(args: argparse.Namespace, settings: dict[str, Any]):
+    """The stages' resources and Slurm options: the config's ``prebuild.cluster``, then the flags."""
+    from stacklm.scale.resources import ClusterPlan, parse_sbatch_args, parse_stage_resources
+
+    return ClusterPlan.resolve(
+        settings["cluster"], stage_flags=parse_stage_resources(args.stage_resources or ()),
+        cpus_per_task=args.cpus_per_task, mem_per_cpu_gb=args.mem_per_cpu_gb, time=args.time,
+        partition=args.partition, qos=args.qos, env_command=args.env_command, sbatch_args=parse_sbatch_args(args.sbatch_arg or ()),
+        max_array_size=args.max_array_size,
+    )
+
+
+def _cluster_flags_set(args: argparse.Namespace) -> list[str]:
+    """The Slurm/Ray flags given on the command line (the local executor ignores them)."""
+    return [f for f, v in (("--partition", args.partition), ("--time", args.time), ("--cpus-per-task", args.cpus_per_task),
+                           ("--mem-per-cpu-gb", args.mem_per_cpu_gb), ("--stage-resources", args.stage_resources),
+                           ("--qos", args.qos), ("--env-command", args.env_command), ("--sbatch-arg", args.sbatch_arg)) if v]
+
+
+def _warn_local_ignores(args: argparse.Namespace, command: str) -> None:
+    import sys
+
+    set_here = _cluster_flags_set(args)
+    if set_here:
+        print(f"stacklm {command}: warning: {', '.join(set_here)} apply to --executor slurm/ray; the local executor ignores them",
+              file=sys.stderr)
+
+
+def _run_chain(args: argparse.Namespace, last, cluster, command: str, out) -> bool:
+    """Run (local, Ray) or submit (Slurm) the chain ending in ``last``; True when it has finished
+    (Slurm: only with ``--wait``). Local and Ray go stage by stage; a task that dies or raises is
+    ``TaskFailed``, one line naming it and its log. Slurm ``--wait``: the same at the first
+    failed task (``wait_for_chain``)."""
+    import sys
+
+    from stacklm.scale.datatrove_steps import run_executors, stage_chain
+
+    chain = stage_chain(last)
+    if args.executor != "local":
+        table = cluster.table(args.executor, [ex.stacklm_stage for ex in chain])
+        print(f"stacklm {command}: per-task resources: {table}", file=sys.stderr)
+    if args.executor != "slurm":
+        run_executors(last)
+        return True
+    from stacklm.scale.slurm import submit_chain, wait_for_chain
+
+    submit_chain(chain)
+    jobs = ", ".join(f"{ex.stacklm_stage} {ex.job_id}" for ex in chain if ex.job_id not in (None, -1))
+    print(f"submitted slurm jobs: {jobs or 'none (every task had completed)'}")
+    if not args.wait:
+        print("watch them with squeue; rerun with --wait to wait and exit non-zero naming a failed task and its log")
+        return False
+    wait_for_chain(chain, poll_seconds=args.poll_seconds, say=lambda m: print(m, file=sys.stderr))
+    print(f"{out}: every slurm task completed")
+    return True
 
 
 def _print_summary(out, seconds: float) -> None:
@@ -226,7 +291,7 @@ def _print_summary(out, seconds: float) -> None:
 
 
 def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
-    """Register ``prebuild``, ``verify`` and ``prebuild-datatrove`` on the CLI's subparsers."""
+    """Register ``prebuild``, ``verify``, ``ledger``, ``dedup-index`` and ``prebuild-datatrove`` on the CLI's subparsers."""
     from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
     p = subparsers.add_parser(
@@ -270,13 +335,23 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "dedup-index",
         help="list the duplicate documents of a config's sources once (global exact + near pass) for stream mode",
         description="Global dedup over every source of the config (holdout and filters applied): the ids of the "
-        "documents to drop, per split. Stream mode drops them when the pipeline config sets dedup.index: FILE.",
+        "documents to drop, per split. Stream mode drops them when the pipeline config sets dedup.index: FILE. "
+        "Runs here (--executor pool) or as datatrove stages on a local, Slurm or Ray executor (`pip install 'stacklm[scale]'`).",
         epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
-    x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index)")
-    x.add_argument("--workers", type=positive_int, default=1, help="processes computing signatures (>= 1; the result does not depend on it)")
+    x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index); "
+                   "on slurm/ray on a filesystem every node sees")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
+    x.add_argument("--executor", choices=("pool", "local", "slurm", "ray"), default="pool",
+                   help="pool (default): this process and --workers local processes; local, slurm, ray: the prebuild's "
+                   "datatrove stages (signatures, buckets, decision) and a one-task index stage; the file is the same")
+    x.add_argument("--workers", type=positive_int,
+                   help="pool: processes computing signatures (default 1); local: tasks run at once (default: all); "
+                   "the result does not depend on it")
+    x.add_argument("--tasks", type=positive_int,
+                   help="local/slurm/ray (required there): signature tasks per split; the index is the same for every value")
+    add_engine_arguments(x, ("signatures", "buckets", "decision", "index"))
     x.set_defaults(func=cmd_dedup_index)
 
     d = subparsers.add_parser(
@@ -294,25 +369,35 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--executor", choices=("local", "slurm", "ray"), default="local", help="where the tasks run (default: local)")
     d.add_argument("--workers", type=int_at_least(1, also=(-1,), what=" (all)"), default=-1,
                    help="local: tasks run at once (default -1: all)")
-    d.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside OUT)")
-    d.add_argument("--dedup-ranges", type=positive_int, default=1,
+    add_engine_arguments(d, ("signatures", "buckets", "decision", "main", "merge"))
+    d.set_defaults(func=cmd_prebuild_datatrove)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
+    """The datatrove engine's flags of ``prebuild-datatrove`` and ``dedup-index`` (one list for
+    both): logs, dedup key ranges, Slurm and Ray resources and options, ``--wait``. ``stages``:
+    the command's stage names, for the help."""
+    from stacklm.prebuild.cluster import STAGES
+
+    parallel = ", ".join(s for s in stages if STAGES[s][0])
+    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside --out)")
+    p.add_argument("--dedup-ranges", type=positive_int,
                    help="dedup bucket stage: key ranges per MinHash band and digest ranges, so 13 x this many tasks (default 1); "
                         "more spreads a large corpus over more nodes, the decision is the same")
-    d.add_argument("--partition", help="slurm partition (required for slurm, here or as prebuild.cluster.partition)")
-    d.add_argument("--qos", help="slurm QOS (default: the cluster's default; none is passed)")
-    d.add_argument("--env-command", help="slurm: shell line each batch script runs first, e.g. 'source /shared/venv/bin/activate' "
+    p.add_argument("--partition", help="slurm partition (required for slurm, here or as prebuild.cluster.partition)")
+    p.add_argument("--qos", help="slurm QOS (default: the cluster's default; none is passed)")
+    p.add_argument("--env-command", help="slurm: shell line each batch script runs first, e.g. 'source /shared/venv/bin/activate' "
                    "(default: none; the job inherits the submitting shell's environment)")
-    d.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
+    p.add_argument("--sbatch-arg", action="append", metavar="KEY=VALUE",
                    help="slurm: extra '#SBATCH --KEY=VALUE' line for every job (repeatable), e.g. account=myproj")
-    d.add_argument("--max-array-size", type=positive_int,
+    p.add_argument("--max-array-size", type=positive_int,
                    help="slurm: the cluster's MaxArraySize (`scontrol show config`); a stage with more tasks is several job arrays (default 1001)")
-    d.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
-                   help="slurm/ray: one stage's per-task resources (repeatable; stages: signatures, decision, main, merge; "
+    p.add_argument("--stage-resources", action="append", metavar="STAGE=cpus:N,mem_gb:G,time:HH:MM:SS",
+                   help=f"slurm/ray: one stage's per-task resources (repeatable; stages: {', '.join(stages)}; "
                    "any subset of the fields), e.g. decision=mem_gb:64,time:12:00:00")
-    d.add_argument("--time", help="slurm: time limit per task of the parallel stages (signatures, main; default 04:00:00)")
-    d.add_argument("--cpus-per-task", type=positive_int, help="slurm/ray: CPUs per task of the parallel stages (default 2)")
-    d.add_argument("--mem-per-cpu-gb", type=positive_int, help="slurm/ray: memory per CPU in GB for the parallel stages (default 4)")
-    d.add_argument("--wait", action="store_true",
+    p.add_argument("--time", help=f"slurm: time limit per task of the parallel stages ({parallel}; default 04:00:00)")
+    p.add_argument("--cpus-per-task", type=positive_int, help=f"slurm/ray: CPUs per task of the parallel stages ({parallel}; default 2)")
+    p.add_argument("--mem-per-cpu-gb", type=positive_int, help=f"slurm/ray: memory per CPU in GB for the parallel stages ({parallel}; default 4)")
+    p.add_argument("--wait", action="store_true",
                    help="slurm: wait for every job; exit non-zero at the first failed task, naming it and its log")
-    d.add_argument("--poll-seconds", type=float, default=30.0, help="slurm --wait: seconds between queue checks (default 30)")
-    d.set_defaults(func=cmd_prebuild_datatrove)
+    p.add_argument("--poll-seconds", type=float, default=30.0, help="slurm --wait: seconds between queue checks (default 30)")

@@ -73,6 +73,7 @@ STAGES: dict[str, tuple[bool, StageResources, str]] = {
     "decision": (False, StageResources(1, 8, "12:00:00"), "the duplicate pairs only, not every document (dedup on)"),
     "main": (True, StageResources(2, 8, "04:00:00"), "the source readers, shuffle and packing buffers of one slice"),
     "merge": (False, StageResources(1, 4, "01:00:00"), "every task's counts (small)"),
+    "index": (False, StageResources(1, 4, "01:00:00"), "every slice's removed ids, merged into one index file (`stacklm dedup-index`)"),
 }
 
 

@@ -8,7 +8,9 @@ The packing jobs then run with in-flight dedup off and drop the ids the index li
 documents removed (and, unless the token budget binds, the documents kept) are the same for
 every ``--workers N`` and every number of datatrove tasks (docs/prebuild.md says exactly what
 is invariant; ``stacklm.data.dedup.global_index`` explains the design). Also the
-engine of ``stacklm dedup-index`` (stream mode's offline index).
+engine of ``stacklm dedup-index`` (stream mode's offline index) with ``--executor pool``;
+``--executor local|slurm|ray`` runs the same stages as datatrove tasks
+(``stacklm.scale.datatrove_steps.dedup_index_executors``: the same file).
 """
 
 from __future__ import annotations

@@ -26,6 +26,12 @@ set can be built on a cluster and checked against a local run of a small config.
 datatrove's: finished tasks are skipped (``logging_dir/completions``), a failed task reruns
 from its start and rewrites its own shards.
 
+``stacklm dedup-index --executor local|slurm|ray`` (``dedup_index_executors``) runs the same
+three dedup stages, then a one-task ``index`` stage (``StackDedupIndexWriter``) that merges the
+removed-id shards into stream mode's one index file: the file ``dedup-index`` writes in its own
+process (same arrays, same ``content_hash``) for every ``T`` and engine. No tokenizer is
+needed: the dedup steps read only the config and their folder, never ``TaskPlan.prebuild_plan``.
+
 Why the stages are grouped into three steps and not one per node: the mixer draws from all
 sources at once (one budget), and the shuffle and packer keep buffers across documents, so
 the reader owns the per-source chains up to the shuffle; each step still counts what it
@@ -59,7 +65,7 @@ class TaskPlan:
     """Plain, picklable description of the build every step rebuilds its objects from."""
 
     config: dict[str, Any]  # PipelineConfig.to_dict()
-    tokenizer: dict[str, Any]  # StackTokenizer.to_dict()
+    tokenizer: dict[str, Any]  # StackTokenizer.to_dict(); {} for dedup-index (its stages never tokenize)
     out: str
     tasks_per_split: int
     tokens_per_shard: int
@@ -119,14 +125,15 @@ def _die_with_parent_if_worker() -> None:
 
 
 def describe_task(executor, rank: int) -> str:
-    """What datatrove task ``rank`` of one of ``prebuild_executors``' stages builds, for an error
-    message: "split train, worker 1" (per-split stages), "" for the one-task stages."""
+    """What datatrove task ``rank`` of one of ``prebuild_executors``' (or ``dedup_index_executors``')
+    stages builds, for an error message: "split train, worker 1 of 2" (per-split stages), the key
+    range (buckets), "" for the one-task stages."""
     step = executor.pipeline[0] if executor.pipeline else None
     plan = getattr(step, "plan", None)
     if isinstance(step, StackDedupBuckets):
         column, r, ranges = bucket_tasks(plan)[rank]
         return f"dedup {column}, key range {r} of {ranges}"
-    if isinstance(plan, TaskPlan) and executor.world_size == plan.tasks_per_split * len(plan.splits):
+    if isinstance(step, (StackDedupSignatures, StackMixedDocuments)) and executor.world_size == plan.tasks_per_split * len(plan.splits):
         split, worker = plan.job_of(rank, executor.world_size)
         return f"split {split}, worker {worker} of {plan.tasks_per_split}"
     return ""
@@ -290,11 +297,13 @@ class StackDedupCluster(_StackStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.dedup.staged import cluster_pairs, load_pair_files, write_index_shards
+        from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR
 
-        plan = self.built()
-        state = plan.out / STATE_DIR
+        # the config and the folder only, not ``self.built()``: that loads a tokenizer, and
+        # ``stacklm dedup-index`` has none (the dedup stages never tokenize)
+        state = Path(self.plan.out) / STATE_DIR
         paths: dict[str, list[Path]] = {"exact": [], "near": []}
         for column, r, _ in bucket_tasks(self.plan):
             path = state / PAIRS_DIR / f"{column}-r{r:04d}.npy"
@@ -310,12 +319,46 @@ class StackDedupCluster(_StackStep):
             for src, n in rec["bytes"].items():
                 per[src] = per.get(src, 0) + int(n)
         totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
-                                    {"dedup": dataclasses.asdict(plan.config.dedup), "bytes_read": bytes_read})
+                                    {"dedup": dataclasses.asdict(PipelineConfig.from_dict(self.plan.config).dedup), "bytes_read": bytes_read})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)
         shutil.rmtree(state / SIG_DIR, ignore_errors=True)
         shutil.rmtree(state / PAIRS_DIR, ignore_errors=True)
+        return
+        yield
+
+
+class StackDedupIndexWriter(_StackStep):
+    """``stacklm dedup-index`` on an executor, the last stage (``index``, one task): the cluster's
+    removed-id shards (``.prebuild/dedup-index/<job>.npz`` in the work folder), merged in (split,
+    worker) order (``staged.load_shards``: the arrays, ``content_hash`` and counts of the one
+    file ``build_dedup_index`` makes in one process, for any ``T``), saved at ``out_file``
+    (written beside and renamed: a reader never sees half a file), then the work folder removed."""
+
+    name = "stacklm dedup index"
+    type = "💽 - WRITER"
+
+    def __init__(self, plan: TaskPlan, out_file: str) -> None:
+        super().__init__(plan)
+        self.out_file = str(out_file)
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.dedup.staged import load_shards
+        from stacklm.prebuild.dedup_pass import INDEX_SHARDS
+        from stacklm.prebuild.plan import STATE_DIR, job_name
+
+        shards = Path(self.plan.out) / STATE_DIR / INDEX_SHARDS
+        paths = [shards / f"{job_name(s, w)}.npz" for s in self.plan.splits for w in range(self.plan.tasks_per_split)]
+        missing = [p for p in paths if not p.exists()]
+        if missing:
+            raise FileNotFoundError(f"{missing[0]} is missing: the dedup decision task has not finished; rerun the same command")
+        index = load_shards(paths)
+        index.save(self.out_file)  # atomic (``atomic_write_bytes``)
+        for split, counts in index.counts().items():
+            for reason, n in counts.items():
+                self.stat_update(f"{split}/{reason}", value=n)
+        shutil.rmtree(self.plan.out, ignore_errors=True)
         return
         yield
 
@@ -494,17 +537,11 @@ def prebuild_executors(
     ``qos``/``env_command``/``sbatch_args`` keyword). Other keywords go to every executor.
     """
     from stacklm.prebuild.build import index_pieces, resolve_tokenizer
+    from stacklm.prebuild.dedup_pass import uses_global_dedup
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
-    from stacklm.scale.resources import ClusterPlan, LogTaskResources
 
-    if executor not in ("local", "slurm", "ray"):
-        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
-    if cluster is None:
-        legacy = ("partition", "time", "cpus_per_task", "mem_per_cpu_gb", "qos", "env_command", "sbatch_args")
-        cluster = ClusterPlan.resolve(**{k: executor_kwargs.pop(k) for k in legacy if k in executor_kwargs})
-    if executor == "slurm":
-        cluster.slurm_kwargs("main")  # no partition: refused before the output directory is claimed
+    cluster = _resolve_cluster(executor, cluster, executor_kwargs, "main")  # refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
@@ -519,10 +556,98 @@ def prebuild_executors(
     if fresh and Path(logs).is_dir():  # completion marks of an older build would skip its tasks
         shutil.rmtree(logs)
     n_tasks = plan.workers * len(plan.splits)
+    make = _stage_maker(executor, cluster, logs, executor_kwargs)
+    # global dedup first: signatures (all tasks) -> buckets (per range) -> decision (one task)
+    before = _dedup_stages(make, task_plan) if uses_global_dedup(plan.config) else None
+    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
+    main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
+    merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
+    return main, merge
+
+
+def dedup_index_executors(
+    config,
+    out_file: str | Path,
+    *,
+    tasks: int,
+    splits: tuple[str, ...] = SPLITS,
+    executor: str = "local",
+    logging_dir: str | None = None,
+    cluster=None,
+    dedup_ranges: int = 1,
+    **executor_kwargs: Any,
+):
+    """``stacklm dedup-index`` on datatrove: the last executor of the chain ``signatures`` (``T``
+    tasks per split) -> ``buckets`` (``13 R``) -> ``decision`` (one task) -> ``index`` (one task,
+    ``StackDedupIndexWriter``), the prebuild's dedup stages and then the merge of their removed
+    ids into the one file ``out_file``. Run it with ``run_executors`` (local, Ray) or submit it
+    (Slurm), as ``prebuild_executors``' chain; the file has the arrays and ``content_hash`` of
+    ``prebuild.dedup_pass.build_dedup_index`` (the in-process ``dedup-index``) for every ``T``,
+    ``R`` and executor. No tokenizer: the dedup stages only read, filter and hash documents.
+
+    The stages work in ``<out_file>.work/`` (the signature columns, pairs and removed-id shards;
+    the ``index`` task removes it once the file is written) and log to
+    ``<out_file>.datatrove-logs/`` (or ``logging_dir``), both beside ``out_file`` on a
+    filesystem every node sees. A re-run resumes: the tasks with a completion mark are
+    skipped. A run that starts with no work folder (the first, or one after a finished run), or
+    whose work folder holds another plan (config, splits, ``T``, ``R``), starts afresh.
+    ``cluster`` and the keywords as for ``prebuild_executors``."""
+    from stacklm.errors import PrebuildError
+    from stacklm.prebuild.build import index_pieces
     from stacklm.prebuild.dedup_pass import uses_global_dedup
+    from stacklm.prebuild.plan import STATE_DIR
+
+    if not uses_global_dedup(config):
+        raise PrebuildError("dedup.exact and dedup.near are both off: there is no dedup decision to index")
+    if int(tasks) < 1 or int(dedup_ranges) < 1:
+        raise ValueError(f"tasks and dedup_ranges must be >= 1, got {tasks} and {dedup_ranges}")
+    cluster = _resolve_cluster(executor, cluster, executor_kwargs, "signatures")  # refused before anything is written
+    out_file = Path(out_file).absolute()  # the tasks may run in another working directory (Ray workers)
+    work = out_file.with_name(out_file.name + ".work")
+    logs = logging_dir or str(out_file.with_name(out_file.name + ".datatrove-logs"))
+    task_plan = TaskPlan(config.to_dict(), {}, str(work), int(tasks), 0, tuple(splits), logs, int(dedup_ranges), int(dedup_ranges))
+    # what a resume must match; JSON types (tuples become lists), as read back
+    identity = json.loads(json.dumps({"config": task_plan.config, "splits": task_plan.splits, "tasks": task_plan.tasks_per_split,
+                                      "dedup_ranges": task_plan.exact_ranges}))
+    plan_file = work / "plan.json"
+    resumable = plan_file.exists() and json.loads(plan_file.read_text()) == identity
+    if not resumable:  # completion marks of an older run would skip its tasks, its files would be read
+        shutil.rmtree(work, ignore_errors=True)
+        if Path(logs).is_dir():
+            shutil.rmtree(logs)
+    work.mkdir(parents=True, exist_ok=True)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(plan_file, json.dumps(identity, sort_keys=True).encode())
+    # piece indexes built once, here; the task processes find them through the environment
+    index_pieces(config, int(tasks), work / STATE_DIR / "pieces")
+    make = _stage_maker(executor, cluster, logs, executor_kwargs)
+    decision = _dedup_stages(make, task_plan)
+    return make("index", [StackDedupIndexWriter(task_plan, str(out_file))], 1, "dedup-index", "stacklm-dedup-index", decision)
+
+
+def _resolve_cluster(executor: str, cluster, executor_kwargs: dict[str, Any], first_stage: str):
+    """``cluster``, or a ``ClusterPlan`` from the built-in defaults and the legacy keywords
+    (``partition``, ``time``, ... popped from ``executor_kwargs``); a Slurm run without a
+    partition is refused here, before anything is written."""
+    from stacklm.scale.resources import ClusterPlan
+
+    if executor not in ("local", "slurm", "ray"):
+        raise ValueError(f"executor must be 'local', 'slurm' or 'ray', got {executor!r}")
+    if cluster is None:
+        legacy = ("partition", "time", "cpus_per_task", "mem_per_cpu_gb", "qos", "env_command", "sbatch_args")
+        cluster = ClusterPlan.resolve(**{k: executor_kwargs.pop(k) for k in legacy if k in executor_kwargs})
+    if executor == "slurm":
+        cluster.slurm_kwargs(first_stage)  # no partition: a PrebuildError saying how to give one
+    return cluster
+
+
+def _stage_maker(executor: str, cluster, logs: str, executor_kwargs: dict[str, Any]):
+    """``make(stage, steps, n, log_dir, job_name, depends=None)``: the executor of one stage of
+    the chain, of kind ``executor``, logging to ``logs/log_dir``, with that stage's resources
+    (Slurm, Ray: ``cluster``, and a first log line saying what it asked for and got)."""
+    from stacklm.scale.resources import LogTaskResources
 
     def make(stage: str, steps: list, n: int, log_dir: str, job_name: str, depends=None):
-        """The executor of one stage, with that stage's resources."""
         if executor == "local":
             from datatrove.executor import LocalPipelineExecutor
 
@@ -541,15 +666,17 @@ def prebuild_executors(
         ex.stacklm_stage = stage
         return ex
 
-    before = None
-    if uses_global_dedup(plan.config):  # global dedup first: signatures (all tasks) -> buckets (per range) -> decision (one task)
-        sigs = make("signatures", [StackDedupSignatures(task_plan)], n_tasks, "dedup-sig", "stacklm-dedup-sig")
-        buckets = make("buckets", [StackDedupBuckets(task_plan)], len(bucket_tasks(task_plan)), "dedup-buckets", "stacklm-dedup-buckets", sigs)
-        before = make("decision", [StackDedupCluster(task_plan)], 1, "dedup-decide", "stacklm-dedup-decide", buckets)
-    steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
-    main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
-    merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
-    return main, merge
+    return make
+
+
+def _dedup_stages(make, task_plan: TaskPlan):
+    """The global dedup decision as three stages (``make``'s executors): ``signatures`` (every
+    (split, worker) slice) -> ``buckets`` (one task per key range) -> ``decision`` (one task,
+    the removed-id shards); returns the ``decision`` executor."""
+    n_tasks = task_plan.tasks_per_split * len(task_plan.splits)
+    sigs = make("signatures", [StackDedupSignatures(task_plan)], n_tasks, "dedup-sig", "stacklm-dedup-sig")
+    buckets = make("buckets", [StackDedupBuckets(task_plan)], len(bucket_tasks(task_plan)), "dedup-buckets", "stacklm-dedup-buckets", sigs)
+    return make("decision", [StackDedupCluster(task_plan)], 1, "dedup-decide", "stacklm-dedup-decide", buckets)
 
 
 def stage_chain(last) -> list:

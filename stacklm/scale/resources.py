@@ -1,10 +1,12 @@
-"""Per-stage resources and cluster options of ``stacklm prebuild-datatrove`` (Slurm and Ray).
+"""Per-stage resources and cluster options of ``stacklm prebuild-datatrove`` and ``stacklm dedup-index``
+(Slurm and Ray).
 
 The build is a chain of datatrove executors, one per stage, and the stages need very different
 machines: the per-document stages (``signatures``, ``main``) run ``T`` small tasks each, the
 dedup ``buckets`` 13 tasks per ``--dedup-ranges`` (one key range each, bounded memory), the
 dedup ``decision`` is one task whose memory grows with the duplicate pairs (``staged``) and the
-``merge`` is one small task. One ``--cpus-per-task``/``--mem-per-cpu-gb`` for all of them
+``merge`` (``stacklm dedup-index``: the ``index`` stage, which merges the removed ids into one
+file) is one small task. One ``--cpus-per-task``/``--mem-per-cpu-gb`` for all of them
 either starves the one-task stages or wastes a big allocation on every small task, so each
 stage gets its own CPUs, memory and time limit:
 
@@ -152,9 +154,9 @@ class ClusterPlan:
         mem = kw["mem_per_cpu_gb"] * kw["cpus_per_task"]
         return f"cpus:{kw['cpus_per_task']},mem_gb:{f'{mem:g}' if mem else 'not reserved'},time:{kw['time'] or 'none'}"
 
-    def table(self, executor: str = "slurm") -> str:
-        """Every stage's request on one line, for the submission log."""
-        return "; ".join(f"{name} {self.ray_describe(name) if executor == 'ray' else self.resources[name].describe()}" for name in STAGES)
+    def table(self, executor: str = "slurm", stages: Sequence[str] | None = None) -> str:
+        """Every stage's request (or only ``stages``', the chain's) on one line, for the submission log."""
+        return "; ".join(f"{name} {self.ray_describe(name) if executor == 'ray' else self.resources[name].describe()}" for name in stages or STAGES)
 
 
 class LogTaskResources:

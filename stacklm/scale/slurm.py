@@ -3,7 +3,7 @@
 datatrove submits the stages as job arrays chained with ``--dependency=afterok`` and returns.
 When a task fails, Slurm never starts the jobs after it: they stay ``PENDING`` with reason
 ``DependencyNeverSatisfied`` for good, and nothing says which task failed or where its log is.
-``wait_for_chain`` (``stacklm prebuild-datatrove --executor slurm --wait``) polls the chain,
+``wait_for_chain`` (``stacklm prebuild-datatrove`` or ``stacklm dedup-index``, ``--executor slurm --wait``) polls the chain,
 and on the first failed task cancels the jobs that can now never run and raises one line
 naming the stage, the task, its Slurm state and its two logs; a re-run of the same command
 resubmits only the tasks without a completion mark.

@@ -52,7 +52,7 @@ def chain_of(last) -> list:
 
 def stage_name(executor) -> str:
     """A stage's name: ``stacklm_stage`` (``prebuild_executors``: ``signatures``, ``buckets``, ``decision``,
-    ``main``, ``merge``), else its logging folder."""
+    ``main``, ``merge``; ``dedup_index_executors``: the three dedup stages, ``index``), else its logging folder."""
     return getattr(executor, "stacklm_stage", None) or Path(executor.logging_dir.path.rstrip("/")).name
 
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from stacklm.corpus import iter_default_corpus
 from stacklm.data.storage import manifest as mf
 from stacklm.data.dedup import (
     DedupIndex,
@@ -25,6 +24,7 @@ from stacklm.data.dedup import (
     decide,
     id_key,
 )
+from tests.helpers.dedup_corpus import dedup_config as _config, real_docs as _docs, write_split_corpus
 from tests.helpers.synthetic_edits import inject_edits
 from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
@@ -33,16 +33,6 @@ from stacklm.errors import PrebuildError
 from stacklm.prebuild.dedup_pass import build_dedup_index
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def _docs(n: int) -> list[str]:
-    out = []
-    for d in iter_default_corpus():
-        if 300 < len(d) < 6000 and d not in out:
-            out.append(d)
-        if len(out) == n:
-            return out
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -61,14 +51,6 @@ def corpus(tmp_path_factory):
     for f, rows in enumerate(files):
         (root / f"p{f}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
     return str(root / "*.jsonl"), docs
-
-
-def _config(glob: str, **dedup) -> PipelineConfig:
-    return PipelineConfig.from_dict({
-        "seq_len": 128, "batch_size": 2, "seed": 0, "shuffle_buffer": 16, "pack_buffer_docs": 8, "holdout_fraction": 0.0,
-        "num_threads": 1, "dedup": dedup,
-        "mix": {"name": "t", "total_tokens": 10**9, "entries": [{"name": "std", "kind": "local", "path": glob, "weight": 1.0, "domain": "code"}]},
-    })
 
 
 def test_decision_does_not_depend_on_slicing(corpus):
@@ -316,22 +298,9 @@ def test_stream_mode_with_a_real_trainer_drops_what_the_index_lists(corpus, toke
 
 @pytest.fixture(scope="module")
 def split_corpus(tmp_path_factory):
-    """60 real documents, each with one planted copy (odd pairs exact: case and spacing changed;
-    even pairs near: a few edits) in another file; a holdout of 0.5 deals them into train and
-    val, so about half the near pairs straddle the two splits. Returns (glob, {text: pair})."""
-    root = tmp_path_factory.mktemp("split_corpus")
-    docs = _docs(60)
-    rng = np.random.default_rng(1)
-    files: list[list[str]] = [[], [], []]
-    pair_of = {}
-    for i, d in enumerate(docs):
-        copy = d.upper().replace(" ", "  ") if i % 2 else inject_edits(d, 2, rng)
-        files[i % 3].append(d)
-        files[(i + 1) % 3].append(copy)
-        pair_of[d], pair_of[copy] = i, i
-    for f, rows in enumerate(files):
-        (root / f"s{f}.jsonl").write_text("".join(json.dumps({"text": r}) + "\n" for r in rows))
-    return str(root / "*.jsonl"), pair_of
+    """60 real documents, each with one planted copy in another file; a holdout of 0.5 deals them
+    into train and val (``write_split_corpus``). Returns (glob, {text: pair})."""
+    return write_split_corpus(tmp_path_factory.mktemp("split_corpus"))
 
 
 def _split_docs(cfg, split):

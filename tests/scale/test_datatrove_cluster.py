@@ -18,7 +18,6 @@ from stacklm.cli import main as stacklm_main
 from stacklm.errors import ConfigError
 from stacklm.prebuild import load_config
 from stacklm.scale.resources import STAGES, ClusterPlan, ClusterSettings, StageResources, parse_sbatch_args, parse_stage_resources
-from tests.helpers import fake_slurm
 
 # every stage asks for something different from the defaults and from the others
 STAGE_FLAGS = {
@@ -61,15 +60,6 @@ def write_config(path: Path, tok_dir, extra_entries=(), cluster=None) -> Path:
         doc["prebuild"] = {"cluster": cluster}
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-@pytest.fixture
-def slurm(tmp_path, monkeypatch):
-    fs = fake_slurm.install(tmp_path / "fake-slurm")
-    for k, v in fs.env.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("FAKE_SLURM_PARALLEL", "4")
-    return fs
 
 
 def cli(*argv) -> int:

@@ -210,15 +210,6 @@ with multiprocess.Pool(1) as pool:
     assert (tmp_path / "beat").stat().st_size == size  # nobody writes any more
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    """A local Ray cluster of 2 CPUs for this module's in-process Ray tests."""
-    import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["raise", "kill"])
 def test_ray_stage_fails_on_a_raise_or_a_killed_worker(tmp_path, ray_cluster, how):

@@ -1,0 +1,210 @@
+"""`stacklm dedup-index --executor local|slurm|ray` (issue 22 item 7): stream mode's global dedup
+index built by the prebuild's datatrove dedup stages plus a one-task ``index`` stage is the file
+the in-process pool writes (same arrays, same ``content_hash``, same meta) for every ``--tasks``
+and engine; a failing task ends the run with one line naming the stage, the task and its log,
+and a re-run resumes from the completed tasks."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from stacklm.cli import main as stacklm_main
+from stacklm.data.dedup.global_index import DedupIndex
+from tests.helpers.dedup_corpus import dedup_config, write_split_corpus
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """The planted exact, near and cross-split pairs (``write_split_corpus``): (glob, pair_of)."""
+    return write_split_corpus(tmp_path_factory.mktemp("dedup_index_corpus"))
+
+
+def write_yaml(path: Path, pipeline: dict) -> Path:
+    path.write_text(yaml.safe_dump({"data": {"pipeline": json.loads(json.dumps(pipeline))}}))
+    return path
+
+
+def split_config(tmp_path: Path, glob: str, **dedup) -> Path:
+    """Both splits (holdout 0.5: the near pairs straddle train and val, so ``cross_split`` is used)."""
+    return write_yaml(tmp_path / "c.yaml", dataclasses.replace(dedup_config(glob, **dedup), holdout_fraction=0.5).to_dict())
+
+
+def dedup_index(*argv) -> int:
+    return stacklm_main(["dedup-index", *map(str, argv)])
+
+
+def pool_index(cfg: Path, out: Path, *extra) -> DedupIndex:
+    """The reference: today's in-process dedup-index, one worker."""
+    assert dedup_index("--config", cfg, "--out", out, "--workers", 1, *extra) == 0
+    return DedupIndex.load(out)
+
+
+def assert_same_index(got: DedupIndex, want: DedupIndex) -> None:
+    assert got.content_hash == want.content_hash
+    assert got.splits.keys() == want.splits.keys()
+    for split, per in want.splits.items():
+        for reason, ids in per.items():
+            assert np.array_equal(got.splits[split][reason], ids), (split, reason)
+    assert got.meta == want.meta  # docs, removed counts, the dedup config, the read volume
+
+
+def assert_clean_beside(out: Path) -> None:
+    """The work folder is gone; the logs stay beside the file."""
+    assert not out.with_name(out.name + ".work").exists()
+    assert (out.with_name(out.name + ".datatrove-logs") / "dedup-index" / "completions" / "00000").exists()
+
+
+# ---------------------------------------------------------------------------- fast
+def test_local_executor_writes_the_pools_index(corpus, tmp_path, capsys):
+    """Exact dedup only (one bucket task), one split, T = 2: the file equals the pool's, and the
+    command prints the pool's summary lines."""
+    glob, _ = corpus
+    cfg = write_yaml(tmp_path / "c.yaml", dedup_config(glob, near=False).to_dict())
+    want = pool_index(cfg, tmp_path / "pool.npz", "--splits", "train")
+    pool_out = capsys.readouterr().out
+    assert want.counts()["train"]["exact"] >= 20  # the planted exact pairs (30 in all) found
+    out = tmp_path / "idx" / "dedup.npz"  # its folder is made
+    assert dedup_index("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2) == 0
+    assert_same_index(DedupIndex.load(out), want)
+    printed = capsys.readouterr().out
+    assert printed.splitlines()[-2:] == [line.replace(str(tmp_path / "pool.npz"), str(out)) for line in pool_out.splitlines()[-2:]]
+    assert printed.splitlines()[-1].startswith(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {want.content_hash[:16]}")
+    assert_clean_beside(out)
+
+
+def test_engine_flags_are_checked_before_anything_is_written(corpus, tmp_path, capsys):
+    glob, _ = corpus
+    cfg = split_config(tmp_path, glob)
+    out = tmp_path / "dedup.npz"
+    assert dedup_index("--config", cfg, "--out", out, "--tasks", 2) == 2
+    assert "--tasks is for --executor local/slurm/ray; the pool's processes are --workers N" in capsys.readouterr().err
+    assert dedup_index("--config", cfg, "--out", out, "--executor", "local") == 2
+    assert "--executor local needs --tasks T" in capsys.readouterr().err
+    assert dedup_index("--config", cfg, "--out", out, "--executor", "local", "--tasks", 1, "--wait") == 2
+    assert "--wait is for --executor slurm" in capsys.readouterr().err
+    assert dedup_index("--config", cfg, "--out", out, "--executor", "slurm", "--tasks", 1) == 2
+    assert "--executor slurm needs a partition: pass --partition NAME" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.yaml"]  # no index, no work folder, no logs
+
+
+def test_the_chain_has_each_stages_resources_and_a_new_plan_starts_afresh(corpus, tmp_path):
+    """The executors as built (nothing runs): signatures -> buckets -> decision -> index, each
+    with its own Slurm resources (``index``: a one-task stage of its own); the work folder and
+    logs beside the file. Built again for another plan, an older run's completion marks go."""
+    from stacklm.prebuild import load_config
+    from stacklm.scale.datatrove_steps import dedup_index_executors, stage_chain
+    from stacklm.scale.resources import ClusterPlan, ClusterSettings, parse_stage_resources
+
+    glob, _ = corpus
+    config, _ = load_config(split_config(tmp_path, glob))
+    out = tmp_path / "dedup.npz"
+    plan = ClusterPlan.resolve(ClusterSettings(partition="cpu"), stage_flags=parse_stage_resources(["index=cpus:1,mem_gb:3,time:00:10:00"]))
+    chain = stage_chain(dedup_index_executors(config, out, tasks=3, splits=("train", "val"), executor="slurm", cluster=plan, dedup_ranges=2))
+    assert [ex.stacklm_stage for ex in chain] == ["signatures", "buckets", "decision", "index"]
+    assert [ex.job_name for ex in chain] == ["stacklm-dedup-sig", "stacklm-dedup-buckets", "stacklm-dedup-decide", "stacklm-dedup-index"]
+    assert [(ex.tasks, ex.cpus_per_task, ex.mem_per_cpu_gb, ex.time) for ex in chain] == [
+        (6, 2, 4, "04:00:00"), (26, 1, 4, "04:00:00"), (1, 1, 8, "12:00:00"), (1, 1, 3, "00:10:00")]
+    logs = tmp_path / "dedup.npz.datatrove-logs"
+    assert [ex.logging_dir.path for ex in chain] == [f"{logs}/{d}" for d in ("dedup-sig", "dedup-buckets", "dedup-decide", "dedup-index")]
+    assert json.loads((tmp_path / "dedup.npz.work" / "plan.json").read_text())["tasks"] == 3
+    assert plan.table("slurm", [ex.stacklm_stage for ex in chain]).endswith("; index cpus:1,mem_gb:3,time:00:10:00")
+    mark = logs / "dedup-sig" / "completions" / "00000"
+    mark.parent.mkdir(parents=True)
+    mark.touch()
+    dedup_index_executors(config, out, tasks=3, splits=("train", "val"), dedup_ranges=2)  # the same plan: resumes
+    assert mark.exists()
+    dedup_index_executors(config, out, tasks=2, splits=("train", "val"), dedup_ranges=2)  # another T: afresh
+    assert not mark.exists() and json.loads((tmp_path / "dedup.npz.work" / "plan.json").read_text())["tasks"] == 2
+
+
+def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsys):
+    """A corrupt input read by signature task 1 (train, worker 1 of 2) ends the run with exit 2
+    and one line naming the stage, the task and its log; task 0 completed. With the file fixed,
+    the re-run skips task 0 and writes the index the pool writes of the fixed corpus."""
+    glob, _ = corpus
+    pipeline = dedup_config(glob, near=False).to_dict()
+    pipeline["mix"]["entries"][0]["weight"] = 0.9
+    pipeline["mix"]["entries"].append({"name": "gz", "kind": "local", "path": str(tmp_path / "gz" / "*.jsonl.gz"), "weight": 0.1, "domain": "prose"})
+    (tmp_path / "gz").mkdir()
+    whole = {}
+    for i in range(2):  # two files, two readers: g1 is worker 1's
+        whole[i] = gzip.compress("".join(json.dumps({"text": f"gz file {i} document {k} " * 30}) + "\n" for k in range(50)).encode())
+        (tmp_path / "gz" / f"g{i}.jsonl.gz").write_bytes(whole[i] if i == 0 else whole[i][: len(whole[i]) // 2])
+    cfg = write_yaml(tmp_path / "c.yaml", pipeline)
+    out = tmp_path / "dedup.npz"
+    args = ("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2, "--workers", 1)
+    assert dedup_index(*args) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stacklm dedup-index: error:")]
+    logs = tmp_path / "dedup.npz.datatrove-logs" / "dedup-sig"
+    assert len(errors) == 1, errors
+    assert re.match(r"stacklm dedup-index: error: datatrove stage 'signatures' task 1 \(split train, worker 1 of 2\) raised SourceError: "
+                    rf"source 'gz': failed reading {re.escape(str(tmp_path / 'gz' / 'g1.jsonl.gz'))}.*; its log: "
+                    rf"{re.escape(str(logs / 'logs' / 'task_00001.log'))}\. The run stopped \(1 of 2 tasks of 'signatures' completed\)", errors[0])
+    assert not out.exists() and (logs / "completions" / "00000").exists()
+    first_log = (logs / "logs" / "task_00000.log").read_text()
+
+    (tmp_path / "gz" / "g1.jsonl.gz").write_bytes(whole[1])
+    assert dedup_index(*args) == 0
+    assert (logs / "logs" / "task_00000.log").read_text() == first_log  # task 0 was not run again
+    assert (logs / "completions" / "00001").exists()
+    assert_same_index(DedupIndex.load(out), pool_index(cfg, tmp_path / "pool.npz", "--splits", "train"))
+    assert_clean_beside(out)
+
+
+# ---------------------------------------------------------------------------- every engine, exact + near, both splits
+@pytest.mark.slow
+def test_local_executor_index_is_the_pools_for_one_and_three_tasks(corpus, tmp_path):
+    glob, _ = corpus
+    cfg = split_config(tmp_path, glob)
+    want = pool_index(cfg, tmp_path / "pool.npz")
+    c = want.counts()
+    assert c["train"]["cross_split"] >= 5 and c["train"]["near"] + c["val"]["near"] > 0  # every reason is exercised
+    for tasks in (1, 3):
+        out = tmp_path / f"local{tasks}.npz"
+        assert dedup_index("--config", cfg, "--out", out, "--executor", "local", "--tasks", tasks) == 0
+        assert_same_index(DedupIndex.load(out), want)
+        assert_clean_beside(out)
+
+
+@pytest.mark.slow
+def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys):
+    glob, _ = corpus
+    cfg = split_config(tmp_path, glob)
+    want = pool_index(cfg, tmp_path / "pool.npz")
+    out = tmp_path / "slurm.npz"
+    assert dedup_index("--config", cfg, "--out", out, "--executor", "slurm", "--tasks", 2, "--partition", "cpu",
+                       "--stage-resources", "index=cpus:1,mem_gb:3,time:00:10:00", "--wait", "--poll-seconds", 0.1) == 0
+    assert_same_index(DedupIndex.load(out), want)
+    assert_clean_beside(out)
+    stages = [j for j in slurm.jobs() if "launch_pickled_pipeline" in j["script"]]
+    assert [(j["name"], len(j["array"]), j["state"]) for j in stages] == [
+        ("stacklm-dedup-sig", 4, "COMPLETED"), ("stacklm-dedup-buckets", 13, "COMPLETED"),
+        ("stacklm-dedup-decide", 1, "COMPLETED"), ("stacklm-dedup-index", 1, "COMPLETED")]
+    o = stages[-1]["options"]
+    assert (o["cpus-per-task"], o["mem-per-cpu"], o["time"]) == ("1", "3G", "00:10:00")
+    printed = capsys.readouterr()
+    assert ("stacklm dedup-index: per-task resources: signatures cpus:2,mem_gb:8,time:04:00:00; buckets cpus:1,mem_gb:4,time:04:00:00; "
+            "decision cpus:1,mem_gb:8,time:12:00:00; index cpus:1,mem_gb:3,time:00:10:00") in printed.err.splitlines()
+    assert f"{out}: every slurm task completed" in printed.out and f"stream mode: set data.pipeline.dedup.index: {out}" in printed.out
+
+
+def test_ray_index_is_the_pools(corpus, tmp_path, ray_cluster):
+    """On a local 2-CPU Ray cluster (~8 s to start, ~8 s to run here): not slow."""
+    glob, _ = corpus
+    cfg = split_config(tmp_path, glob)
+    want = pool_index(cfg, tmp_path / "pool.npz")
+    out = tmp_path / "ray.npz"
+    assert dedup_index("--config", cfg, "--out", out, "--executor", "ray", "--tasks", 2, "--cpus-per-task", 1,
+                       "--stage-resources", "index=cpus:2") == 0
+    assert_same_index(DedupIndex.load(out), want)
+    assert_clean_beside(out)
+    log = (tmp_path / "ray.npz.datatrove-logs" / "dedup-index" / "logs" / "task_00000.log").read_text()
+    assert "stacklm stage 'index' task 0: asked for cpus:2,mem_gb:not reserved,time:none; given {'ray': {'CPU': 2.0}}" in log
