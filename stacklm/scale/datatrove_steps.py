@@ -543,7 +543,7 @@ def prebuild_executors(
 
     cluster = _resolve_cluster(executor, cluster, executor_kwargs, "main")  # refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
-    plan = PrebuildPlan(config, tok, Path(out), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
+    plan = PrebuildPlan(config, tok, Path(out).absolute(), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     prepare(plan)
     # piece indexes built once, here; the task processes find them through the environment
