@@ -114,7 +114,7 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     if args.wait and args.executor != "slurm":
         raise UserError("--wait is for --executor slurm (the other executors wait anyway)")
     if args.executor == "pool":  # in this process and a local process pool, as before the engines
-        from stacklm.prebuild.build import _map_pool
+        from stacklm.prebuild.build import worker_pool, pool_starmap
         from stacklm.prebuild.dedup_pass import build_dedup_index
 
         if args.tasks is not None:
@@ -125,7 +125,8 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         workers = max(1, args.workers or 1)
         # the staged decision's signature columns go beside the index (``build_dedup_index``: a temporary folder, removed after)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        index = build_dedup_index(config, splits, workers, None if workers == 1 else lambda jobs: _map_pool(workers, jobs), work_dir=Path(out).parent)
+        with worker_pool(workers) as (pool, _):
+            index = build_dedup_index(config, splits, workers, None if pool is None else pool_starmap(pool), work_dir=Path(out).parent)
         index.save(out)
     else:  # datatrove: signatures -> buckets -> decision -> index (stacklm.scale.datatrove_steps)
         from stacklm.data.dedup.global_index import DedupIndex

@@ -102,9 +102,9 @@ def prebuild(
 
             ensure_index(plan.config.decontaminate, announce=True)
         t = timed("index", t)
-        with _worker_pool(plan.workers) as (pool, progress_queue):  # one pool for the dedup pass and the jobs
+        with worker_pool(plan.workers) as (pool, progress_queue):  # one pool for the dedup pass and the jobs
             if uses_global_dedup(plan.config):
-                load_or_build(plan, None if pool is None else lambda args: _map_pool(plan.workers, args, pool=pool))
+                load_or_build(plan, None if pool is None else pool_starmap(pool))
                 t = timed("dedup", t)
             if pool is None:
                 summaries = [run_job(plan, s, w, bar, interval=progress_interval) for s, w in jobs]
@@ -186,7 +186,7 @@ def release_if_empty(plan: PrebuildPlan) -> bool:
 
 
 @contextlib.contextmanager
-def _worker_pool(workers: int):
+def worker_pool(workers: int):
     """``(pool, progress_queue)``: ``workers`` spawned processes (spawn, not fork: the parent may
     hold torch's thread pools, which do not survive a fork), shared by the global dedup pass
     and the packing jobs -- each process pays its start (~2-4 s of imports: torch, torchdata,
@@ -207,21 +207,17 @@ def _worker_pool(workers: int):
         yield pool, q
 
 
-def _map_pool(workers: int, args: list[tuple], pool=None) -> list[Any]:
-    """``dedup_pass.write_slice`` over ``args`` in ``pool`` (default: ``workers`` spawned processes
-    of its own), in order: each writes its slice's signature columns to disk and returns only
-    its read volume (small plain dicts), so the parent never holds the signatures."""
-    from stacklm.prebuild.dedup_pass import write_slice
-
-    if pool is None:
-        with _worker_pool(workers) as (own, _):
-            return list(own.map(write_slice, *zip(*args)))
-    return list(pool.map(write_slice, *zip(*args)))
+def pool_starmap(pool):
+    """A ``dedup_pass.Starmap`` over ``pool``: the global dedup pass's slices and bucket tasks run
+    in the build's processes. Their arguments and results are small (paths, read volumes, the
+    duplicate pairs of one bucket task): each slice writes its signature columns to disk, so
+    the parent never holds the signatures."""
+    return lambda fn, args: pool.map(fn, *zip(*args)) if args else iter(())
 
 
 def _run_pool(plan: PrebuildPlan, jobs: list[tuple[str, int]], bar: BuildProgress, interval: float = PROGRESS_INTERVAL, *,
               pool, progress_queue) -> list[dict[str, Any]]:
-    """Jobs in ``pool`` (``_worker_pool``); progress comes back through ``progress_queue``."""
+    """Jobs in ``pool`` (``worker_pool``); progress comes back through ``progress_queue``."""
     import queue as queue_lib
     from concurrent.futures import FIRST_COMPLETED, wait
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,14 @@ from stacklm.errors import ConfigError, PrebuildError
 
 INDEX_FILE = "dedup_index.npz"
 INDEX_SHARDS = "dedup-index"  # the staged decision's removed ids, one DedupIndex per job (``staged``)
+
+
+Starmap = Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]]  # (fn, arg tuples) -> fn(*args) for each, in order
+
+
+def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
+    """The default ``Starmap``: one call after the other, here, each result when it is asked for."""
+    return (fn(*a) for a in args)
 
 
 def uses_global_dedup(config) -> bool:
@@ -80,15 +88,16 @@ def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: i
 
 def build_index_shards(
     config, splits: Sequence[str], readers: int, work_dir: str | Path, out_dir: str | Path,
-    run_all: Callable[[list[tuple]], list[Any]] | None = None,
+    starmap: Starmap | None = None,
 ) -> list[Path]:
-    """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), in this process
-    and ``run_all``'s: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then
-    every bucket task and the cluster here (``staged.staged_decision``), so the largest
-    process holds one bucket chunk or the duplicate pairs, never every document; then one
-    removed-id shard per slice in ``out_dir/<job>.npz`` (written beside and renamed, so a
-    half-written set is never taken for a finished one). ``run_all`` maps a list of
-    ``write_slice`` argument tuples to results (e.g. in a process pool); default: here.
+    """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), through
+    ``starmap``: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then every
+    bucket task (``staged.staged_decision``), then the cluster here, so the largest process
+    holds one bucket chunk or the duplicate pairs, never every document; then one removed-id
+    shard per slice in ``out_dir/<job>.npz`` (written beside and renamed, so a half-written set
+    is never taken for a finished one). ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
+    each tuple, in order -- ``stacklm prebuild``'s pool runs both the slices and the bucket
+    tasks in parallel; default: one after the other, here.
     The decision is ``decide_splits``'s (canonical kept copy, val wins across splits), so the
     removed ids are the same as the one-process decision's for any ``readers``.
     Returns the shard paths, in (split, reader) order."""
@@ -102,14 +111,15 @@ def build_index_shards(
     names = [job_name(s, r) for s in splits for r in range(readers)]
     dirs = [work_dir / "sig" / n for n in names]
     jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
-    results = run_all(jobs) if run_all is not None else [write_slice(*j) for j in jobs]
+    starmap = starmap or in_process
+    results = list(starmap(write_slice, jobs))
     # the signature pass's read volume (input bytes read, per split and source): not in the
     # index's content hash, reported in the top manifest's ``read_volume``
     bytes_read = {s: {e.name: 0 for e in config.mix.entries} for s in splits}
     for res in results:
         for e, n in zip(config.mix.entries, res["bytes_in"]):
             bytes_read[res["split"]][e.name] += int(n)
-    removed = staged.staged_decision(dirs)
+    removed = staged.staged_decision(dirs, starmap=starmap)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     staged.write_index_shards(dirs, removed, tmp, {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read})
@@ -121,8 +131,7 @@ def build_index_shards(
 
 
 def build_dedup_index(
-    config, splits: Sequence[str], readers: int, run_all: Callable[[list[tuple]], list[Any]] | None = None,
-    work_dir: str | Path | None = None,
+    config, splits: Sequence[str], readers: int, starmap: Starmap | None = None, work_dir: str | Path | None = None,
 ):
     """The whole index in one ``DedupIndex`` (``stacklm dedup-index``, tests): the staged
     decision's shards (``build_index_shards``, in ``work_dir``, default a temporary folder)
@@ -134,7 +143,7 @@ def build_dedup_index(
 
     work = Path(tempfile.mkdtemp(prefix=".dedup-index-", dir=work_dir))
     try:
-        return load_shards(build_index_shards(config, splits, readers, work, work / "index", run_all))
+        return load_shards(build_index_shards(config, splits, readers, work, work / "index", starmap))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -150,7 +159,7 @@ def load_build_index(path: Path):
         raise PrebuildError(str(e).removeprefix("dedup.index: "), path=path) from None
 
 
-def load_or_build(plan, run_all=None) -> None:
+def load_or_build(plan, starmap: Starmap | None = None) -> None:
     """The build's index, before any packing job: one removed-id shard per job in
     ``.prebuild/dedup-index/`` (``build_index_shards``; each packing job loads only its own,
     ``jobs.job_dedup_index``). Kept on a resume (it is renamed into place only when complete);
@@ -160,4 +169,4 @@ def load_or_build(plan, run_all=None) -> None:
     state = state_dir_of(plan.out)
     if (state / INDEX_FILE).exists() or (state / INDEX_SHARDS).is_dir():
         return
-    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, run_all)
+    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap)

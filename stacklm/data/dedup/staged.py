@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -353,20 +353,27 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
 
 def staged_decision(
     sig_dirs: Sequence[str | Path], ranges: int = 1, exact_ranges: int = 1, chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
+    starmap: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
 ) -> dict[int, dict[str, np.ndarray]]:
-    """Stages 2 and 3 in this process (``stacklm prebuild``'s pool and ``stacklm dedup-index``, through
-    ``prebuild.dedup_pass.build_index_shards``; tests, ``bench/dedup_scale.py``): every bucket task, one
-    after the other, then the cluster. The largest of them holds one bucket chunk (``chunk``
-    records) or the distinct duplicate pairs, as on the engine."""
+    """Stages 2 and 3 on one machine (``stacklm prebuild``'s pool and ``stacklm dedup-index``, through
+    ``prebuild.dedup_pass.build_index_shards``; tests, ``bench/dedup_scale.py``): every bucket task
+    through ``starmap(fn, arg_tuples)`` (the build's process pool: one task per band or digest
+    range, run in parallel; default: one after the other, here), then the cluster here. Each
+    bucket task holds one bucket chunk (``chunk`` records) and returns only its pairs, which are
+    merged as they come (``unique_pairs``), so this process holds the distinct duplicate pairs
+    and at most the pairs of the tasks finished and not yet merged, as on the engine."""
     metas = [_meta(d) for d in sig_dirs]
     nb = max((m["num_bands"] for m in metas), default=0)
+    starmap = starmap or (lambda fn, args: (fn(*a) for a in args))
+    dirs = [str(d) for d in sig_dirs]
 
-    def pairs(tasks) -> np.ndarray:  # the distinct pairs, merged one bucket task at a time (``load_pair_files``)
-        acc = np.zeros((0, 2), dtype=np.uint64)
-        for column, r, n in tasks:
-            acc = unique_pairs(np.concatenate([acc, bucket_pairs(sig_dirs, column, *key_range(r, n), chunk=chunk)]))
-        return acc
-
-    exact = [pairs([("digest", r, exact_ranges) for r in range(exact_ranges)])] if any(m["exact"] for m in metas) else []
-    near = [pairs([(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)])] if nb else []
+    tasks = [("digest", r, exact_ranges) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
+    tasks += [(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)]
+    merged = {"exact": np.zeros((0, 2), dtype=np.uint64), "near": np.zeros((0, 2), dtype=np.uint64)}
+    # one starmap over every task (exact and near together keep a pool busy), merged as they come
+    for (column, _, _), got in zip(tasks, starmap(bucket_pairs, [(dirs, column, *key_range(r, n), chunk) for column, r, n in tasks])):
+        kind = "exact" if column == "digest" else "near"
+        merged[kind] = unique_pairs(np.concatenate([merged[kind], got]))
+    exact = [merged["exact"]] if any(m["exact"] for m in metas) else []
+    near = [merged["near"]] if nb else []
     return cluster_pairs(sig_dirs, exact, near, priority)
