@@ -160,3 +160,13 @@ def shards_dir(tokenizer_dir, tmp_path_factory):
     from tests.helpers.datamodule import build_shards
 
     return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))
+
+
+@pytest.fixture(scope="module")
+def small_shards_dir(tokenizer_dir, tmp_path_factory):
+    """The same mix prebuilt at 8,000 tokens (126 train rows in two shards): for the tests that run
+    a real ``Trainer`` over a whole epoch several times (elastic, DDP, step log); every fit is a
+    few dozen steps instead of ``shards_dir``'s ~70 an epoch, and still crosses a shard boundary."""
+    from tests.helpers.datamodule import build_shards
+
+    return build_shards(tokenizer_dir, tmp_path_factory.mktemp("small_shards"), total_tokens=8_000)

@@ -537,7 +537,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     seen = set()
     for t in (1, 2, 4):
         out = tmp_path / f"dt{t}"
-        main, merge = prebuild_executors(cfg, tokenizer_512, out, tasks=t, tokens_per_shard=128 * 16, workers=1)
+        main, merge = prebuild_executors(cfg, tokenizer_512, out, tasks=t, tokens_per_shard=128 * 16, workers=2)  # two tasks at a time: the 2 cores
         run_executors(merge)
         top = mf.read_manifest(out)
         seen.add((top["global_dedup"]["index_sha256"], json.dumps(top["global_dedup"]["removed"], sort_keys=True)))

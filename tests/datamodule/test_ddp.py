@@ -17,11 +17,12 @@ SCRIPT = ROOT / "tests" / "runners" / "ddp_fit.py"
 
 
 def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
-    pipe = json.dumps(stream_pipeline(total_tokens=16_000))
+    tokens = 6_000  # 23 steps a rank: the checkpoint at 5, the crash at 7 and a tail after it
+    pipe = json.dumps(stream_pipeline(total_tokens=tokens))
     common = ["--mode", "stream", "--tokenizer", str(tokenizer_dir), "--pipeline", pipe]
     run_ddp(*common, "--out", str(tmp_path / "full"))
     full = seen(tmp_path / "full")
-    n = 16_000 // (2 * 2 * 64)
+    n = tokens // (2 * 2 * 64)
     assert len(full[0]) == len(full[1]) == n  # equal batch counts: the epoch ends together, no hang
     rows = [{h for s in rank for h in s[2]} for rank in full]
     assert not rows[0] & rows[1]  # the ranks read disjoint documents
@@ -105,19 +106,19 @@ def _pad_row(shards_dir):
     return hashlib.sha256(_padding_batch(1, ds.seq_len, ds.pad_id)["input_ids"][0].numpy().tobytes()).hexdigest()[:16]
 
 
-def test_shards_mode_ddp_covers_the_epoch_once_and_resumes_elastically(tokenizer_dir, shards_dir, tmp_path):
+def test_shards_mode_ddp_covers_the_epoch_once_and_resumes_elastically(tokenizer_dir, small_shards_dir, tmp_path):
     import lightning as L
     from lightning.pytorch.callbacks import Callback
 
     from stacklm.datamodule import StackDataModule
     from tests.helpers.lightning import TinyLM
 
-    everything = _all_rows(shards_dir)
-    common = ["--mode", "shards", "--tokenizer", str(tokenizer_dir), "--data-dir", str(shards_dir)]
+    everything = _all_rows(small_shards_dir)
+    common = ["--mode", "shards", "--tokenizer", str(tokenizer_dir), "--data-dir", str(small_shards_dir)]
     run_ddp(*common, "--out", str(tmp_path / "full"))
     full = seen(tmp_path / "full")
     assert len(full[0]) == len(full[1]) == -(-len(everything) // (2 * 2))  # equal steps; the last one padded
-    pad = _pad_row(shards_dir)
+    pad = _pad_row(small_shards_dir)
     rows = [[h for s in rank for h in s[2] if h != pad] for rank in full]
     assert not set(rows[0]) & set(rows[1])
     served = rows[0] + rows[1]
@@ -138,7 +139,7 @@ def test_shards_mode_ddp_covers_the_epoch_once_and_resumes_elastically(tokenizer
             self.rows += [hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16] for r in batch["input_ids"]]
 
     rec = Rows()
-    dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(shards_dir), seq_len=64, batch_size=2, val_batches=0)
+    dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(small_shards_dir), seq_len=64, batch_size=2, val_batches=0)
     L.Trainer(accelerator="cpu", devices=1, max_epochs=1, callbacks=[rec], logger=False, enable_progress_bar=False,
               enable_model_summary=False, default_root_dir=tmp_path / "single").fit(
         TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=tmp_path / "run1" / "ckpt" / f"epoch=0-step={k}.ckpt")

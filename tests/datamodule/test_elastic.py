@@ -58,17 +58,18 @@ def check_epochs(steps_by_epoch: dict[int, list], reference: dict[int, list[str]
 
 
 @pytest.mark.slow
-def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
+def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, small_shards_dir, tmp_path):  # noqa: F811
     from stacklm.data.storage.dataset import PackedMemmapDataset
     from tests.helpers.lightning import row_ids
 
-    ds = PackedMemmapDataset(shards_dir, "train")
+    ds = PackedMemmapDataset(small_shards_dir, "train")
     n = len(ds)
     everything = sorted(row_ids(ds.get_batch(list(range(n)))))
     per_epoch = math.ceil(n / 4)
     k0, k1 = 13, per_epoch + 7  # a step inside epoch 0, one inside epoch 1
+    assert math.ceil(n / 8) > 9 and per_epoch > k0  # the saved steps below fall inside the epochs they name
 
-    ref_run = fit(tokenizer_dir, shards_dir, tmp_path / "ref", save_at=(k0, k1), epoch_end=True)
+    ref_run = fit(tokenizer_dir, small_shards_dir, tmp_path / "ref", save_at=(k0, k1), epoch_end=True)
     ref_steps = global_rows(ref_run)
     reference = {e: [r for s in steps for r in s if r is not None] for e, steps in ref_steps.items()}
     assert sorted(reference) == [0, 1]
@@ -79,7 +80,7 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
     check_epochs(ref_steps, reference)
 
     per_epoch_two = math.ceil(n / 8)
-    two = fit(tokenizer_dir, shards_dir, tmp_path / "two", devices=2, workers=2, save_at=(9, per_epoch_two))
+    two = fit(tokenizer_dir, small_shards_dir, tmp_path / "two", devices=2, workers=2, save_at=(9, per_epoch_two))
     check_epochs(global_rows(two), reference)  # 2 ranks x 2 workers: the same global order
 
     results = {}
@@ -95,7 +96,7 @@ def test_shards_resume_on_any_shape_trains_every_row_once(tokenizer_dir, shards_
         ("end of epoch 0: world 1->2", ref_run, "epoch0-end", per_epoch, {"devices": 2}),
     ]
     for i, (name, first, ckpt, k, shape) in enumerate(cases):
-        resumed = fit(tokenizer_dir, shards_dir, tmp_path / f"case{i}", resume=first["out"] / f"{ckpt}.ckpt", **shape)
+        resumed = fit(tokenizer_dir, small_shards_dir, tmp_path / f"case{i}", resume=first["out"] / f"{ckpt}.ckpt", **shape)
         head, tail = global_rows(first, before=k), global_rows(resumed)
         joined = {e: head.get(e, []) + tail.get(e, []) for e in sorted(set(head) | set(tail))}
         step = resumed["devices"] * resumed["batch"]

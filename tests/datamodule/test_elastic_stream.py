@@ -22,7 +22,7 @@ import pytest
 from stacklm.errors import DataConfigError
 from tests.helpers.lightning import run_program
 from tests.helpers.lightning import row_ids
-from tests.helpers.datamodule import stream_dm
+from tests.helpers.datamodule import stream_dm, stream_pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "runners" / "elastic_stream_fit.py"
@@ -134,11 +134,21 @@ def test_logical_streams_default_to_the_first_runs_readers(tokenizer_dir):  # no
     assert dm.state_dict()["streams"]["logical_streams"] == 2
 
 
-def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(), resume=None, L=4, epochs=2) -> dict:  # noqa: F811
+# the Trainer runs' corpus: the loader tests' mix, cut to a third of its tokens (every run trains
+# a third of the steps; the smallest shape, 3 ranks x batch 2 on 6 logical streams, still gets 10 steps)
+FIT_TOKENS = 4_000
+
+
+def _fit(tokenizer_dir, out: Path, *, devices=1, workers=1, batch=2, save_at=(), go_on=False, resume=None, L=4, epochs=2) -> dict:  # noqa: F811
+    pipeline = out.with_name("pipeline.json")
+    if not pipeline.exists():
+        pipeline.write_text(json.dumps(stream_pipeline(total_tokens=FIT_TOKENS)))
     args = ["--tokenizer", str(tokenizer_dir), "--out", str(out), "--devices", str(devices), "--workers", str(workers),
-            "--batch-size", str(batch), "--logical-streams", str(L), "--epochs", str(epochs)]
+            "--batch-size", str(batch), "--logical-streams", str(L), "--epochs", str(epochs), "--pipeline", str(pipeline)]
     if save_at:
         args += ["--save-at", *map(str, save_at)]
+    if go_on:  # save and train on: the uninterrupted run is also the interrupted run's head
+        args.append("--go-on")
     if resume:
         args += ["--resume", str(resume)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -169,13 +179,18 @@ def test_stream_resume_through_a_trainer_on_another_world_size(tokenizer_dir, tm
     those after are the one-process epoch's, every rank trains every step, the second epoch (a
     whole one at the new shape) delivers the reference's second epoch, and the delivery counts
     add up."""
-    reference = _fit(tokenizer_dir, tmp_path / "ref")
+    # the reference (one process, workers 1, batch 2) is also the 1 -> 2 case's first run: it saves
+    # at step 7 and trains on, so its head is the rows before the checkpoint (one fit fewer)
+    reference = _fit(tokenizer_dir, tmp_path / "ref", save_at=[7], go_on=True)
     want = [_delivered(reference, e)[0] for e in (0, 1)]
     assert sum(want[0].values()) + sum(want[1].values()) == 2 * reference["batches"]  # one rank, batch 2, no padding
-    for name, first, second, k in [("1to2", dict(devices=1, workers=1, batch=2), dict(devices=2, workers=2, batch=2), 7),
+    for name, first, second, k in [("1to2", None, dict(devices=2, workers=2, batch=2), 7),
                                    ("2to1", dict(devices=2, workers=1, batch=2), dict(devices=1, workers=0, batch=4), 5)]:
-        run1 = _fit(tokenizer_dir, tmp_path / f"{name}-a", save_at=[k], **first)
-        ckpt = tmp_path / f"{name}-a" / f"step{k}.ckpt"
+        if first is None:
+            run1, ckpt = reference, tmp_path / "ref" / f"step{k}.ckpt"
+        else:
+            run1 = _fit(tokenizer_dir, tmp_path / f"{name}-a", save_at=[k], **first)
+            ckpt = tmp_path / f"{name}-a" / f"step{k}.ckpt"
         run2 = _fit(tokenizer_dir, tmp_path / f"{name}-b", resume=ckpt, **second)
         head, _ = _delivered(run1, 0, before=k)
         tail, steps = _delivered(run2, 0, after=k)
@@ -224,7 +239,8 @@ def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_pat
     # the uninterrupted run is on the first shape: the quota Q (windows per logical stream) is
     # fixed by the first run's shape (its per-rank batch count x world x batch / L), so a
     # one-process run of the same data may owe each stream a window more
-    reference = _fit(tokenizer_dir, tmp_path / "ref", L=L, epochs=1, **first)
+    # it saves at step k and trains on: it is also the interrupted run, whose head is its steps < k
+    reference = _fit(tokenizer_dir, tmp_path / "ref", save_at=[k], go_on=True, L=L, epochs=1, **first)
     want, ref_steps = _delivered(reference, 0)
     per_stream = sum(want.values()) // L
     assert sum(want.values()) == L * per_stream and max(want.values()) == 1  # every stream its quota, no window twice
@@ -232,8 +248,8 @@ def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_pat
     ref_padding = sum(r is None for records in reference["ranks"] for _, _, ids in records for r in ids)
     assert ref_padding == 2 * first["devices"] * len(ref_steps) - sum(want.values()) == sum(s["padding_rows"] for s in reference["stats"])
     assert reference["tokens"] == _seen_tokens(reference)
-    run1 = _fit(tokenizer_dir, tmp_path / "a", save_at=[k], L=L, epochs=1, **first)
-    run2 = _fit(tokenizer_dir, tmp_path / "b", resume=tmp_path / "a" / f"step{k}.ckpt", L=L, epochs=1, **second)
+    run1 = reference
+    run2 = _fit(tokenizer_dir, tmp_path / "b", resume=tmp_path / "ref" / f"step{k}.ckpt", L=L, epochs=1, **second)
     head, head_steps = _delivered(run1, 0, before=k)
     tail, steps = _delivered(run2, 0, after=k)
     assert sorted(head_steps) == list(range(k)) and all(n == first["devices"] for n in head_steps.values())
@@ -249,7 +265,7 @@ def test_stream_resume_through_a_trainer_on_world_2_and_3(tokenizer_dir, tmp_pat
                 consumed[None] += sum(r is not None for r in ids)
     assert consumed[None] + sum(r is None for records in run1["ranks"] for _, s, ids in records if s < k for r in ids) \
         == 2 * first["devices"] * k
-    record = torch.load(tmp_path / "a" / f"step{k}.ckpt", weights_only=False)["StackDataModule"]["streams"]
+    record = torch.load(tmp_path / "ref" / f"step{k}.ckpt", weights_only=False)["StackDataModule"]["streams"]
     left = {int(l): int(record["quota"]) - int(n) for l, n in record["consumed"].items()}
     assert int(record["quota"]) == per_stream and sum(left.values()) == sum(want.values()) - consumed[None]
     readers = second["devices"] * max(1, second["workers"])

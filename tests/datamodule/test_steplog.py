@@ -254,9 +254,9 @@ def _seen(out: Path, ranks: int, shards: bool) -> dict[int, dict[int, list]]:
 
 
 @pytest.mark.slow
-def test_shards_steps_across_a_resume_from_two_ranks_to_three(tokenizer_dir, shards_dir, tmp_path):  # noqa: F811
+def test_shards_steps_across_a_resume_from_two_ranks_to_three(tokenizer_dir, small_shards_dir, tmp_path):  # noqa: F811
     log = tmp_path / "steplog"
-    common = ["--tokenizer", str(tokenizer_dir), "--data-dir", str(shards_dir), "--step-log", str(log), "--epochs", "1"]
+    common = ["--tokenizer", str(tokenizer_dir), "--data-dir", str(small_shards_dir), "--step-log", str(log), "--epochs", "1"]
     _fit("elastic_fit.py", [*common, "--devices", "2", "--workers", "2", "--save-at", "5"], tmp_path / "a")
     _fit("elastic_fit.py", [*common, "--devices", "3", "--workers", "1", "--resume", str(tmp_path / "a" / "step5.ckpt")],
          tmp_path / "b")
@@ -281,7 +281,7 @@ def test_shards_steps_across_a_resume_from_two_ranks_to_three(tokenizer_dir, sha
 def test_stream_steps_across_a_resume_from_two_ranks_to_one(tokenizer_dir, tmp_path):  # noqa: F811
     corpus = tmp_path / "corpus"
     write_corpus(corpus)
-    (tmp_path / "pipeline.json").write_text(json.dumps(file_pipeline(corpus, total=12_000)))
+    (tmp_path / "pipeline.json").write_text(json.dumps(file_pipeline(corpus, total=6_000)))
     log = tmp_path / "steplog"
     common = ["--tokenizer", str(tokenizer_dir), "--pipeline", str(tmp_path / "pipeline.json"), "--step-log", str(log),
               "--epochs", "1", "--logical-streams", "4"]

@@ -7,7 +7,8 @@ Writes ``<out>/rank<r>.json``: one record per training batch that rank trained o
 row (every target ignored) — ``<out>/stats<r>.json``, the rank's delivery counts at the end, and
 ``<out>/seen<r>.json``, the non-padding tokens of each batch it trained on (``[epoch, global
 step, tokens]``, counted here from ``input_ids``: an independent check of the delivery counts).
-``--save-at N`` writes ``<out>/step<N>.ckpt`` and stops the run there."""
+``--save-at N`` writes ``<out>/step<N>.ckpt`` and stops the run there (with ``--go-on``: trains on to
+the end, so one uninterrupted run is also the head of a resume from that checkpoint)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ from tests.helpers.datamodule import SEQ_LEN, stream_pipeline  # noqa: E402
 
 
 class Record(L.Callback):
-    def __init__(self, out: Path, save_at: set[int]) -> None:
-        self.out, self.save_at, self.seen, self.tokens = out, save_at, [], []
+    def __init__(self, out: Path, save_at: set[int], go_on: bool = False) -> None:
+        self.out, self.save_at, self.go_on, self.seen, self.tokens = out, save_at, go_on, [], []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         self.seen.append([trainer.current_epoch, trainer.global_step, row_ids(batch)])
@@ -38,7 +39,7 @@ class Record(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step in self.save_at:
             trainer.save_checkpoint(self.out / f"step{trainer.global_step}.ckpt")
-            trainer.should_stop = True
+            trainer.should_stop = not self.go_on
 
     def on_train_end(self, trainer, pl_module):
         self.out.mkdir(parents=True, exist_ok=True)
@@ -58,6 +59,7 @@ def main() -> None:
     ap.add_argument("--logical-streams", type=int, default=None)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--save-at", type=int, nargs="*", default=[])
+    ap.add_argument("--go-on", action="store_true", help="--save-at saves and trains on instead of stopping")
     ap.add_argument("--resume")
     ap.add_argument("--step-log", help="StackDataModule(step_log=...): a shared step log root across runs")
     ap.add_argument("--pipeline", help="a JSON file with the stream pipeline config (default: the synthetic one)")
@@ -70,7 +72,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
         accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", max_epochs=a.epochs,
-        callbacks=[Record(out, set(a.save_at))], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[Record(out, set(a.save_at), a.go_on)], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.out,
     )
     trainer.fit(TinyLM(dm.vocab_size), datamodule=dm, ckpt_path=a.resume)
