@@ -1,13 +1,12 @@
 """`stacklm prebuild-datatrove --executor slurm` on a fake Slurm (tests/helpers/fake_slurm.py: sbatch,
 srun, scontrol, squeue, sacct, scancel that run datatrove's real batch scripts here, in
-dependency order): the same shards as the local executor for T = 1/2/4, each stage's own
+dependency order): the same shards as the local executor (T = 2, built once per module), each stage's own
 resources in its sbatch, a missing partition refused, and a task that dies or raises ending
 the run non-zero with one line naming the task and its log, the dependents never run, and a
 re-run resuming to the same shards."""
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -64,6 +63,17 @@ def write_config(path: Path, tok_dir, extra_entries=(), cluster=None) -> Path:
 
 def cli(*argv) -> int:
     return stacklm_main(["prebuild-datatrove", *map(str, argv)])
+
+
+@pytest.fixture(scope="module")
+def local_shards(tok_dir, tmp_path_factory) -> dict[str, bytes]:
+    """The local executor's build of ``write_config`` at T = 2 (two task processes at a time),
+    once for the module: every engine below must write exactly these files (a config's
+    ``prebuild.cluster`` section changes where tasks run, never what they write)."""
+    root = tmp_path_factory.mktemp("local_reference")
+    cfg = write_config(root / "c.yaml", tok_dir)
+    assert cli("--config", cfg, "--out", root / "local", "--tasks", 2, "--workers", 2) == 0
+    return tree(root / "local")
 
 
 # ---------------------------------------------------------------------------- fast: resolution and refusals
@@ -190,7 +200,7 @@ def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
 
 # ---------------------------------------------------------------------------- end to end on the fake Slurm
 @pytest.mark.slow
-def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys):
+def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys, local_shards):
     cfg = write_config(tmp_path / "c.yaml", tok_dir, cluster={"partition": "cpu", "qos": "low", "sbatch_args": {"account": "proj"}})
     resources = [a for stage, spec in STAGE_FLAGS.items() for a in ("--stage-resources", f"{stage}={spec}")]
     # T = 2 here (T = 1/2/4 were measured identical when this was written, 273-561 s each on a
@@ -198,12 +208,11 @@ def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path,
     # executor by tests/data/test_global_dedup.py::test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing),
     # so CI spends one fake-Slurm chain on it.
     for tasks in (2,):
-        local, remote = tmp_path / f"local{tasks}", tmp_path / f"slurm{tasks}"
-        assert cli("--config", cfg, "--out", local, "--tasks", tasks, "--workers", 1) == 0
+        remote = tmp_path / f"slurm{tasks}"
         first = len(slurm.jobs())
         assert cli("--config", cfg, "--out", remote, "--tasks", tasks, "--executor", "slurm", *resources,
                    "--env-command", "export STACKLM_FAKE_ENV=activated", "--wait", "--poll-seconds", 0.1) == 0, capsys.readouterr().err
-        assert tree(remote) == tree(local), f"T={tasks}: slurm shards differ from the local executor's"
+        assert tree(remote) == local_shards, f"T={tasks}: slurm shards differ from the local executor's"
         jobs = slurm.jobs()[first:]
         stages = [j for j in jobs if "launch_pickled_pipeline" in j["script"]]
         assert [j["name"] for j in stages] == list(WANT)
@@ -221,10 +230,9 @@ def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path,
 
 
 @pytest.mark.slow
-def test_a_killed_slurm_task_fails_the_run_and_a_rerun_resumes(tmp_path, tok_dir, slurm, capsys, monkeypatch):
+def test_a_killed_slurm_task_fails_the_run_and_a_rerun_resumes(tmp_path, tok_dir, slurm, capsys, monkeypatch, local_shards):
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
-    local, remote = tmp_path / "local", tmp_path / "slurm"
-    assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
+    remote = tmp_path / "slurm"
     monkeypatch.setenv("FAKE_SLURM_KILL", "stacklm-prebuild:1:1.5")  # main task 1 dies (SIGKILL) 1.5 s in
     # arrays of at most 3 tasks: the 4 main tasks are two arrays (RUN_OFFSET 0 and 1), as a cluster's MaxArraySize splits them
     args = ("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "slurm", "--partition", "cpu", "--max-array-size", 3,
@@ -253,7 +261,7 @@ def test_a_killed_slurm_task_fails_the_run_and_a_rerun_resumes(tmp_path, tok_dir
     again = [j for j in slurm.jobs()[before:] if "launch_pickled_pipeline" in j["script"]]
     assert [(j["name"], len(j["array"])) for j in again] == [("stacklm-prebuild", 1), ("stacklm-merge", 1)]
     assert (logs / "ranks_to_run.json").read_text().strip() == "[1]"
-    assert tree(remote) == tree(local)
+    assert tree(remote) == local_shards
 
 
 @pytest.mark.slow
@@ -285,14 +293,13 @@ def test_a_raising_slurm_task_fails_the_run_without_sacct(tmp_path, tok_dir, slu
 
 # ---------------------------------------------------------------------------- Ray: a local cluster
 @pytest.mark.slow
-def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok_dir, capsys):
+def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok_dir, capsys, local_shards):
     """A local Ray cluster (2 CPUs): each stage's request reaches Ray (a stage asking for more
     CPUs than the cluster has would never be scheduled; here they fit) and the shards equal
     the local executor's; each task's log says what its stage asked for."""
     import ray  # the [ray] extra (stacklm[ray], in the dev extra)
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
-    local, remote = tmp_path / "local", tmp_path / "ray"
-    assert cli("--config", cfg, "--out", local, "--tasks", 2, "--workers", 1) == 0
+    remote = tmp_path / "ray"
     # a private TMPDIR for the workers: datatrove's Ray task writes its log to TMPDIR/ray_logs/logs/task_N.log
     # before copying it, a path shared by every stage, build and user of the node
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2,
@@ -304,7 +311,7 @@ def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok
                    "--stage-resources", "main=cpus:1,mem_gb:0.5", "--stage-resources", "merge=cpus:1") == 0
     finally:
         ray.shutdown()
-    assert tree(remote) == tree(local)
+    assert tree(remote) == local_shards
     logs = tmp_path / "ray.datatrove-logs"
     gib = 1024**3
     asked = {  # log dir: (stage, tasks, what it asked for, what Ray assigned to the task)
