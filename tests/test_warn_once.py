@@ -123,7 +123,7 @@ def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer
 @pytest.mark.slow
 def test_sft_fit_says_each_drop_once_across_loader_workers(tmp_path, tok_dir):
     """``trainer fit`` in SFT mode with two loader workers: the counting pass (main process) reads
-    every record and says each drop reason once, with one count line for the whole split; the
+    every record and says each drop reason once, with one count line for all it read; the
     data gate and the two workers read the same records quietly (each reason was said three times)."""
     good = [json.dumps({"messages": [{"role": "user", "content": f"question {i} about topic {i * 7}?"},
                                      {"role": "assistant", "content": f"answer {i}: it depends on {i * 3}."}]}) for i in range(120)]
@@ -148,5 +148,6 @@ def test_sft_fit_says_each_drop_once_across_loader_workers(tmp_path, tok_dir):
     for reason in ("malformed_json", "no_assistant", "unknown_role"):
         assert res.stderr.count(f"sft source 'chats': dropping conversations ({reason})") == 1, (reason, res.stderr[-4000:])
     counts = [line for line in res.stderr.splitlines() if "sft source 'chats': dropped" in line]
-    assert counts == ["sft source 'chats': dropped 9 of 129 conversations in the train split "
+    # of every record read: a record is checked before the holdout gives it a split (10% val here)
+    assert counts == ["sft source 'chats': dropped 9 of the 129 conversations read, before the train/val holdout "
                       "(malformed_json 3, no_assistant 3, unknown_role 3)"], res.stderr[-4000:]

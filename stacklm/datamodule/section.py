@@ -37,6 +37,11 @@ def check_pipeline(value: Any) -> dict[str, Any]:
     from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.sft import SFTConfig
 
+    key = getattr(value, "key", None)  # jsonargparse's NestedArg: a `--data.pipeline.KEY VALUE` flag
+    if key is not None and hasattr(value, "val"):
+        raise ConfigError(f"--{PIPELINE_PATH}.{key}: the pipeline's keys are not command-line flags (it is one mapping, checked "
+                          f"as a whole); set {key}: {value.val} in a second config file given after the first "
+                          "(--config my.yaml --config more.yaml)")
     if not isinstance(value, Mapping):
         raise ConfigError(f"{PIPELINE_PATH}: expected a mapping (the pipeline config), got {value!r}")
     d = dict(value)

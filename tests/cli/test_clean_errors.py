@@ -266,6 +266,17 @@ def test_trainer_config_errors_are_one_line(edit, must, tmp_path, tok_dir, capsy
         assert text in lines[0], (text, err)
 
 
+def test_a_pipeline_key_given_as_a_flag_is_one_line_saying_where_it_goes(tmp_path, tok_dir, capsys):
+    """`--data.pipeline.KEY VALUE` reached the pipeline check as jsonargparse's NestedArg, and the
+    error showed that internal object; it now names the flag and the second-config-file way."""
+    cfg = trainer_config(tmp_path, tok_dir)
+    code, err = run_trainer(capsys, "fit", "--config", str(cfg), "--data.pipeline.holdout_fraction", "0.5", "--print_config")
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and "NestedArg" not in err, err
+    assert "--data.pipeline.holdout_fraction: the pipeline's keys are not command-line flags" in lines[0], err
+    assert "set holdout_fraction: 0.5 in a second config file given after the first (--config my.yaml --config more.yaml)" in lines[0]
+
+
 def test_trainer_run_time_user_error(tmp_path, tok_dir):
     """A StackLMError raised while the Trainer sets the data up (no prebuilt shards there), from
     the real entry point (in-process, Lightning's loggers hold pytest's captured streams)."""

@@ -182,3 +182,20 @@ def test_sft_reader_skips_and_counts_bad_rows_and_a_source_can_raise(tmp_path, t
         list(pipe.batches)
     with pytest.raises(ValueError, match="'on_invalid' must be one of"):
         SourceConfig("c", path=(str(path),), on_invalid="ignore")
+
+
+def test_a_control_character_is_named_once_with_its_column(tmp_path):
+    """``json``'s "Invalid control character at" message ends in "at": the record's error says
+    "at column N" once (it said "at at column N"), in pre-training and SFT readers alike."""
+    from stacklm.data.sft.reader import parse_json_line
+    from stacklm.errors import ChatFormatError
+
+    path = tmp_path / "ctl.jsonl"
+    path.write_bytes(b'{"text": "tab\there"}\n' + b'{"text": "fine"}\n')
+    src = LocalFileSource("ctl", [str(path)], "prose", on_invalid="raise")
+    src.reset(None)
+    with pytest.raises(InvalidRecordError, match=r"Invalid control character at column 14") as err:
+        list(src)
+    assert "at at" not in str(err.value)
+    with pytest.raises(ChatFormatError, match=r"not valid JSON \(Invalid control character at column 14\)"):
+        parse_json_line(b'{"text": "tab\there"}', "ctl.jsonl:1")

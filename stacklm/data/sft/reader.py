@@ -27,6 +27,7 @@ from stacklm.data.sources import (
     glob_files,
     hub_load_kwargs,
     import_datasets,
+    json_error_detail,
     loads_json_line,
 )
 from stacklm.errors import ChatFormatError, SourceError, SourceNotFoundError
@@ -45,7 +46,7 @@ def parse_json_line(raw: bytes, where: str) -> tuple[dict, bool]:
         obj, lenient = loads_json_line(raw, invalid_utf8="replace")
     except json.JSONDecodeError as e:
         raise ChatFormatError(
-            f"not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object", reason=MALFORMED_JSON, where=where
+            f"not valid JSON ({json_error_detail(e)}); each line must be one JSON object", reason=MALFORMED_JSON, where=where
         ) from None
     except RecursionError:
         raise ChatFormatError("JSON nested too deeply", reason=MALFORMED_JSON, where=where) from None
@@ -249,7 +250,8 @@ def quiet_readers(graph: Any) -> Any:
 def say_split_drops(readers: Sequence[ConversationSource], split: str) -> None:
     """What the quiet readers of every (rank, worker) of a counting pass dropped, said once for
     the whole split: per source, each reason with where it was first seen (the line a reader says
-    itself), then one count line by reason (``dropped 12 of 612 conversations in the train split``)."""
+    itself), then one count line by reason (``dropped 12 of the 612 conversations read, before the
+    train/val holdout``: a record is checked when it is read, before the holdout gives it a split)."""
     by_name: dict[str, list[ConversationSource]] = {}
     for r in readers:
         by_name.setdefault(r.name, []).append(r)
@@ -266,5 +268,6 @@ def say_split_drops(readers: Sequence[ConversationSource], split: str) -> None:
         for reason in sorted(first):
             if first_time(kind, name, reason):
                 logger.warning("%s %r: dropping conversations (%s); first: %s", kind, name, reason, first[reason])
-        logger.warning("%s %r: dropped %d of %d conversations in the %s split (%s)", kind, name, sum(dropped.values()),
-                       sum(r._owned_rows for r in group), split, ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+        # rows read: every record, whatever split the holdout gives it (a record is checked before it has a split)
+        logger.warning("%s %r: dropped %d of the %d conversations read, before the train/val holdout (%s)", kind, name,
+                       sum(dropped.values()), sum(r._owned_rows for r in group), ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))

@@ -43,6 +43,7 @@ from stacklm.data.sources.readers import (
     TextFileReader,
     dataset_rows,
     import_datasets,
+    json_error_detail,
     loads_json_line,
     open_binary,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "hub_load_kwargs",
     "import_datasets",
     "check_data_files",
+    "json_error_detail",
     "loads_json_line",
     "near_edit",
     "open_binary",

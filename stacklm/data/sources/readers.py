@@ -85,6 +85,12 @@ def _skip_bytes(stream: io.BufferedIOBase, n: int) -> None:
         n -= len(chunk)
 
 
+def json_error_detail(e: json.JSONDecodeError) -> str:
+    """``"<what> at column <n>"``; some of ``json``'s messages end in "at" already ("Invalid
+    control character at"), and said "at at column" with it."""
+    return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def loads_json_line(raw: bytes, *, invalid_utf8: str) -> tuple[Any, bool]:
     """``(json.loads(raw), had_invalid_utf8)``. A line that is not valid UTF-8 is decoded with
     the ``invalid_utf8`` error handler instead of failing (``surrogateescape`` keeps the bad
@@ -148,7 +154,7 @@ class JsonlReader:
             # original bytes below so the audit counts them exactly.
             obj, lenient = loads_json_line(raw, invalid_utf8="surrogateescape")
         except (json.JSONDecodeError, RecursionError) as e:
-            detail = f"{e.msg} at column {e.colno}" if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            detail = json_error_detail(e) if isinstance(e, json.JSONDecodeError) else "nested too deeply"
             raise self._invalid(MALFORMED_JSON, f"not valid JSON ({detail}); is this a JSON-lines file?") from None
         if not isinstance(obj, dict):
             raise self._invalid(NOT_AN_OBJECT, f"expected a JSON object per line, got {type(obj).__name__}")
