@@ -353,11 +353,16 @@ def _sync_split(split_url: str, split_local: Path, m: dict[str, Any], *, tokens:
     old_path = split_local / MANIFEST
     old = {}
     if old_path.exists():
+        raw = old_path.read_bytes()
         try:
-            old = {s["name"]: s.get("xxh64") for s in json.loads(old_path.read_bytes()).get("shards", [])}
+            old = {s["name"]: s.get("xxh64") for s in json.loads(raw).get("shards", [])}
         except (ValueError, AttributeError, TypeError):
             old = {}
-        old_path.unlink()  # until the new one is written, this split is not a finished mirror
+        # Until the new one is written, a changed split is not a finished mirror. An unchanged one
+        # keeps its manifest: another process of the node may be opening the split right now
+        # (it mirrored first and reads outside the lock); removing it failed that reader.
+        if raw != json.dumps(m).encode():
+            old_path.unlink()
     item = parse_dtype(m["dtype"], where=join(split_url, MANIFEST)).itemsize
     seq_len = int(m["seq_len"])
     wanted = set()
