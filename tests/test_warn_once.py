@@ -44,6 +44,22 @@ def run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", *argv], cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
 
 
+def fit(tmp_path: Path, data: dict, seq_len: int, max_steps: int) -> subprocess.CompletedProcess:
+    """``python -m trainer fit`` on ``data`` with a one-layer model, two val batches, no logger;
+    it must exit 0."""
+    doc = {
+        "data": data,
+        "model": {"config": {"vocab_size": 512, "seq_len": seq_len, "n_layer": 1, "n_head": 2, "d_model": 32}},
+        "trainer": {"accelerator": "cpu", "max_steps": max_steps, "logger": False, "enable_checkpointing": False,
+                    "enable_progress_bar": False, "limit_val_batches": 2},
+    }
+    cfg = tmp_path / "train.yaml"
+    cfg.write_text(json.dumps(doc))
+    res = run(tmp_path, "trainer", "fit", "--config", str(cfg))
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res
+
+
 def test_prebuild_logs_each_invalid_record_once(tmp_path, tok_dir):
     """The global dedup pass, the train job and the val job all read the bad lines: one line each
     on stderr (it was four), and the manifest still counts each of them."""
@@ -67,16 +83,8 @@ def test_fit_says_each_event_once(tmp_path, tok_dir):
     pipe = {**pipeline(tmp_path, 6000, [hub]), "fallback_offline": True}
     pipe["mix"]["entries"][0]["weight"] = 0.4
     pipe["mix"]["entries"][1]["weight"] = 0.4
-    doc = {
-        "data": {"mode": "stream", "tokenizer": str(tok_dir), "seq_len": 32, "batch_size": 2, "num_workers": 2, "pipeline": pipe},
-        "model": {"config": {"vocab_size": 512, "seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 32}},
-        "trainer": {"accelerator": "cpu", "max_steps": 20, "logger": False, "enable_checkpointing": False,
-                    "enable_progress_bar": False, "limit_val_batches": 2},
-    }
-    cfg = tmp_path / "train.yaml"
-    cfg.write_text(json.dumps(doc))
-    res = run(tmp_path, "trainer", "fit", "--config", str(cfg))
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = fit(tmp_path, {"mode": "stream", "tokenizer": str(tok_dir), "seq_len": 32, "batch_size": 2, "num_workers": 2,
+                         "pipeline": pipe}, seq_len=32, max_steps=20)
     for text in (*BAD_LINES, "OFFLINE FALLBACK: source 'hub'"):
         assert res.stderr.count(text) == 1, (text, res.stderr[-4000:])
     for stream in ("train", "val"):  # each stream's loader says it for its own batches, once
@@ -133,18 +141,10 @@ def test_sft_fit_says_each_drop_once_across_loader_workers(tmp_path, tok_dir):
     for k in range(9):  # three of each reason, spread over the file (so over both workers' rows)
         lines.insert(7 + k * 14, bad[k % 3])
     (tmp_path / "chats.jsonl").write_text("\n".join(lines) + "\n")
-    doc = {
-        "data": {"mode": "sft", "tokenizer": str(tok_dir), "seq_len": 64, "batch_size": 2, "num_workers": 2,
-                 "pipeline": {"shuffle_buffer": 8, "pack_buffer_docs": 8, "holdout_fraction": 0.1,
-                              "sources": [{"name": "chats", "kind": "local", "path": [str(tmp_path / "chats.jsonl")]}]}},
-        "model": {"config": {"vocab_size": 512, "seq_len": 64, "n_layer": 1, "n_head": 2, "d_model": 32}},
-        "trainer": {"accelerator": "cpu", "max_steps": 6, "logger": False, "enable_checkpointing": False,
-                    "enable_progress_bar": False, "limit_val_batches": 2},
-    }
-    cfg = tmp_path / "sft.yaml"
-    cfg.write_text(json.dumps(doc))
-    res = run(tmp_path, "trainer", "fit", "--config", str(cfg))
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = fit(tmp_path, {"mode": "sft", "tokenizer": str(tok_dir), "seq_len": 64, "batch_size": 2, "num_workers": 2,
+                         "pipeline": {"shuffle_buffer": 8, "pack_buffer_docs": 8, "holdout_fraction": 0.1,
+                                      "sources": [{"name": "chats", "kind": "local", "path": [str(tmp_path / "chats.jsonl")]}]}},
+              seq_len=64, max_steps=6)
     for reason in ("malformed_json", "no_assistant", "unknown_role"):
         assert res.stderr.count(f"sft source 'chats': dropping conversations ({reason})") == 1, (reason, res.stderr[-4000:])
     counts = [line for line in res.stderr.splitlines() if "sft source 'chats': dropped" in line]
