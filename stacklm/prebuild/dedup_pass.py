@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +30,6 @@ INDEX_SHARDS = "dedup-index"  # the staged decision's removed ids, one DedupInde
 
 
 Starmap = Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]]  # (fn, arg tuples) -> fn(*args) for each, in order
-
-
-def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
-    """The default ``Starmap``: one call after the other, here, each result when it is asked for."""
-    return (fn(*a) for a in args)
 
 
 def uses_global_dedup(config) -> bool:
@@ -111,7 +106,7 @@ def build_index_shards(
     names = [job_name(s, r) for s in splits for r in range(readers)]
     dirs = [work_dir / "sig" / n for n in names]
     jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
-    starmap = starmap or in_process
+    starmap = starmap or staged.in_process
     results = list(starmap(write_slice, jobs))
     # the signature pass's read volume (input bytes read, per split and source): not in the
     # index's content hash, reported in the top manifest's ``read_volume``

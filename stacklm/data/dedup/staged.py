@@ -49,7 +49,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +351,11 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
     return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
 
 
+def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
+    """The default starmap: one call after the other, here, each result when it is asked for."""
+    return (fn(*a) for a in args)
+
+
 def staged_decision(
     sig_dirs: Sequence[str | Path], ranges: int = 1, exact_ranges: int = 1, chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
     starmap: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
@@ -364,7 +369,7 @@ def staged_decision(
     and at most the pairs of the tasks finished and not yet merged, as on the engine."""
     metas = [_meta(d) for d in sig_dirs]
     nb = max((m["num_bands"] for m in metas), default=0)
-    starmap = starmap or (lambda fn, args: (fn(*a) for a in args))
+    starmap = starmap or in_process
     dirs = [str(d) for d in sig_dirs]
 
     tasks = [("digest", r, exact_ranges) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
