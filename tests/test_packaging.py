@@ -96,3 +96,61 @@ def test_wheel_ships_configs_and_no_trainer_package(tmp_path):
     assert not any(t == "trainer" or t == "tests" for t in tops), sorted(tops)
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     assert "stacklm-train = stacklm.train.cli:main" in zipfile.ZipFile(wheel).read(entry).decode()
+
+
+def _pins(lock: str) -> dict[str, str]:
+    from packaging.utils import canonicalize_name
+
+    pins = {}
+    for line in (ROOT / "requirements" / lock).read_text().splitlines():
+        req = line.split("#", 1)[0].strip()
+        if req:
+            name, _, version = req.partition("==")
+            assert version, f"requirements/{lock}: {line!r} is not an exact pin"
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_the_locks_pin_every_dependency_within_pyprojects_bounds():
+    """scripts/setup installs from requirements/{demo,dev}.txt without resolving: every package
+    pyproject.toml names for that set is pinned there, at a version its bound allows, the demo's
+    pins are the dev set's, and torch is left to setup's pip step (so no CUDA wheel is pinned).
+    A dependency added to pyproject.toml without `scripts/lock` fails here."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def closure(names: list[str]) -> list[Requirement]:
+        reqs, todo = [Requirement(d) for d in project["dependencies"]], list(names)
+        while todo:
+            for d in map(Requirement, extras[todo.pop()]):
+                if d.name == "stacklm":
+                    todo += sorted(d.extras)
+                else:
+                    reqs.append(d)
+        return reqs
+
+    dev, demo = _pins("dev.txt"), _pins("demo.txt")
+    assert "torch" not in dev and "torch" not in demo and not any(n.startswith("nvidia-") for n in dev)
+    assert all(dev.get(n) == v for n, v in demo.items()), "requirements/demo.txt disagrees with dev.txt: run scripts/lock"
+    for lock, pins, names in (("dev.txt", dev, ["dev", "scale"]), ("demo.txt", demo, ["wandb", "report"])):
+        for req in closure(names):
+            name = canonicalize_name(req.name)
+            if name == "torch":
+                continue
+            assert name in pins, f"requirements/{lock} lacks {req.name}: run scripts/lock"
+            assert req.specifier.contains(pins[name], prereleases=True), \
+                f"requirements/{lock} pins {req.name}=={pins[name]} outside pyproject's {req.specifier}: run scripts/lock"
+
+
+def test_datatrove_minhash_hashes_text_with_the_pinned_xxhash():
+    """datatrove's default MinHash hash (xxhash) takes ``str``: xxhash 4 refuses it with a
+    TypeError, which is why pyproject bounds xxhash below 4."""
+    from datatrove.utils.hashing import HashConfig, create_hash_func
+
+    h = create_hash_func(HashConfig(), str)
+    assert h("the same text") == h("the same text") != h("other text")
