@@ -1,6 +1,8 @@
 """Real multiprocess DDP on CPU (gloo): disjoint, complete, equal-length data per rank, and
-exact resume. Each case runs ``tests/runners/ddp_fit.py`` as its own program (Lightning launches
-rank 1 by re-executing it)."""
+exact resume. Each case runs ``tests/runners/ddp_fit.py`` as its own program; Lightning forks the
+two ranks (``ddp_fork``), except in the shards case's first fit, which launches them the way a
+cluster job does (``ddp``: rank 1 re-executes the program; tests/helpers/ddp.py says why only
+there)."""
 
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ def test_shards_mode_ddp_covers_the_epoch_once_and_resumes_elastically(tokenizer
 
     everything = _all_rows(small_shards_dir)
     common = ["--mode", "shards", "--tokenizer", str(tokenizer_dir), "--data-dir", str(small_shards_dir)]
-    run_ddp(*common, "--out", str(tmp_path / "full"))
+    run_ddp(*common, "--out", str(tmp_path / "full"), spawn=True)
     full = seen(tmp_path / "full")
     assert len(full[0]) == len(full[1]) == -(-len(everything) // (2 * 2))  # equal steps; the last one padded
     pad = _pad_row(small_shards_dir)

@@ -1,5 +1,6 @@
-"""Run by tests/datamodule/test_ddp.py as a real program: Lightning's DDP launcher re-executes this
-file for rank 1, so the two ranks are real processes talking over gloo.
+"""Run by tests/datamodule/test_ddp.py as a real program: Lightning forks the two ranks (or, with
+``STACKLM_TEST_DDP=ddp``, re-executes this file for rank 1), so the ranks are real processes
+talking over gloo.
 
 Writes ``<out>/rank<r>.json``: the (global_step, batch hash, row hashes) of every training
 batch that rank saw, plus its batch count."""
@@ -19,6 +20,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 from stacklm.datamodule import StackDataModule  # noqa: E402
 from tests.helpers.lightning import DeliveredTokenTally, TinyDPO, TinyLM, batch_hash  # noqa: E402
+from tests.helpers.ddp import ddp_strategy  # noqa: E402
 
 
 class Record(L.Callback):
@@ -78,7 +80,7 @@ def main() -> None:
         callbacks += [DataStatsCallback(log_every_n_steps=2),
                       DeliveredTokenTally(str(Path(a.out) / "tally{rank}.json"), tok.pad_id, tok.bos_id)]
     trainer = L.Trainer(
-        accelerator="cpu", strategy="ddp", devices=2, max_steps=a.steps, max_epochs=a.epochs, callbacks=callbacks,
+        accelerator="cpu", strategy=ddp_strategy(2), devices=2, max_steps=a.steps, max_epochs=a.epochs, callbacks=callbacks,
         logger=logger, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
         num_sanity_val_steps=0, default_root_dir=a.out,
     )

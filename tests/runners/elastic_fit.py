@@ -21,6 +21,7 @@ import lightning as L  # noqa: E402
 from stacklm.datamodule import StackDataModule  # noqa: E402
 from tests.helpers.lightning import TinyLM  # noqa: E402
 from tests.helpers.lightning import row_ids
+from tests.helpers.ddp import ddp_strategy  # noqa: E402
 
 
 class Record(L.Callback):
@@ -74,7 +75,7 @@ def main() -> None:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=a.devices, strategy="ddp" if a.devices > 1 else "auto", max_epochs=a.epochs,
+        accelerator="cpu", devices=a.devices, strategy=ddp_strategy(a.devices), max_epochs=a.epochs,
         callbacks=[Record(out, set(a.save_at), a.save_epoch_end)], logger=False, enable_progress_bar=False, enable_model_summary=False,
         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=a.out,
     )
