@@ -148,21 +148,22 @@ def s3_bucket(s3_server):
     s3_server.faults.clear()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
     """The 512-id tokenizer saved as a directory: what ``StackDataModule(tokenizer=...)`` takes."""
     return saved_tokenizer_dir(tokenizer_512)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def shards_dir(tokenizer_dir, tmp_path_factory):
-    """Prebuilt shards of ``tests.helpers.datamodule.stream_pipeline`` (``build_shards``)."""
+    """Prebuilt shards of ``tests.helpers.datamodule.stream_pipeline`` (``build_shards``), built
+    once per test process and shared: copy it before changing anything in it."""
     from tests.helpers.datamodule import build_shards
 
     return build_shards(tokenizer_dir, tmp_path_factory.mktemp("shards"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def small_shards_dir(tokenizer_dir, tmp_path_factory):
     """The same mix prebuilt at 8,000 tokens (126 train rows in two shards): for the tests that run
     a real ``Trainer`` over a whole epoch several times (elastic, DDP, step log); every fit is a

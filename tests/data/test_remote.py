@@ -30,11 +30,6 @@ from stacklm.errors import RemoteError
 from tests.helpers.datamodule import BATCH, SEQ_LEN, crash_and_resume, stream_pipeline  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
-
-
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
     """Each test its own cache root (staging and mirrors), and quick backoff."""

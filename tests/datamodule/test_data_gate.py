@@ -21,11 +21,6 @@ SEQ_LEN, BATCH = 128, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
-
-
-@pytest.fixture(scope="module")
 def chats(tmp_path_factory):
     from tests.helpers.sft import make_conversations, write_jsonl
 

@@ -24,11 +24,6 @@ SEQ_LEN, BATCH = 256, 4
 NEW = {"web": 0.05, "code": 0.95}
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
-
-
 def _dm(tokenizer_dir, **kw) -> StackDataModule:
     pipeline = {**stream_pipeline(total_tokens=40_000), "shuffle_buffer": 2, "pack_buffer_docs": 2}
     args = {"mode": "stream", "tokenizer": str(tokenizer_dir), "pipeline": pipeline, "seq_len": SEQ_LEN,

@@ -26,11 +26,6 @@ SEQ_LEN, BATCH = 64, 2
 
 
 @pytest.fixture(scope="module")
-def tokenizer_dir(tokenizer_512, saved_tokenizer_dir):
-    return saved_tokenizer_dir(tokenizer_512)
-
-
-@pytest.fixture(scope="module")
 def shards_dir(tokenizer_dir, tmp_path_factory):
     from tests.helpers.datamodule import build_shards
 
