@@ -65,7 +65,7 @@ def main() -> None:
     from stacklm.data.pipeline import PipelineConfig
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
     from stacklm.corpus import iter_default_corpus
 
     root = Path(tempfile.mkdtemp(prefix="budget_spread_"))

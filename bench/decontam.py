@@ -82,7 +82,7 @@ def main() -> None:
         build_s = time.process_time() - t0
         index_bytes = sum(f.stat().st_size for f in Path(index.folder).iterdir())
 
-        from stacklm.tokenizer.bpe import train_from_iterable
+        from stacklm.tokenizer.training import train_from_iterable
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -63,7 +63,7 @@ def main() -> None:
     from stacklm.data.storage import manifest as mf
     from stacklm.data.pipeline import PipelineConfig
     from stacklm.prebuild import prebuild
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     out = Path(args.out)
     planted = write_corpus(out / "corpus", args.docs, args.files, args.plant)

@@ -23,7 +23,7 @@ try:
 except ImportError:  # a tree from before the rename
     from stacklm.data.nodes import PipelineConfig
 from stacklm import corpus  # noqa: E402
-from stacklm.tokenizer.bpe import train_from_iterable  # noqa: E402
+from stacklm.tokenizer.training import train_from_iterable  # noqa: E402
 
 
 def main() -> None:

@@ -154,7 +154,8 @@ def corpus_texts(max_bytes: int) -> tuple[str, ...]:
 
 
 def load_or_train_tokenizer(args, workdir: Path):
-    from stacklm.tokenizer.bpe import StackTokenizer, train_from_iterable
+    from stacklm.tokenizer.bpe import StackTokenizer
+    from stacklm.tokenizer.training import train_from_iterable
 
     if args.tokenizer:
         tok = StackTokenizer.load(args.tokenizer)

@@ -441,7 +441,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
 
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     tok = train_from_iterable(iter_default_corpus(1_000_000), 2048).tokenizer
     tokens_per_batch = args.batch * (args.seq_len - 1)

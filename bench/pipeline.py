@@ -33,7 +33,7 @@ from stacklm.corpus import iter_default_corpus, iter_default_documents  # noqa: 
 
 
 def _tokenizer(vocab: int, mb: float):
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -123,7 +123,7 @@ def main() -> None:
     import warnings
 
     from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     root = Path(args.root or tempfile.mkdtemp(prefix="prebuild_workers_"))
     if (root / "corpus.json").exists():  # a --root of an earlier run: its corpus, tokenizer and config again

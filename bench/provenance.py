@@ -109,7 +109,7 @@ def main() -> None:
     import logging
 
     logging.disable(logging.WARNING)  # the corpus' invalid/filtered rows are counted, not news here
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     tok = train_from_iterable(iter_default_corpus(1_000_000), args.vocab).tokenizer
     tmp = Path(tempfile.mkdtemp(prefix="stacklm-prov-bench-"))

@@ -35,7 +35,7 @@ def main() -> None:
     from stacklm.data.storage import manifest as mf
     from stacklm.prebuild import prebuild
     from stacklm.prebuild.summary import summary_table
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     root = Path(tempfile.mkdtemp(prefix="read_volume_"))
     docs = [d for d in iter_default_corpus(4_000_000) if d.strip()][: args.docs]

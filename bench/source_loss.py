@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--vocab", type=int, default=1024)
     args = ap.parse_args()
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
     from stacklm.train.model import GPTConfig
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--shard-rows", type=int, default=1_000_000)
     args = ap.parse_args()
 
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     tmp = Path(tempfile.mkdtemp(prefix="stacklm-steplog-bench-"))
     n_bytes = write_corpus(tmp, args.text_bytes)

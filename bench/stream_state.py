@@ -146,7 +146,7 @@ def main() -> None:
     at = args.at or [args.docs // 100, args.docs // 10, int(args.docs * 0.98)]
 
     from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

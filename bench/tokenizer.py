@@ -37,7 +37,7 @@ def _child(kind: str, mb: float, vocab: int, merges: int) -> dict:
     t0 = time.perf_counter()
     info: dict = {}
     if kind in ("fast", "python"):
-        from stacklm.tokenizer.bpe import train_from_iterable
+        from stacklm.tokenizer.training import train_from_iterable
 
         import warnings
 
@@ -76,8 +76,8 @@ def _run_child(kind: str, mb: float, vocab: int, merges: int) -> dict:
 def _encode_bench(mb: float, vocab: int) -> list[tuple[str, float]]:
     import warnings
 
-    from stacklm.tokenizer.bpe import train_from_iterable
     from stacklm.tokenizer.hf_baseline import train_hf_bpe
+    from stacklm.tokenizer.training import train_from_iterable
 
     docs = _text(mb)
     with warnings.catch_warnings():

@@ -28,7 +28,7 @@ __version__ = "0.1.0"
 # public name -> (module, attribute in that module)
 _WHERE = {
     "StackTokenizer": ("stacklm.tokenizer.bpe", "StackTokenizer"),
-    "train_tokenizer": ("stacklm.tokenizer.bpe", "train_from_iterable"),
+    "train_tokenizer": ("stacklm.tokenizer.training", "train_from_iterable"),
     "PipelineConfig": ("stacklm.data.pipeline", "PipelineConfig"),
     "build_pipeline": ("stacklm.data.pipeline", "build_pipeline"),
     # not "prebuild": importing the subpackage stacklm.prebuild sets that attribute of this module
@@ -43,7 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from stacklm.datamodule import StackDataModule  # noqa: F401
     from stacklm.prebuild.build import prebuild as prebuild_shards  # noqa: F401
     from stacklm.tokenizer.bpe import StackTokenizer  # noqa: F401
-    from stacklm.tokenizer.bpe import train_from_iterable as train_tokenizer  # noqa: F401
+    from stacklm.tokenizer.training import train_from_iterable as train_tokenizer  # noqa: F401
 
 
 def __getattr__(name: str) -> Any:

@@ -19,7 +19,7 @@ from stacklm.corpus import iter_default_corpus
 
 
 def _train(corpus_bytes: int, vocab_size: int):
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     return train_from_iterable(iter_default_corpus(corpus_bytes), vocab_size)
 

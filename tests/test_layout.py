@@ -1,8 +1,8 @@
 """The shape of the code: no module named like the standard library, no import cycles, imports
 only go down the layers (docs/architecture.md, "Layers"), the library never imports the
-command line, and the command line loads no torch until a command runs. Checked on the source
-(AST), so a new module is covered without listing it here (except in ``LAYERS``, which must
-place every module)."""
+command line, the command line loads no torch until a command runs, and no module is over 600
+lines. Checked on the source (AST), so a new module is covered without listing it here (except
+in ``LAYERS``, which must place every module)."""
 
 from __future__ import annotations
 
@@ -134,6 +134,37 @@ def test_no_module_named_like_the_standard_library():
     clashes = {name for name in modules if set(name.split(".")) & set(sys.stdlib_module_names)}
     assert clashes - KNOWN_CLASHES == set()
     assert KNOWN_CLASHES <= clashes, "a known clash is gone: remove it from KNOWN_CLASHES"
+
+
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_over_600_lines():
+    """docs/architecture.md: no library module over 600 lines. Every module of the packages is
+    read (no list to keep); one over the limit is split along a seam, one concern per module."""
+    over = []
+    for path in module_files().values():
+        lines = len(path.read_text().splitlines())
+        if lines > MAX_MODULE_LINES:
+            over.append(f"  {path.relative_to(ROOT)}: {lines} lines")
+    assert over == [], f"modules over {MAX_MODULE_LINES} lines (split each into cohesive modules):\n" + "\n".join(sorted(over))
+
+
+def test_line_check_names_the_file_and_its_count(tmp_path, monkeypatch):
+    package = tmp_path / "stacklm"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "small.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    (package / "big.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGES", ("stacklm",))
+    try:
+        test_no_module_over_600_lines()
+    except AssertionError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a module over the limit went unseen")
+    assert f"stacklm/big.py: {MAX_MODULE_LINES + 1} lines" in message and "small.py" not in message
 
 
 def test_no_import_cycles_at_module_level():

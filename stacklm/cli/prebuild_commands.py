@@ -128,9 +128,9 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         with worker_pool(workers) as (pool, _):
             index = build_dedup_index(config, splits, workers, None if pool is None else pool_starmap(pool), work_dir=Path(out).parent)
         index.save(out)
-    else:  # datatrove: signatures -> buckets -> decision -> index (stacklm.scale.datatrove_steps)
+    else:  # datatrove: signatures -> buckets -> decision -> index (stacklm.scale.datatrove_executors)
         from stacklm.data.dedup.global_index import DedupIndex
-        from stacklm.scale.datatrove_steps import dedup_index_executors  # without datatrove: an error naming [scale]
+        from stacklm.scale.datatrove_executors import dedup_index_executors  # without datatrove: an error naming [scale]
 
         if args.tasks is None:
             raise UserError(f"--executor {args.executor} needs --tasks T: tasks per split (the index is the same for every T)")
@@ -198,7 +198,7 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild import load_config
 
-    from stacklm.scale.datatrove_steps import prebuild_executors  # without datatrove: an error naming [scale]
+    from stacklm.scale.datatrove_executors import prebuild_executors  # without datatrove: an error naming [scale]
 
     config, settings = load_config(args.config)
     cluster = _cluster_plan(args, settings)
@@ -258,7 +258,7 @@ def _run_chain(args: argparse.Namespace, last, cluster, command: str, out) -> bo
     failed task (``wait_for_chain``)."""
     import sys
 
-    from stacklm.scale.datatrove_steps import run_executors, stage_chain
+    from stacklm.scale.datatrove_executors import run_executors, stage_chain
 
     chain = stage_chain(last)
     if args.executor != "local":

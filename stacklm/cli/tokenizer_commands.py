@@ -48,7 +48,7 @@ def _training_texts(args: argparse.Namespace, max_bytes: int | None):
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
     from stacklm.chat.template_export import export_all
 
     out = Path(args.out)
@@ -239,7 +239,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
     if args.overlap_sizes:
         import warnings
 
-        from stacklm.tokenizer.bpe import train_from_iterable
+        from stacklm.tokenizer.training import train_from_iterable
 
         small, large = args.overlap_sizes
         merges, seen = {}, {}

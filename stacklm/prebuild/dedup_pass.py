@@ -10,7 +10,7 @@ every ``--workers N`` and every number of datatrove tasks (docs/prebuild.md says
 is invariant; ``stacklm.data.dedup.global_index`` explains the design). Also the
 engine of ``stacklm dedup-index`` (stream mode's offline index) with ``--executor pool``;
 ``--executor local|slurm|ray`` runs the same stages as datatrove tasks
-(``stacklm.scale.datatrove_steps.dedup_index_executors``: the same file).
+(``stacklm.scale.datatrove_executors.dedup_index_executors``: the same file).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from stacklm.chat import (
 from stacklm.errors import ChatFormatError
 from stacklm.chat.formats import conversation_from_record, turns_from_messages
 from stacklm.corpus import iter_default_corpus
-from stacklm.tokenizer.bpe import train_from_iterable
+from stacklm.tokenizer.training import train_from_iterable
 from stacklm.chat.template import encode_chat
 from stacklm.chat.template_export import export_hf
 

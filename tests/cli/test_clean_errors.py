@@ -173,6 +173,7 @@ def test_missing_optional_dependency(tmp_path, tok_dir, capsys, monkeypatch):
 
     monkeypatch.setitem(sys.modules, "datatrove", None)
     monkeypatch.delitem(sys.modules, "stacklm.scale.datatrove_steps", raising=False)
+    monkeypatch.delitem(sys.modules, "stacklm.scale.datatrove_executors", raising=False)
     rc, _, err = run_cli(capsys, "prebuild-datatrove", "--config", str(write_config(tmp_path, tok_dir)),
                          "--out", str(tmp_path / "dt"), "--tasks", "1")
     assert_clean(rc, err, "'datatrove'", 'pip install "stacklm[scale]"')

@@ -526,7 +526,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
     index (hash and counts) for T = 1/2/4, equal to the single-process ``build_dedup_index``
     whose leakage test_no_duplicate_set_keeps_members_in_train_and_val pins at 0, and at T = 2
     byte-identical output to ``stacklm prebuild --workers 2``."""
-    from stacklm.scale.datatrove_steps import prebuild_executors, run_executors
+    from stacklm.scale.datatrove_executors import prebuild_executors, run_executors
 
     from tests.helpers.prebuild import tree
 

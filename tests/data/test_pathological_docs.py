@@ -17,8 +17,9 @@ import pytest
 from torchdata.nodes import IterableWrapper
 
 from stacklm.data.tokenizing import TokenizeNode
-from stacklm.tokenizer.bpe import StackTokenizer, train_from_iterable
+from stacklm.tokenizer.bpe import StackTokenizer
 from stacklm.tokenizer.segments import MAX_LETTER_RUN, MAX_WHITESPACE_RUN, split_long_runs
+from stacklm.tokenizer.training import train_from_iterable
 
 MB = 1_000_000
 

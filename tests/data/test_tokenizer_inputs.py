@@ -179,7 +179,7 @@ def test_budget_counts_bytes_across_formats(tmp_path):
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
     from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
     from stacklm.chat.template_export import export_all
 
     out = tmp_path_factory.mktemp("tok")

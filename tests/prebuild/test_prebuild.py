@@ -111,7 +111,7 @@ def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):
     with pytest.raises(PrebuildError, match="workers: built with 1, this run has 2"):
         prebuild(config(), tok_dir, ref, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     from stacklm.corpus import iter_default_corpus
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     other = train_from_iterable(iter_default_corpus(300_000), 2048).tokenizer
     with pytest.raises(PrebuildError, match="tokenizer: built with sha256"):
@@ -200,7 +200,7 @@ def test_sigkill_twice_then_resume_is_byte_identical(tmp_path, tok_dir):
 def test_workers_are_deterministic_and_datatrove_merges_the_same(tmp_path, tok_dir, tok):
     """`--workers 2` (two processes) and datatrove's LocalPipelineExecutor with 2 tasks per
     split (4 tasks) are independent runs of the same N: byte-identical shard sets."""
-    from stacklm.scale.datatrove_steps import prebuild_executors
+    from stacklm.scale.datatrove_executors import prebuild_executors
 
     pool_out = tmp_path / "pool"
     prebuild(config(), tok_dir, pool_out, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)

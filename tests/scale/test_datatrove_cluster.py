@@ -180,7 +180,7 @@ def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
     CPUs, memory and time, not one size for all (the decision was 1 CPU / 2 GB whatever the flags)."""
     from datatrove.executor.ray import RayPipelineExecutor
 
-    from stacklm.scale.datatrove_steps import prebuild_executors, stage_chain
+    from stacklm.scale.datatrove_executors import prebuild_executors, stage_chain
     from stacklm.scale.slurm import StackSlurmExecutor
 
     config, _ = load_config(write_config(tmp_path / "c.yaml", tok_dir))

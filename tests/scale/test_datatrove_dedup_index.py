@@ -100,7 +100,7 @@ def test_the_chain_has_each_stages_resources_and_a_new_plan_starts_afresh(corpus
     with its own Slurm resources (``index``: a one-task stage of its own); the work folder and
     logs beside the file. Built again for another plan, an older run's completion marks go."""
     from stacklm.prebuild import load_config
-    from stacklm.scale.datatrove_steps import dedup_index_executors, stage_chain
+    from stacklm.scale.datatrove_executors import dedup_index_executors, stage_chain
     from stacklm.scale.resources import ClusterPlan, ClusterSettings, parse_stage_resources
 
     glob, _ = corpus

@@ -11,7 +11,7 @@ import pytest
 
 from stacklm.data import ledger
 from stacklm.data.pipeline import PipelineConfig
-from stacklm.scale.datatrove_steps import describe_task, prebuild_executors
+from stacklm.scale.datatrove_executors import describe_task, prebuild_executors
 from stacklm.scale.supervise import run_chain
 from stacklm.errors import LedgerError, TaskFailed
 

@@ -246,7 +246,7 @@ def test_compression_row_is_plain_data():
 
 
 def test_evaluates_our_trained_tokenizer_beside_the_hf_baseline(prose, hf_1024):
-    from stacklm.tokenizer.bpe import train_from_iterable
+    from stacklm.tokenizer.training import train_from_iterable
 
     ours = train_from_iterable(prose[0], vocab_size=1024).tokenizer
     smaller = train_from_iterable(prose[0][: len(prose[0]) // 4], vocab_size=1024).tokenizer

@@ -16,7 +16,7 @@ import tiktoken.load
 
 from stacklm import corpus
 from stacklm.tokenizer import export
-from stacklm.tokenizer.bpe import train_from_iterable
+from stacklm.tokenizer.training import train_from_iterable
 from stacklm.chat.template import CHAT_TEMPLATE, ESCAPED_SPECIAL_OPEN, encode_chat
 from stacklm.chat.template_export import export_all, export_hf
 from stacklm.tokenizer.export import (

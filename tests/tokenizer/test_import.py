@@ -14,7 +14,8 @@ import tiktoken
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from stacklm import corpus
-from stacklm.tokenizer.bpe import StackTokenizer, train_from_iterable
+from stacklm.tokenizer.bpe import StackTokenizer
+from stacklm.tokenizer.training import train_from_iterable
 from stacklm.chat.template_export import export_all, export_hf
 from stacklm.tokenizer.export import (
     build_hf_tokenizer,

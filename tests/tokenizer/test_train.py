@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from stacklm.corpus import iter_cjk, iter_default_corpus
-from stacklm.tokenizer.bpe import train_from_iterable
+from stacklm.tokenizer.training import train_from_iterable
 from stacklm.tokenizer.specials import GPT4_PATTERN, SPECIAL_TOKENS
 from stacklm.tokenizer.train import count_chunks, train_bpe, train_naive
 
