@@ -1,44 +1,52 @@
 """Start-up cost of every data-side process, side by side in one run (issue 31.3).
 
-    python3 bench/startup.py [--rounds 3] [--heavy-rounds 1] [--importtime] [--baseline ../other-checkout]
+    python3 bench/startup.py [--rounds 3] [--expensive-rounds 1] [--importtime] [--baseline ../other-checkout]
+    python3 bench/startup.py --only worker datatrove        # some rows (import torch always: the scale)
 
 Every measurement is a fresh ``python`` process; the numbers are CPU seconds (user + sys), the
 median over ``--rounds`` rounds (the rounds interleave the rows, so a burst of load hits them
-alike). Where the work happens in a worker, the worker's own CPU is taken (``getrusage`` in the
-worker, or the ``cutime`` of the process that reaped it), not the parent's.
+alike; the expensive rows -- import lightning, StackDataModule, the pool, datatrove -- run in the
+first ``--expensive-rounds``). Where the work happens in a worker, the worker's own CPU is taken
+(``getrusage`` in the worker, or what the process that reaped it counts), not its parent's.
 
 * **imports**: ``python -c "import X"`` for the bare interpreter, ``torch``, ``lightning``,
-  ``stacklm`` and the module each data-side process starts from: a shards loader worker
-  (``stacklm.data.storage.dataset``), a stream loader worker (``stacklm.datamodule.stream``), a
-  prebuild pool worker (``stacklm.prebuild.build``), a datatrove task
-  (``stacklm.scale.datatrove_steps`` + ``datatrove.executor``), and ``stacklm.train.cli``, which
-  every spawned or forkserver worker of ``stacklm-train`` re-runs (``multiprocessing`` re-runs
-  the main script in a new worker, and that console script is ``from stacklm.train.cli import
-  main``). The ``heavy`` column lists what of Lightning, wandb, transformers, datasets, pyarrow,
-  matplotlib, jsonargparse, the trainer came along.
+  ``stacklm``, and what each data-side process imports before its first work: a shards loader
+  worker (the dataset and ``ShardsLoader`` modules; a fork inherits them), a stream loader
+  worker (``stacklm.datamodule.workers.PRELOAD``, its forkserver's preload), a prebuild pool
+  worker (``stacklm.prebuild.build`` and the job's modules), a datatrove task (the executor,
+  the steps, the pipeline and the job's modules); and ``stacklm.train.cli``, which every spawned
+  or forkserver worker of ``stacklm-train`` re-runs (``multiprocessing`` re-runs the main script
+  in a new worker, and that console script is ``from stacklm.train.cli import main``). The
+  last column lists what came along of Lightning, wandb, transformers, datasets, pyarrow,
+  matplotlib, torchmetrics, scipy, jsonargparse and the trainer's model.
 * **first batch, cold**: python start to the first batch, in one process: shards mode as the
-  datamodule builds it (tokenizer loaded and checked against the manifest, ``PackedMemmapDataset``,
-  ``ElasticSampler``, ``ShardsLoader``; no worker), next to litdata's ``StreamingDataset`` +
-  ``StreamingDataLoader`` (``TokensLoader``) over the same token rows; stream mode (``stacklm.
-  PipelineConfig.from_dict(cfg).build(tok)``, ``next(pipe.batches)``: a local jsonl source,
-  exact + near dedup, shuffle 256 / pack 64 documents, as the demo config); and the whole
-  ``StackDataModule(mode="shards")`` path, which pays Lightning.
-* **workers**: a prebuild pool worker (``stacklm prebuild --workers 2`` on a tiny budget: spawn,
-  imports, one job; the per-worker CPU) and a datatrove local-executor task (``prebuild-datatrove
-  --tasks 2`` on the same: per task, and the forkserver's preload, once per command); a stream
-  loader worker forked from the project's forkserver (``stacklm.datamodule.workers``) and a
-  shards loader worker forked from the loader's process: CPU in the worker from the fork to
-  ready (``worker_init_fn`` done) and to its first batch.
+  datamodule builds it (tokenizer loaded and checked against the manifest, ``PackedMemmapDataset``
+  with its content check, ``ElasticSampler``, ``ShardsLoader``; no worker), next to litdata's
+  ``StreamingDataset`` + ``StreamingDataLoader`` (``TokensLoader``) over the same token rows;
+  stream mode (``stacklm.PipelineConfig.from_dict(cfg).build(tok)``, ``next(pipe.batches)``: a
+  local jsonl source, exact + near dedup, shuffle 256 / pack 64 documents, the demo config's
+  buffers); and the whole ``StackDataModule(mode="shards")`` path, which pays Lightning.
+  B=8, seq_len 2048, an 8192-id tokenizer.
+* **workers**: a shards loader worker forked by ``ShardsLoader``'s DataLoader and a stream loader
+  worker forked from the project's forkserver (``stacklm.datamodule.workers``), started from a
+  script whose top is ``stacklm-train``'s: CPU in the worker from the fork to ready
+  (``worker_init_fn`` done) and to its first batch, and the forkserver's preload (once per
+  process); a prebuild pool worker (``prebuild(..., workers=2)`` on a tiny budget, from a script
+  whose top is the ``stacklm`` command's: spawn, imports, one job, exit; per worker) and a
+  datatrove local-executor task (``prebuild_executors(..., tasks=2)`` + ``run_executors`` on the
+  same: per task, from the forkserver's counts, and that server's preload, once per command).
 
 Targets (issue 31; on an idle machine here ``import torch`` is 1.5 CPU-s): a data-side process
 imports torch and nothing heavier (<= 2 CPU-s); a loader worker forked from a preloaded server
 <= 0.2 CPU-s; the first shards batch <= litdata's; an engine task's fixed cost <= 2 CPU-s. On a
-loaded machine every CPU second stretches, so the absolute targets are also shown scaled by
-this run's ``import torch`` / 1.5 ("scaled").
+loaded machine every CPU second stretches, so the absolute targets are shown scaled by this
+run's ``import torch`` / 1.5.
 
 ``--baseline DIR`` measures another checkout (e.g. a worktree of main) in every round too, on
 the same data. ``--importtime`` also prints the import tree (``python -X importtime``) of each
-entry module, pre-order, entries of at least ``--tree-ms`` (cumulative, wall).
+entry, pre-order, entries of at least ``--tree-ms`` (cumulative, wall). litdata is optional
+(``pip install litdata``; its rows are left out without it). About 2 minutes on an idle
+2-core machine with the defaults.
 """
 
 from __future__ import annotations
@@ -235,19 +243,23 @@ SCRIPTS = {
     '''),
 }
 
-ENTRY_MODULES = [  # (label, modules imported in one fresh process)
+ENTRY_MODULES = [  # (label, modules imported in one fresh process): what each process imports before its first work
     ("python (nothing)", []),
     ("torch", ["torch"]),
     ("lightning", ["lightning"]),
     ("stacklm", ["stacklm"]),
-    ("stacklm.data.storage.dataset (shards worker)", ["stacklm.data.storage.dataset"]),
-    ("stacklm.datamodule.stream (stream worker)", ["stacklm.datamodule.stream"]),
-    ("stacklm.prebuild.build (pool worker)", ["stacklm.prebuild.build"]),
-    ("datatrove task: executor + datatrove_steps", ["datatrove.executor", "stacklm.scale.datatrove_steps"]),
+    ("shards loader worker: dataset, shards_loader", ["stacklm.data.storage.dataset", "stacklm.datamodule.shards_loader"]),
+    ("stream loader worker: workers.PRELOAD", ["numpy", "torch", "torchdata.stateful_dataloader", "torchdata.nodes",
+                                               "stacklm.data.pipeline", "stacklm.tokenizer.bpe", "stacklm.datamodule.stream",
+                                               "stacklm.datamodule.resume.logical"]),
+    ("pool worker: prebuild.build, jobs, pipeline", ["stacklm.parent_death", "stacklm.prebuild.build", "stacklm.prebuild.jobs",
+                                                     "stacklm.data.pipeline", "stacklm.tokenizer.bpe"]),
+    ("datatrove task: executor, steps, pipeline", ["datatrove.executor.local", "stacklm.scale.datatrove_steps",
+                                                   "stacklm.data.pipeline", "stacklm.prebuild.jobs", "stacklm.data.dedup.staged"]),
     ("stacklm.train.cli (re-run by every worker)", ["stacklm.train.cli"]),
     ("litdata", ["litdata"]),
 ]
-DATA_SIDE = [label for label, _ in ENTRY_MODULES if label.startswith(("stacklm.data", "stacklm.datamodule", "stacklm.prebuild", "datatrove"))]
+DATA_SIDE = [label for label, _ in ENTRY_MODULES if " worker: " in label or label.startswith("datatrove task")]
 
 
 def write_scripts(folder: Path) -> None:
@@ -399,8 +411,9 @@ def jobs(paths: dict[str, Path], scripts: Path, tmp: Path) -> list[tuple[bool, l
     return out
 
 
-def import_tree(modules: list[str], repo: Path, min_ms: float) -> str:
-    """``python -X importtime`` of ``modules`` as a pre-order tree, entries >= ``min_ms`` cumulative."""
+def import_tree(modules: list[str], repo: Path, min_ms: float, depth: int = 3) -> str:
+    """``python -X importtime`` of ``modules`` as a pre-order tree: entries >= ``min_ms``
+    cumulative, ``depth`` levels below each top-level import."""
     code = "".join(f"import {m}\n" for m in modules) or "pass"
     env = {**os.environ, "PYTHONPATH": str(repo)}
     err = subprocess.run([sys.executable, "-X", "importtime", "-c", code], env=env, capture_output=True, text=True).stderr
@@ -418,7 +431,7 @@ def import_tree(modules: list[str], repo: Path, min_ms: float) -> str:
 
     def walk(node):
         level, name, cum, kids = node
-        if cum / 1e3 >= min_ms:
+        if cum / 1e3 >= min_ms and level <= depth:
             lines.append(f"{'  ' * level}{name:<{max(1, 60 - 2 * level)}s} {cum / 1e3:8.0f} ms")
             for k in kids:
                 walk(k)
@@ -437,6 +450,7 @@ def main() -> None:
     ap.add_argument("--baseline", help="another checkout measured side by side in every round (same data)")
     ap.add_argument("--importtime", action="store_true", help="also print each entry module's import tree")
     ap.add_argument("--tree-ms", type=float, default=40.0, help="--importtime: smallest cumulative time shown")
+    ap.add_argument("--tree-depth", type=int, default=3, help="--importtime: levels shown below each import")
     ap.add_argument("--only", nargs="*", help="only the rows whose label contains one of these")
     args = ap.parse_args()
 
@@ -499,7 +513,7 @@ def main() -> None:
         v = med(label, T)
         if v is not None:
             bad = heavy(label, T) or []
-            checks.append((f"imports: {label.split(' (')[0]}", v, 2.0, True, not bad, f"heavy: {', '.join(bad)}" if bad else ""))
+            checks.append((f"imports: {label.split(':')[0]}", v, 2.0, True, not bad, f"heavy: {', '.join(bad)}" if bad else ""))
     for label in ("stream loader worker: fork -> ready", "shards loader worker: fork -> ready"):
         v = med(label, T)
         if v is not None:
@@ -508,22 +522,24 @@ def main() -> None:
     lit, ours = med("litdata: StreamingDataset + Loader", T), med("shards: dataset + ShardsLoader", T)
     if lit is not None and ours is not None:
         checks.append(("first shards batch <= litdata's", ours, lit, False, True, ""))
-    for label in ("prebuild pool worker (per worker)", "datatrove local task (per task)"):
-        v = med(label, T)
-        if v is not None:
-            checks.append((label.split(" (")[0] + " fixed cost", v, 2.0, True, True, ""))
+    v = med("datatrove local task (per task)", T)
+    if v is not None:
+        checks.append(("datatrove local task fixed cost", v, 2.0, True, True, ""))
     print(f"\ntargets (this tree; 'scaled' = the idle-machine target x {scale:.2f}, this run's import torch / {TORCH_IDLE}):")
     for what, v, target, scaled, clean, note in checks:
         limit = target * scale if scaled else target
         ok = clean and v <= limit
         print(f"  {what:44s} {v:6.2f} <= {limit:5.2f}{f' (idle {target:.2f})' if scaled else ' (same run)':13s}: "
               f"{'met' if ok else 'NOT met'}" + (f"  [{note}]" if note else ""))
+    if (v := med("prebuild pool worker (per worker)", T)) is not None:
+        print(f"  {'prebuild pool worker fixed cost':44s} {v:6.2f}  (no target: a spawned interpreter that imports torch, "
+              "runs its job and exits; its imports are the 'pool worker' row above)")
 
     if args.importtime:
         for label, modules in ENTRY_MODULES:
             if modules and (label != "litdata" or "litdata" in paths):
                 print(f"\n-X importtime: import {', '.join(modules)}  (>= {args.tree_ms:g} ms cumulative, wall)")
-                print(import_tree(modules, ROOT, args.tree_ms))
+                print(import_tree(modules, ROOT, args.tree_ms, args.tree_depth))
     print(f"\n{time.perf_counter() - t0:.0f} s in all")
 
 
