@@ -14,7 +14,13 @@ worker on a busy machine (``bench/loader.py --start-methods`` measures all three
 ``PRELOAD`` (and ``datasets`` when a source reads through it) once; each worker is a fork of that
 single-threaded server, so it starts fast and has never seen Lightning or wandb. The dataset
 and its graph builder reach the worker pickled; they live in modules that import neither
-(``stacklm.datamodule`` loads ``StackDataModule`` lazily for this reason).
+(``stacklm.datamodule`` loads ``StackDataModule`` lazily for this reason). Each worker also
+re-runs the main script first (``multiprocessing`` does, as ``__mp_main__``; Python 3.11's
+forkserver does not preload it), so a console script's top must stay light: ``stacklm-train``'s
+is ``from stacklm.train.cli import main``, and ``stacklm.train`` loads its Lightning model
+lazily for this reason (``bench/startup.py`` measures a worker from fork to its first batch).
+A script of your own that imports Lightning at its top has every worker import it again: keep
+that import under ``if __name__ == "__main__":`` or in a function.
 """
 
 from __future__ import annotations

@@ -33,7 +33,8 @@ class PrebuildSettings(Config):
 class PrebuildSpec(dict):
     """The type of the trainer's ``--prebuild`` argument (the top-level ``prebuild:`` section):
     a plain dict that ``PrebuildSettings`` validates when ``stacklm-train`` reads the YAML
-    (registered with jsonargparse below), so both commands read the shared file the same way."""
+    (``prebuild_spec_type`` registers it with jsonargparse), so both commands read the shared
+    file the same way."""
 
 
 def _check_prebuild_spec(value: Any) -> dict[str, Any]:
@@ -41,12 +42,16 @@ def _check_prebuild_spec(value: Any) -> dict[str, Any]:
     return dict(value or {})
 
 
-try:  # jsonargparse comes with lightning's CLI; without it there is no trainer to check for
-    from jsonargparse.typing import register_type
+def prebuild_spec_type() -> type[PrebuildSpec]:
+    """``PrebuildSpec``, registered with jsonargparse (the trainer's CLI parser). Registered
+    here, when the trainer asks, not when this module is imported: every prebuild pool worker
+    and datatrove task imports this package, and jsonargparse costs them ~0.3-0.8 CPU-s for
+    nothing (bench/startup.py)."""
+    from jsonargparse.typing import get_registered_type, register_type
 
-    register_type(PrebuildSpec, serializer=dict, deserializer=_check_prebuild_spec)
-except ImportError:  # pragma: no cover
-    pass
+    if get_registered_type(PrebuildSpec) is None:
+        register_type(PrebuildSpec, serializer=dict, deserializer=_check_prebuild_spec)
+    return PrebuildSpec
 
 
 def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:

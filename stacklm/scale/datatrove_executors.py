@@ -20,6 +20,7 @@ from typing import Any
 from stacklm.atomic import atomic_write_bytes
 from stacklm.data.splits import SPLITS
 from stacklm.scale.datatrove_steps import (
+    TASK_PRELOAD,
     StackDedupBuckets,
     StackDedupCluster,
     StackDedupIndexWriter,
@@ -65,7 +66,7 @@ def run_executors(last) -> None:
     except ImportError:
         pass
     if isinstance(last, kinds):
-        run_chain(last, describe=describe_task)
+        run_chain(last, describe=describe_task, preload=TASK_PRELOAD)
     else:
         from stacklm.scale.slurm import submit_chain
 

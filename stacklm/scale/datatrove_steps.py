@@ -60,6 +60,16 @@ from datatrove.pipeline.base import PipelineStep  # noqa: E402
 
 SUMMARY_KEY = "stacklm_task_summary"
 
+# What the steps import when a task runs them (inside ``run``, so that naming a step stays light),
+# imported once by the local executor's forkserver instead of by every task
+# (``supervise.forkserver_preload``): torch and torchdata through the pipeline, the tokenizer, the
+# prebuild's job and dedup code; and ``stacklm.cli.app``, which the ``stacklm`` console script
+# imports: each task re-runs the main script as ``__mp_main__`` (Python 3.11's forkserver does not
+# preload ``__main__`` itself). Nothing here imports Lightning, wandb or the trainer.
+TASK_PRELOAD = ["stacklm.cli.app", "numpy", "torch", "torchdata.nodes", "stacklm.tokenizer.bpe", "stacklm.data.pipeline",
+                "stacklm.data.dedup.staged", "stacklm.prebuild.jobs", "stacklm.prebuild.dedup_pass",
+                "stacklm.prebuild.manifests", "stacklm.prebuild.shard_tracker", "stacklm.data.packing.nodes"]
+
 
 @dataclasses.dataclass(frozen=True)
 class TaskPlan:

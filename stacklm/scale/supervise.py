@@ -31,7 +31,7 @@ import re
 import signal
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -106,11 +106,14 @@ def failure(executor, rank: int, what: str, describe: Describe | None = None, lo
     )
 
 
-def run_chain(last, *, describe: Describe | None = None, poll_s: float = 0.5, grace_s: float = 10.0) -> None:
+def run_chain(last, *, describe: Describe | None = None, poll_s: float = 0.5, grace_s: float = 10.0,
+              preload: Sequence[str] = ()) -> None:
     """Run every stage of ``last``'s ``depends`` chain in order (local or Ray executors), each
     stage's incomplete tasks supervised; raises ``TaskFailed`` for the first task that fails.
 
     ``describe(executor, rank)``: what a task builds, for the message (e.g. "split train, worker 1").
+    ``preload``: modules the local tasks import, imported once by the forkserver they are forked
+    from (``forkserver_preload``), not again by every task.
     """
     from datatrove.executor import LocalPipelineExecutor
 
@@ -128,7 +131,7 @@ def run_chain(last, *, describe: Describe | None = None, poll_s: float = 0.5, gr
             continue
         ex.save_executor_as_json()
         if isinstance(ex, LocalPipelineExecutor):
-            _run_local(ex, ranks, describe, poll_s, grace_s)
+            _run_local(ex, ranks, describe, poll_s, grace_s, forkserver_preload(chain_of(last), preload))
         elif RayPipelineExecutor and isinstance(ex, RayPipelineExecutor):
             _run_ray(ex, ranks, describe, poll_s)
         else:
@@ -137,6 +140,30 @@ def run_chain(last, *, describe: Describe | None = None, poll_s: float = 0.5, gr
         if missing:  # every task exited cleanly and still one has no completion file
             raise failure(ex, missing[0], "ended without its completion file", describe)
         logger.info(f"stage {stage_name(ex)!r}: {ex.world_size} tasks completed")
+
+
+def forkserver_preload(chain: list, extra: Sequence[str] = ()) -> list[str]:
+    """What the local executor's forkserver (datatrove's default ``start_method``) imports before
+    it forks the first task: ``__main__`` (datatrove's default; Python 3.11's forkserver skips it,
+    so each task still re-runs the main script: ``TASK_PRELOAD`` names what the ``stacklm``
+    script imports), the executor's module and every step's module (a task unpickles them first), then
+    ``extra`` (the modules the steps import when they run: ``datatrove_steps.TASK_PRELOAD``).
+    Each task is a fork of that server, so its fixed cost is its own work, not ~2-3 CPU-s of
+    imports (torch, datatrove's executor) per task (bench/startup.py). The server is single-
+    threaded and only imports, so forking it is safe with torch loaded (as the stream loaders'
+    server, ``stacklm.datamodule.workers``); a module missing there is skipped and imported by
+    the task itself. The executors' and steps' modules are taken only when this process has
+    imported them already (so they import cleanly: a module that raised in the server would
+    end it, and every task with it)."""
+    import sys
+
+    modules = ["__main__"]
+    for ex in chain:
+        for m in (type(ex).__module__, *(type(step).__module__ for step in getattr(ex, "pipeline", ()) or ())):
+            if m in sys.modules and m not in ("__main__", "builtins"):
+                modules.append(m)
+    modules += list(extra)
+    return list(dict.fromkeys(modules))
 
 
 def _local_task(executor, rank: int, local_rank: int, supervisor: int) -> None:
@@ -166,11 +193,15 @@ def _stop(procs, grace_s: float) -> None:
             p.join(5)
 
 
-def _run_local(ex, ranks: list[int], describe: Describe | None, poll_s: float, grace_s: float) -> None:
+def _run_local(ex, ranks: list[int], describe: Describe | None, poll_s: float, grace_s: float,
+               preload: Sequence[str] = ("__main__",)) -> None:
     import multiprocess
     from multiprocess.connection import wait
 
     ctx = multiprocess.get_context(ex.start_method)
+    if ex.start_method == "forkserver":
+        # Applies when the server starts (the first stage's first task); later stages reuse it.
+        ctx.set_forkserver_preload(list(preload))
     todo, slots, running = deque(ranks), list(range(max(1, ex.workers))), {}
     try:
         while todo or running:

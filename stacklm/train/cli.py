@@ -141,9 +141,9 @@ def _cli_class() -> type:
         def add_arguments_to_parser(self, parser) -> None:
             # The shared layout's prebuild settings: validated here (the prebuild's schema),
             # otherwise ignored by the trainer, so one file serves both commands.
-            from stacklm.prebuild.settings import PrebuildSpec
+            from stacklm.prebuild.settings import prebuild_spec_type
 
-            parser.add_argument("--prebuild", type=PrebuildSpec | None, default=None,
+            parser.add_argument("--prebuild", type=prebuild_spec_type() | None, default=None,
                                 help="the `stacklm prebuild` settings of this config (out, tokens_per_shard, workers, "
                                 "splits); ignored by the trainer")
 

@@ -1,0 +1,92 @@
+"""Data-side processes import nothing of Lightning, wandb or the trainer (issue 31.3;
+``bench/startup.py`` measures what they cost).
+
+A prebuild pool worker, a datatrove task and a loader worker import the modules listed here
+(their entry points, what they unpickle, what their forkserver preloads); a spawned or
+forkserver worker also re-runs the main script, which for ``stacklm-train`` is
+``from stacklm.train.cli import main``. One fresh interpreter imports them all and reports what
+came along."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stacklm.datamodule.workers import PRELOAD
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Never in a data-side process. jsonargparse: the trainer's CLI parser (stacklm.prebuild.settings
+# registers its type with it only when the trainer asks).
+FORBIDDEN = ["lightning", "pytorch_lightning", "wandb", "transformers", "torchmetrics", "stacklm.train", "trainer", "jsonargparse"]
+
+POOL_WORKER = ["stacklm.parent_death", "stacklm.prebuild.build", "stacklm.prebuild.jobs", "stacklm.prebuild.dedup_pass",
+               "stacklm.data.pipeline", "stacklm.tokenizer.bpe", "stacklm.cli.app"]  # cli.app: the `stacklm` script's line
+LOADER_WORKER = [*PRELOAD, "stacklm.datamodule.workers", "stacklm.datamodule.shards_loader", "stacklm.data.storage.dataset",
+                 "stacklm.datamodule.loader"]
+HAS_DATATROVE = importlib.util.find_spec("datatrove") is not None
+
+
+def _imported(modules: list[str], then: list[str] | None = None) -> dict[str, list[str]]:
+    """Import ``modules`` in a fresh interpreter: the FORBIDDEN modules it then holds; with
+    ``then``, also import those and report again."""
+    code = (
+        "import importlib, json, sys\n"
+        f"forbidden = {FORBIDDEN!r}\n"
+        "seen = lambda: [m for m in forbidden if m in sys.modules]\n"
+        f"for m in {modules!r}: importlib.import_module(m)\n"
+        "out = {'first': seen()}\n"
+        f"for m in {then or []!r}: importlib.import_module(m)\n"
+        "out['then'] = seen()\n"
+        "print(json.dumps(out))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_worker_and_task_modules_import_no_lightning_wandb_or_trainer():
+    """Pool worker, loader workers (PRELOAD: the stream loaders' forkserver) and, with datatrove,
+    an engine task (the executor, the steps, ``TASK_PRELOAD``: its forkserver) in one process;
+    then ``stacklm.train.cli``, which every spawned or forkserver worker of ``stacklm-train``
+    re-runs: it may bring its own package, nothing heavier (it brought Lightning, ~6 CPU-s per
+    worker, while ``stacklm.train`` imported its model eagerly)."""
+    modules = POOL_WORKER + LOADER_WORKER
+    if HAS_DATATROVE:
+        from stacklm.scale.datatrove_steps import TASK_PRELOAD
+
+        modules += ["datatrove.executor.local", "stacklm.scale.datatrove_steps", "stacklm.scale.supervise", *TASK_PRELOAD]
+    got = _imported(list(dict.fromkeys(modules)), then=["stacklm.train.cli"])
+    assert got["first"] == [], f"a data-side process imported {got['first']}"
+    assert got["then"] == ["stacklm.train"], f"re-running the stacklm-train script imported {got['then']}"
+
+
+@pytest.mark.skipif(not HAS_DATATROVE, reason="needs datatrove (stacklm[scale])")
+def test_datatrove_tasks_fork_from_a_server_that_preloads_their_modules():
+    """``run_chain``'s local forkserver imports the executor's and steps' modules (those this
+    process has imported: they import cleanly) and then the extra ones, once; ``__main__`` first."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.base import PipelineStep
+
+    from stacklm.scale.supervise import forkserver_preload
+
+    class Unimported(PipelineStep):  # its module is taken only when this process has imported it
+        __module__ = "not.imported.anywhere"
+
+        def run(self, data=None, rank: int = 0, world_size: int = 1):
+            return data
+
+    class Step(PipelineStep):
+        def run(self, data=None, rank: int = 0, world_size: int = 1):
+            return data
+
+    first = LocalPipelineExecutor([Step()], tasks=1, logging_dir="/nonexistent/a")
+    second = LocalPipelineExecutor([Unimported(), Step()], tasks=1, logging_dir="/nonexistent/b", depends=first)
+    second.depends = first
+    assert forkserver_preload([first, second], ["torch", __name__]) == [
+        "__main__", "datatrove.executor.local", __name__, "torch"]
