@@ -204,7 +204,7 @@ SCRIPTS = {
         import contextlib, glob, io
 
         from stacklm.prebuild import load_config
-        from stacklm.scale.datatrove_steps import prebuild_executors, run_executors
+        from stacklm.scale.datatrove_executors import prebuild_executors, run_executors
 
         config, settings = load_config(sys.argv[1])
         logs = sys.argv[2] + ".logs"
