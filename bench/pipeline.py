@@ -122,7 +122,7 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
             return time.perf_counter() - t, n
 
         def with_workers() -> tuple[float, int]:
-            ds = StreamDataset(PipelineBuilder(one_thread.to_dict(), str(tok_dir), "train"), split="train", rank=0,
+            ds = StreamDataset(PipelineBuilder(one_thread, str(tok_dir), "train"), split="train", rank=0,
                                world_size=1, n_batches_total=10**9, batch_size=8, seq_len=seq_len, pad_id=tok.pad_id,
                                sources=[e.name for e in cfg.mix.entries], target_weights=dict(cfg.mix.weights))
             loader = StackDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=DEFAULT_SNAPSHOT_STEPS)

@@ -16,7 +16,9 @@ parse / validate / hash / build path, so a YAML typo is caught the same way ever
 A subclass may set ``config_error`` (the ``ConfigError`` subclass it raises), ``hash_exclude``,
 ``label(data)`` (how messages name an instance, e.g. ``source 'web'``) and ``_from_value``
 (accept a non-mapping, e.g. a registered mix name). A field's ``metadata={"help": ...}`` is
-shown when it is missing.
+shown when it is missing; ``metadata={"coerce": False}`` passes its value as written, for the
+class's ``__post_init__`` to parse (a field whose type depends on another, e.g.
+``DataConfig.pipeline`` on ``mode``).
 """
 
 from __future__ import annotations
@@ -113,7 +115,8 @@ class Config:
             helps = [f"{n}: {fields[n].metadata['help']}" for n in missing if "help" in fields[n].metadata]
             raise err(f"{where}: missing required field(s) {missing}" + (f" ({'; '.join(helps)})" if helps else ""))
         hints = _hints(cls)
-        kw = {key: coerce(hints[key], value, join_path(path, key), err) for key, value in data.items()}
+        kw = {key: coerce(hints[key], value, join_path(path, key), err) if fields[key].metadata.get("coerce", True) else value
+              for key, value in data.items()}
         return cls(**kw)
 
     @classmethod

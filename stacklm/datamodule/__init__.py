@@ -1,6 +1,8 @@
 """The Lightning side of stacklm: ``StackDataModule`` and its loaders.
 
 - ``stack_datamodule``: ``StackDataModule`` (``mode`` = ``shards`` / ``stream`` / ``sft`` / ``preference``);
+- ``section``: ``DataConfig``, the ``data:`` section parsed once (its pipeline typed), which the
+  module keeps and its mode and loader workers get;
 - ``modes``: one class per mode, chosen once by the module and called with explicit arguments,
   with what differs between them;
 - ``resume/``: every resume rule: the checkpoint state's shape per mode and its checks, what the
@@ -30,6 +32,7 @@ _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
     "pick_rank_state": "loader", "to_checkpoint_safe": "loader",
     "MODES": "modes", "DataMode": "modes", "SFTMode": "modes", "PreferenceMode": "modes", "ShardsMode": "modes", "StreamMode": "modes",
+    "DataConfig": "section",
     "DEFAULT_SNAPSHOT_STEPS": "stack_datamodule", "PipelineSpec": "stack_datamodule", "StackDataModule": "stack_datamodule",
     "check_pipeline": "stack_datamodule",
     "ShardsLoader": "shards_loader",

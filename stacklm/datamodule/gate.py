@@ -201,9 +201,8 @@ def sample_sft(dm: Any, n_batches: int = GATE_BATCHES) -> list[tuple[str, dict[s
     from stacklm.data.sources import ShardSpec
     from stacklm.datamodule.modes import MODE_CLASSES
 
-    cfg = dm.sft_config()
     # quiet: the loader reads these records again and says what it drops (said here, it was said twice)
-    build = MODE_CLASSES[dm.mode].builder(cfg.to_dict(), dm.tokenizer_path, "train", quiet=True)
+    build = MODE_CLASSES[dm.mode].builder(dm.sft_config(), dm.tokenizer_path, "train", quiet=True)
     workers = max(1, dm.num_workers)
     out: list[tuple[str, dict[str, Any]]] = []
     for w in range(workers):

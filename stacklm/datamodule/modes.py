@@ -4,9 +4,10 @@
 it everything that differs: which arguments the mode needs, its train and val loaders, the
 data numbers of a train loader for logging, the hash of the data config a resume must match,
 and its part of the checkpoint state (``state`` / ``restore``, in the shape ``resume.state``
-gives it). A mode is built from the module's arguments (``ModeArgs``) and is handed, at each
-call, the facts of the fit it serves (``Run``) and the loader it made before; it returns what it
-produces and never sees the module. The resume rules it applies are in ``resume/``.
+gives it). A mode is built from the module's typed config (``ModeArgs``: the ``DataConfig``,
+parsed once, and where the data is read) and is handed, at each call, the facts of the fit it
+serves (``Run``) and the loader it made before; it returns what it produces and never sees the
+module. The resume rules it applies are in ``resume/``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stacklm.config import PIPELINE_PATH
 from stacklm.data.sft.reader import say_split_drops
 from stacklm.data.sources import ShardSpec
 from stacklm.datamodule.loader import StackDataLoader
 from stacklm.datamodule.resume.logical import LogicalStreamDataset, resume_segment
 from stacklm.datamodule.resume.sampler import ElasticSampler
 from stacklm.datamodule.resume.shards import next_position, resolve_skips, skipped_rows
+from stacklm.datamodule.section import DataConfig
 from stacklm.datamodule.shards_loader import ShardsLoader
 from stacklm.datamodule.stream import PipelineBuilder, PreferenceBuilder, SFTBuilder, StreamDataset, merge_worker_summaries
 from stacklm.datamodule.workers import WorkerEnv, worker_context
@@ -35,22 +36,13 @@ from stacklm.errors import DataConfigError, ResumeRefused
 
 @dataclass(frozen=True)
 class ModeArgs:
-    """The module's arguments a mode reads (``StackDataModule``'s docstring says what each is)."""
+    """What a mode is built from: the module's ``DataConfig`` (its arguments, checked, with the
+    pipeline parsed once; ``StackDataModule``'s docstring says what each is) and where shards
+    mode reads the data from."""
 
-    tokenizer_path: str
-    data_dir: str | None = None
-    data_url: str | None = None  # a remote data_dir's URL, for messages (``data_dir`` is its local mirror)
-    pipeline: dict[str, Any] | None = None
-    seq_len: int = 2048
-    batch_size: int = 8
-    num_workers: int = 0
-    seed: int = 0
-    val_batches: int | None = None
-    train_batches: int | None = None
-    logical_streams: int | None = None
-    skip_steps: tuple[tuple[int, int], ...] = ()
-    verify_shards: bool = True
-    shard_window: int | None = None  # the train split's shard-local order (``resume.sampler.window_permutation``)
+    config: DataConfig
+    data_dir: str | None = None  # ``config.data_dir``, or its local mirror when that is a remote URL
+    data_url: str | None = None  # a remote data_dir's URL, for messages
     shard_cache: Any = None  # a remote train split streamed through a bounded cache (``prefetch.ShardCache``)
 
 
@@ -73,38 +65,9 @@ class Run:
     snapshot_interval: int = 1000  # steps between loader worker snapshots (``StackDataModule.snapshot_interval``)
     mix_changes: tuple[dict[str, Any], ...] = ()  # stream mode's re-weightings, per-rank batch indices resolved
 
-    def shape(self, args: ModeArgs) -> dict[str, int]:
+    def shape(self, config: DataConfig) -> dict[str, int]:
         """How this run reads the data: world size, loader workers, batch size."""
-        return {"world_size": self.world_size, "num_workers": args.num_workers, "batch_size": args.batch_size}
-
-
-def pipeline_config(args: ModeArgs):
-    """The stream pipeline config (``PipelineConfig``) of ``args.pipeline``; its ``seq_len`` and
-    ``batch_size`` default to the module's and must agree with them."""
-    from stacklm.data.pipeline import PipelineConfig
-
-    d = dict(args.pipeline or {})
-    d.setdefault("seq_len", args.seq_len)
-    d.setdefault("batch_size", args.batch_size)
-    d.setdefault("seed", args.seed)
-    cfg = PipelineConfig.from_dict(d, path=PIPELINE_PATH)
-    if cfg.seq_len != args.seq_len or cfg.batch_size != args.batch_size:
-        raise DataConfigError(
-            f"StackDataModule: pipeline seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "
-            f"({args.seq_len}/{args.batch_size}); set them in one place"
-        )
-    return cfg
-
-
-def sft_config(args: ModeArgs):
-    """The SFT config (``SFTConfig``) of ``args.pipeline``, with the module's defaults."""
-    from stacklm.data.sft import SFTConfig
-
-    d = dict(args.pipeline or {})
-    d.setdefault("seq_len", args.seq_len)
-    d.setdefault("batch_size", args.batch_size)
-    d.setdefault("seed", args.seed)
-    return SFTConfig.from_dict(d, path=PIPELINE_PATH)
+        return {"world_size": self.world_size, "num_workers": config.num_workers, "batch_size": config.batch_size}
 
 
 def shards_dataset(args: ModeArgs, split: str, tokenizer):
@@ -112,26 +75,28 @@ def shards_dataset(args: ModeArgs, split: str, tokenizer):
     module's ``seq_len``."""
     from stacklm.data.storage.dataset import PackedMemmapDataset
 
-    ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.verify_shards,
+    seq_len = args.config.seq_len
+    ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.config.verify_shards,
                              cache=args.shard_cache if split == "train" else None)
-    if ds.seq_len != args.seq_len:
+    if ds.seq_len != seq_len:
         raise DataConfigError(
-            f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {args.seq_len}; "
+            f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {seq_len}; "
             "use the same seq_len or rebuild the shards"
         )
     return ds
 
 
 class DataMode:
-    """One mode of ``StackDataModule``, built from its arguments (``args``)."""
+    """One mode of ``StackDataModule``, built from its config and data place (``args``)."""
 
     name: str
 
     def __init__(self, args: ModeArgs) -> None:
         self.args = args
+        self.config = args.config  # the module's ``DataConfig``
 
     @classmethod
-    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
+    def check_arguments(cls, config: DataConfig) -> None:
         """Raise ``DataConfigError`` when an argument the mode needs is missing."""
 
     def train_loader(self, run: Run, last: Any = None):
@@ -179,8 +144,8 @@ class ShardsMode(DataMode):
     name = "shards"
 
     @classmethod
-    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
-        if data_dir is None:
+    def check_arguments(cls, config: DataConfig) -> None:
+        if config.data_dir is None:
             raise DataConfigError("StackDataModule(mode='shards'): pass data_dir=<prebuilt shard directory>")
 
     def __init__(self, args: ModeArgs) -> None:
@@ -203,8 +168,8 @@ class ShardsMode(DataMode):
             position = next_position(last.position(), last.batches_yielded, last.num_rows)
         self.restored = None
         ds = self.dataset("train", run.tokenizer)
-        self.skips = resolve_skips(self.skips, list(self.args.skip_steps), position, now=run.step,
-                                   step_rows=self.restored_step_rows or run.world_size * self.args.batch_size * run.accumulate,
+        self.skips = resolve_skips(self.skips, list(self.config.skip_steps), position, now=run.step,
+                                   step_rows=self.restored_step_rows or run.world_size * self.config.batch_size * run.accumulate,
                                    num_rows=len(ds))
         return self._loader(ds, "train", position, run)
 
@@ -218,7 +183,7 @@ class ShardsMode(DataMode):
         """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
         for the step log."""
         ds = self.dataset("train", run.tokenizer)
-        return skipped_rows(self.skips, len(ds), self.args.seed, shard_window=self.args.shard_window, shard_rows=ds.shard_rows)
+        return skipped_rows(self.skips, len(ds), self.config.seed, shard_window=self.config.shard_window, shard_rows=ds.shard_rows)
 
     def position(self, loader: Any) -> dict[str, int] | None:
         """The shape-free position at ``loader`` (the current train loader), else the restored one."""
@@ -244,17 +209,17 @@ class ShardsMode(DataMode):
             self.restore_delivered(saved["delivered"])
 
     def _loader(self, ds, split: str, position: dict[str, int] | None, run: Run) -> ShardsLoader:
-        args = self.args
+        config = self.config
         train = split == "train"
-        if not train and len(ds) < run.world_size * args.batch_size:
+        if not train and len(ds) < run.world_size * config.batch_size:
             raise DataConfigError(
                 f"StackDataModule: {ds.path} has {len(ds)} sequences, fewer than one global batch of "
-                f"{run.world_size} rank(s) x {args.batch_size}; lower batch_size or build more data"
+                f"{run.world_size} rank(s) x {config.batch_size}; lower batch_size or build more data"
             )
-        order = ElasticSampler(ds, args.batch_size, seed=args.seed, rank=run.rank, world_size=run.world_size, shuffle=train,
-                               loop=False, shard_window=args.shard_window if train else None)
+        order = ElasticSampler(ds, config.batch_size, seed=config.seed, rank=run.rank, world_size=run.world_size, shuffle=train,
+                               loop=False, shard_window=config.shard_window if train else None)
         return ShardsLoader(
-            ds, order, batch_size=args.batch_size, rank=run.rank, world_size=run.world_size, num_workers=args.num_workers,
+            ds, order, batch_size=config.batch_size, rank=run.rank, world_size=run.world_size, num_workers=config.num_workers,
             tail="pad" if train else "drop", position=position,
             skips=[tuple(r["positions"]) for r in self.skips] if train else None,
             delivered=self.delivered if train else None, row_counts=self._row_counts if train else None,
@@ -350,9 +315,10 @@ class ShardsMode(DataMode):
         """Content, not place: a moved or copied shard directory has the same hash."""
         from stacklm.datamodule.resume.identity import shards_content_hash
 
-        args = self.args
-        window = f":window{args.shard_window}" if args.shard_window else ""  # another order: not the same data stream
-        return hashlib.sha256(f"shards:{shards_content_hash(args.data_dir)}:{args.seq_len}:{args.seed}{window}".encode()).hexdigest()
+        config = self.config
+        window = f":window{config.shard_window}" if config.shard_window else ""  # another order: not the same data stream
+        data = shards_content_hash(self.args.data_dir)
+        return hashlib.sha256(f"shards:{data}:{config.seq_len}:{config.seed}{window}".encode()).hexdigest()
 
 
 class _WorkerStreamMode(DataMode):
@@ -360,8 +326,8 @@ class _WorkerStreamMode(DataMode):
     what they delivered in summaries riding on the batches."""
 
     @classmethod
-    def check_arguments(cls, *, data_dir: str | None, pipeline: dict[str, Any] | None) -> None:
-        if pipeline is None:
+    def check_arguments(cls, config: DataConfig) -> None:
+        if config.pipeline is None:
             raise DataConfigError(f"StackDataModule(mode={cls.name!r}): pass pipeline=<config dict>")
 
     def train_loader(self, run: Run, last: Any = None) -> StackDataLoader:
@@ -376,7 +342,7 @@ class _WorkerStreamMode(DataMode):
         raise NotImplementedError
 
     def _loader(self, dataset: StreamDataset, run: Run, epoch_source: Callable[[], int | None] | None = None) -> StackDataLoader:
-        workers = self.args.num_workers
+        workers = self.config.num_workers
         context = worker_context(needs_datasets=self._needs_datasets()) if workers > 0 else None
         return StackDataLoader(
             dataset,
@@ -417,13 +383,13 @@ class StreamMode(_WorkerStreamMode):
         # the checkpoint's stream record (``stream_state``) until the first train loader takes it
         self.restored: dict[str, Any] | None = None
         self.quota: int | None = None  # train windows per logical stream per epoch, fixed for the run
-        self._logical_streams: int | None = args.logical_streams  # fixed for the run once known
+        self._logical_streams: int | None = args.config.logical_streams  # fixed for the run once known
 
     def logical_streams(self, run: Run) -> int:
         """Fixed for the run: the argument, else the checkpoint's, else this first run's readers
         (world x workers, so a fresh run reads exactly as one reader per worker would)."""
         if self._logical_streams is None:
-            self._logical_streams = run.world_size * max(1, self.args.num_workers)
+            self._logical_streams = run.world_size * max(1, self.config.num_workers)
         return int(self._logical_streams)
 
     def train_loader(self, run: Run, last: Any = None) -> StackDataLoader:
@@ -439,22 +405,22 @@ class StreamMode(_WorkerStreamMode):
         return len(loader.dataset), loader.dataset.full_epoch_len()
 
     def _dataset(self, split: str, run: Run) -> StreamDataset:
-        args = self.args
-        cfg = pipeline_config(args)
+        config = self.config
+        cfg = config.pipeline  # the ``PipelineConfig``, parsed once (``section.DataConfig``)
         world = run.world_size
         if split == "train":
             budget = cfg.mix.total_tokens
             n_total = budget // (world * cfg.batch_size * cfg.seq_len)
         else:
             budget = max(1, round(cfg.mix.total_tokens * cfg.holdout_fraction))
-            n_total = args.val_batches if args.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
+            n_total = config.val_batches if config.val_batches is not None else budget // (world * cfg.batch_size * cfg.seq_len)
         if n_total < 1:
             raise DataConfigError(
                 f"StackDataModule: the {split} token budget ({budget:,} tokens) gives zero batches of "
                 f"{cfg.batch_size} x {cfg.seq_len} tokens on {world} rank(s); raise mix.total_tokens"
                 + (" or holdout_fraction, or set val_batches" if split == "val" else "")
             )
-        workers = max(1, args.num_workers)
+        workers = max(1, config.num_workers)
         n_total = max(workers, n_total // workers * workers)  # equal share per worker
         logical = self.logical_streams(run)
         quota = world * n_total * cfg.batch_size // logical  # windows per logical stream per epoch
@@ -481,7 +447,7 @@ class StreamMode(_WorkerStreamMode):
             from stacklm.data.quality.decontam import ensure_index
 
             ensure_index(cfg.decontaminate, announce=True)
-        build = PipelineBuilder(cfg.to_dict(), args.tokenizer_path, split)
+        build = PipelineBuilder(cfg, config.tokenizer, split)
         ds = LogicalStreamDataset(
             build, logical_streams=logical, quota=quota, split=split, rank=run.rank, world_size=world,
             n_batches_total=n_total, batch_size=cfg.batch_size, seq_len=cfg.seq_len, pad_id=run.tokenizer.pad_id,
@@ -492,7 +458,7 @@ class StreamMode(_WorkerStreamMode):
             ds.mix_changes = [dict(c) for c in run.mix_changes]
             epoch = run.current_epoch()
             ds.epoch = int(epoch) if epoch is not None else 0
-            ds.resume = resume_segment(self.restored, quota, run.shape(args))
+            ds.resume = resume_segment(self.restored, quota, run.shape(config))
         return ds
 
     def stream_state(self, loader: Any) -> dict[str, Any] | None:
@@ -512,10 +478,10 @@ class StreamMode(_WorkerStreamMode):
         if rec is None:  # saved before the first train loader: nothing was read yet
             return
         n = int(rec["logical_streams"])
-        if self.args.logical_streams is not None and self.args.logical_streams != n:
+        if self.config.logical_streams is not None and self.config.logical_streams != n:
             raise ResumeRefused(
                 f"refusing to resume: the checkpoint reads the data as logical_streams={n} but this run sets "
-                f"logical_streams={self.args.logical_streams}; the number of logical streams is fixed for a run. Drop the "
+                f"logical_streams={self.config.logical_streams}; the number of logical streams is fixed for a run. Drop the "
                 f"argument (it is taken from the checkpoint) or set it to {n}."
             )
         self._logical_streams = n
@@ -523,10 +489,10 @@ class StreamMode(_WorkerStreamMode):
         self.quota = None
 
     def _needs_datasets(self) -> bool:
-        return any(entry.kind == "hf" for entry in pipeline_config(self.args).mix.entries)
+        return any(entry.kind == "hf" for entry in self.config.pipeline.mix.entries)
 
     def data_config_hash(self) -> str:
-        return pipeline_config(self.args).config_hash()
+        return self.config.pipeline.config_hash()
 
 
 def _sft_target_weights(cfg) -> dict[str, float]:
@@ -549,16 +515,16 @@ class SFTMode(_WorkerStreamMode):
         dropped (rank 0, once for the split); the loader's workers read the same records again,
         quietly. Without a counting pass (``train_batches`` / ``val_batches`` given) the
         workers' readers say it themselves."""
-        args = self.args
-        cfg = sft_config(args)
-        build = self.builder(cfg.to_dict(), args.tokenizer_path, split)
-        workers = max(1, args.num_workers)
+        config = self.config
+        cfg = config.pipeline  # the ``SFTConfig``, parsed once (``section.DataConfig``)
+        build = self.builder(cfg, config.tokenizer, split)
+        workers = max(1, config.num_workers)
         world = run.world_size
-        fixed = args.train_batches if split == "train" else args.val_batches
+        fixed = config.train_batches if split == "train" else config.val_batches
         if fixed is not None:
             per_worker = max(1, fixed // workers)
         else:
-            build = self.builder(cfg.to_dict(), args.tokenizer_path, split, quiet=True)
+            build = self.builder(cfg, config.tokenizer, split, quiet=True)
             counts, readers = [], []
             for r in range(world):
                 for w in range(workers):
@@ -577,10 +543,10 @@ class SFTMode(_WorkerStreamMode):
         )
 
     def _needs_datasets(self) -> bool:
-        return any(source.kind == "hf" for source in sft_config(self.args).sources)
+        return any(source.kind == "hf" for source in self.config.pipeline.sources)
 
     def data_config_hash(self) -> str:
-        return sft_config(self.args).config_hash()
+        return self.config.pipeline.config_hash()
 
 
 class PreferenceMode(SFTMode):

@@ -39,9 +39,10 @@ import lightning as L
 import numpy as np
 
 from stacklm.data.pipeline import PipelineConfig
-from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run, pipeline_config, sft_config
+from stacklm.data.sft import SFTConfig
+from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run
 from stacklm.datamodule.resume.state import EpochReload
-from stacklm.datamodule.section import DataSection, check_pipeline
+from stacklm.datamodule.section import DataConfig, check_pipeline
 from stacklm.errors import DataConfigError
 from stacklm.once import first_time
 
@@ -65,14 +66,22 @@ except ImportError:  # pragma: no cover
 class StackDataModule(L.LightningDataModule):
     """Lightning data module over stacklm's shards, streams or SFT conversations.
 
+    The arguments are parsed once, on construction, into ``config``, a frozen, picklable
+    ``DataConfig`` (``stacklm.datamodule.section``, the one schema of the YAML's ``data:``, which
+    declares them with their types and checks; the signature below repeats the names and
+    defaults for jsonargparse and type checkers, and a test holds the two equal). Its mode and
+    the loader workers get that object, the pipeline in it already a ``PipelineConfig`` or
+    ``SFTConfig``; nothing parses the pipeline again.
+
     Args:
         mode: ``"shards"``, ``"stream"``, ``"sft"`` or ``"preference"``.
         tokenizer: path of the tokenizer artifact (dir or ``tokenizer.stacklm.json``).
         data_dir: prebuilt shard directory (``shards`` mode), local or a remote URL (``s3://bucket/prefix``,
             any fsspec protocol), mirrored into a local cache first (docs/prebuild.md, "Object storage").
         pipeline: the stream pipeline config as a dict (``stream`` mode; see ``PipelineConfig``),
-            or the SFT config (``sft`` mode; see ``SFTConfig``); parsed on construction, so an
-            unknown key or a wrong type is an error naming ``data.pipeline.<key>``.
+            or the SFT config (``sft``/``preference`` mode; see ``SFTConfig``); parsed on
+            construction (``seq_len``, ``batch_size`` and ``seed`` default to the module's), so
+            an unknown key or a wrong type is an error naming ``data.pipeline.<key>``.
         seq_len, batch_size, num_workers, seed: as usual; ``seq_len`` counts the window before
             the next-token shift (batches are ``seq_len - 1`` wide).
         val_batches: validation batches per rank (stream/sft); ``None`` = from the holdout budget
@@ -152,50 +161,31 @@ class StackDataModule(L.LightningDataModule):
         cache_max_bytes: int | None = None,
     ) -> None:
         super().__init__()
-        # the one schema of ``data:`` (also the prebuild's): keys, types, mode and ranges
-        DataSection.parse(
-            mode=mode, tokenizer=tokenizer, data_dir=data_dir, pipeline=pipeline,
-            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
-            train_batches=train_batches, snapshot_every_n_steps=snapshot_every_n_steps, logical_streams=logical_streams,
-            step_log=step_log, verify_shards=verify_shards, gate=gate, skip_steps=skip_steps,
-            shard_window=shard_window, cache_max_bytes=cache_max_bytes,
-        )
+        # parsed once: the one schema of ``data:`` (also the prebuild's), the pipeline as its mode's config
+        config = DataConfig.parse(locals())
         if tokenizer is None:
             raise DataConfigError("StackDataModule: pass tokenizer=<path to the tokenizer artifact directory>")
-        MODE_CLASSES[mode].check_arguments(data_dir=data_dir, pipeline=pipeline)
+        MODE_CLASSES[mode].check_arguments(config)
         if pipeline:
-            pipeline = dict(pipeline)
+            pipeline = dict(pipeline)  # the hyperparameters keep it as written, a plain dict
         self.save_hyperparameters()
-        self.mode = mode
-        self.tokenizer_path = tokenizer
+        self.config = config  # the typed, frozen arguments (``section.DataConfig``); its mode gets it too
+        self.mode, self.tokenizer_path = config.mode, config.tokenizer
+        self.seq_len, self.batch_size, self.num_workers, self.seed = config.seq_len, config.batch_size, config.num_workers, config.seed
         from stacklm.data.storage import remote
 
         # A remote data_dir (s3://..., any fsspec URL) is read from its local mirror: manifests
         # read, shards downloaded and hash-checked once per node (``remote.mirror``), then the
         # same memmap path as a local directory. The URL stays in ``data_url`` for messages.
-        self.data_url = data_dir if remote.is_remote(data_dir) else None
-        self.shard_window = shard_window
+        self.data_url = config.data_dir if remote.is_remote(config.data_dir) else None
         # With ``shard_window`` a remote train split is not mirrored whole but streamed into a
         # bounded cache ahead of the reader (``prefetch``); the other splits are mirrored.
-        self.cache_limit = cache_max_bytes if cache_max_bytes is not None else remote._max_bytes()
-        self._stream = bool(self.data_url and shard_window and mode == "shards")
-        self.data_dir = (str(remote.mirror(data_dir, stream=("train",) if self._stream else (), limit=self.cache_limit))
-                         if self.data_url else data_dir)
+        self.cache_limit = config.cache_max_bytes if config.cache_max_bytes is not None else remote._max_bytes()
+        self._stream = bool(self.data_url and config.shard_window and mode == "shards")
+        self.data_dir = (str(remote.mirror(self.data_url, stream=("train",) if self._stream else (), limit=self.cache_limit))
+                         if self.data_url else config.data_dir)
         self._shard_cache = None
-        self.pipeline_dict = dict(pipeline or {})
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.num_workers = num_workers
-        self.seed = seed
-        self.val_batches = val_batches
-        self.train_batches = train_batches
-        self.snapshot_every_n_steps = snapshot_every_n_steps
-        self.logical_streams = None if logical_streams is None else int(logical_streams)  # the argument; the run's: the mode's
-        self.step_log = step_log
-        self.verify_shards = verify_shards
         self._step_log_writer = None  # this fit's (``train_dataloader``); closed at teardown
-        self.gate = bool(gate)
-        self.skip_steps = _check_skip_steps(skip_steps, mode)
         self._gate = None  # this fit's data gate: True once an sft sample passed, an InFlightGate in pre-training
         self._tok = None
         self._train_loader = None
@@ -204,12 +194,8 @@ class StackDataModule(L.LightningDataModule):
         # Online re-weighting (set_mix_weights): [{"step", "batch" or None, "weights"}], in the checkpoint.
         self.mix_changes: list[dict[str, Any]] = []
         self.rank, self.world_size = 0, 1  # this process's; from the trainer at setup
-        self._mode = MODE_CLASSES[mode](ModeArgs(
-            tokenizer_path=tokenizer, data_dir=self.data_dir, data_url=self.data_url, pipeline=self.pipeline_dict,
-            seq_len=seq_len, batch_size=batch_size, num_workers=num_workers, seed=seed, val_batches=val_batches,
-            train_batches=train_batches, logical_streams=self.logical_streams, skip_steps=tuple(self.skip_steps),
-            verify_shards=verify_shards, shard_window=shard_window, shard_cache=self.shard_cache(),
-        ))
+        self._mode = MODE_CLASSES[mode](ModeArgs(config, data_dir=self.data_dir, data_url=self.data_url,
+                                                 shard_cache=self.shard_cache()))
         self._reload = EpochReload()  # asks Lightning to rebuild a train loader whose resumed epoch is short
 
     # ------------------------------------------------------------------ shared facts
@@ -231,8 +217,12 @@ class StackDataModule(L.LightningDataModule):
 
         return tokenizer_hash(self.tokenizer)
 
-    def pipeline_config(self) -> PipelineConfig:
-        return pipeline_config(self._mode.args)
+    def pipeline_config(self) -> PipelineConfig | None:
+        """The pipeline, parsed once (``self.config.pipeline``): an ``SFTConfig`` in sft and preference modes."""
+        return self.config.pipeline
+
+    def sft_config(self) -> SFTConfig:
+        return self.config.pipeline
 
     def data_config_hash(self) -> str:
         return self._mode.data_config_hash()
@@ -246,8 +236,8 @@ class StackDataModule(L.LightningDataModule):
 
     def snapshot_interval(self) -> int:
         """Steps between worker state snapshots (see ``snapshot_every_n_steps``)."""
-        if self.snapshot_every_n_steps is not None:
-            return int(self.snapshot_every_n_steps)
+        if self.config.snapshot_every_n_steps is not None:
+            return int(self.config.snapshot_every_n_steps)
         trainer = getattr(self, "trainer", None)
         steps = [getattr(cb, "_every_n_train_steps", 0) or 0 for cb in (trainer.checkpoint_callbacks if trainer else [])]
         steps = [n for n in steps if n > 0]
@@ -292,7 +282,7 @@ class StackDataModule(L.LightningDataModule):
         now (raises ``DataGateError``); in pre-training modes, the ``InFlightGate`` the train
         loader runs on its first batches. Once per fit (a loader rebuilt per epoch is not
         re-gated)."""
-        if not self.gate or getattr(self, "trainer", None) is None:
+        if not self.config.gate or getattr(self, "trainer", None) is None:
             return None
         from stacklm.datamodule import gate as data_gate
 
@@ -309,19 +299,20 @@ class StackDataModule(L.LightningDataModule):
     def _step_log(self):
         """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
         (``step_log=False``, sft/preference modes, or no trainer and no path)."""
-        if self._step_log_writer is not None or self.step_log is False:
+        step_log = self.config.step_log
+        if self._step_log_writer is not None or step_log is False:
             return self._step_log_writer
         if self.mode not in ("shards", "stream"):
-            if self.step_log is not True and first_time("step_log", self.mode):  # a path asked for one: say why there is none
-                warnings.warn(f"stacklm: step_log={self.step_log!r} is ignored: {self.mode} mode writes no step log (shards "
+            if step_log is not True and first_time("step_log", self.mode):  # a path asked for one: say why there is none
+                warnings.warn(f"stacklm: step_log={step_log!r} is ignored: {self.mode} mode writes no step log (shards "
                               "and stream modes do)", RuntimeWarning, stacklevel=2)
             return None
         trainer = getattr(self, "trainer", None)
-        if self.step_log is True and trainer is None:
+        if step_log is True and trainer is None:
             return None
         from stacklm.data.storage.steplog import DIR_NAME, StepLogWriter, new_generation
 
-        root = Path(trainer.default_root_dir) / DIR_NAME if self.step_log is True else Path(str(self.step_log))
+        root = Path(trainer.default_root_dir) / DIR_NAME if step_log is True else Path(str(step_log))
         generation = new_generation()  # a collective under DDP: train_dataloader runs on every rank
         meta = self._step_log_meta(generation) if self.rank == 0 else None
         step_of = (lambda: trainer.global_step) if trainer is not None else None
@@ -358,7 +349,7 @@ class StackDataModule(L.LightningDataModule):
             self._step_log_writer = None
 
     def val_dataloader(self):
-        if self.val_batches == 0:
+        if self.config.val_batches == 0:
             return []
         self._val_loader = self._mode.val_loader(self._run())
         return self._val_loader
@@ -415,9 +406,6 @@ class StackDataModule(L.LightningDataModule):
                 cache.limit = limit - (remote._du(Path(self.data_dir)) - cache.used_bytes())
             self._shard_cache = cache
         return self._shard_cache
-
-    def sft_config(self):
-        return sft_config(self._mode.args)
 
     def mix_phase(self) -> str | None:
         """The mixture phase (of a ``schedule:``, or a re-weighting) the training step is in:
@@ -554,26 +542,6 @@ class StackDataModule(L.LightningDataModule):
         self.mix_changes = [dict(c, weights=dict(c["weights"])) for c in saved["mix_changes"]]
         if self._train_loader is not None:
             self._train_loader.dataset.mix_changes = self.resolved_mix_changes()
-
-
-def _check_skip_steps(value: Any, mode: str) -> list[tuple[int, int]]:
-    """``skip_steps`` as sorted, disjoint ``(a, b)`` ranges with ``0 <= a <= b``; shards mode only."""
-    if not value:
-        return []
-    if mode != "shards":
-        raise DataConfigError(f"field 'data.skip_steps': only shards mode can skip a step range (this module is in {mode!r} "
-                              "mode); prebuild the data (`stacklm prebuild`) to skip steps")
-    out = []
-    for r in value:
-        if not isinstance(r, (list, tuple)) or len(r) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in r) \
-                or not 0 <= r[0] <= r[1]:
-            raise DataConfigError(f"field 'data.skip_steps': each range is [first_step, last_step] with 0 <= first <= last, got {r!r}")
-        out.append((int(r[0]), int(r[1])))
-    out.sort()
-    for (a0, b0), (a1, b1) in zip(out, out[1:]):
-        if a1 <= b0:
-            raise DataConfigError(f"field 'data.skip_steps': ranges ({a0}, {b0}) and ({a1}, {b1}) overlap; merge them into one")
-    return out
 
 
 def _quiet_len_warning() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -26,6 +26,9 @@ from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
+
+if TYPE_CHECKING:  # pragma: no cover
+    from stacklm.data.sft import SFTConfig
 
 SUMMARY_KEY = "stacklm_summary"  # rides on a batch from a worker; the loader takes it off
 SUMMARY_EVERY_N_BATCHES = 8
@@ -238,32 +241,37 @@ class _StreamIterator:
 class PipelineBuilder:
     """Picklable (spawned workers) factory of one reader's graph: the mix budget is split
     evenly over all readers (ranks x workers), each reading its own shard of the sources.
+    ``config`` is the parsed ``PipelineConfig`` (a mapping is parsed here, once, in the main
+    process): the workers receive the typed object and parse nothing.
 
     Its packers always track provenance (each window's document pieces), whether or not the
     run writes a step log (``stacklm.data.storage.steplog``): the packer's state then has one
     layout, so a run may turn its step log on or off at a resume."""
 
-    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str) -> None:
-        self.config, self.tokenizer_path, self.split = config, tokenizer_path, split
+    def __init__(self, config: PipelineConfig | Mapping[str, Any], tokenizer_path: str, split: str) -> None:
+        self.config, self.tokenizer_path, self.split = PipelineConfig.coerce(config), tokenizer_path, split
 
     def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):
         from dataclasses import replace
 
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        cfg = PipelineConfig.from_dict(self.config)
+        cfg = self.config
         per_reader = replace(cfg.mix, total_tokens=max(1, cfg.mix.total_tokens // n_readers))
         return replace(cfg, mix=per_reader).build(StackTokenizer.load(self.tokenizer_path), split=self.split, shard=shard,
                                                   epoch=epoch, provenance=True)
 
 
 class SFTBuilder:
-    """Picklable factory of one reader's SFT graph (``stacklm.data.sft``). ``quiet``: its readers
+    """Picklable factory of one reader's SFT graph (``stacklm.data.sft``) from the parsed
+    ``SFTConfig`` (a mapping is parsed here, once, in the main process). ``quiet``: its readers
     count rejected conversations without saying them (``stacklm.data.sft.quiet_readers``), for
     graphs whose records another reader of the run has said already."""
 
-    def __init__(self, config: dict[str, Any], tokenizer_path: str, split: str, *, quiet: bool = False) -> None:
-        self.config, self.tokenizer_path, self.split, self.quiet = config, tokenizer_path, split, quiet
+    def __init__(self, config: SFTConfig | Mapping[str, Any], tokenizer_path: str, split: str, *, quiet: bool = False) -> None:
+        from stacklm.data.sft import SFTConfig
+
+        self.config, self.tokenizer_path, self.split, self.quiet = SFTConfig.coerce(config), tokenizer_path, split, quiet
 
     def __call__(self, shard: ShardSpec, n_readers: int, epoch: int = 0):  # one order every epoch (counted once)
         from stacklm.data.sft import quiet_readers
@@ -273,19 +281,16 @@ class SFTBuilder:
         return quiet_readers(graph) if self.quiet else graph
 
     def _build(self, tokenizer, shard: ShardSpec):
-        from stacklm.data.sft import SFTConfig
-
-        return SFTConfig.from_dict(self.config).build(tokenizer, split=self.split, shard=shard)
+        return self.config.build(tokenizer, split=self.split, shard=shard)
 
 
 class PreferenceBuilder(SFTBuilder):
     """Picklable factory of one reader's preference graph (``StackDataModule(mode="preference")``)."""
 
     def _build(self, tokenizer, shard: ShardSpec):  # one order every epoch
-        from stacklm.data.sft import SFTConfig
         from stacklm.data.sft.preference_pipeline import build_preference_pipeline
 
-        return build_preference_pipeline(SFTConfig.from_dict(self.config), tokenizer, self.split, shard)
+        return build_preference_pipeline(self.config, tokenizer, self.split, shard)
 
 
 class StreamDataset(IterableDataset):

@@ -11,8 +11,6 @@ from stacklm.errors import ConfigError, PrebuildError
 from stacklm.prebuild.cluster import ClusterSettings
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS
 
-MODULE_DEFAULTS = ("seq_len", "batch_size", "seed")  # StackDataModule arguments the pipeline inherits
-
 
 @dataclass(frozen=True)
 class PrebuildSettings(Config):
@@ -62,16 +60,16 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     top-level ``prebuild:`` section (``PrebuildSettings``) may set ``tokens_per_shard``,
     ``workers``, ``splits``, ``out``, and ``cluster`` (``prebuild-datatrove``'s partition, QOS,
     env command, sbatch arguments and per-stage resources: ``stacklm.prebuild.cluster``, ``stacklm.scale.resources``); other top-level sections (model, trainer) are the trainer's.
-    ``data:`` is checked with the trainer's schema (``stacklm.datamodule.section.DataSection``) and
-    the top-level keys against the trainer's, so the prebuild refuses what the trainer refuses.
+    ``data:`` is parsed with the trainer's schema (``stacklm.datamodule.section.DataConfig``, which
+    parses the pipeline once, with the module's defaults) and the top-level keys checked against
+    the trainer's, so the prebuild refuses what the trainer refuses.
     ``settings`` has ``tokenizer``, ``out``, ``tokens_per_shard``, ``workers``, ``splits``, ``cluster``.
     ``path`` may also name a packaged config (``demo``, ``stack-100m``; ``stacklm.configs``).
     """
     import yaml
 
     from stacklm.configs import resolve_config
-    from stacklm.data.pipeline import PipelineConfig
-    from stacklm.datamodule.section import DATA_PATH, DataSection, check_top_level
+    from stacklm.datamodule.section import DATA_PATH, DataConfig, check_top_level
 
     path = resolve_config(path)
     try:
@@ -81,7 +79,7 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     except yaml.YAMLError as e:
         raise PrebuildError(f"{path}: not valid YAML ({e})", path=path) from None
     data = doc.get("data") if isinstance(doc, dict) else None
-    if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict):
+    if not isinstance(data, dict) or not isinstance(data.get("pipeline"), dict) or not data["pipeline"]:
         raise PrebuildError(
             f"{path}: expected a 'data:' section with the pipeline config under '{PIPELINE_PATH}' (mix, seq_len, ...); "
             "see the packaged demo config (`stacklm prebuild --config demo`)",
@@ -89,24 +87,19 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         )
     try:  # the trainer's schema of the file: what `stacklm-train fit` refuses, the prebuild refuses
         check_top_level(doc, str(path))
-        DataSection.from_dict(data, path=DATA_PATH)
+        config = DataConfig.from_dict(data, path=DATA_PATH).pipeline
     except ConfigError as e:
         raise PrebuildError(f"{e}" if str(e).startswith(str(path)) else f"{path}: {e}", path=path) from None
     if data.get("mode") in ("sft", "preference"):
         raise PrebuildError(f"{path}: data.mode is {data['mode']!r}; prebuild writes pre-training shards (mode 'shards' or 'stream')", path=path)
-    fields = dict(data["pipeline"])
-    for key in MODULE_DEFAULTS:
-        if key in data:
-            fields.setdefault(key, data[key])
-    # The trainer refuses a pipeline seq_len/batch_size other than the module's
-    # (StackDataModule.pipeline_config); shards built from such a file would not train.
-    clash = [f"{k} {fields[k]!r} vs data.{k} {data[k]!r}" for k in ("seq_len", "batch_size")
+    # The trainer refuses a pipeline seq_len/batch_size other than the module's (in stream mode,
+    # ``section.parse_pipeline``, so DataConfig did above); shards built from such a file would not train.
+    clash = [f"{k} {data['pipeline'][k]!r} vs data.{k} {data[k]!r}" for k in ("seq_len", "batch_size")
              if k in data and k in data["pipeline"] and data["pipeline"][k] != data[k]]
     if clash:
         raise PrebuildError(f"{path}: field '{PIPELINE_PATH}' sets {'; '.join(f'{PIPELINE_PATH}.{c}' for c in clash)}; "
                             "the trainer refuses a file where they differ: set them in one place (data.seq_len / data.batch_size)", path=path)
     try:
-        config = PipelineConfig.from_dict(fields, path=PIPELINE_PATH)
         section = PrebuildSettings.coerce(doc.get("prebuild"), "prebuild")
     except (ValueError, TypeError) as e:
         raise PrebuildError(f"{path}: {e}", path=path) from None

@@ -448,17 +448,17 @@ def test_prebuild_and_trainer_refuse_the_same_config(case, tmp_path, tok_dir, ca
 
 
 def test_the_data_schema_is_the_datamodule_signature():
-    """``DataSection`` (what the prebuild checks) has exactly ``StackDataModule``'s arguments,
+    """``DataConfig`` (what the datamodule and the prebuild parse) has exactly ``StackDataModule``'s arguments,
     defaults and modes, and the top-level sections are the trainer parser's plus ``prebuild``."""
     import dataclasses
     import inspect as pyinspect
 
     from stacklm.datamodule.modes import MODES
     from stacklm.datamodule.stack_datamodule import StackDataModule
-    from stacklm.datamodule.section import MODE_NAMES, DataSection
+    from stacklm.datamodule.section import MODE_NAMES, DataConfig
 
     params = {n: p.default for n, p in pyinspect.signature(StackDataModule.__init__).parameters.items() if n != "self"}
-    fields = {f.name: f.default for f in dataclasses.fields(DataSection)}
+    fields = {f.name: f.default for f in dataclasses.fields(DataConfig)}
     assert fields == params
     assert MODE_NAMES == MODES
 

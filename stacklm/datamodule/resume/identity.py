@@ -76,10 +76,9 @@ def data_identity(dm: Any) -> dict[str, Any]:
     """The identity of a ``StackDataModule``'s data, from its public arguments (``identity_of``)."""
     if dm.mode == "shards":
         return identity_of("shards", tokenizer_hash=dm.tokenizer_hash(), data_dir=dm.data_dir,
-                           data_url=getattr(dm, "data_url", None), seed=dm.seed, seq_len=dm.seq_len,
-                           shard_window=getattr(dm, "shard_window", None))
-    cfg = dm.pipeline_config() if dm.mode == "stream" else dm.sft_config()
-    return identity_of(dm.mode, tokenizer_hash=dm.tokenizer_hash(), config=cfg.to_dict())
+                           data_url=dm.data_url, seed=dm.config.seed, seq_len=dm.config.seq_len,
+                           shard_window=dm.config.shard_window)
+    return identity_of(dm.mode, tokenizer_hash=dm.tokenizer_hash(), config=dm.config.pipeline.to_dict())
 
 
 def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
