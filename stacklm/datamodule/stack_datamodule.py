@@ -28,6 +28,7 @@ stream that runs dry with fully masked batches (counted and warned, never silent
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import warnings
@@ -47,6 +48,7 @@ from stacklm.errors import DataConfigError
 from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
+_ARGUMENTS = frozenset(f.name for f in dataclasses.fields(DataConfig))  # read back as attributes (``__getattr__``)
 
 
 class PipelineSpec(dict):
@@ -66,12 +68,12 @@ except ImportError:  # pragma: no cover
 class StackDataModule(L.LightningDataModule):
     """Lightning data module over stacklm's shards, streams or SFT conversations.
 
-    The arguments are parsed once, on construction, into ``config``, a frozen, picklable
-    ``DataConfig`` (``stacklm.datamodule.section``, the one schema of the YAML's ``data:``, which
-    declares them with their types and checks; the signature below repeats the names and
-    defaults for jsonargparse and type checkers, and a test holds the two equal). Its mode and
-    the loader workers get that object, the pipeline in it already a ``PipelineConfig`` or
-    ``SFTConfig``; nothing parses the pipeline again.
+    The arguments are parsed once, on construction, into ``config``: a frozen, picklable
+    ``DataConfig`` (``section``: the one schema of ``data:``, with their types and checks; the
+    signature repeats names and defaults for jsonargparse and type checkers, a test holds them
+    equal), whose pipeline is a ``PipelineConfig`` or ``SFTConfig`` by the time the mode and the
+    loader workers get it. Arguments read back as attributes (``dm.gate``), but ``data_dir`` is
+    local (a remote one's mirror; the URL: ``data_url``) and ``tokenizer`` loaded (``tokenizer_path``).
 
     Args:
         mode: ``"shards"``, ``"stream"``, ``"sft"`` or ``"preference"``.
@@ -170,8 +172,7 @@ class StackDataModule(L.LightningDataModule):
             pipeline = dict(pipeline)  # the hyperparameters keep it as written, a plain dict
         self.save_hyperparameters()
         self.config = config  # the typed, frozen arguments (``section.DataConfig``); its mode gets it too
-        self.mode, self.tokenizer_path = config.mode, config.tokenizer
-        self.seq_len, self.batch_size, self.num_workers, self.seed = config.seq_len, config.batch_size, config.num_workers, config.seed
+        self.tokenizer_path = config.tokenizer
         from stacklm.data.storage import remote
 
         # A remote data_dir (s3://..., any fsspec URL) is read from its local mirror: manifests
@@ -197,6 +198,13 @@ class StackDataModule(L.LightningDataModule):
         self._mode = MODE_CLASSES[mode](ModeArgs(config, data_dir=self.data_dir, data_url=self.data_url,
                                                  shard_cache=self.shard_cache()))
         self._reload = EpochReload()  # asks Lightning to rebuild a train loader whose resumed epoch is short
+
+    def __getattr__(self, name: str) -> Any:
+        """An argument read back (``dm.seq_len``, ``dm.gate``, ``dm.mode``): ``config``'s field."""
+        config = self.__dict__.get("config")
+        if config is None or name not in _ARGUMENTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(config, name)
 
     # ------------------------------------------------------------------ shared facts
     @property

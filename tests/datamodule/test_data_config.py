@@ -77,6 +77,15 @@ def test_the_pipeline_is_parsed_once_per_datamodule(tokenizer_dir, tmp_path, mon
     assert dm._mode.config is dm.config and train.dataset.build.config is dm.config.pipeline
 
 
+def test_the_arguments_read_back_as_attributes_of_the_one_config(tokenizer_dir):
+    dm = stream_dm(tokenizer_dir, gate=False, val_batches=3)
+    assert (dm.mode, dm.seq_len, dm.gate, dm.val_batches, dm.logical_streams) == ("stream", SEQ_LEN, False, 3, None)
+    assert dm.pipeline is dm.config.pipeline and dm.tokenizer_path == str(tokenizer_dir)
+    assert not hasattr(dm, "pipeline_dict")  # no dict travels beside it
+    with pytest.raises(AttributeError, match="no_such_argument"):
+        dm.no_such_argument  # noqa: B018
+
+
 def test_a_loader_worker_receives_the_typed_pipeline_and_parses_nothing(tokenizer_dir, tmp_path):
     dm = stream_dm(tokenizer_dir, num_workers=1)
     dm.setup("fit")
