@@ -20,7 +20,6 @@ import lightning as L  # noqa: E402
 import torch  # noqa: E402
 
 from stacklm.data.contract import IGNORE_INDEX  # noqa: E402
-from tests.helpers.ddp import ddp_strategy  # noqa: E402
 
 
 def planted(targets: torch.Tensor) -> torch.Tensor:
@@ -63,7 +62,9 @@ def fit(out: Path, dm, devices: int = 1, max_steps: int = 6, every: int = 2) -> 
 
     module = PlantedLoss()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=ddp_strategy(devices), max_steps=max_steps,
+        # re-executed ranks ("ddp"), not forked: every rank writes its file after fit() returns,
+        # and a forked rank exits inside fit()
+        accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto", max_steps=max_steps,
         callbacks=[SourceLossCallback(log_every_n_steps=every)], logger=CSVLogger(str(out), name="csv", version=0),
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False, val_check_interval=max_steps,
         limit_val_batches=4, num_sanity_val_steps=0, default_root_dir=str(out), log_every_n_steps=every,
