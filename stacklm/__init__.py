@@ -20,8 +20,9 @@ stays fast.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stacklm.optional import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -46,15 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from stacklm.tokenizer.training import train_from_iterable as train_tokenizer  # noqa: F401
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        module, attribute = _WHERE[name]
-        value = getattr(importlib.import_module(module), attribute)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'stacklm' has no attribute {name!r}")
+__getattr__ = lazy_getattr("stacklm", _WHERE, globals())
 
 
 def __dir__() -> list[str]:
-    # the face and the subpackages already imported; not this module's own helpers (importlib, Any, _WHERE)
+    # the face and the subpackages already imported; not this module's own helpers (lazy_getattr, _WHERE)
     return sorted({*__all__, *(n for n, v in globals().items() if getattr(v, "__package__", None) == f"{__name__}.{n}")})

@@ -12,7 +12,9 @@ from deep inside a pipe.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable, Mapping
 from types import ModuleType
+from typing import Any
 
 from stacklm.errors import EXTRAS, MissingDependencyError
 
@@ -35,3 +37,19 @@ def require(module: str, extra: str, purpose: str | None = None) -> ModuleType:
         raise MissingDependencyError(
             f"{why} the optional package {top!r}, which is not installed: pip install \"stacklm[{extra}]\""
         ) from None
+
+
+def lazy_getattr(package: str, where: Mapping[str, tuple[str, str]], namespace: dict[str, Any]) -> Callable[[str], Any]:
+    """A package's module ``__getattr__`` (PEP 562): ``name`` in ``where`` -> ``(module,
+    attribute)`` is imported on first use and kept in ``namespace`` (the package's globals), so
+    importing the package stays light (the worker paths import no Lightning through it)."""
+
+    def __getattr__(name: str) -> Any:
+        if name in where:
+            module, attribute = where[name]
+            value = getattr(importlib.import_module(module), attribute)
+            namespace[name] = value
+            return value
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__

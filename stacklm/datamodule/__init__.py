@@ -23,10 +23,10 @@ that only names the package stays fast, and a loader worker that unpickles ``str
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stacklm.errors import DataConfigError as DataConfigError  # eager: errors are light
+from stacklm.optional import lazy_getattr
 
 _WHERE = {
     "StackDataLoader": "loader", "from_checkpoint_safe": "loader", "gather_from_ranks": "loader",
@@ -48,9 +48,4 @@ if TYPE_CHECKING:  # pragma: no cover
     from stacklm.datamodule.stack_datamodule import StackDataModule  # noqa: F401
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"stacklm.datamodule.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'stacklm.datamodule' has no attribute {name!r}")
+__getattr__ = lazy_getattr("stacklm.datamodule", {n: (f"stacklm.datamodule.{m}", n) for n, m in _WHERE.items()}, globals())

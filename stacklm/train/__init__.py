@@ -15,8 +15,9 @@ imported Lightning again (~6 CPU-s each), which the trainer already has (bench/s
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stacklm.optional import lazy_getattr
 
 _WHERE = {
     "GPT": "model", "GPTConfig": "model", "check_batch": "model", "lm_loss": "model",
@@ -30,14 +31,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from stacklm.train.model import GPT, GPTConfig, check_batch, lm_loss  # noqa: F401
 
 
-def __getattr__(name: str) -> Any:
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f"stacklm.train.{_WHERE[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'stacklm.train' has no attribute {name!r}")
+__getattr__ = lazy_getattr("stacklm.train", {n: (f"stacklm.train.{m}", n) for n, m in _WHERE.items()}, globals())
 
 
 def __dir__() -> list[str]:
-    # the names above and the submodules imported so far; not this module's own helpers (importlib, Any)
+    # the names above and the submodules imported so far; not this module's own helpers (lazy_getattr)
     return sorted({*__all__, *(n for n, v in globals().items() if getattr(v, "__name__", None) == f"{__name__}.{n}")})
