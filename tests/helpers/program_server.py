@@ -149,7 +149,8 @@ def can_serve(cmd: list[str], env: dict | None) -> bool:
 
     if len(cmd) < 2 or cmd[0] != sys.executable or Path(cmd[1]).resolve().parent != RUNNERS:
         return False
-    return (env if env is not None else os.environ).get(DDP_ENV) != "ddp" and os.environ.get("STACKLM_TEST_FRESH_PROGRAMS") != "1"
+    env = env if env is not None else os.environ
+    return env.get(DDP_ENV) != "ddp" and env.get("STACKLM_TEST_FRESH_PROGRAMS") != "1"
 
 
 def run_served(cmd: list[str], *, timeout: float, cwd=None, env=None) -> subprocess.CompletedProcess:
