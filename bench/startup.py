@@ -29,7 +29,8 @@ first ``--expensive-rounds``). Where the work happens in a worker, the worker's 
   B=8, seq_len 2048, an 8192-id tokenizer.
 * **workers**: a shards loader worker forked by ``ShardsLoader``'s DataLoader and a stream loader
   worker forked from the project's forkserver (``stacklm.datamodule.workers``), started from a
-  script whose top is ``stacklm-train``'s: CPU in the worker from the fork to ready
+  script whose top is ``stacklm-train``'s, and again from a script whose top imports Lightning (a
+  training script of your own): CPU in the worker from the fork to ready
   (``worker_init_fn`` done) and to its first batch, and the forkserver's preload (once per
   process); a prebuild pool worker (``prebuild(..., workers=2)`` on a tiny budget, from a script
   whose top is the ``stacklm`` command's: spawn, imports, one job, exit; per worker) and a
@@ -243,6 +244,9 @@ SCRIPTS = {
         report(cpu=w["ready"], first=w["first"], heavy=w["heavy"], server=server)
     '''),
 }
+# a stream loader worker of a training script of your own: its top imports Lightning
+# (stacklm.datamodule.lazy_main: the worker does not re-run it unless it unpickles one of its names)
+SCRIPTS["stream_worker_lightning_top"] = ("import lightning  # noqa: F401 (a training script's top)", SCRIPTS["stream_worker"][1])
 
 ENTRY_MODULES = [  # (label, modules imported in one fresh process): what each process imports before its first work
     ("python (nothing)", []),
@@ -405,7 +409,12 @@ def jobs(paths: dict[str, Path], scripts: Path, tmp: Path) -> list[tuple[bool, l
         r = run_child([py, "m_datatrove.py", str(paths["tiny"]), str(tmp / f"dt-{tag}-{time.monotonic_ns()}")], repo, scripts)
         return {"datatrove local task (per task)": r}
 
+    def stream_worker_lightning_top(repo, tag):
+        r = run_child([py, "m_stream_worker_lightning_top.py", tok, pipe, probe_file(tag)], repo, scripts)
+        return {"stream loader worker, script imports lightning": r}
+
     out.append((False, [("workers", "stream loader worker: fork -> ready")], stream_worker))
+    out.append((True, [("workers", "stream loader worker, script imports lightning")], stream_worker_lightning_top))
     out.append((True, [("workers", "prebuild pool worker (per worker)")], pool))
     out.append((True, [("workers", "datatrove local task (per task)")], datatrove))
     return out

@@ -10,6 +10,7 @@ tests' real-text cases, so everything works offline on a fresh machine.
 from __future__ import annotations
 
 import ast
+import os
 import re
 import sysconfig
 from collections.abc import Iterator
@@ -27,9 +28,16 @@ def stdlib_dir() -> Path:
 
 
 def stdlib_py_files() -> list[Path]:
-    """Standard-library ``.py`` files in a stable order (site-packages excluded)."""
+    """Standard-library ``.py`` files in a stable order (site-packages excluded).
+
+    ``os.walk`` pruning the package folders, not ``rglob`` then filtering: the interpreter's own
+    ``site-packages`` sits inside the stdlib folder and can hold gigabytes (torch); listing it
+    took each synthetic-source reader (every loader worker) seconds, for the same list."""
     root = stdlib_dir()
-    files = [p for p in root.rglob("*.py") if "site-packages" not in p.parts and "dist-packages" not in p.parts]
+    files = []
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages")]
+        files += [Path(folder, n) for n in names if n.endswith(".py")]
     return sorted(files)
 
 

@@ -14,17 +14,16 @@ worker on a busy machine (``bench/loader.py --start-methods`` measures all three
 ``PRELOAD`` (and ``datasets`` when a source reads through it) once; each worker is a fork of that
 single-threaded server, so it starts fast and has never seen Lightning or wandb. The dataset
 and its graph builder reach the worker pickled; they live in modules that import neither
-(``stacklm.datamodule`` loads ``StackDataModule`` lazily for this reason). Each worker also
-re-runs the main script first (``multiprocessing`` does, as ``__mp_main__``; Python 3.11's
-forkserver does not preload it), so a console script's top must stay light: ``stacklm-train``'s
-is ``from stacklm.train.cli import main``, and ``stacklm.train`` loads its Lightning model
-lazily for this reason (``bench/startup.py`` measures a worker from fork to its first batch).
-A script of your own that imports Lightning at its top has every worker import it again: keep
-that import under ``if __name__ == "__main__":`` or in a function.
+(``stacklm.datamodule`` loads ``StackDataModule`` lazily for this reason). ``multiprocessing``
+would also re-run the main script in each worker (as ``__mp_main__``), and a training script
+imports Lightning at its top: the server's last preload, ``stacklm.datamodule.lazy_main``, makes
+that run happen only if a worker unpickles something the script defines
+(``bench/startup.py`` measures a worker from fork to its first batch).
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 from collections.abc import Mapping
@@ -49,8 +48,30 @@ def worker_context(method: str = DEFAULT_START_METHOD, *, needs_datasets: bool =
     if method == "forkserver":
         # Applies when the server starts (the first loader); a later call cannot change a running server,
         # which is harmless: a worker imports what is missing itself, in a clean process.
-        ctx.set_forkserver_preload(PRELOAD + (["datasets"] if needs_datasets else []))
+        ctx.set_forkserver_preload(PRELOAD + (["datasets"] if needs_datasets else []) + ["stacklm.datamodule.lazy_main"])
+        _start_forkserver()
     return ctx
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver now (``multiprocessing`` would at the first worker), with this
+    process's main script in its environment for ``lazy_main`` (a no-op when it runs already)."""
+    from multiprocessing import forkserver
+
+    from stacklm.datamodule.lazy_main import ENV, parent_main
+
+    main = parent_main()
+    if not main:
+        return
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = json.dumps(main)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = saved
 
 
 class WorkerEnv:

@@ -43,3 +43,26 @@ def test_a_closed_stream_iteration_releases_its_workers_and_keeps_its_state(toke
     want = [batch_hash(b) for _, b in zip(range(5), reference)]
     assert seen == want[:3]
     assert [batch_hash(b) for _, b in zip(range(2), resumed)] == want[3:5]
+
+
+def test_a_scripts_loader_workers_skip_its_imports_unless_they_need_its_names(tokenizer_dir, tmp_path):  # noqa: F811
+    """A training script imports Lightning at its top; ``multiprocessing`` re-runs the main script
+    in every forkserver worker, which cost each stream worker ~6 CPU-s before its first batch.
+    ``stacklm.datamodule.lazy_main``: a worker runs the script only when it unpickles a name the
+    script defines (then it must, and does), so a plain worker holds no Lightning."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.helpers.lightning import run_program
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    res = run_program([sys.executable, str(root / "tests" / "runners" / "worker_main_probe.py"), str(tokenizer_dir), str(tmp_path)],
+                      cwd=root, env=env, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    plain = [json.loads((tmp_path / f"plain{w}").read_text()) for w in range(2)]
+    assert plain == [{"lightning": False, "lightning.pytorch": False, "wandb": False}] * 2, plain
+    from_main = [json.loads((tmp_path / f"main{w}").read_text()) for w in range(2)]
+    assert from_main == [{"lightning": True, "ran": True}] * 2, from_main

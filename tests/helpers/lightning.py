@@ -119,7 +119,15 @@ def run_program(cmd: list[str], *, timeout: float, **kwargs) -> subprocess.Compl
     for every process that inherited its output. A fit's DDP ranks, loader workers or a
     forkserver that outlive the program would hold a pipe open and ``communicate()`` would wait
     for them until the timeout (CI hung 900 s twice in a resumed DDP fit); with files there is
-    no pipe to wait on, and ``timeout`` still bounds the program."""
+    no pipe to wait on, and ``timeout`` still bounds the program.
+
+    A runner script (``tests/runners/*.py``) runs as a fork of a process that has imported
+    Lightning already (``tests.helpers.program_server``), unless it asks for the re-executed DDP
+    launch; ``STACKLM_TEST_FRESH_PROGRAMS=1`` runs every one as a fresh interpreter."""
+    from tests.helpers.program_server import can_serve, run_served
+
+    if can_serve(cmd, kwargs.get("env")) and set(kwargs) <= {"cwd", "env"}:
+        return run_served(cmd, timeout=timeout, **kwargs)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, **kwargs)
         try:
