@@ -240,7 +240,10 @@ class StackDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         _quiet_len_warning()
         if trainer is not None:
+            from stacklm.datamodule.resume.checkpoint_file import use_whole_checkpoints
+
             self.rank, self.world_size = trainer.global_rank, trainer.world_size
+            use_whole_checkpoints(trainer)  # a full disk leaves no half checkpoint under a checkpoint's name
 
     def snapshot_interval(self) -> int:
         """Steps between worker state snapshots (see ``snapshot_every_n_steps``)."""

@@ -135,10 +135,9 @@ def artifact_fields(data: dict[str, Any], source: str = "<dict>") -> tuple[list[
     i = unjoinable_token(merged)
     if i is not None:
         raise bad("merged_tokens_b64", f"entry {i} (id {N_BYTES + i}) is not the join of two earlier tokens")
-    try:
-        regex.compile(data["pattern"])
-    except regex.error as e:
-        raise bad("pattern", f"does not compile ({e})") from None
+    why = pattern_problem(data["pattern"])
+    if why:
+        raise bad("pattern", why)
     if data["pattern"] != GPT4_PATTERN:
         warnings.warn(
             f"{source}: this tokenizer was trained with a pre-tokenizer pattern that differs from "
@@ -152,3 +151,41 @@ def artifact_fields(data: dict[str, Any], source: str = "<dict>") -> tuple[list[
         "merge_pairs": data.get("merge_pairs"),
         "metadata": data.get("metadata") or {},
     }
+
+
+# One character of every Unicode general category a text can hold (Cs, a lone surrogate, is
+# replaced before encoding), and the constructs pre-tokenizer patterns treat specially
+# (contractions, digit runs, whitespace runs before a word and at line ends, CRLF).
+PATTERN_PROBE = (
+    "A a \u01c5 \u02b0 \u3042\u4e2d e\u0301 \u0915\u0903 \u20dd 0123456789 \u0663 \u216b \u00bd _ - ( ) \u00ab \u00bb ! . ' "
+    "+ \u2211 $ \u20ac ^ ` \u00a9 \U0001f600 \u00a0\u3000 \u2028 \u2029 \t\x00\x7f \u200b\ufeff \ue000 \U0010fffe "
+    "don't I'LL we've  hello   world\n\n  x\r\n\ty  \n 1234567 3.14 foo_bar(x)=y; \u00fcber na\u00efve \u0645\u0631\u062d\u0628\u0627 "
+)
+
+
+def pattern_problem(pattern: str) -> str | None:
+    """Why ``pattern`` cannot pre-tokenize (``None`` when it can): it must compile, have no
+    capturing group (``findall`` would return the groups, not the pieces: ``encode_reference``
+    returned ``[]`` while ``encode`` worked) and match every character of ``PATTERN_PROBE``,
+    piece after piece (a character no piece covers was dropped from the text: ``encode("xax")``
+    lost the ``a``)."""
+    import unicodedata
+
+    try:
+        compiled = regex.compile(pattern)
+    except regex.error as e:
+        return f"does not compile ({e})"
+    if compiled.groups:
+        return (f"has {compiled.groups} capturing group(s); the pre-tokenizer's pieces are its whole matches: "
+                "write each group as (?:...)")
+    pos = 0
+    for m in compiled.finditer(PATTERN_PROBE):
+        if m.start() != pos:
+            break
+        pos = m.end()
+    if pos != len(PATTERN_PROBE):
+        ch = PATTERN_PROBE[pos]
+        return (f"does not match every character: U+{ord(ch):04X} ({unicodedata.category(ch)}) at {pos} of the probe text "
+                f"{PATTERN_PROBE[max(0, pos - 10):pos + 10]!r} is covered by no piece, so encoding would drop it")
+    return None
+

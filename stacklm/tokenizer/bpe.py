@@ -25,8 +25,9 @@ from typing import Any, Literal
 import numpy as np
 import regex
 
-from stacklm.errors import LoneSurrogateError, LoneSurrogateWarning
+from stacklm.errors import LoneSurrogateError, LoneSurrogateWarning, TokenizerArtifactError
 from stacklm.tokenizer.artifact import (
+    PATTERN_PROBE,
     artifact_dict,
     artifact_fields,
     read_artifact,
@@ -460,7 +461,22 @@ class StackTokenizer:
     def from_dict(cls, data: dict[str, Any], source: str = "<dict>") -> "StackTokenizer":
         """The tokenizer of an artifact object, validated field by field."""
         merged, kwargs = artifact_fields(data, source)
-        return cls(merged, **kwargs)
+        tok = cls(merged, **kwargs)
+        tok._check_probe(source)
+        return tok
+
+    def _check_probe(self, source: str) -> None:
+        """Refuse a tokenizer whose fast and reference encoders disagree on ``PATTERN_PROBE`` (a
+        character of every Unicode category), or that does not round-trip it; ~10 ms."""
+        try:
+            fast = self.encode(PATTERN_PROBE)
+        except ValueError as e:  # tiktoken's regex engine (fancy-regex) refuses what the `regex` module takes
+            raise TokenizerArtifactError(f"{source}: field 'pattern': the fast encoder (tiktoken) cannot use it: "
+                                         f"{str(e).splitlines()[0]}; use the syntax both regex engines read") from None
+        if fast != self.encode_reference(PATTERN_PROBE) or self.decode(fast) != PATTERN_PROBE:
+            raise TokenizerArtifactError(
+                f"{source}: field 'pattern': the fast and the reference encoders disagree on the probe text, or it does not "
+                "round-trip (encode then decode): this artifact cannot encode every text exactly; re-train or re-export it")
 
     def __repr__(self) -> str:
         return f"StackTokenizer(vocab_size={self.vocab_size}, n_merges={self.n_merges}, n_unused={self.n_unused})"

@@ -163,6 +163,9 @@ def test_loaded_tokenizer_keeps_its_own_pattern(tokenizer_4096, tmp_path):
         (lambda d: d["merged_tokens_b64"].__setitem__(0, "enp6eno="), "merged_tokens_b64"),
         (lambda d: d["special_tokens"].__setitem__(0, "bos"), "special_tokens"),
         (lambda d: d.update(pattern="(unclosed"), "pattern"),
+        (lambda d: d.update(pattern=r"(\w+)|\s+|[^\w\s]+"), "pattern"),  # a capturing group: findall gave the groups
+        (lambda d: d.update(pattern=r"[^a]+"), "pattern"),  # "a" in no piece: encode("xax") dropped it
+        (lambda d: d.update(pattern=r"\X"), "pattern"),  # the `regex` module reads it, tiktoken's engine does not
         (lambda d: d.pop("pattern"), "pattern"),
     ],
 )
@@ -199,3 +202,21 @@ def test_encode_batch_numpy_equals_encode(tokenizer_4096):
         assert [a.tolist() for a in arrays] == [tokenizer_4096.encode_reference(t) for t in texts]
     assert tokenizer_4096.encode_batch_numpy([]) == []
     assert [a.tolist() for a in tokenizer_4096.encode_batch_numpy(["<|pad|>"] * 3)] == [tokenizer_4096.encode("<|pad|>")] * 3
+
+
+@pytest.mark.parametrize("pattern, why", [
+    (r"(\w+)|\s+|[^\w\s]+", "1 capturing group"),
+    (r"[^a]+", "U\\+0061 \\(Ll\\) at 2 .* covered by no piece"),
+    (r"\X", "fast encoder \\(tiktoken\\) cannot use it"),
+])
+def test_a_pattern_that_cannot_encode_every_text_is_refused_in_one_line(tokenizer_4096, tmp_path, pattern, why):
+    """Loaded as it was (no refusal), these encoded wrongly: ``encode_reference`` returned ``[]``
+    with a capturing group, ``encode("xax")`` lost the ``a``, or the fast encoder raised a
+    traceback at the first encode."""
+    data = tokenizer_4096.to_dict()
+    data["pattern"] = pattern
+    path = tmp_path / "tok.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(TokenizerArtifactError, match=f"{path}: field 'pattern': .*{why}") as refused:
+        StackTokenizer.load(path)
+    assert "\n" not in str(refused.value)

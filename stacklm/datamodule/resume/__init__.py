@@ -16,6 +16,8 @@ loader's own ``state_dict()`` (Lightning's loop state). Read in this order:
 - ``logical``: stream mode's ``L`` logical streams, fixed for the run and dealt to
   (rank x worker) at run time; a resume on another shape replays each old worker from its last
   snapshot to the delivered batch and re-deals the logical streams (``LogicalStreamDataset``).
+- ``checkpoint_file``: the checkpoint file itself is whole or absent (``WholeCheckpointIO``,
+  written beside its name and renamed), so a full disk never leaves a half checkpoint to resume from.
 - sft and preference modes keep their position in each (rank, worker) loader state, so they
   resume on the checkpoint's shape only (``state`` refuses another one).
 
