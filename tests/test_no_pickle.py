@@ -274,3 +274,23 @@ def test_state_files_round_trip_types_and_refuse_what_is_not_data():
         buf = io.BytesIO()
         np.savez(buf, state=np.frombuffer(json.dumps({"format": "other"}).encode(), np.uint8))
         statefile.loads(buf.getvalue(), "f", "")
+
+
+def test_a_file_that_is_no_pickle_is_not_called_one(tmp_path):
+    """numpy says "pickled data" of any file that is neither .npy nor .npz; a truncated text file
+    given as ``dedup.index`` was said to hold pickled data. Only a real pickle is called one."""
+    import pickle
+
+    from stacklm.data.dedup.global_index import DedupIndex
+    from stacklm.errors import ConfigError
+
+    text = tmp_path / "notes.txt"
+    text.write_text("dedup index notes, cut off mid-wor")
+    with pytest.raises(ConfigError, match=r"notes\.txt is not a stacklm dedup index \(neither a \.npz nor a \.npy file: "
+                                          r"it starts with b'dedup index '\)") as refused:
+        DedupIndex.load(text)
+    assert "pickled" not in str(refused.value)
+    planted = tmp_path / "index.npz"
+    planted.write_bytes(pickle.dumps({"meta": 1}))
+    with pytest.raises(ConfigError, match=r"index\.npz is not a stacklm dedup index \(it holds pickled data, which stacklm never loads\)"):
+        DedupIndex.load(planted)

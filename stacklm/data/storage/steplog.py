@@ -213,7 +213,7 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
         except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
             from stacklm.data.storage.statefile import load_error_detail
 
-            raise DataError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e)}); move the file away "
+            raise DataError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e, bytes(data[pos + _HEADER.size : pos + _HEADER.size + 12]))}); move the file away "
                                "to read the rest of the log") from None
         pos += _HEADER.size + length
 
