@@ -414,7 +414,8 @@ class StackDataModule(L.LightningDataModule):
             limit = self.cache_limit
             cache = ShardCache(remote.join(self.data_url, rel) if rel else self.data_url, local, read_manifest(local), limit)
             if limit is not None:  # what the mirrored rest takes (all but the streamed token files)
-                cache.limit = limit - (remote._du(Path(self.data_dir)) - cache.used_bytes())
+                cache.rest_bytes = remote._du(Path(self.data_dir)) - cache.used_bytes()
+                cache.limit = limit - cache.rest_bytes
             self._shard_cache = cache
         return self._shard_cache
 

@@ -181,8 +181,17 @@ def test_a_limit_under_two_windows_and_a_window_under_a_step_are_refused(s3_buck
     rest = remote._du(Path(StackDataModule(batch_size=BATCH, shard_window=WINDOW, **common).data_dir))  # all but train tokens
     dm = StackDataModule(batch_size=BATCH, shard_window=WINDOW, cache_max_bytes=rest + shard * 3, **common)
     dm.setup("fit")
-    with pytest.raises(DataConfigError, match=r"is below 2 x shard_window \(2\) x the largest shard"):
+    with pytest.raises(DataConfigError, match=rf"cache limit {rest + shard * 3:,} bytes .*holds {rest:,} of it, which leaves the "
+                                              rf"streamed train split {shard * 3:,}: below 2 x shard_window \(2\) x the largest shard "
+                                              rf"\({shard:,} bytes\) = {4 * shard:,}.*at least {rest + 4 * shard:,}"):
         dm.train_dataloader()
+    # a limit under what the rest of the set holds: the message says the limit the user set, never a negative one
+    small = rest // 2
+    dm = StackDataModule(batch_size=BATCH, shard_window=WINDOW, cache_max_bytes=small, **common)
+    dm.setup("fit")
+    with pytest.raises(DataConfigError, match=rf"cache limit {small:,} bytes .*holds {rest:,} of it, which leaves the streamed train split 0:") as refused:
+        dm.train_dataloader()
+    assert "-" not in str(refused.value).split("cache limit")[1].split("bytes")[0]
     dm = StackDataModule(batch_size=40, shard_window=WINDOW, **common)
     dm.setup("fit")
     with pytest.raises(DataConfigError, match=r"shard_window 2 can hold as few as \d+ rows, fewer than one global step of 40"):

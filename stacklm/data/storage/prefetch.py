@@ -83,6 +83,7 @@ class ShardCache:
         item = parse_dtype(manifest["dtype"], where=remote.join(url, remote.MANIFEST)).itemsize
         self.sizes = [int(e["n_seq"]) * int(manifest["seq_len"]) * item for e in self.entries]
         self.limit = limit
+        self.rest_bytes = 0  # what the rest of the set (val split, manifests, side files) takes of the configured limit
         self.owner = os.getpid()  # the rank's main process: the one that downloads
         self.prefetching = False  # set while a ``Prefetcher`` runs in ``owner``
         self.downloads = 0  # shards this process downloaded (bench, tests)
@@ -268,10 +269,14 @@ def check_bounds(cache: ShardCache, shard_rows: Sequence[int], window: int, step
     if cache.limit is not None:
         need = 2 * window * max(cache.sizes)
         if cache.limit < need:
+            # the configured limit, not what is left of it (which the rest of the set can take below zero)
+            configured = cache.limit + cache.rest_bytes
+            left = (f"; the rest of the set (val split, manifests, side files) holds {cache.rest_bytes:,} of it, "
+                    f"which leaves the streamed train split {max(cache.limit, 0):,}") if cache.rest_bytes else ""
             raise DataConfigError(
-                f"{where}: cache limit {cache.limit:,} bytes is below 2 x shard_window ({window}) x the largest shard "
-                f"({max(cache.sizes):,} bytes) = {need:,}: a reader needs two windows at a time; raise "
-                "STACKLM_CACHE_MAX_BYTES / data.cache_max_bytes or lower data.shard_window")
+                f"{where}: cache limit {configured:,} bytes (STACKLM_CACHE_MAX_BYTES / data.cache_max_bytes){left}: below "
+                f"2 x shard_window ({window}) x the largest shard ({max(cache.sizes):,} bytes) = {need:,}, and a reader needs "
+                f"two windows at a time; raise the limit to at least {need + cache.rest_bytes:,} or lower data.shard_window")
     smallest = int(np.sort(rows)[:window].sum())
     if smallest < step_rows:
         raise DataConfigError(
