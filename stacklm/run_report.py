@@ -27,6 +27,7 @@ import html
 import io
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +56,19 @@ def read_run(run: str | Path) -> dict[str, Any]:
     # another run (a new fit, an SFT run started with init_from) logged into the same folder.
     # The report draws the newest run.
     runs: list[list[tuple[Path, list[dict[str, float]]]]] = []
+    damaged: list[str] = []  # "path:line" of rows skipped: a fit killed during a flush leaves its last line cut
     for path in csvs:
         fit_rows = []
-        with path.open(newline="") as f:
-            for r in csv.DictReader(f):
-                values = {k: float(v) for k, v in r.items() if k and v not in ("", None)}
+        with path.open(newline="", errors="replace") as f:
+            reader = csv.DictReader(f)
+            for r in reader:
+                try:
+                    if None in r or None in r.values():  # more or fewer fields than the header: a cut or garbled line
+                        raise ValueError("field count")
+                    values = {k: float(v) for k, v in r.items() if k and v != ""}
+                except ValueError:
+                    damaged.append(f"{path}:{reader.line_num}")
+                    continue
                 if "step" in values:
                     fit_rows.append(values)
         if not fit_rows:
@@ -88,7 +97,7 @@ def read_run(run: str | Path) -> dict[str, Any]:
             raise UserError(f"{path}: not readable JSON ({e}); delete it or re-run the fit") from None
     stats = max(snapshots, key=lambda s: s.get("step", -1)) if snapshots else {}
     return {"run": str(run), "csv": [str(p) for p in csvs], "rows": rows, "resumes": starts, "stats": stats,
-            "other_runs": others}
+            "other_runs": others, "damaged_rows": damaged}
 
 
 def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[float]]:
@@ -187,6 +196,8 @@ def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
                                      + ", ".join(Path(p).parent.name for p in data["csv"]))]
     if data.get("other_runs"):
         items.append(("other runs in this folder (not drawn)", ", ".join(Path(p).parent.name for p in data["other_runs"])))
+    if data.get("damaged_rows"):
+        items.append(("damaged CSV rows skipped", ", ".join(data["damaged_rows"])))
     steps, loss = _series(rows, "train/loss")
     if steps:
         items.append(("last step logged", f"{int(steps[-1]):,} (train/loss {loss[-1]:.4f})"))
@@ -231,4 +242,7 @@ def write_report(run: str | Path, out: str | Path | None = None) -> Path:
     parts.append(f"<p><small>From {len(data['csv'])} metrics.csv file(s) and data_stats.json at step "
                  f"{data['stats'].get('step', '-')}.</small></p>")
     out.write_text("\n".join(parts))
+    for where in data["damaged_rows"]:
+        print(f"stacklm report: skipped the damaged row at {where} (cut or garbled: a fit killed while it wrote its log)",
+              file=sys.stderr)
     return out

@@ -84,3 +84,22 @@ def test_report_refuses_a_folder_without_logs_in_one_line(tmp_path):
         read_run(tmp_path)
     with pytest.raises(UserError, match="not a directory"):
         read_run(tmp_path / "absent")
+
+
+def test_report_skips_a_cut_or_garbled_metrics_row_and_says_so(tmp_path, capsys):
+    """A fit killed while its CSV logger flushed leaves the last line cut mid-number (``ValueError``
+    traceback before): the report skips such rows, draws the rest and names each skipped row."""
+    from stacklm.run_report import summary, write_report
+
+    log = tmp_path / "lightning_logs" / "version_0"
+    log.mkdir(parents=True)
+    lines = ["epoch,step,train/loss"] + [f"0,{s},{5 - s * 0.1:.2f}" for s in range(6)] + ["0,6,4.4e", "0,7"]
+    (log / "metrics.csv").write_text("\n".join(lines))
+    data = read_run(tmp_path)
+    assert [r["step"] for r in data["rows"]] == [0, 1, 2, 3, 4, 5]
+    assert data["damaged_rows"] == [f"{log / 'metrics.csv'}:8", f"{log / 'metrics.csv'}:9"]
+    assert dict(summary(data))["damaged CSV rows skipped"] == ", ".join(data["damaged_rows"])
+    write_report(tmp_path)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"stacklm report: skipped the damaged row at {where} (cut or garbled: a fit killed while it wrote its log)"
+                   for where in data["damaged_rows"]]
