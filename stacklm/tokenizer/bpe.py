@@ -467,7 +467,8 @@ class StackTokenizer:
 
     def _check_probe(self, source: str) -> None:
         """Refuse a tokenizer whose fast and reference encoders disagree on ``PATTERN_PROBE`` (a
-        character of every Unicode category), or that does not round-trip it; ~10 ms."""
+        character of every Unicode category), or that does not round-trip it. ~40 ms at 4,096 ids,
+        most of it building the fast encoder, which the first encode would build anyway."""
         try:
             fast = self.encode(PATTERN_PROBE)
         except ValueError as e:  # tiktoken's regex engine (fancy-regex) refuses what the `regex` module takes

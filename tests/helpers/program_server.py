@@ -99,8 +99,9 @@ class _Server:
     def __init__(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.program_server"], cwd=ROOT, env=env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        hello = json.loads(self.proc.stdout.readline() or "{}")
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0)
+        self._pending = b""  # bytes read past the last whole line
+        hello = self._line(600) or {}
         if not hello.get("ready") or hello.get("threads") != 1:
             self.proc.kill()
             raise RuntimeError(f"the program server did not start clean: {hello}")
@@ -110,19 +111,29 @@ class _Server:
         return self.proc.poll() is None
 
     def _line(self, timeout: float | None) -> dict | None:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            return None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("the program server exited")
+        """The server's next JSON line, or ``None`` after ``timeout`` seconds. Reads the pipe's fd
+        itself: a buffered ``readline`` could take the status line along with the pid line of a
+        program that ended at once, and ``select`` would then wait on an empty pipe."""
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError("the program server exited")
+            self._pending += chunk
+        line, self._pending = self._pending.split(b"\n", 1)
         return json.loads(line)
 
     def run(self, cmd: list[str], *, timeout: float, cwd, env, out: str, err: str) -> int:
         req = {"argv": [str(c) for c in cmd[1:]], "cwd": str(cwd or os.getcwd()), "env": dict(env if env is not None else os.environ),
                "stdout": out, "stderr": err}
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
+        self.proc.stdin.write((json.dumps(req) + "\n").encode())
         pid = self._line(60)["pid"]
         answer = self._line(timeout)
         if answer is None:

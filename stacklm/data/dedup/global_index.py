@@ -300,9 +300,9 @@ class DedupIndex:
         except FileNotFoundError:
             raise ConfigError(f"dedup.index: {path} does not exist; build it with `stacklm dedup-index --config C.yaml --out {path}`") from None
         except Exception as e:
-            from stacklm.data.storage.statefile import file_head, load_error_detail
+            from stacklm.data.storage.statefile import load_error_detail
 
-            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({load_error_detail(e, file_head(path))}); {fix}") from None
+            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({load_error_detail(e, path)}); {fix}") from None
         if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
             found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
             raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index (format {found!r}); {fix}")

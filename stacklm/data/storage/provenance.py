@@ -88,10 +88,9 @@ def decode_rows(data: bytes | Path, where: str | Path | None = None) -> tuple[np
         with np.load(io.BytesIO(data) if isinstance(data, bytes) else data, allow_pickle=False) as z:
             return columns_to_pieces(z)
     except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile, AttributeError) as e:
-        from stacklm.data.storage.statefile import file_head, load_error_detail
+        from stacklm.data.storage.statefile import load_error_detail
 
-        head = bytes(data[:12]) if isinstance(data, bytes) else file_head(data)
-        raise DataError(f"{where}: not a stacklm provenance side file ({load_error_detail(e, head)}); rebuild the prebuild, "
+        raise DataError(f"{where}: not a stacklm provenance side file ({load_error_detail(e, data)}); rebuild the prebuild, "
                          "or restore the file from the build", path=where) from None
 
 

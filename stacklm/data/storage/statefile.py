@@ -35,23 +35,29 @@ _JSON = "state"  # the member holding the structure (state.npy in the zip)
 _TAG = "$t"
 
 
-def load_error_detail(e: BaseException, head: bytes | None = None) -> str:
+def load_error_detail(e: BaseException, source: bytes | memoryview | str | Path | None = None) -> str:
     """What went wrong reading a data-only file, in a few words for a one-line error. numpy's own
     text for a pickle invites loading it unsafely; ours says it is never loaded. numpy says
     "pickled data" of *any* file that is neither .npy nor .npz (a truncated text file too): with
-    ``head``, the file's first bytes, only a real pickle (``0x80`` + protocol 2-5) is called one."""
+    ``source`` (the bytes that failed to load, or their file), only a real pickle (``0x80`` +
+    protocol 2-5) is called one."""
     msg = str(e).splitlines()[0] if str(e) else ""
     if "pickle" in msg:
+        head = _head(source)
         if head is None or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
             return "it holds pickled data, which stacklm never loads"
-        return f"neither a .npz nor a .npy file: it starts with {bytes(head[:12])!r}"
+        return f"neither a .npz nor a .npy file: it starts with {head!r}"
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
-def file_head(path, n: int = 12) -> bytes | None:
-    """The first ``n`` bytes of ``path`` (``None`` if it cannot be read), for ``load_error_detail``."""
+def _head(source, n: int = 12) -> bytes | None:
+    """The first ``n`` bytes of ``source`` (bytes, or a file's path); ``None`` if there are none to read."""
+    if source is None:
+        return None
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return bytes(source[:n])
     try:
-        with open(path, "rb") as f:
+        with open(source, "rb") as f:
             return f.read(n)
     except (OSError, TypeError, ValueError):
         return None
@@ -143,4 +149,4 @@ def loads(data: bytes, where: str | Path, fix: str) -> Any:
             raise ValueError(f"format {found!r}, expected {FORMAT!r}")
         return _decode(doc["state"], arrays)
     except (ValueError, KeyError, TypeError, OSError, EOFError, zipfile.BadZipFile, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise StateFileError(f"{where}: not a stacklm state file ({load_error_detail(e, bytes(data[:12]))}); {fix}") from None
+        raise StateFileError(f"{where}: not a stacklm state file ({load_error_detail(e, data)}); {fix}") from None

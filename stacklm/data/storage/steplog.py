@@ -207,13 +207,14 @@ def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
                                "is damaged or is not a step log; move it away to read the rest of the log")
         if pos + _HEADER.size + length > len(data):
             return  # the torn last frame of a killed run
+        frame = data[pos + _HEADER.size : pos + _HEADER.size + length]
         try:
-            with np.load(io.BytesIO(data[pos + _HEADER.size : pos + _HEADER.size + length]), allow_pickle=False) as z:
+            with np.load(io.BytesIO(frame), allow_pickle=False) as z:
                 yield {k: z[k] for k in z.files}
         except (ValueError, OSError, KeyError, zipfile.BadZipFile) as e:
             from stacklm.data.storage.statefile import load_error_detail
 
-            raise DataError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e, bytes(data[pos + _HEADER.size : pos + _HEADER.size + 12]))}); move the file away "
+            raise DataError(f"{path}: the frame at byte {pos} is damaged ({load_error_detail(e, frame)}); move the file away "
                                "to read the rest of the log") from None
         pos += _HEADER.size + length
 
