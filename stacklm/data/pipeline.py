@@ -196,7 +196,9 @@ def build_pipeline(
     if split == "val":
         total = max(1, round(total * config.holdout_fraction))
     if dedup_index is None and config.dedup.index:
-        dedup_index = DedupIndex.load(config.dedup.index)
+        from stacklm.data.dedup.global_index import load_bound
+
+        dedup_index = load_bound(config.dedup.index, config)  # refused when built from another corpus
     sources: dict[str, BaseNode] = {}
     chains: dict[str, dict[str, BaseNode]] = {}
     tokenized: dict[str, BaseNode] = {}

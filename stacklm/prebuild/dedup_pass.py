@@ -99,6 +99,7 @@ def build_index_shards(
     import shutil
 
     from stacklm.data.dedup import staged
+    from stacklm.data.dedup.global_index import binding_meta
     from stacklm.prebuild.plan import job_name
 
     work_dir, out_dir = Path(work_dir), Path(out_dir)
@@ -107,6 +108,8 @@ def build_index_shards(
     dirs = [work_dir / "sig" / n for n in names]
     jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
     starmap = starmap or staged.in_process
+    # what the index is bound to (``global_index.check_bound``), taken before anything is read
+    binding = binding_meta(config)
     results = list(starmap(write_slice, jobs))
     # the signature pass's read volume (input bytes read, per split and source): not in the
     # index's content hash, reported in the top manifest's ``read_volume``
@@ -117,7 +120,7 @@ def build_index_shards(
     removed = staged.staged_decision(dirs, starmap=starmap)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    staged.write_index_shards(dirs, removed, tmp, {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read})
+    staged.write_index_shards(dirs, removed, tmp, {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read, **binding})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -154,6 +157,27 @@ def load_build_index(path: Path):
         raise PrebuildError(str(e).removeprefix("dedup.index: "), path=path) from None
 
 
+def _check_resumed_corpus(plan, shards: Path) -> None:
+    """A resumed build's index was decided on the corpus the build began with: refuse to go on
+    (in one line naming the source and file) when the corpus or the inputs that decide which
+    documents its ids name have changed since (``global_index.check_bound``); its shards would
+    mix two corpora and its removed ids would name other documents. Shards of a build begun
+    before the binding existed carry no fingerprint and are not checked."""
+    from stacklm.data.dedup.global_index import check_bound
+
+    first = next(iter(sorted(shards.glob("*.npz"))), None)
+    if first is None:
+        return
+    index = load_build_index(first)
+    if "corpus" not in index.meta:
+        return
+    try:
+        check_bound(index, plan.config, first, what=f"prebuild {plan.out}: this unfinished build",
+                    fix=f"restore the corpus it began with, or start over (delete {plan.out})")
+    except ConfigError as e:
+        raise PrebuildError(str(e), path=plan.out) from None
+
+
 def load_or_build(plan, starmap: Starmap | None = None) -> None:
     """The build's index, before any packing job: one removed-id shard per job in
     ``.prebuild/dedup-index/`` (``build_index_shards``; each packing job loads only its own,
@@ -162,6 +186,9 @@ def load_or_build(plan, starmap: Starmap | None = None) -> None:
     from stacklm.prebuild.plan import state_dir_of
 
     state = state_dir_of(plan.out)
-    if (state / INDEX_FILE).exists() or (state / INDEX_SHARDS).is_dir():
+    if (state / INDEX_SHARDS).is_dir():
+        _check_resumed_corpus(plan, state / INDEX_SHARDS)
+        return
+    if (state / INDEX_FILE).exists():
         return
     build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap)

@@ -268,6 +268,7 @@ class StackDedupCluster(_StackStep):
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        from stacklm.data.dedup.global_index import binding_meta
         from stacklm.data.dedup.staged import cluster_pairs, load_pair_files, write_index_shards
         from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
@@ -290,8 +291,11 @@ class StackDedupCluster(_StackStep):
             per = bytes_read.setdefault(rec["split"], {})
             for src, n in rec["bytes"].items():
                 per[src] = per.get(src, 0) + int(n)
+        config = PipelineConfig.from_dict(self.plan.config)
+        # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
+        # globs, from the same working directory
         totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
-                                    {"dedup": dataclasses.asdict(PipelineConfig.from_dict(self.plan.config).dedup), "bytes_read": bytes_read})
+                                    {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read, **binding_meta(config)})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)

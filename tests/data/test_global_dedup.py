@@ -29,7 +29,7 @@ from tests.helpers.synthetic_edits import inject_edits
 from stacklm.data.pipeline import PipelineConfig, build_pipeline
 from stacklm.data.sources import ShardSpec
 from stacklm.prebuild import lock_out_dir, prebuild, state_dir_of
-from stacklm.errors import PrebuildError
+from stacklm.errors import ConfigError, PrebuildError
 from stacklm.prebuild.dedup_pass import build_dedup_index
 
 REPO = Path(__file__).resolve().parents[2]
@@ -566,3 +566,77 @@ def test_an_empty_slice_takes_part_in_the_staged_decision(tmp_path):
     assert staged.write_signature_dir(empty, "train", dirs[1])["n"] == 0
     removed = staged.staged_decision(dirs)
     assert {f: {r: a.tolist() for r, a in per.items()} for f, per in removed.items()} == {0: {"exact": [1]}}
+
+
+def test_a_stream_index_is_refused_on_any_other_corpus_or_split_naming_the_source_and_file(corpus, tokenizer_512, tmp_path):
+    """Issue 32.1: the index's ids are positions (source/part/row). Built on one corpus, then
+    applied to it with one record inserted at the top of one file, it drops unique documents and
+    keeps copies twice; so a stream run refuses it in one line naming the source and the file.
+    A copy of the same corpus elsewhere is the same corpus (labels are relative)."""
+    import shutil
+
+    glob, _ = corpus
+    src = tmp_path / "corpus"
+    shutil.copytree(Path(glob).parent, src)
+    path = tmp_path / "idx.npz"
+    build_dedup_index(_config(str(src / "*.jsonl")), ("train",), 1).save(path)
+
+    def first_dedup_docs(cfg):
+        node = build_pipeline(cfg, tokenizer_512, "train").chains["std"]["dedup"]
+        node.reset(None)
+        return [d["doc_id"] for d in node]
+
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(src, moved)  # the same files in another folder: accepted
+    kept = first_dedup_docs(_config(str(moved / "*.jsonl"), exact=False, near=False, index=str(path)))
+    assert len(kept) == 92 - sum(DedupIndex.load(path).counts()["train"].values())
+
+    def refused(cfg) -> str:
+        with pytest.raises(ConfigError) as e:
+            build_pipeline(cfg, tokenizer_512, "train")
+        line = str(e.value)
+        assert "\n" not in line and cfg.dedup.index in line and "stacklm dedup-index" in line, line
+        return line
+
+    stream = _config(str(src / "*.jsonl"), exact=False, near=False, index=str(path))
+    lines = (src / "p1.jsonl").read_text().splitlines(keepends=True)
+    (src / "p1.jsonl").write_text(json.dumps({"text": "a new record at the top"}) + "\n" + "".join(lines))
+    assert "source 'std': file p1.jsonl was" in refused(stream) and "bytes, it is" in refused(stream)
+    (src / "p1.jsonl").write_text("".join(lines))  # back as it was: accepted again
+    assert first_dedup_docs(stream) == kept
+    swapped = lines[1:2] + lines[:1] + lines[2:]  # same bytes, two records swapped: positions differ
+    (src / "p1.jsonl").write_text("".join(swapped))
+    assert "file p1.jsonl has the same size" in refused(stream)
+    (src / "p1.jsonl").write_text("".join(lines))
+    (src / "p4.jsonl").write_text(lines[0])
+    assert "file p4.jsonl was not there when it was built" in refused(stream)
+    (src / "p4.jsonl").unlink()
+    import dataclasses
+
+    assert "holdout_fraction 0.0, this config has 0.5" in refused(dataclasses.replace(stream, holdout_fraction=0.5))
+    old = DedupIndex.load(path)
+    DedupIndex(old.splits, {k: v for k, v in old.meta.items() if k != "corpus"}).save(tmp_path / "old.npz")
+    assert "records no fingerprint" in refused(_config(str(src / "*.jsonl"), exact=False, near=False, index=str(tmp_path / "old.npz")))
+
+
+def test_an_unfinished_build_resumed_on_a_changed_corpus_is_refused(corpus, tokenizer_512, tmp_path, monkeypatch):
+    """Issue 32.1: a prebuild's own removed ids and written shards were decided on the corpus it
+    began with; a resume after a file changed refuses naming the source and the file."""
+    import shutil
+
+    import stacklm.prebuild.build as build_mod
+
+    glob, _ = corpus
+    src = tmp_path / "corpus"
+    shutil.copytree(Path(glob).parent, src)
+    cfg, out = _config(str(src / "*.jsonl"), near=False), tmp_path / "half"
+    monkeypatch.setattr(build_mod, "finalize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("killed before the manifests")))
+    with pytest.raises(RuntimeError):
+        prebuild(cfg, tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    monkeypatch.undo()
+    before = (src / "p2.jsonl").read_bytes()
+    (src / "p2.jsonl").write_bytes(before + b'{"text": "appended after the build began"}\n')
+    with pytest.raises(PrebuildError, match=r"source 'std': file p2\.jsonl was [\d,]+ bytes, it is [\d,]+ now; restore the corpus"):
+        prebuild(cfg, tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    (src / "p2.jsonl").write_bytes(before)
+    assert prebuild(cfg, tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)["splits"]["train"]["n_seq"] > 0

@@ -48,7 +48,7 @@ from stacklm.data.quality.normalize import normalize_text
 from stacklm.errors import ConfigError
 
 INDEX_FORMAT = "stacklm-dedup-index"
-INDEX_VERSION = 1
+INDEX_VERSION = 2  # 2: records the corpus fingerprint and the decision's inputs (``check_bound``)
 _BATCH = 256
 REASONS = ("exact", "near", "cross_split")  # DedupIndex.lookup codes 1, 2, 3
 # The split whose copy a cross-split duplicate set keeps comes first (``decide_splits``).
@@ -312,3 +312,54 @@ class DedupIndex:
             splits.setdefault(s, {})[r] = a
         meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
         return cls(splits, meta)
+
+
+def decision_inputs(config) -> dict[str, Any]:
+    """What, besides the corpus, decides which documents a dedup pass sees at which id: the
+    split assignment (``seed``, ``holdout_fraction``), the quality filter (the config's and
+    each source's rule set) and decontamination. JSON-normalised (what the index's meta holds)."""
+    import json
+
+    inputs = {
+        "seed": config.seed,
+        "holdout_fraction": config.holdout_fraction,
+        "filters": config.filters.to_dict(),
+        "source_filters": {e.name: e.filter_rules() for e in config.mix.entries},
+        "decontaminate": None if config.decontaminate is None else config.decontaminate.to_dict(),
+    }
+    return json.loads(json.dumps(inputs, sort_keys=True))
+
+
+def binding_meta(config) -> dict[str, Any]:
+    """The meta a stream-mode index records to be bound to its inputs (``check_bound``):
+    ``corpus`` (``sources.fingerprint.corpus_fingerprint``) and ``inputs`` (``decision_inputs``)."""
+    from stacklm.data.sources.fingerprint import corpus_fingerprint
+
+    return {"corpus": corpus_fingerprint(config.mix.entries), "inputs": decision_inputs(config)}
+
+
+def check_bound(index: DedupIndex, config, path: str | Path, what: str | None = None, fix: str | None = None) -> None:
+    """Refuse, in one line naming the source and file (or the setting), an index built from
+    another corpus or with other decision inputs than ``config`` has: its ids are positions
+    (``source/part/row``), so applied to anything else it drops the wrong documents. Cost: a
+    stat per corpus file, and at most 32 small reads of each the first time a process sees it
+    (``sources.fingerprint``)."""
+    from stacklm.data.sources.fingerprint import check_corpus
+
+    fix = fix or f"rebuild it for this config (`stacklm dedup-index --config C.yaml --out {path}`)"
+    what = what or f"dedup.index: {path}"
+    check_corpus(index.meta.get("corpus"), config.mix.entries, what, fix)
+    recorded, now = index.meta.get("inputs") or {}, decision_inputs(config)
+    for name in sorted(now):
+        if recorded.get(name) != now[name]:
+            setting = name if name in ("seed", "holdout_fraction") else {"source_filters": "a source's filters"}.get(name, name)
+            raise ConfigError(f"{what} was built with {setting} {recorded.get(name)!r}, this config has {now[name]!r} "
+                              f"(it decides which documents the index's ids name); {fix}")
+
+
+def load_bound(path: str | Path, config) -> DedupIndex:
+    """``DedupIndex.load(path)`` checked against ``config`` (``check_bound``): what stream mode's
+    ``dedup.index`` setting loads."""
+    index = DedupIndex.load(path)
+    check_bound(index, config, path)
+    return index
