@@ -62,6 +62,7 @@ class Run:
     current_epoch: Callable[[], int | None] = _no_trainer
     step: int = 0  # ``trainer.global_step``
     accumulate: int = 1  # ``trainer.accumulate_grad_batches``
+    last_step: int | None = None  # ``trainer.max_steps - 1``; None when the run has no step limit
     snapshot_interval: int = 1000  # steps between loader worker snapshots (``StackDataModule.snapshot_interval``)
     mix_changes: tuple[dict[str, Any], ...] = ()  # stream mode's re-weightings, per-rank batch indices resolved
 
@@ -170,7 +171,7 @@ class ShardsMode(DataMode):
         ds = self.dataset("train", run.tokenizer)
         self.skips = resolve_skips(self.skips, list(self.config.skip_steps), position, now=run.step,
                                    step_rows=self.restored_step_rows or run.world_size * self.config.batch_size * run.accumulate,
-                                   num_rows=len(ds))
+                                   num_rows=len(ds), last_step=run.last_step)
         return self._loader(ds, "train", position, run)
 
     def val_loader(self, run: Run) -> ShardsLoader:

@@ -266,6 +266,7 @@ class StackDataModule(L.LightningDataModule):
         return Run(tokenizer=self.tokenizer, rank=self.rank, world_size=self.world_size,
                    current_epoch=lambda: trainer.current_epoch, step=int(trainer.global_step),
                    accumulate=int(trainer.accumulate_grad_batches), snapshot_interval=self.snapshot_interval(),
+                   last_step=int(trainer.max_steps) - 1 if int(trainer.max_steps or -1) > 0 else None,
                    mix_changes=changes)
 
     def train_dataloader(self):

@@ -136,3 +136,32 @@ def test_skip_steps_on_another_world_size(tokenizer_dir, shards_dir, tmp_path):
     two = run(tmp_path / "two", 2, "--resume", tmp_path / "ref" / "step3.ckpt", "--skip-steps", 3, 5)
     got = [r for step in global_rows(two, after=3)[0] for r in step if r is not None]
     assert got == ref_rows[3 * 4 :][3 * 4 :]  # from step 3 on, less the 3 x 4 rows of steps 3..5
+
+
+def test_a_skip_range_costs_what_the_run_reaches_not_what_it_spans():
+    """Issue 32.6: ``skip_steps: [[5, 100000000]]`` listed every step of the range (3 GB and
+    growing). ``step_span`` jumps whole steps and epochs (the same positions as walking the steps
+    one by one, checked on random cases with gaps), and a range is resolved only up to the run's
+    last step; a resume with a higher ``max_steps`` resolves the next part."""
+    import random
+
+    from stacklm.datamodule.resume.shards import resolve_skips, step_span, walk_steps
+
+    rng = random.Random(0)
+    for _ in range(300):
+        rows, step_rows = rng.randint(1, 40), rng.randint(1, 7)
+        gaps = sorted({(lo, lo + rng.randint(1, 30)) for lo in (rng.randint(0, 200) for _ in range(rng.randint(0, 3)))})
+        gaps = [g for k, g in enumerate(gaps) if k == 0 or g[0] >= gaps[k - 1][1]]
+        start, first, count = rng.randint(0, 60), rng.randint(0, 30), rng.randint(1, 30)
+        try:
+            walked = list(walk_steps(start, first + count, step_rows, rows, gaps))
+        except ValueError:
+            continue
+        assert step_span(start, first, count, step_rows, rows, gaps) == (int(walked[first][0][0]), int(walked[-1][1]))
+    whole = resolve_skips([], [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50)  # no step limit: arithmetic
+    assert whole == [{"steps": [5, 100_000_000], "positions": [10, 200_000_002], "step_rows": 2}]
+    part = resolve_skips([], [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50, last_step=19)
+    assert part == [{"steps": [5, 19], "positions": [10, 40], "step_rows": 2, "given": [5, 100_000_000]}]
+    assert resolve_skips(part, [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50, last_step=19) == part
+    more = resolve_skips(part, [(5, 100_000_000)], {"epoch": 0, "rows_served": 40}, now=20, step_rows=2, num_rows=50, last_step=29)
+    assert more[1] == {"steps": [20, 29], "positions": [40, 60], "step_rows": 2, "given": [5, 100_000_000]}

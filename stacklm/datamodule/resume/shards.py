@@ -67,31 +67,88 @@ def next_position(last: dict[str, int], batches_yielded: int, num_rows: int) -> 
     return start_position(last["epoch"] + 1) if last["rows_served"] >= num_rows else {**last, "steps": 0}
 
 
+def step_span(position: int, first: int, count: int, step_rows: int, num_rows: int, skips: list[tuple[int, int]]) -> tuple[int, int]:
+    """``(first position of step first, position after step first + count - 1)``, steps counted
+    from 0 at global stream position ``position`` as ``walk_steps`` serves them. Jumps over whole
+    steps by arithmetic within an epoch and over whole epochs, so time and memory depend on the
+    epochs crossed, not on the steps (``skip_steps: [[5, 100000000]]`` took gigabytes and kept
+    growing when every step was listed)."""
+    epoch, row = divmod(int(position), num_rows)
+    avail, i, empty = available_positions(epoch, row, num_rows, skips), 0, 0
+
+    def next_epoch() -> None:
+        nonlocal epoch, avail, i, empty
+        epoch, i = epoch + 1, 0
+        avail = available_positions(epoch, 0, num_rows, skips)
+        empty = empty + 1 if not len(avail) else 0
+        if empty > len(skips) + 1:
+            raise ValueError("skip_steps pass over every row of the data")
+
+    gaps_end = max((hi for _, hi in skips), default=0)
+    full_epoch_steps = -(-num_rows // step_rows)
+
+    def advance(k: int) -> None:
+        nonlocal i, epoch
+        while k > 0:
+            if i >= len(avail):
+                if gaps_end <= (epoch + 1) * num_rows:  # every epoch from here on is whole: jump over them
+                    m = (k - 1) // full_epoch_steps
+                    epoch, k = epoch + m, k - m * full_epoch_steps
+                next_epoch()
+                continue
+            left = -(-(len(avail) - i) // step_rows)  # steps left in this epoch (its last one short)
+            if k < left:
+                i += k * step_rows
+                return
+            k, i = k - left, len(avail)
+
+    advance(first)
+    while i >= len(avail):
+        next_epoch()
+    lo = epoch * num_rows + int(avail[i])
+    advance(count)
+    after = epoch * num_rows + int(avail[i]) if i < len(avail) else (epoch + 1) * num_rows
+    return lo, after
+
+
 def resolve_skips(skips: list[dict[str, Any]], skip_steps: list[tuple[int, int]], position: dict[str, int] | None, *,
-                  now: int, step_rows: int, num_rows: int) -> list[dict[str, Any]]:
+                  now: int, step_rows: int, num_rows: int, last_step: int | None = None) -> list[dict[str, Any]]:
     """``skips`` with every ``skip_steps`` range not yet in it resolved to the stream positions
     its steps consume, walking from ``position`` (at trainer step ``now``) as the loader serves,
     ``step_rows`` rows per step (the run that wrote the checkpoint's, else this run's). Each
-    entry is ``{"steps": [a, b], "positions": [lo, hi], "step_rows": n}``; shape-free from then
-    on and kept in the checkpoint, so a resume on any shape passes over exactly those rows.
-    Sorted by position."""
+    entry is ``{"steps": [a, b], "positions": [lo, hi], "step_rows": n}``, with ``"given": [A,
+    B]`` when it is a part of the range given: a range is resolved only up to ``last_step``, the
+    run's last step (what a run never reaches is neither walked nor listed in its step log, so
+    memory and time do not grow with the range), and a resume with a higher ``max_steps``
+    resolves the next part. Shape-free from then on and kept in the checkpoint, so a resume on any shape passes
+    over exactly those rows. Sorted by position."""
     out = [dict(r) for r in skips]
-    done = {tuple(r["steps"]) for r in out}
-    todo = sorted(tuple(r) for r in skip_steps if tuple(r) not in done)
+
+    def given(r: dict[str, Any]) -> tuple[int, int]:
+        return tuple(r.get("given", r["steps"]))
+
+    reached = {}  # given range -> the last step resolved of it
+    for r in out:
+        reached[given(r)] = max(reached.get(given(r), -1), int(r["steps"][1]))
+    todo = sorted(tuple(r) for r in skip_steps if reached.get(tuple(r), -1) < r[1])
     if not todo:
         return out
     pos = position or {"epoch": 0, "rows_served": 0}
     start = int(pos["epoch"]) * num_rows + int(pos["rows_served"])
     for a, b in todo:
-        if a < now:
+        first = max(a, reached.get((a, b), a - 1) + 1)  # after the part an earlier, shorter run resolved
+        if first < now:
             raise DataConfigError(
                 f"StackDataModule: skip_steps ({a}, {b}) starts before this run's step {now} (the checkpoint's): the "
-                f"steps from {a} on are already trained; resume from a checkpoint at or before step {a}"
+                f"steps from {first} on are already trained; resume from a checkpoint at or before step {first}"
             )
+        end = b if last_step is None else min(b, last_step)
+        if end < first:
+            continue
         gaps = [tuple(r["positions"]) for r in out]
-        steps = list(walk_steps(start, b + 1 - now, step_rows, num_rows, gaps))
-        lo, hi = int(steps[a - now][0][0]), int(steps[-1][1])
-        out.append({"steps": [a, b], "positions": [lo, hi], "step_rows": int(step_rows)})
+        lo, hi = step_span(start, first - now, end + 1 - first, step_rows, num_rows, gaps)
+        entry = {"steps": [first, end], "positions": [lo, hi], "step_rows": int(step_rows)}
+        out.append(entry if (first, end) == (a, b) else {**entry, "given": [a, b]})
     out.sort(key=lambda r: r["positions"][0])
     return out
 
