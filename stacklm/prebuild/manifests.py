@@ -271,6 +271,27 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
         warnings.warn(message, RuntimeWarning, stacklevel=2)
 
 
+def refuse_empty_split(plan: PrebuildPlan, split: str, manifest: Mapping[str, Any]) -> None:
+    """A split with no token is no training data: the build would "succeed" with nothing to
+    train on (``decontaminate`` with ``n: 1`` removed every document and exited 0). Refused in
+    one line saying where the documents went (the drop counts, summed over the sources)."""
+    if int(manifest["n_seq"]) > 0:
+        return
+    totals: dict[str, int] = {}
+    for per in manifest["drops"].values():
+        for reason, n in per.items():
+            if reason in ("bytes_replaced", "nul_removed", "tokens_cut_by_budget") or reason in INVALID_RECORDS:
+                continue  # bytes, not documents; invalid records counted once as invalid_records
+            totals[reason] = totals.get(reason, 0) + int(n)
+    read = sum(int(per.get(r, 0)) for per in manifest["stats"].get("source", {}).values() for r in _DOCS_READ)
+    gone = ", ".join(f"{n:,} {reason}" for reason, n in sorted(totals.items(), key=lambda kv: -kv[1]) if n) or "none dropped"
+    raise PrebuildError(
+        f"split {split!r} has no tokens: of {read:,} documents read, {gone}; nothing is left to train on. Change the "
+        f"configuration (filters, decontaminate, holdout_fraction, the sources), then delete {plan.out} and build again",
+        path=plan.out,
+    )
+
+
 def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[Mapping[str, Any]],
              name_task: Callable[[str, int], str] = _job) -> dict[str, Any]:
     """Check the jobs' counts (``check_tasks``), write the split manifests, then the top manifest
@@ -284,6 +305,9 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
     for split in plan.splits:
         jobs = sorted((s for s in summaries if s["split"] == split), key=lambda s: s["worker"])
         per_split[split] = split_manifest(plan, identity, split, jobs)
+    for split, manifest in per_split.items():  # before any manifest: a set a loader would open is never empty
+        refuse_empty_split(plan, split, manifest)
+    for split in plan.splits:
         mf.write_manifest(plan.out / split, per_split[split])
     top = top_manifest(plan, identity, per_split)
     index_path = state_dir_of(plan.out) / "dedup_index.npz"  # dedup_pass.INDEX_FILE

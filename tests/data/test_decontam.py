@@ -414,3 +414,21 @@ def test_stream_datamodule_with_two_workers_shares_one_index(data, tokenizer_512
     for name in ("qa", "code"):
         assert dropped.get(f"decontam/{name}", 0) == report[name]["docs"] == data_scalars(stats)[f"data/decontam/{name}/docs"]
         assert all(tuple(ex["ngram"].split()) in grams[name] for ex in report[name]["examples"])
+
+
+def test_a_build_that_leaves_a_split_with_no_tokens_is_refused(data, tok, tmp_path):
+    """Issue 32.6: ``decontaminate`` with ``n: 1`` removes every document; the build wrote a
+    shard set with 0 training tokens and exited 0. Now it ends in one line saying where the
+    documents went, and no manifest is written (no loader opens an empty set)."""
+    from stacklm.errors import PrebuildError
+    from stacklm.prebuild import prebuild
+
+    root, _, texts, _ = data
+    cfg = PipelineConfig.from_dict(data_section(root, n=1))
+    out = tmp_path / "empty"
+    with pytest.raises(PrebuildError) as e:
+        prebuild(cfg, tok, out, tokens_per_shard=SEQ_LEN * 16, progress=False, splits=("train",))
+    line = str(e.value)
+    assert "\n" not in line and "split 'train' has no tokens" in line and f"of {len(texts):,} documents read" in line, line
+    assert re.search(r"\d[\d,]* decontaminated", line) and str(out) in line, line
+    assert not (out / "train" / "manifest.json").exists() and not (out / "manifest.json").exists()
