@@ -22,6 +22,23 @@ from stacklm.errors import LedgerError, PrebuildError
 from stacklm.prebuild.plan import BUILD_FILE, REVISIONS_FILE, STATE_DIR, PrebuildPlan, state_dir_of
 
 
+def _read_build_file(path: Path) -> dict[str, Any]:
+    """An unfinished build's ``.prebuild/build.json`` (its identity). Anything else under that
+    name (a pickle, a cut or garbled file: a ``UnicodeDecodeError`` traceback before) is one
+    line naming the file; data only, never unpickled."""
+    try:
+        found = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        head = path.read_bytes()[:2]
+        what = "pickled data, which stacklm never loads" if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 else f"not JSON ({e})"
+        raise PrebuildError(f"{path} is {what}: the unfinished build's identity is damaged; delete {path.parent.parent} and "
+                            "build again", path=path) from None
+    if not isinstance(found, dict):
+        raise PrebuildError(f"{path}: expected a JSON object, got {type(found).__name__}; delete {path.parent.parent} and build again",
+                            path=path)
+    return found
+
+
 def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
     """Refuse a directory built (or being built) differently; True when already complete."""
     out = plan.out
@@ -30,7 +47,7 @@ def _check_out_dir(plan: PrebuildPlan, identity: dict[str, Any]) -> bool:
     if top.exists():
         found, where = mf.read_manifest(out).get("build", {}), top
     elif build_file.exists():
-        found, where = json.loads(build_file.read_text()), build_file
+        found, where = _read_build_file(build_file), build_file
     elif out.exists() and any(p.name != STATE_DIR for p in out.iterdir()):  # a bare .prebuild/: killed while claiming
         raise PrebuildError(
             f"{out} is not empty and holds no stacklm prebuild ({top.name} or {STATE_DIR}/{BUILD_FILE}); "

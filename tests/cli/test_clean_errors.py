@@ -541,6 +541,20 @@ def _binary_bin_to_inspect(tmp: Path, tok) -> list[str]:
     return ["inspect", str(tmp / "ids.bin"), "--tokenizer", str(tok)]
 
 
+def _text_named_parquet(tmp: Path, tok) -> list[str]:
+    (tmp / "a.parquet").write_text('{"text": "a JSON line, not parquet"}\n')  # was: ArrowInvalid traceback from the piece index
+    return ["prebuild", "--config", str(write_config(tmp, tok, entries=local_entry(tmp / "a.parquet"))), "--out", str(tmp / "o"),
+            "--no-progress"]
+
+
+def _pickle_as_build_json(tmp: Path, tok) -> list[str]:
+    import pickle
+
+    (tmp / "o" / ".prebuild").mkdir(parents=True)  # was: UnicodeDecodeError traceback
+    (tmp / "o" / ".prebuild" / "build.json").write_bytes(pickle.dumps({"tokenizer_hash": "x"}))
+    return ["prebuild", "--config", str(write_config(tmp, tok)), "--out", str(tmp / "o"), "--no-progress"]
+
+
 FILE_CASES = {  # was: a traceback, [Errno 17], "missing field 'format'", "empty text", torch's unpickler text
     "malformed .tiktoken with --pattern": (_tiktoken_junk, ["bad.tiktoken:1", "not a tiktoken ranks file"]),
     "--out names a file": (_out_is_a_file, ["afile", "is not a directory", "pass a directory"]),
@@ -548,6 +562,8 @@ FILE_CASES = {  # was: a traceback, [Errno 17], "missing field 'format'", "empty
                                                                            "train-tokenizer"]),
     "invalid-UTF-8 .txt source": (_binary_txt_source, ["latin.txt", "not UTF-8 text", "convert the files to UTF-8"]),
     "raw .bin given to inspect": (_binary_bin_to_inspect, ["ids.bin", "not a saved batch", "torch.save"]),
+    "a text file named .parquet as a source": (_text_named_parquet, ["source 'mine'", "a.parquet", "cannot read", "as parquet"]),
+    "a pickle as .prebuild/build.json": (_pickle_as_build_json, ["build.json", "pickled data, which stacklm never loads", "delete"]),
 }
 
 

@@ -108,8 +108,19 @@ class LocalFileSource(TextPartSource):
                 return None
             # whole files per reader, in pieces only for the spread order: index only its own
             own = set(range(self.shard.index, len(self._paths), self.shard.count))
-            return [file_pieces(i, p, self._formats[p]) if i in own else [] for i, p in enumerate(self._paths)]
-        return [file_pieces(i, p, self._formats[p]) for i, p in enumerate(self._paths)]
+            return [self._file_pieces(i) if i in own else [] for i in range(len(self._paths))]
+        return [self._file_pieces(i) for i in range(len(self._paths))]
+
+    def _file_pieces(self, i: int) -> list:
+        """``file_pieces`` of file ``i``; a file its format cannot read (a text file named
+        ``.parquet``: pyarrow's ``ArrowInvalid``) is a ``SourceError`` naming the source and the
+        file, as when the reader opens it, not a traceback from the piece index."""
+        path = self._paths[i]
+        try:
+            return file_pieces(i, path, self._formats[path])
+        except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            raise SourceError(f"source {self.name!r}: cannot read {path} as {self._formats[path]}: {type(e).__name__}: {e}",
+                              source=self.name, file=path) from None
 
     def index_all(self) -> None:
         """Build (or find in the cache) the piece index of every file this source reads in
@@ -117,8 +128,8 @@ class LocalFileSource(TextPartSource):
         if self._parts is None:
             self.reset(None)
         if self._pieces is not None:
-            for i, p in enumerate(self._paths):
-                file_pieces(i, p, self._formats[p])
+            for i in range(len(self._paths)):
+                self._file_pieces(i)
 
     def _order_pieces(self, pieces: list) -> list:
         return pieces if self.order_seed is None else spread_order(pieces, self.order_seed)
