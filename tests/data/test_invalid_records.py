@@ -199,3 +199,23 @@ def test_a_control_character_is_named_once_with_its_column(tmp_path):
     assert "at at" not in str(err.value)
     with pytest.raises(ChatFormatError, match=r"not valid JSON \(Invalid control character at column 14\)"):
         parse_json_line(b'{"text": "tab\there"}', "ctl.jsonl:1")
+
+
+def test_the_all_invalid_rule_is_per_file_not_per_piece(tmp_path):
+    """Issue 32.6: a JSON-lines file read in pieces (the spread read order) whose later pieces
+    hold no valid row was refused whole although 14 % of it is valid. The rule is per file: the
+    file is read, its valid rows delivered and its bad rows counted; a file with no valid row
+    read in pieces is still refused, naming it; a resume mid-file keeps the per-file counts."""
+    good = [json.dumps({"text": _good(i)}) for i in range(40)]
+    bad = ["not json at all, a line of some other format " + "x" * 40] * 260
+    (tmp_path / "mixed.jsonl").write_text("\n".join(good + bad) + "\n")
+    node = LocalFileSource("web", str(tmp_path / "mixed.jsonl"), "prose", order_seed=7)
+    node.reset(None)
+    assert len(node._pieces) > 10  # read in pieces, in a seeded order
+    assert sorted(d["text"] for d in node) == sorted(_good(i) for i in range(40))
+    assert node.stats.get("web", "malformed_json") == 260
+    check_save_load_state(lambda: LocalFileSource("web", str(tmp_path / "mixed.jsonl"), "prose", order_seed=7),
+                          lambda n: [0, 1, 7, 20, n], state_round_trip="json")
+    (tmp_path / "all_bad.jsonl").write_text("\n".join(bad) + "\n")
+    with pytest.raises(SourceError, match=r"all_bad\.jsonl.*is a valid record"):
+        list(LocalFileSource("web", str(tmp_path / "all_bad.jsonl"), "prose", order_seed=7))

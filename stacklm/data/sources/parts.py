@@ -124,6 +124,15 @@ class PartNode(BaseNode[dict]):
                 self._pieces, self._strided = assign_pieces(pieces, self.shard)
                 self._pieces = self._order_pieces(self._pieces)
                 self._assigned = [p.part for p in self._pieces]
+                # per part: its pieces this reader reads (the last one's position) and whether
+                # that is all of them (``TextPartSource``'s all-invalid rule is per file)
+                mine: dict[int, int] = {}
+                count: dict[int, int] = {}
+                for k, piece in enumerate(self._pieces):
+                    mine[piece.part] = k
+                    count[piece.part] = count.get(piece.part, 0) + 1
+                self._last_piece_of = mine
+                self._whole_parts = {part for part, n in count.items() if n == len(pieces[part])}
         self._close()
         st = initial_state or {}
         self._k = int(st.get("part", 0))
@@ -247,6 +256,13 @@ class TextPartSource(PartNode):
     ``"raise"`` the first one stops the read. A part (file, hub shard) none of whose rows is a
     record is still an error, raised as soon as its first ``first_rows_check`` rows are all
     invalid or at its end: that is a wrong format or a wrong ``text_column``, not bad rows.
+
+    The rule is per *file*, not per piece (a file read in pieces, ``sources.pieces``): a piece
+    with no valid row only ends the read when it is the file's head (its first
+    ``first_rows_check`` rows), or when every piece of the file has been read, by this reader,
+    without one valid row; a file with some valid rows is read and its bad rows counted (a file
+    whose last piece held no valid row was refused whole although 14 % of it was valid). A
+    file split between readers is judged by its own pieces only by ``_check_exhausted``.
     """
 
     COUNTS_RECORDS = True
@@ -278,6 +294,10 @@ class TextPartSource(PartNode):
         self._part_first = inv.get("part_first")
         self._part_keys = list(inv.get("part_keys", []))
         self._logged = int(inv.get("logged", 0))
+        # per file read in pieces: the files that have shown a valid row, and the invalid counts
+        # (and first message) of the pieces of files that have not yet
+        self._valid_files = set(int(f) for f in inv.get("valid_files", []))
+        self._file_invalid: dict[int, dict[str, Any]] = {int(k): v for k, v in inv.get("file_invalid", {}).items()}
 
     def get_state(self) -> dict:
         return {
@@ -285,6 +305,8 @@ class TextPartSource(PartNode):
             "invalid": {
                 "part_valid": self._part_valid, "part_invalid": dict(self._part_invalid), "part_first": self._part_first,
                 "part_keys": list(self._part_keys), "logged": self._logged,
+                **({"valid_files": sorted(self._valid_files), "file_invalid": {str(k): v for k, v in self._file_invalid.items()}}
+                   if self._pieces is not None else {}),
             },
         }
 
@@ -314,18 +336,40 @@ class TextPartSource(PartNode):
             self._part_valid += 1
 
     def _end_part(self) -> None:
-        if self._part_invalid and not self._part_valid:
-            self._raise_all_invalid()
+        if self._pieces is None:
+            if self._part_invalid and not self._part_valid:
+                self._raise_all_invalid(self._part_invalid, self._part_first, self._part_keys)
+        else:
+            self._end_piece()
         self._part_valid, self._part_invalid, self._part_first, self._part_keys = 0, {}, None, []
 
-    def _raise_all_invalid(self) -> None:
+    def _end_piece(self) -> None:
+        """The per-file rule (class docstring) at the end of a piece."""
+        part = self._assigned[self._k]
+        if self._part_valid:
+            self._valid_files.add(part)
+            self._file_invalid.pop(part, None)
+        elif self._part_invalid and part not in self._valid_files:
+            seen = self._file_invalid.setdefault(part, {"invalid": {}, "first": self._part_first, "keys": self._part_keys})
+            for reason, n in self._part_invalid.items():
+                seen["invalid"][reason] = seen["invalid"].get(reason, 0) + n
+        if self._last_piece_of.get(part) == self._k and part in self._file_invalid:
+            seen = self._file_invalid.pop(part)
+            if part in self._whole_parts:
+                self._raise_all_invalid(seen["invalid"], seen["first"], seen["keys"])
+
+    def _at_file_head(self) -> bool:
+        """The current piece starts its file (or parts are read whole): where the early check looks."""
+        return self._pieces is None or (self._pieces[self._k].line == 0 and self._assigned[self._k] not in self._valid_files)
+
+    def _raise_all_invalid(self, invalid: dict[str, int], first: str | None, keys: list) -> None:
         where = self._part_path(self._assigned[self._k])
-        if set(self._part_invalid) == {MISSING_TEXT}:
-            raise column_error(self.name, self.text_column, self._part_keys, where)
-        n = sum(self._part_invalid.values())
+        if set(invalid) == {MISSING_TEXT}:
+            raise column_error(self.name, self.text_column, keys, where)
+        n = sum(invalid.values())
         raise SourceError(
             f"source {self.name!r}: none of the {n} rows read from {where} is a valid record "
-            f"({', '.join(f'{k}={v}' for k, v in sorted(self._part_invalid.items()))}); first: {self._part_first}. "
+            f"({', '.join(f'{k}={v}' for k, v in sorted(invalid.items()))}); first: {first}. "
             f"Check the file's format and text_column (or drop the file from the source)",
             source=self.name,
             file=where,
@@ -339,8 +383,8 @@ class TextPartSource(PartNode):
         if self._part_first is None:
             self._part_first = str(err)
             self._part_keys = list(getattr(self._reader, "keys", []))
-        if not self._part_valid and sum(self._part_invalid.values()) >= self.first_rows_check:
-            self._raise_all_invalid()
+        if not self._part_valid and sum(self._part_invalid.values()) >= self.first_rows_check and self._at_file_head():
+            self._raise_all_invalid(self._part_invalid, self._part_first, self._part_keys)
         # every split (and the global dedup pass) reads the same record: one line per process
         if self.log_rows and self._logged < LOGGED_INVALID and first_time("invalid_record", str(err)):
             self._logged += 1
