@@ -291,9 +291,10 @@ def check_tasks(summaries: Sequence[Mapping[str, Any]], name_task: Callable[[str
 def refuse_empty_split(plan: PrebuildPlan, split: str, manifest: Mapping[str, Any]) -> None:
     """A split with no token is no training data: the build would "succeed" with nothing to
     train on (``decontaminate`` with ``n: 1`` removed every document and exited 0). Refused in
-    one line saying where the documents went (the drop counts, summed over the sources)."""
-    if int(manifest["n_seq"]) > 0:
-        return
+    one line saying where the documents went (the drop counts, summed over the sources). The
+    one empty split a config asks for is kept: val with ``holdout_fraction: 0``."""
+    if int(manifest["n_seq"]) > 0 or (split == "val" and not plan.config.holdout_fraction):
+        return  # holdout_fraction 0: an empty val split is what the config asks for
     totals: dict[str, int] = {}
     for per in manifest["drops"].values():
         for reason, n in per.items():
