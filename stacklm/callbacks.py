@@ -3,7 +3,8 @@
 ``DataStatsCallback`` is a Lightning ``Callback``. Every ``log_every_n_steps`` optimizer steps
 it logs these scalars through **every logger of the trainer** (CSV, TensorBoard, W&B, ...):
 
-  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents delivered to the step so far
+  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents begun (first token) delivered to the step so far
+  ``data/rows/<source>``                               shards mode: packed rows delivered that hold the source's tokens
   ``data/target_weight/<source>``, ``data/realized_weight/<source>``, ``data/weight_gap/<source>``
   ``data/dropped_docs/<stage>/<source>/<reason>``, ``data/dropped_docs_total``   documents dropped
   ``data/dropped_tokens/<source>/<reason>``, ``data/dropped_tokens_total``      tokens dropped (cut by the budget)
@@ -37,7 +38,7 @@ The data-stats protocol
 The datamodule provides the numbers; the callback only formats and ships them::
 
     datamodule.data_stats() -> {
-        "realized": {source: {"tokens": int, "docs": int,
+        "realized": {source: {"tokens": int, "docs": int, "rows": int,   # rows: shards mode only
                               "target_weight": float, "realized_weight": float}},
         "delivered": {"batches": int, "positions": int, "tokens": int},
         "dropped_docs":   {stage: {source: {reason: int}}},  # e.g. {"filter": {"web": {"too_short": 3}}}
@@ -126,6 +127,8 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
             out = realized.setdefault(source, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
             out["tokens"] += int(row.get("tokens", 0))
             out["docs"] += int(row.get("docs", 0))
+            if "rows" in row:  # shards mode: the packed rows holding the source's tokens
+                out["rows"] = out.get("rows", 0) + int(row["rows"])
         for stage, by_source in (stats.get("dropped_docs") or {}).items():
             for source, by_reason in by_source.items():
                 slot = dropped_docs.setdefault(stage, {}).setdefault(source, {})
@@ -231,7 +234,7 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     """The protocol dict flattened into scalar keys (see the module docstring)."""
     out: dict[str, float] = {}
     for source, row in (stats.get("realized") or {}).items():
-        for key in ("tokens", "docs", "target_weight", "realized_weight"):
+        for key in ("tokens", "docs", "rows", "target_weight", "realized_weight"):
             if row.get(key) is not None:
                 out[f"data/{key}/{source}"] = float(row[key])
         if row.get("target_weight") is not None and row.get("realized_weight") is not None:

@@ -217,8 +217,9 @@ def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
     for src, r in sorted((stats.get("realized") or {}).items()):
         # a document counts once, in the batch (stream) or packed row (shards) that holds its
         # first token: a source of documents longer than a row has tokens before any document
-        items.append((f"source {src}", f"{int(r.get('tokens', 0)):,} tokens, {int(r.get('docs', 0)):,} documents begun "
-                      f"(first token delivered); realized {float(r.get('realized_weight') or 0):.3f} vs target "
+        rows_held = f" in {int(r['rows']):,} packed rows" if "rows" in r else ""  # shards mode delivers rows, not documents
+        items.append((f"source {src}", f"{int(r.get('tokens', 0)):,} tokens{rows_held}, {int(r.get('docs', 0)):,} documents "
+                      f"begun (first token delivered); realized {float(r.get('realized_weight') or 0):.3f} vs target "
                       f"{float(r.get('target_weight') or 0):.3f}"))
     delivered = stats.get("delivered") or {}
     if delivered.get("batches"):

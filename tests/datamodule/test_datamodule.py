@@ -227,11 +227,17 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
     dm.setup("fit")
     pad = dm.tokenizer.pad_id
     tokens = positions = 0
+    rows: dict[str, int] = {}
     for n, batch in enumerate(dm.train_dataloader(), 1):
         tokens += int((batch["input_ids"] != pad).sum())
         positions += batch["input_ids"].numel()
+        # the rows holding each source's input tokens, by the per-source loss's own lookup (RowSources)
+        names, where = dm.batch_sources()
+        for i, name in enumerate(names):
+            rows[name] = rows.get(name, 0) + int((where[:, :-1] == i).any(axis=1).sum())
         stats = dm.data_stats()
         assert sum(r["tokens"] for r in stats["realized"].values()) == tokens, n
+        assert {s: r["rows"] for s, r in stats["realized"].items()} == rows, n
         assert {k: stats["delivered"][k] for k in ("batches", "positions", "tokens")} == {"batches": n, "positions": positions, "tokens": tokens}
         if n == 3:
             saved = dm.state_dict()

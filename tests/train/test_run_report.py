@@ -169,7 +169,11 @@ def test_shards_run_shows_every_drop_of_its_ledger_on_the_page_and_in_the_csv(to
     assert table == {k: n for k, n in want.items() if n}
     # the run reached step 7; train/loss was last logged at 5 (every 2 steps: Lightning logs steps 1, 3, 5)
     assert "<b>last step reached</b></td><td>7<" in page and re.search(r"at step 5<", page)
-    assert "documents begun" in page
+    # shards mode delivers packed rows: the page says how many held each source, as the CSV logged it
+    snapshot = json.loads(next(run.rglob(DATA_STATS_FILE)).read_text())
+    for src, r in snapshot["realized"].items():
+        assert f"{r['tokens']:,} tokens in {r['rows']:,} packed rows, {r['docs']:,} documents begun" in page
+        assert int(float(last[f"data/rows/{src}"])) == r["rows"] > 0
 
     # under DDP every rank reads the same manifest: its drops are counted once in the sum over
     # ranks the callback logs (stacklm.callbacks.merge_data_stats), not once per rank
