@@ -53,8 +53,8 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     documents (``dropped_docs``: stage -> source -> reason) and in tokens (``dropped_tokens``:
     source -> reason, the tokens the mix budget cut). Holdout documents (the other split's
     share) are ``holdout_docs``, not drops; SFT conversations cut to fit, and documents the
-    mix budget cut short (``cut_by_budget``), are ``cut_docs`` (source -> reason). What was *delivered* is counted in the main process
-    (``DeliveryCounter``), never here."""
+    mix budget cut short (``cut_by_budget``), are ``cut_docs`` (source -> reason). What was
+    *delivered* is counted in the main process (``DeliveryCounter``), never here."""
     dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
     cut_docs: dict[str, dict[str, int]] = {}
     dropped_tokens: dict[str, dict[str, int]] = {}
