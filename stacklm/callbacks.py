@@ -3,19 +3,23 @@
 ``DataStatsCallback`` is a Lightning ``Callback``. Every ``log_every_n_steps`` optimizer steps
 it logs these scalars through **every logger of the trainer** (CSV, TensorBoard, W&B, ...):
 
-  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents delivered to the step so far
+  ``data/tokens/<source>``, ``data/docs/<source>``       tokens / documents begun (first token) delivered to the step so far
+  ``data/rows/<source>``                               shards mode: packed rows delivered that hold the source's tokens
   ``data/target_weight/<source>``, ``data/realized_weight/<source>``, ``data/weight_gap/<source>``
   ``data/dropped_docs/<stage>/<source>/<reason>``, ``data/dropped_docs_total``   documents dropped
   ``data/dropped_tokens/<source>/<reason>``, ``data/dropped_tokens_total``      tokens dropped (cut by the budget)
   ``data/holdout_docs/<source>``                       documents set aside for the other split (not drops)
   ``data/decontam/<set>/{docs,tokens,cut_docs,cut_tokens}``  removed for sharing n-grams with an evaluation set
-  ``data/cut_docs/<source>/<reason>``                  SFT conversations kept but cut to fit (truncated, turns_cut, ...)
+  ``data/cut_docs/<source>/<reason>``                  kept but cut short: by the mix budget (cut_by_budget), SFT to fit (truncated, ...)
   ``data/padding_fraction``                            pad positions / all positions delivered
   ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
   ``data/ran_dry/<source>``                            the step at which a source ran dry (once it has)
   ``data/phase/<phase>/{realized,target}_share/<source>``  per mixture phase (``mix_phases``: what the mixer drew)
   ``loader/batches_per_s``, ``loader/tokens_per_s``     rate of batches through the train loop
   ``loader/wait_fraction``                             share of wall time spent waiting on the loader
+
+The drop, cut and holdout keys come from one list, ``drop_rows`` (each ``<stage>/<reason>`` as
+the token ledger names it), which the W&B drops chart and ``stacklm report`` also draw from.
 
 and, on W&B only, every ``table_every_n_steps``: ``data/mix`` (a table), ``data/mix_bar`` (realized
 next to target share per source), ``data/share_over_time`` (realized and target share per source
@@ -34,13 +38,13 @@ The data-stats protocol
 The datamodule provides the numbers; the callback only formats and ships them::
 
     datamodule.data_stats() -> {
-        "realized": {source: {"tokens": int, "docs": int,
+        "realized": {source: {"tokens": int, "docs": int, "rows": int,   # rows: shards mode only
                               "target_weight": float, "realized_weight": float}},
         "delivered": {"batches": int, "positions": int, "tokens": int},
         "dropped_docs":   {stage: {source: {reason: int}}},  # e.g. {"filter": {"web": {"too_short": 3}}}
         "dropped_tokens": {source: {reason: int}},           # e.g. {"web": {"cut_by_budget": 812}}
         "holdout_docs": {source: int},
-        "cut_docs": {source: {reason: int}},                # SFT: conversations cut to fit seq_len
+        "cut_docs": {source: {reason: int}},                # kept but cut: cut_by_budget; SFT: cut to fit seq_len
         "offline_fallback": [source, ...],
         "ran_dry": {source: {"batch": int, "delivered_share": float, "target_share": float, ...}},
         "doc_length_hist": {"edges": [int], "counts": {source: [int]}},
@@ -123,6 +127,8 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
             out = realized.setdefault(source, {"tokens": 0, "docs": 0, "target_weight": row.get("target_weight")})
             out["tokens"] += int(row.get("tokens", 0))
             out["docs"] += int(row.get("docs", 0))
+            if "rows" in row:  # shards mode: the packed rows holding the source's tokens
+                out["rows"] = out.get("rows", 0) + int(row["rows"])
         for stage, by_source in (stats.get("dropped_docs") or {}).items():
             for source, by_reason in by_source.items():
                 slot = dropped_docs.setdefault(stage, {}).setdefault(source, {})
@@ -183,35 +189,61 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def drop_rows(stats: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Every drop, cut and set-aside count of a ``data_stats`` dict with its scalar key: the one
+    list the logged scalars (CSV, TensorBoard, W&B), the W&B drops chart and ``stacklm report``
+    are made from, so they name and count the same things. Each row: ``key``, ``kind``
+    (``dropped_docs``, ``dropped_tokens``, ``holdout_docs``, ``cut_docs``, ``decontam``), ``label``
+    (``stage/reason`` as the ledger names it, ``stacklm ledger``), ``source`` (``""``: every
+    source), ``unit`` (``docs`` or ``tokens``) and ``count``."""
+    rows: list[dict[str, Any]] = []
+
+    def row(key: str, kind: str, label: str, source: str, unit: str, count: Any) -> None:
+        rows.append({"key": key, "kind": kind, "label": label, "source": source, "unit": unit, "count": int(count)})
+
+    for stage, by_source in sorted((stats.get("dropped_docs") or {}).items()):
+        for source, by_reason in sorted(by_source.items()):
+            for reason, count in sorted(by_reason.items()):
+                row(f"data/dropped_docs/{stage}/{source}/{reason}", "dropped_docs", f"{stage}/{reason}", source, "docs", count)
+    for source, by_reason in sorted((stats.get("dropped_tokens") or {}).items()):
+        for reason, count in sorted(by_reason.items()):  # what the mix budget cut (the ledger's mix/cut_by_budget)
+            row(f"data/dropped_tokens/{source}/{reason}", "dropped_tokens", f"mix/{reason}", source, "tokens", count)
+    for source, count in sorted((stats.get("holdout_docs") or {}).items()):
+        row(f"data/holdout_docs/{source}", "holdout_docs", "holdout/other_split", source, "docs", count)
+    for source, by_reason in sorted((stats.get("cut_docs") or {}).items()):
+        for reason, count in sorted(by_reason.items()):
+            row(f"data/cut_docs/{source}/{reason}", "cut_docs", f"cut/{reason}", source, "docs", count)
+    for name, rep in sorted(((stats.get("decontamination") or {}).get("sets") or {}).items()):  # per evaluation set
+        for key in ("docs", "tokens", "cut_docs", "cut_tokens"):
+            row(f"data/decontam/{name}/{key}", "decontam", f"decontam/{name}: {key.replace('_', ' ')}", "",
+                "tokens" if key.endswith("tokens") else "docs", rep.get(key, 0))
+    return rows
+
+
+def dropped_docs_by_reason(stats: Mapping[str, Any]) -> dict[str, int]:
+    """Dropped documents per ``stage/reason``, summed over the sources (``drop_rows``): the W&B
+    drops chart and the report's."""
+    out: dict[str, int] = {}
+    for r in drop_rows(stats):
+        if r["kind"] == "dropped_docs":
+            out[r["label"]] = out.get(r["label"], 0) + r["count"]
+    return out
+
+
 def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     """The protocol dict flattened into scalar keys (see the module docstring)."""
     out: dict[str, float] = {}
     for source, row in (stats.get("realized") or {}).items():
-        for key in ("tokens", "docs", "target_weight", "realized_weight"):
+        for key in ("tokens", "docs", "rows", "target_weight", "realized_weight"):
             if row.get(key) is not None:
                 out[f"data/{key}/{source}"] = float(row[key])
         if row.get("target_weight") is not None and row.get("realized_weight") is not None:
             out[f"data/weight_gap/{source}"] = float(row["realized_weight"]) - float(row["target_weight"])
-    if stats.get("dropped_docs") is not None:
-        total = 0
-        for stage, by_source in stats["dropped_docs"].items():
-            for source, by_reason in by_source.items():
-                for reason, count in by_reason.items():
-                    out[f"data/dropped_docs/{stage}/{source}/{reason}"] = float(count)
-                    total += int(count)
-        out["data/dropped_docs_total"] = float(total)
-    if stats.get("dropped_tokens") is not None:
-        total = 0
-        for source, by_reason in stats["dropped_tokens"].items():
-            for reason, count in by_reason.items():
-                out[f"data/dropped_tokens/{source}/{reason}"] = float(count)
-                total += int(count)
-        out["data/dropped_tokens_total"] = float(total)
-    for source, count in (stats.get("holdout_docs") or {}).items():
-        out[f"data/holdout_docs/{source}"] = float(count)
-    for source, by_reason in (stats.get("cut_docs") or {}).items():
-        for reason, count in by_reason.items():
-            out[f"data/cut_docs/{source}/{reason}"] = float(count)
+    drops = drop_rows(stats)
+    out.update({r["key"]: float(r["count"]) for r in drops})
+    for kind in ("dropped_docs", "dropped_tokens"):
+        if stats.get(kind) is not None:
+            out[f"data/{kind}_total"] = float(sum(r["count"] for r in drops if r["kind"] == kind))
     if stats.get("offline_fallback") is not None:
         out["data/offline_fallback"] = float(len(stats["offline_fallback"]))
     if stats.get("padding_fraction") is not None:
@@ -219,9 +251,6 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     if stats.get("ledger") is not None:  # 1 while every ledger identity holds (stacklm.data.ledger)
         out["data/ledger_ok"] = float(bool(stats["ledger"]["ok"]))
         out["data/ledger_problems"] = float(len(stats["ledger"]["problems"]))
-    for name, rep in ((stats.get("decontamination") or {}).get("sets") or {}).items():  # per evaluation set
-        for key in ("docs", "tokens", "cut_docs", "cut_tokens"):
-            out[f"data/decontam/{name}/{key}"] = float(rep.get(key, 0))
     for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
         for source, share in phase["realized_share"].items():
             out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
@@ -292,6 +321,19 @@ class DataStatsCallback(Callback):
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._reset_window()
+
+    # ---------------------------------------------------------------- resume
+    def state_dict(self) -> dict[str, Any]:
+        """In the checkpoint: the history the W&B share-over-time chart is drawn from and the
+        steps sources ran dry at, so a resumed fit's chart covers the whole run, not the steps
+        from the resume on. Plain lists and numbers (read back with ``weights_only``)."""
+        return {"share_history": [[int(step), dict(real), dict(target)] for step, real, target in self._share_history],
+                "dry_steps": {s: int(v) for s, v in getattr(self, "_dry_steps", {}).items()}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._share_history = [(int(step), dict(real), dict(target)) for step, real, target in state_dict.get("share_history", ())]
+        self._dry_steps = {s: int(v) for s, v in (state_dict.get("dry_steps") or {}).items()}
+        self._dry_logged = set(self._dry_steps)
 
     # ---------------------------------------------------------------- per batch
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -440,13 +482,8 @@ class DataStatsCallback(Callback):
                 if sum(counts):
                     payload[f"data/doc_length/{source}"] = wandb.Histogram(np_histogram=(list(counts), edges.tolist()))
         drops = wandb.Table(columns=["reason", "docs"])
-        for stage, by_source in (stats.get("dropped_docs") or {}).items():
-            totals: dict[str, int] = {}
-            for by_reason in by_source.values():
-                for reason, count in by_reason.items():
-                    totals[reason] = totals.get(reason, 0) + int(count)
-            for reason, count in sorted(totals.items()):
-                drops.add_data(f"{stage}/{reason}", count)
+        for label, count in dropped_docs_by_reason(stats).items():
+            drops.add_data(label, count)
         examples = wandb.Table(columns=["set", "source", "file", "record", "ngram", "text"])
         for name, rep in ((stats.get("decontamination") or {}).get("sets") or {}).items():
             for ex in rep.get("examples", ()):

@@ -1,9 +1,10 @@
 """``stacklm report RUN``: one self-contained HTML page of a training run, from its own logs.
 
-For a run without W&B (or to look without opening it): the loss curve (train and validation,
-with a line where a resume started), the realized against the target mix over the steps,
-documents dropped by stage and reason, the delivered documents' length histogram per source and
-the padding fraction. Read from what the run wrote:
+For a run without W&B (or to look without opening it): the last step reached, every drop, cut
+and holdout count under the key the CSV and W&B log it as (``stacklm.callbacks.drop_rows``), the
+loss curve (train and validation, with a line where a resume started), the realized against
+the target mix over the steps, documents dropped by stage and reason, the delivered documents'
+length histogram per source and the padding fraction. Read from what the run wrote:
 
 - every ``metrics.csv`` a Lightning ``CSVLogger`` wrote under ``RUN`` (one ``version_N`` per fit,
   or one for the whole run when a resume continued it, ``stacklm.run_identity``, whose
@@ -105,6 +106,13 @@ def _series(rows: list[dict[str, float]], key: str) -> tuple[list[float], list[f
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
+def _plot(ax, xs: list[float], ys: list[float], *args: Any, **kw: Any) -> None:
+    """``ax.plot``, with a marker for a series of one point (a line of one point draws nothing)."""
+    if len(xs) == 1:
+        kw.setdefault("marker", "o")
+    ax.plot(xs, ys, *args, **kw)
+
+
 def _columns(rows: list[dict[str, float]], prefix: str) -> list[str]:
     return sorted({k[len(prefix):] for r in rows for k in r if k.startswith(prefix)})
 
@@ -112,6 +120,8 @@ def _columns(rows: list[dict[str, float]], prefix: str) -> list[str]:
 def figures(data: dict[str, Any]) -> dict[str, Any]:
     """name -> matplotlib Figure, for every picture the run has data for."""
     import matplotlib
+
+    from stacklm.callbacks import dropped_docs_by_reason
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -127,7 +137,7 @@ def figures(data: dict[str, Any]) -> dict[str, Any]:
     steps, loss = _series(rows, "train/loss")
     if steps:
         fig, ax = plt.subplots(figsize=(7, 3.6))
-        ax.plot(steps, loss, lw=1.2, label="train/loss")
+        _plot(ax, steps, loss, lw=1.2, label="train/loss")
         vs, vl = _series(rows, "val/loss")
         if vs:
             ax.plot(vs, vl, "o-", ms=4, label="val/loss")
@@ -140,18 +150,13 @@ def figures(data: dict[str, Any]) -> dict[str, Any]:
         fig, ax = plt.subplots(figsize=(7, 3.6))
         for i, src in enumerate(sources):
             color = f"C{i}"
-            ax.plot(*_series(rows, f"data/realized_weight/{src}"), color=color, lw=1.5, label=f"{src} realized")
-            ax.plot(*_series(rows, f"data/target_weight/{src}"), color=color, lw=1, ls="--", label=f"{src} target")
+            _plot(ax, *_series(rows, f"data/realized_weight/{src}"), color=color, lw=1.5, label=f"{src} realized")
+            _plot(ax, *_series(rows, f"data/target_weight/{src}"), color=color, lw=1, ls="--", label=f"{src} target")
         resumes(ax)
         ax.set(xlabel="step", ylabel="share of tokens delivered", title="Mix: realized (solid) vs target (dashed)", ylim=(0, None))
         ax.legend(fontsize=7, ncol=2)
         out["mix"] = fig
-    drops: dict[str, int] = {}
-    for stage, by_source in (stats.get("dropped_docs") or {}).items():
-        for by_reason in by_source.values():
-            for reason, n in by_reason.items():
-                if n:
-                    drops[f"{stage}: {reason}"] = drops.get(f"{stage}: {reason}", 0) + int(n)
+    drops = {label: n for label, n in dropped_docs_by_reason(stats).items() if n}  # the W&B drops chart's
     if drops:
         names = sorted(drops, key=drops.get)
         fig, ax = plt.subplots(figsize=(7, max(2.2, 0.9 + 0.32 * len(names))))
@@ -180,7 +185,7 @@ def figures(data: dict[str, Any]) -> dict[str, Any]:
     ps, pad = _series(rows, "data/padding_fraction")
     if ps:
         fig, ax = plt.subplots(figsize=(7, 2.8))
-        ax.plot(ps, [100 * p for p in pad], color="C2")
+        _plot(ax, ps, [100 * p for p in pad], color="C2")
         resumes(ax)
         ax.set(xlabel="step", ylabel="% of positions", title="Padding (of all positions delivered so far)", ylim=(0, None))
         out["padding"] = fig
@@ -198,18 +203,49 @@ def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
         items.append(("other runs in this folder (not drawn)", ", ".join(Path(p).parent.name for p in data["other_runs"])))
     if data.get("damaged_rows"):
         items.append(("damaged CSV rows skipped", ", ".join(data["damaged_rows"])))
+    reached = last_step(data)
+    if reached is not None:
+        items.append(("last step reached", f"{reached:,}"))
     steps, loss = _series(rows, "train/loss")
     if steps:
-        items.append(("last step logged", f"{int(steps[-1]):,} (train/loss {loss[-1]:.4f})"))
+        items.append(("last train/loss", f"{loss[-1]:.4f} at step {int(steps[-1]):,}"))
     vs, vl = _series(rows, "val/loss")
     if vs:
         items.append(("last val/loss", f"{vl[-1]:.4f} at step {int(vs[-1]):,}"))
+    if stats:
+        items.append(("data counts", f"to step {int(stats.get('step', -1)):,} (data_stats.json)"))
     for src, r in sorted((stats.get("realized") or {}).items()):
-        items.append((f"source {src}", f"{int(r.get('tokens', 0)):,} tokens, {int(r.get('docs', 0)):,} docs; realized "
-                      f"{float(r.get('realized_weight') or 0):.3f} vs target {float(r.get('target_weight') or 0):.3f}"))
+        # a document counts once, in the batch (stream) or packed row (shards) that holds its
+        # first token: a source of documents longer than a row has tokens before any document
+        rows_held = f" in {int(r['rows']):,} packed rows" if "rows" in r else ""  # shards mode delivers rows, not documents
+        items.append((f"source {src}", f"{int(r.get('tokens', 0)):,} tokens{rows_held}, {int(r.get('docs', 0)):,} documents "
+                      f"begun (first token delivered); realized {float(r.get('realized_weight') or 0):.3f} vs target "
+                      f"{float(r.get('target_weight') or 0):.3f}"))
+    delivered = stats.get("delivered") or {}
+    if delivered.get("batches"):
+        items.append(("delivered", f"{int(delivered['batches']):,} batches, {int(delivered.get('positions', 0)):,} positions, "
+                      f"{int(delivered.get('tokens', 0)):,} tokens"))
     if "padding_fraction" in stats:
         items.append(("padding", f"{100 * float(stats['padding_fraction']):.2f}% of positions"))
     return items
+
+
+def last_step(data: dict[str, Any]) -> int | None:
+    """The last step the run reached: the largest step any row logged (the data callback logs
+    the final step when the fit ends, whatever the logging interval) or the data snapshot's."""
+    steps = [r["step"] for r in data["rows"]] + ([data["stats"]["step"]] if "step" in data["stats"] else [])
+    return int(max(steps)) if steps else None
+
+
+def drop_table(stats: dict[str, Any]) -> list[tuple[str, str, str, str]]:
+    """(what, source, count, logged as) of every non-zero drop, cut and set-aside count
+    (``stacklm.callbacks.drop_rows``: the keys the CSV and W&B hold)."""
+    from stacklm.callbacks import drop_rows
+
+    kinds = {"dropped_docs": "dropped", "dropped_tokens": "dropped", "holdout_docs": "set aside (not a drop)",
+             "cut_docs": "kept, cut short", "decontam": "evaluation-set overlap"}
+    return [(f"{kinds[r['kind']]}: {r['label']}", r["source"] or "all", f"{r['count']:,} {r['unit']}", r["key"])
+            for r in drop_rows(stats) if r["count"]]
 
 
 def write_report(run: str | Path, out: str | Path | None = None) -> Path:
@@ -228,6 +264,12 @@ def write_report(run: str | Path, out: str | Path | None = None) -> Path:
              f"<h1>Run report</h1><table>"]
     parts += [f"<tr><td><b>{html.escape(k)}</b></td><td>{html.escape(v)}</td></tr>" for k, v in summary(data)]
     parts.append("</table>")
+    drops = drop_table(data["stats"])
+    if drops:
+        parts.append(f"<h2>Drops, cuts and holdout (to step {data['stats'].get('step')})</h2><table>"
+                     "<tr><th>what</th><th>source</th><th>count</th><th>logged as</th></tr>")
+        parts += ["<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in drops]
+        parts.append("</table>")
     import matplotlib.pyplot as plt
 
     for name, fig in figs.items():

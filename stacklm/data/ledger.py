@@ -162,6 +162,28 @@ def with_status(ledger: Mapping[str, Any]) -> dict[str, Any]:
     return {"ok": not problems, "problems": problems, "sources": {k: dict(v) for k, v in ledger.items()}}
 
 
+def data_log_drops(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dict[str, Any]:
+    """The drop side of the trainer's ``data_stats`` protocol (``stacklm.callbacks``) read off a
+    ledger: ``dropped_docs`` (stage -> source -> reason, every ``stage/reason`` of the ledger's
+    dropped documents), ``dropped_tokens`` (source -> reason: what the mix budget cut) and
+    ``holdout_docs`` (source -> documents set aside for the other split). Read from the ledger,
+    not counted again, so the data logs show what the ledger shows (``stacklm ledger``)."""
+    dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
+    dropped_tokens: dict[str, dict[str, int]] = {}
+    holdout: dict[str, int] = {}
+    for name, units in ledger.items():
+        for key, n in units["docs"]["dropped"].items():
+            stage, _, reason = key.partition("/")
+            if n:
+                dropped_docs.setdefault(stage, {}).setdefault(name, {})[reason] = int(n)
+        for key, n in units["tokens"]["dropped"].items():
+            if n:
+                dropped_tokens.setdefault(name, {})[key.partition("/")[2]] = int(n)
+        if units["docs"]["holdout"]:
+            holdout[name] = int(units["docs"]["holdout"])
+    return {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout}
+
+
 def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: str = "") -> str:
     """A table per source: each term in documents and tokens, then the two identities."""
     lines = [title] if title else []

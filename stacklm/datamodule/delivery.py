@@ -27,7 +27,8 @@ HIST_EDGES = [0] + [2**k for k in range(3, 21)] + [2**62]
 
 
 class DeliveryCounter:
-    """Per-source tokens, documents and a document-length histogram of the delivered batches,
+    """Per-source tokens, documents (counted at their first token), packed rows (when the batches
+    say: shards mode) and a document-length histogram of the delivered batches,
     plus all token positions (so padding is ``1 - tokens / positions``), and the sources that ran
     dry with where and how far off their target share they were."""
 
@@ -42,6 +43,8 @@ class DeliveryCounter:
         n = len(self.sources)
         self.tokens = np.zeros(n, dtype=np.int64)
         self.docs = np.zeros(n, dtype=np.int64)
+        self.rows = np.zeros(n, dtype=np.int64)  # packed rows holding any of the source's tokens (shards mode)
+        self.counts_rows = False  # whether the batches carried ``rows``
         self.hist = np.zeros((n, len(HIST_EDGES) - 1), dtype=np.int64)
         self.positions = 0
         self.batches = 0
@@ -63,6 +66,10 @@ class DeliveryCounter:
         self.tokens[: len(tokens)] += tokens
         docs = np.asarray(delivery["docs"], dtype=np.int64)
         self.docs[: len(docs)] += docs
+        if "rows" in delivery:
+            rows = np.asarray(delivery["rows"], dtype=np.int64)
+            self.rows[: len(rows)] += rows
+            self.counts_rows = True
         lengths = np.asarray(delivery["doc_lengths"], dtype=np.int64).reshape(-1, 2)
         if len(lengths):
             bins = np.searchsorted(HIST_EDGES, lengths[:, 1], side="right") - 1
@@ -95,12 +102,13 @@ class DeliveryCounter:
         """This rank's part of the ``data_stats`` protocol (``stacklm.callbacks``)."""
         shares = self.shares()
         total = int(self.tokens.sum())
+        realized = {s: {"tokens": int(self.tokens[i]), "docs": int(self.docs[i]), "target_weight": self.target.get(s),
+                        "realized_weight": shares[s]} for i, s in enumerate(self.sources)}
+        if self.counts_rows:
+            for i, s in enumerate(self.sources):
+                realized[s]["rows"] = int(self.rows[i])
         return {
-            "realized": {
-                s: {"tokens": int(self.tokens[i]), "docs": int(self.docs[i]), "target_weight": self.target.get(s),
-                    "realized_weight": shares[s]}
-                for i, s in enumerate(self.sources)
-            },
+            "realized": realized,
             "delivered": {"batches": self.batches, "positions": self.positions, "tokens": total, "padding_rows": self.padding_rows},
             "padding_fraction": 1.0 - total / self.positions if self.positions else 0.0,
             "doc_length_hist": {"edges": list(HIST_EDGES),
@@ -110,6 +118,7 @@ class DeliveryCounter:
 
     def state_dict(self) -> dict[str, Any]:
         return {"sources": list(self.sources), "tokens": self.tokens.tolist(), "docs": self.docs.tolist(),
+                **({"rows": self.rows.tolist()} if self.counts_rows else {}),
                 "hist": self.hist.tolist(), "positions": self.positions, "batches": self.batches, "padding_rows": self.padding_rows,
                 "ran_dry": {s: dict(v) for s, v in self.ran_dry.items()}}
 
@@ -120,6 +129,9 @@ class DeliveryCounter:
                 raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
             self.tokens += np.asarray(state["tokens"], dtype=np.int64)
             self.docs += np.asarray(state["docs"], dtype=np.int64)
+            if "rows" in state:
+                self.rows += np.asarray(state["rows"], dtype=np.int64)
+                self.counts_rows = True
             self.hist += np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
             self.positions += int(state["positions"])
             self.batches += int(state["batches"])
@@ -132,6 +144,8 @@ class DeliveryCounter:
             raise ValueError(f"delivery counts are for sources {state['sources']} but this loader has {self.sources}")
         self.tokens[:] = state["tokens"]
         self.docs[:] = state["docs"]
+        self.counts_rows = "rows" in state
+        self.rows[:] = state["rows"] if self.counts_rows else 0
         self.hist[:] = np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
         self.positions, self.batches = int(state["positions"]), int(state["batches"])
         self.padding_rows = int(state.get("padding_rows", 0))

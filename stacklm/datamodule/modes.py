@@ -131,9 +131,10 @@ class DataMode:
         raise NotImplementedError
 
 
-# The prebuild manifest's per-source drop counts that are whole documents (the others count
-# repaired bytes, truncated documents or cut tokens).
-_PREBUILD_DOC_DROPS = ("filtered", "exact_dup", "near_dup", "dropped_empty", "dropped_binary", "empty_after_tokenize")
+# The per-source drop counts of a manifest without a ledger (jobs from before it) that are whole
+# documents (the others count repaired bytes, truncated documents or cut tokens).
+_PREBUILD_DOC_DROPS = ("filtered", "decontaminated", "exact_dup", "near_dup", "cross_split_dup", "dropped_empty", "dropped_binary",
+                       "invalid_records", "empty_after_tokenize")
 
 
 class ShardsMode(DataMode):
@@ -282,11 +283,18 @@ class ShardsMode(DataMode):
         top = self._manifest
         split = top["splits"]["train"]
         drops = top["drops"]["train"]
-        dropped_docs = {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}}
-        dropped_tokens = {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
-                          if per.get("tokens_cut_by_budget")}
         fallback = sorted(s["name"] for s in top["sources"] if s.get("offline_fallback"))
-        out = {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "offline_fallback": fallback}
+        out: dict[str, Any] = {"offline_fallback": fallback, "dropped_docs": {}, "dropped_tokens": {}, "holdout_docs": {}}
+        from stacklm.dist import rank_world
+
+        if rank_world()[0] == 0:  # the prebuild's counts, on one rank: the callback sums the ranks' stats
+            out.update(self._prebuild_drops)
+            cut = {src: {"cut_by_budget": int(per["truncated_to_budget"])} for src, per in drops.items() if per.get("truncated_to_budget")}
+            if cut:  # kept, but cut short by the mix budget (not drops)
+                out["cut_docs"] = cut
+            decontamination = (top.get("decontamination") or {}).get("train")
+            if decontamination:  # per evaluation set (stacklm.data.quality.decontam)
+                out["decontamination"] = decontamination
         if self._row_counts is not None:
             stats = self.delivered.stats()
             stats.pop("doc_length_hist", None)  # a document's length spans rows; not known per row
@@ -305,6 +313,22 @@ class ShardsMode(DataMode):
             for s in top["sources"]
         }
         return {**out, "realized": realized, "realized_estimated": True, "padding_fraction": split["packing"]["pad_fraction"]}
+
+    @functools.cached_property
+    def _prebuild_drops(self) -> dict[str, Any]:
+        """The train split's drops as its ledger holds them (every stage and reason: filters,
+        decontamination per evaluation set, exact, near and cross-split duplicates, invalid
+        records by reason, empty after tokenizing; tokens cut by the budget) and its holdout; a
+        manifest from jobs older than the ledger gives its drop summary under stage ``prebuild``."""
+        from stacklm.data import ledger
+
+        top = self._manifest
+        if "train" in (top.get("ledger") or {}):
+            return ledger.data_log_drops(top["ledger"]["train"]["sources"])
+        drops = top["drops"]["train"]
+        return {"dropped_docs": {"prebuild": {src: {k: int(per[k]) for k in _PREBUILD_DOC_DROPS if per.get(k)} for src, per in drops.items()}},
+                "dropped_tokens": {src: {"cut_by_budget": int(per["tokens_cut_by_budget"])} for src, per in drops.items()
+                                   if per.get("tokens_cut_by_budget")}}
 
     @functools.cached_property
     def _manifest(self) -> dict[str, Any]:

@@ -217,6 +217,7 @@ class ShardsLoader:
             return None
         tokens, docs = self.row_counts
         return {"tokens": tokens[rows].sum(axis=0, dtype=np.int64), "docs": docs[rows].sum(axis=0, dtype=np.int64),
+                "rows": (tokens[rows] > 0).sum(axis=0, dtype=np.int64),  # what shards mode delivers: packed rows
                 "doc_lengths": np.zeros((0, 2), dtype=np.int64)}  # a document's length spans rows: not known per row
 
     # -- checkpoint state (Lightning's loader state; the datamodule keeps the same position) --

@@ -52,9 +52,9 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     workers have processed (a summary is at most ``SUMMARY_EVERY_N_BATCHES`` batches old): in
     documents (``dropped_docs``: stage -> source -> reason) and in tokens (``dropped_tokens``:
     source -> reason, the tokens the mix budget cut). Holdout documents (the other split's
-    share) are ``holdout_docs``, not drops; SFT conversations cut to fit are ``cut_docs``
-    (source -> reason). What was *delivered* is counted in the main process
-    (``DeliveryCounter``), never here."""
+    share) are ``holdout_docs``, not drops; SFT conversations cut to fit, and documents the
+    mix budget cut short (``cut_by_budget``), are ``cut_docs`` (source -> reason). What was
+    *delivered* is counted in the main process (``DeliveryCounter``), never here."""
     dropped_docs: dict[str, dict[str, dict[str, int]]] = {}
     cut_docs: dict[str, dict[str, int]] = {}
     dropped_tokens: dict[str, dict[str, int]] = {}
@@ -92,6 +92,9 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
             if cut:
                 slot = dropped_tokens.setdefault(src, {})
                 slot["cut_by_budget"] = slot.get("cut_by_budget", 0) + cut
+            if row.get("truncated_docs"):  # kept, but cut short by the budget: the documents those tokens came off
+                slot = cut_docs.setdefault(src, {})
+                slot["cut_by_budget"] = slot.get("cut_by_budget", 0) + int(row["truncated_docs"])
     out = {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout,
            "offline_fallback": sorted(fallback)}
     if cut_docs:

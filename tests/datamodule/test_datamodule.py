@@ -122,6 +122,9 @@ def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers,
     assert abs(sum(r["realized_weight"] for r in real.values()) - 1) < 1e-9
     assert sum(stats["holdout_docs"].values()) > 0  # the other split's documents: holdout, not drops
     assert "holdout" not in stats["dropped_docs"] and stats["offline_fallback"] == []
+    # the budget met: each source that lost tokens to it had a document cut short, kept (cut_docs), not dropped
+    cut_tokens = {s: r["cut_by_budget"] for s, r in stats["dropped_tokens"].items() if r.get("cut_by_budget")}
+    assert cut_tokens and set(cut_tokens) == set(stats["cut_docs"]) and all(r["cut_by_budget"] >= 1 for r in stats["cut_docs"].values())
     hist = stats["doc_length_hist"]
     assert sum(sum(c) for c in hist["counts"].values()) == sum(r["docs"] for r in real.values())
     assert set(stats["hashes"]) == {"tokenizer", "manifest", "data_config"}
@@ -224,11 +227,17 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
     dm.setup("fit")
     pad = dm.tokenizer.pad_id
     tokens = positions = 0
+    rows: dict[str, int] = {}
     for n, batch in enumerate(dm.train_dataloader(), 1):
         tokens += int((batch["input_ids"] != pad).sum())
         positions += batch["input_ids"].numel()
+        # the rows holding each source's input tokens, by the per-source loss's own lookup (RowSources)
+        names, where = dm.batch_sources()
+        for i, name in enumerate(names):
+            rows[name] = rows.get(name, 0) + int((where[:, :-1] == i).any(axis=1).sum())
         stats = dm.data_stats()
         assert sum(r["tokens"] for r in stats["realized"].values()) == tokens, n
+        assert {s: r["rows"] for s, r in stats["realized"].items()} == rows, n
         assert {k: stats["delivered"][k] for k in ("batches", "positions", "tokens")} == {"batches": n, "positions": positions, "tokens": tokens}
         if n == 3:
             saved = dm.state_dict()

@@ -234,14 +234,14 @@ def test_noop_with_one_line_notice(offline_wandb, monkeypatch, capsys, mode):
 
 
 def test_merge_data_stats_sums_ranks():
-    rank0 = {"realized": {"web": {"tokens": 300, "docs": 3, "target_weight": 0.5, "realized_weight": 0.75},
+    rank0 = {"realized": {"web": {"tokens": 300, "docs": 3, "rows": 5, "target_weight": 0.5, "realized_weight": 0.75},
                           "code": {"tokens": 100, "docs": 1, "target_weight": 0.5, "realized_weight": 0.25}},
              "delivered": {"batches": 2, "positions": 500, "tokens": 400},
              "dropped_docs": {"filter": {"web": {"short": 2}}}, "dropped_tokens": {"web": {"cut_by_budget": 7}},
              "holdout_docs": {"web": 1}, "offline_fallback": [], "ran_dry": {"code": {"batch": 9, "delivered_share": 0.2}},
              "doc_length_hist": {"edges": [0, 8, 1 << 62], "counts": {"web": [1, 2], "code": [0, 1]}},
              "padding_fraction": 0.2, "hashes": HASHES}
-    rank1 = {"realized": {"web": {"tokens": 100, "docs": 1, "target_weight": 0.5, "realized_weight": 0.25},
+    rank1 = {"realized": {"web": {"tokens": 100, "docs": 1, "rows": 2, "target_weight": 0.5, "realized_weight": 0.25},
                           "code": {"tokens": 300, "docs": 5, "target_weight": 0.5, "realized_weight": 0.75}},
              "delivered": {"batches": 2, "positions": 500, "tokens": 400},
              "dropped_docs": {"filter": {"web": {"short": 1, "long": 4}}}, "dropped_tokens": {"code": {"cut_by_budget": 3}},
@@ -249,8 +249,8 @@ def test_merge_data_stats_sums_ranks():
              "doc_length_hist": {"edges": [0, 8, 1 << 62], "counts": {"web": [0, 1], "code": [3, 0]}},
              "padding_fraction": 0.2, "hashes": HASHES}
     merged = merge_data_stats([rank0, rank1])
-    assert merged["realized"]["web"] == {"tokens": 400, "docs": 4, "target_weight": 0.5, "realized_weight": 0.5}
-    assert merged["realized"]["code"]["docs"] == 6
+    assert merged["realized"]["web"] == {"tokens": 400, "docs": 4, "rows": 7, "target_weight": 0.5, "realized_weight": 0.5}
+    assert merged["realized"]["code"]["docs"] == 6 and "rows" not in merged["realized"]["code"]  # rows: only where counted
     assert merged["delivered"] == {"batches": 4, "positions": 1000, "tokens": 800}
     assert merged["padding_fraction"] == pytest.approx(0.2) and merged["hashes"] == HASHES
     assert merged["dropped_docs"] == {"filter": {"web": {"short": 3, "long": 4}}}
