@@ -130,7 +130,7 @@ class ConversationFlag:
 
 
 def _a(role: str) -> str:
-    return ("an " if role[0] in "aeiou" else "a ") + role
+    return ("an " if role == ASSISTANT else "a ") + role  # of the role names only "assistant" takes "an" ("a user")
 
 
 def validate_conversation(turns: Sequence[Turn], *, require_assistant: bool = True, where: str = "conversation") -> list[ConversationFlag]:
