@@ -248,7 +248,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
 
         record = _recorded_sample(main_tok, args.tokenizer)
         try:
-            digest = SampleDigest(open_recorded_sample(record, args.tokenizer))
+            digest = SampleDigest(open_recorded_sample(record, args.tokenizer, files=args.train_input))
         except TextInputError as e:
             raise TokenizerArtifactError(f"{args.tokenizer}: field 'metadata.training_sample': its training sample cannot be "
                                          f"read again ({e}); restore it, or leave out --hf-baseline/--overlap-sizes") from None
@@ -283,7 +283,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         small, large = args.overlap_sizes
         merges, seen = {}, {}
         for size in (small, large):
-            sample = open_recorded_sample(record, args.tokenizer, max_bytes=size)
+            sample = open_recorded_sample(record, args.tokenizer, max_bytes=size, files=args.train_input)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 res = train_from_iterable(sample, main_tok.vocab_size, pattern=main_tok.pattern)
@@ -313,7 +313,7 @@ TRAIN_EXAMPLES = """examples:
 EVAL_EXAMPLES = """examples:
   stacklm tok-eval --tokenizer tok/                                    # on the embedded corpus
   stacklm tok-eval --tokenizer tok/ --domain-file prose='books/*.txt' code='src/**/*.py'
-  stacklm tok-eval --tokenizer tok/ --input held_out.jsonl --hf-baseline --overlap-sizes 1000000,5000000
+  stacklm tok-eval --tokenizer tok/ --input held_out.jsonl --hf-baseline --overlap-sizes 1000000,5000000 --train-input data.jsonl
   stacklm tok-eval --tokenizer tok/ --compare cl100k_base.tiktoken --pattern cl100k
   stacklm tok-eval --tokenizer tok/ --compare other-tok/ --json report.json
 """
@@ -378,6 +378,9 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
                    "its artifact and checked by hash; never the evaluation text)")
     e.add_argument("--overlap-sizes", type=int_pair, metavar="SMALL,LARGE",
                    help="train ours on SMALL and LARGE bytes of the tokenizer's training input; report how many merges both learn")
+    e.add_argument("--train-input", nargs="+", metavar="PATH",
+                   help="the files the tokenizer was trained on, for --hf-baseline/--overlap-sizes (checked against the sha256 "
+                   "its artifact records; the paths it records are shown, never opened)")
     e.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_tok_eval)

@@ -210,8 +210,11 @@ def test_tok_eval_baselines_train_on_the_tokenizers_own_sample_never_the_evaluat
     record = StackTokenizer.load(tmp_path / "tokA").metadata["training_sample"]
     assert record["inputs"] == [os.path.abspath(a)] and record["max_bytes"] == record["bytes"] == 6000
     report = tmp_path / "r.json"
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline")
+    # the paths an artifact records are shown, never opened: the user names the files
+    assert rc == 2 and "give them with --train-input" in err and os.path.abspath(a) in err, err
     rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline",
-                         "--overlap-sizes", "2000,6000", "--json", str(report))
+                         "--overlap-sizes", "2000,6000", "--json", str(report), "--train-input", a)
     assert rc == 0, err
     assert f"HF BpeTrainer baseline on 6,000 bytes of {tmp_path / 'tokA'}'s training sample ({os.path.abspath(a)})" in out
     data = json.loads(report.read_text())
@@ -232,10 +235,11 @@ def test_tok_eval_baselines_train_on_the_tokenizers_own_sample_never_the_evaluat
     assert rc == 2 and "field 'metadata.training_sample' is missing" in err and "never on the evaluation text" in err
     assert len(err.strip().splitlines()) == 1
     _write_jsonl(a, ["zorblax changed"] + DOCS[1:])
-    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--overlap-sizes", "2000,6000")
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--overlap-sizes", "2000,6000",
+                       "--train-input", a)
     assert rc == 2 and "field 'metadata.training_sample.sha256'" in err and "the files changed or moved" in err, err
     os.remove(a)
-    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline")
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline", "--train-input", a)
     assert rc == 2 and "its training sample cannot be read again" in err and "does not exist" in err, err
 
 

@@ -315,10 +315,15 @@ def sample_spec(inputs: Sequence[str] | None, max_bytes: int | None, **read: Any
     return {**{k: v for k, v in read.items() if v is not None}, "max_bytes": max_bytes}
 
 
-def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int | None = None):
-    """The sample a ``sample_spec`` record names, read again (``max_bytes``: another budget
-    over the same input). A record that is not one is a ``TokenizerArtifactError`` naming
-    ``source`` and the field; missing files raise ``TextInputNotFoundError``."""
+def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int | None = None,
+                         files: Sequence[str] | None = None):
+    """The sample a ``sample_spec`` record names, read again with its recorded options
+    (``max_bytes``: another budget over the same input). ``files``: where the user says the
+    sample's files are (``tok-eval --train-input``). Paths recorded in the artifact are never
+    opened: a name read from a data file does not lead out of it; the caller checks that what
+    ``files`` hold is the recorded text (``SampleDigest`` against the record's sha256). A record
+    that is not one is a ``TokenizerArtifactError`` naming ``source`` and the field; a sample of
+    files read without ``files`` is a ``TextInputError`` saying to give them."""
     from stacklm.errors import TokenizerArtifactError
 
     budget = record.get("max_bytes") if max_bytes is None else max_bytes
@@ -335,6 +340,13 @@ def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int 
     if bad or not ("inputs" in read or "dataset" in read):
         raise TokenizerArtifactError(f"{source}: field 'metadata.{TRAINING_SAMPLE}': names no input files or dataset "
                                      f"({', '.join(bad) or 'inputs/dataset missing'}); retrain the tokenizer to record its sample")
+    field = "inputs" if "inputs" in read else "data_files" if "data_files" in read else None
+    if field is not None:  # files: the user names them; the recorded names are only shown
+        if not files:
+            shown = ", ".join(map(str, read[field][:3])) + (", ..." if len(read[field]) > 3 else "")
+            raise TextInputError(f"the tokenizer was trained on files ({shown}); give them with --train-input (they are "
+                                 "checked against the recorded sha256)")
+        read[field] = list(files)
     return open_text_input(read.pop("inputs", None), budget, **read)
 
 
