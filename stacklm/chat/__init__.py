@@ -2,7 +2,8 @@
 
 One module per job (``tokenizer/`` is below this package, ``data/`` above it)::
 
-    turns     Turn, role names and aliases, the reasons of a ChatFormatError, validation
+    turns     Turn, role names and aliases, the reasons of a ChatFormatError, THE validity rule
+              (validate_conversation: what SFT drops / inspect calls an error, what both flag)
     formats   records in the common formats (messages, ShareGPT, prompt/completion, Alpaca)
               -> ChatRecord -> turns
     policy    LossPolicy: which turns carry loss (per SFT source), the overlong rules
@@ -34,12 +35,15 @@ from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
     EMPTY_CONTENT,
     EMPTY_CONVERSATION,
+    FIRST_TURN_NOT_USER,
+    FLAG_REASONS,
     INVALID_REASONS,
     MALFORMED_JSON,
     NO_ASSISTANT,
     NO_MESSAGES,
     ROLES,
     UNKNOWN_ROLE,
+    ConversationFlag,
     Turn,
     as_turns,
     validate_conversation,
@@ -52,6 +56,8 @@ __all__ = [
     "DEFAULT_ROLE_ALIASES",
     "EMPTY_CONTENT",
     "EMPTY_CONVERSATION",
+    "FIRST_TURN_NOT_USER",
+    "FLAG_REASONS",
     "IGNORE_INDEX",
     "INVALID_REASONS",
     "MALFORMED_JSON",
@@ -60,6 +66,7 @@ __all__ = [
     "ROLES",
     "UNKNOWN_ROLE",
     "ChatTokens",
+    "ConversationFlag",
     "LossPolicy",
     "Turn",
     "as_turns",

@@ -13,7 +13,7 @@ DEBUG_HELP = "on an error, show the full traceback instead of one line"
 
 EXAMPLES = """examples (each command has its own: stacklm COMMAND --help):
   stacklm train-tokenizer --input 'data/**/*.txt' --out tok/      # or .jsonl / .parquet with --text-column
-  stacklm tok-eval --tokenizer tok/ --input data.jsonl --hf-baseline
+  stacklm tok-eval --tokenizer tok/ --input held_out.jsonl --hf-baseline
   stacklm prebuild --config my.yaml --tokenizer tok/ --out shards/
   stacklm verify shards/
   stacklm inspect shards/ --tokenizer tok/

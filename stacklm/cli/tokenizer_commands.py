@@ -2,7 +2,8 @@
 
 Both read text the same way (``stacklm.data.sources.text_input.open_text_input``): text files, JSON
 lines or parquet with ``--text-column``, or a ``datasets`` dataset (``--dataset``); with no
-input they use the embedded corpus. ``tok-eval``'s baselines train on the data it evaluates.
+input they use the embedded corpus. ``tok-eval``'s baselines train on the tokenizer's own training
+sample (``metadata.training_sample``, recorded by ``train-tokenizer``), never on the text it evaluates.
 """
 
 from __future__ import annotations
@@ -22,15 +23,18 @@ MIN_VOCAB = N_BYTES + len(SPECIAL_TOKENS) + 1  # the bytes, the specials and one
 
 
 # ---------------------------------------------------------------------- reading text
+def _read_options(args: argparse.Namespace, dataset: str | None = None) -> dict:
+    """``open_text_input``'s keyword arguments for the command's reading options (column, raw text, dataset)."""
+    return dict(text_column=args.text_column, fmt="txt" if args.raw_text else "auto", dataset=dataset,
+                dataset_config=args.dataset_config if dataset else None, split=args.split,
+                data_files=args.data_files if dataset else None)
+
+
 def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset: str | None = None):
-    """``open_text_input`` with the command's reading options (column, raw text, dataset)."""
+    """``open_text_input`` with the command's reading options."""
     from stacklm.data.sources.text_input import open_text_input
 
-    return open_text_input(
-        inputs, max_bytes, text_column=args.text_column, fmt="txt" if args.raw_text else "auto",
-        dataset=dataset, dataset_config=args.dataset_config if dataset else None, split=args.split,
-        data_files=args.data_files if dataset else None,
-    )
+    return open_text_input(inputs, max_bytes, **_read_options(args, dataset))
 
 
 def _training_texts(args: argparse.Namespace, max_bytes: int | None):
@@ -51,11 +55,14 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from stacklm.tokenizer.training import train_from_iterable
     from stacklm.chat.template_export import export_all
 
+    from stacklm.data.sources.text_input import EMBEDDED_CORPUS, TRAINING_SAMPLE, SampleDigest, sample_spec
+
     out = Path(args.out)
     sample = _training_texts(args, args.max_bytes)
+    digest = SampleDigest(sample)
     try:
         res = train_from_iterable(
-            sample,
+            digest,
             args.vocab_size,
             backend=args.backend,
             progress=not args.no_progress,
@@ -71,7 +78,10 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
         raise
     audit = sample.audit
     res.tokenizer.metadata["sample_audit"] = audit.to_dict()
-    res.tokenizer.metadata["inputs"] = args.input or ([f"dataset:{args.dataset}"] if args.dataset else ["<embedded default corpus>"])
+    res.tokenizer.metadata["inputs"] = args.input or ([f"dataset:{args.dataset}"] if args.dataset else [EMBEDDED_CORPUS])
+    # what tok-eval's baselines train on (the same text, checked by the hash), never the evaluation text
+    res.tokenizer.metadata[TRAINING_SAMPLE] = {**sample_spec(args.input, args.max_bytes, **_read_options(args, args.dataset)),
+                                               "bytes": digest.bytes, "sha256": digest.sha256}
     path = res.tokenizer.save(out / ARTIFACT_NAME)
     exports = export_all(res.tokenizer, out)
     print("\n".join(audit.summary()))
@@ -119,7 +129,9 @@ def training_overlap(tokenizer, eval_globs: list[str] | None) -> list[str]:
     if not trained:
         return []
     if eval_globs is None:
-        return ["the embedded default corpus"] if "<embedded default corpus>" in trained else []
+        from stacklm.data.sources.text_input import EMBEDDED_CORPUS
+
+        return ["the embedded default corpus"] if EMBEDDED_CORPUS in trained else []
 
     def files(patterns):
         out = set()
@@ -174,29 +186,37 @@ def _eval_sources(args: argparse.Namespace) -> list[tuple[str, dict]]:
     return sources
 
 
-def _baseline_texts(args: argparse.Namespace, sources: list[tuple[str, dict]], max_bytes: int):
-    """Training text for a baseline: ``max_bytes`` of the data given, split equally among its
-    domains (the built-in corpus when none was given). Returns ``(texts, description)``."""
-    if not sources:
-        from stacklm.corpus import iter_default_corpus
-        from stacklm.data.sources.text_sample import sample_texts
+def _recorded_sample(tokenizer, spec: str) -> dict:
+    """The training-sample record of the tokenizer under test (``metadata.training_sample``),
+    which tok-eval's baselines train on; refused in one line when it has none."""
+    from stacklm.data.sources.text_input import TRAINING_SAMPLE
+    from stacklm.errors import TokenizerArtifactError
 
-        return sample_texts(iter_default_corpus(), max_bytes), "the embedded corpus"
-    share = max(1, max_bytes // len(sources))
-    samples = [_open(args, share, **kw) for _, kw in sources]
-    return (chunk for s in samples for chunk in s), f"{', '.join(d for d, _ in sources)} ({share:,} B each at most)"
+    record = (getattr(tokenizer, "metadata", None) or {}).get(TRAINING_SAMPLE)
+    if not isinstance(record, dict) or not isinstance(record.get("sha256"), str):
+        raise TokenizerArtifactError(
+            f"{spec}: field 'metadata.{TRAINING_SAMPLE}' is missing (a tokenizer not trained by this stacklm's "
+            "train-tokenizer): --hf-baseline and --overlap-sizes train on the tokenizer's own training sample, never on "
+            "the evaluation text; retrain it with `stacklm train-tokenizer`, or leave those options out")
+    return record
 
 
-class _Metered:
-    """Counts the UTF-8 bytes of the texts that pass through (what a baseline really saw)."""
+def _check_sample(record: dict, digest, spec: str) -> None:
+    """The sample read again must be the one the tokenizer was trained on (same bytes, same hash)."""
+    from stacklm.data.sources.text_input import TRAINING_SAMPLE
+    from stacklm.errors import TokenizerArtifactError
 
-    def __init__(self, texts) -> None:
-        self.texts, self.bytes = texts, 0
+    if digest.sha256 != record["sha256"] or digest.bytes != record.get("bytes"):
+        raise TokenizerArtifactError(
+            f"{spec}: field 'metadata.{TRAINING_SAMPLE}.sha256': the training sample read again from "
+            f"{', '.join(map(str, record.get('inputs') or [record.get('dataset')]))[:200]} is {digest.bytes:,} bytes with "
+            f"sha256 {digest.sha256[:12]}, the tokenizer was trained on {record.get('bytes') or 0:,} bytes with sha256 "
+            f"{record['sha256'][:12]}: the files changed or moved; restore them, or leave out --hf-baseline/--overlap-sizes")
 
-    def __iter__(self):
-        for t in self.texts:
-            self.bytes += len(t.encode("utf-8", "surrogatepass"))
-            yield t
+
+def _described(record: dict) -> str:
+    inputs = record.get("inputs") or [f"dataset {record.get('dataset')}"]
+    return f"{', '.join(map(str, inputs[:3]))}{', ...' if len(inputs) > 3 else ''}"
 
 
 def cmd_tok_eval(args: argparse.Namespace) -> int:
@@ -220,14 +240,33 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
                 raise UserError(f"domain {domain!r}: {sample.audit.summary()[0]}; no text to evaluate")
     else:
         texts = evaluate.domain_texts_from_corpus(max_bytes=args.max_bytes_per_domain)
+    baselines: dict[str, dict] = {}  # what each trained baseline trained on (--json)
+    if args.hf_baseline or args.overlap_sizes:
+        from stacklm.data.sources.text_input import SampleDigest, open_recorded_sample
+
+        from stacklm.errors import TextInputError, TokenizerArtifactError
+
+        record = _recorded_sample(main_tok, args.tokenizer)
+        try:
+            digest = SampleDigest(open_recorded_sample(record, args.tokenizer, files=args.train_input))
+        except TextInputError as e:
+            raise TokenizerArtifactError(f"{args.tokenizer}: field 'metadata.training_sample': its training sample cannot be "
+                                         f"read again ({e}); restore it, or leave out --hf-baseline/--overlap-sizes") from None
     if args.hf_baseline:
         from stacklm.tokenizer.hf_baseline import train_hf_bpe
 
         t = time.perf_counter()
-        sample, described = _baseline_texts(args, sources, args.hf_baseline_bytes)
-        metered = _Metered(sample)
-        tokenizers[f"hf-bpe@{main_tok.vocab_size}"] = train_hf_bpe(metered, main_tok.vocab_size, pattern=main_tok.pattern)
-        print(f"trained the HF BpeTrainer baseline on {metered.bytes:,} bytes of {described} in {time.perf_counter() - t:.1f}s")
+        name = f"hf-bpe@{main_tok.vocab_size}"
+        baseline = train_hf_bpe(digest, main_tok.vocab_size, pattern=main_tok.pattern)
+        _check_sample(record, digest, args.tokenizer)
+        tokenizers[name] = baseline
+        baselines[name] = {"trained_on": "the tokenizer's training sample", "bytes": digest.bytes, "sha256": digest.sha256}
+        print(f"trained the HF BpeTrainer baseline on {digest.bytes:,} bytes of {args.tokenizer}'s training sample "
+              f"({_described(record)}) in {time.perf_counter() - t:.1f}s")
+    elif args.overlap_sizes:
+        for _ in digest:  # nothing trains on it: read it only to know it is still the same text
+            pass
+        _check_sample(record, digest, args.tokenizer)
     eval_globs = None if not sources else [g for _, kw in sources for g in (kw.get("inputs") or [])]
     overlap = training_overlap(main_tok, eval_globs)
     if overlap:
@@ -244,18 +283,20 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         small, large = args.overlap_sizes
         merges, seen = {}, {}
         for size in (small, large):
-            sample, described = _baseline_texts(args, sources, size)
+            sample = open_recorded_sample(record, args.tokenizer, max_bytes=size, files=args.train_input)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 res = train_from_iterable(sample, main_tok.vocab_size, pattern=main_tok.pattern)
             merges[size], seen[size] = res.tokenizer.merged_tokens, res.bytes_seen
-            print(f"overlap: trained on {res.bytes_seen:,} bytes of {described}")
+            print(f"overlap: trained on {res.bytes_seen:,} bytes of {args.tokenizer}'s training input ({_described(record)})")
+            baselines[f"overlap@{size}"] = {"trained_on": "the tokenizer's training input", "bytes": res.bytes_seen}
         overlaps = evaluate.merge_overlap_rows(
             merges[small], merges[large], names=(f"{seen[small]:,} B sample", f"{seen[large]:,} B sample")
         )
     print(evaluate.format_report(rows, overlaps, title=f"tokenizer evaluation: {args.tokenizer}"))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [r.to_dict() for r in rows], "overlap": [o.to_dict() for o in overlaps]}, indent=1))
+        Path(args.json).write_text(json.dumps({"rows": [r.to_dict() for r in rows], "overlap": [o.to_dict() for o in overlaps],
+                                               "baselines": baselines}, indent=1))
     return 0
 
 
@@ -272,7 +313,7 @@ TRAIN_EXAMPLES = """examples:
 EVAL_EXAMPLES = """examples:
   stacklm tok-eval --tokenizer tok/                                    # on the embedded corpus
   stacklm tok-eval --tokenizer tok/ --domain-file prose='books/*.txt' code='src/**/*.py'
-  stacklm tok-eval --tokenizer tok/ --input data.jsonl --hf-baseline --overlap-sizes 1000000,5000000
+  stacklm tok-eval --tokenizer tok/ --input held_out.jsonl --hf-baseline --overlap-sizes 1000000,5000000 --train-input data.jsonl
   stacklm tok-eval --tokenizer tok/ --compare cl100k_base.tiktoken --pattern cl100k
   stacklm tok-eval --tokenizer tok/ --compare other-tok/ --json report.json
 """
@@ -318,7 +359,7 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     e = sub.add_parser(
         "tok-eval", help="bytes/chars per token per domain, vs other tokenizers",
         description="Compression (bytes and characters per token) per domain of your data or the embedded corpus, "
-        "against other tokenizers and optional baselines trained on the same data.",
+        "against other tokenizers and optional baselines trained on the tokenizer's own training sample.",
         epilog=EVAL_EXAMPLES, formatter_class=fmt,
     )
     e.add_argument("--tokenizer", required=True, help="our artifact (dir or .stacklm.json)")
@@ -333,11 +374,13 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--max-bytes-per-domain", type=positive_int, default=1_000_000,
                    help="UTF-8 bytes read per domain (default: 1,000,000)")
     e.add_argument("--hf-baseline", action="store_true",
-                   help="also train HF's BpeTrainer at the same vocab, on the data given (default: the embedded corpus)")
-    e.add_argument("--hf-baseline-bytes", type=positive_int, default=20_000_000,
-                   help="bytes the HF baseline trains on, split equally among the domains (default: 20,000,000)")
+                   help="also train HF's BpeTrainer at the same vocab on the tokenizer's own training sample (recorded in "
+                   "its artifact and checked by hash; never the evaluation text)")
     e.add_argument("--overlap-sizes", type=int_pair, metavar="SMALL,LARGE",
-                   help="train on SMALL and LARGE bytes of the data given; report how many merges both learn")
+                   help="train ours on SMALL and LARGE bytes of the tokenizer's training input; report how many merges both learn")
+    e.add_argument("--train-input", nargs="+", metavar="PATH",
+                   help="the files the tokenizer was trained on, for --hf-baseline/--overlap-sizes (checked against the sha256 "
+                   "its artifact records; the paths it records are shown, never opened)")
     e.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_tok_eval)

@@ -22,10 +22,11 @@ def check_conversation(
     rendered: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> tuple[list[Finding], np.ndarray, np.ndarray]:
     """Render with the tokenizer's template and run every check; ``(findings, ids, mask)``.
+    The turns passed ``chat.validate_conversation`` (the rule the SFT pipes apply) first.
     Any chat-format marker in a message is an error unless ``allow_template_text``.
     ``rendered``: the ``(ids, mask)`` a pipeline made of it (stacklm layout; a preference side,
     whose prompt bears no loss): its ids must be the template's, and the checks judge its mask."""
-    out: list[Finding] = role_order_findings(turns, where)
+    out: list[Finding] = []
     for i, t in enumerate(turns):
         for f in text_findings(t.text(), tok.family, tok.special_strings, f"{where} message {i} ({t.role})", strict=not allow_template_text):
             if f.severity == ERROR and f.check in ("foreign_template", "special_string_in_text") and not allow_template_text:
@@ -56,28 +57,6 @@ def check_conversation(
     else:
         out += _foreign_mask_findings(turns, ids, mask, tok, where)
     return out, ids, mask
-
-
-def role_order_findings(turns: Sequence[Turn], where: str) -> list[Finding]:
-    """Roles out of order (issue 23: these passed): a system message after the conversation
-    started, a conversation that starts with anything but a user turn (the first assistant
-    reply answers nothing), or one that ends on a user or system turn (nothing after it is
-    trained; the last message is wasted or the reply was lost)."""
-    out: list[Finding] = []
-    roles = [t.role for t in turns]
-    body = [(i, r) for i, r in enumerate(roles) if r != "system"]
-    late = [i for i, (r, prev) in enumerate(zip(roles[1:], roles), 1) if r == "system" and prev != "system"]
-    if late:
-        out.append(Finding("roles_out_of_order", ERROR, f"a system message at position {late[0]} after the conversation "
-                           "started; put system messages first", where))
-    if body and body[0][1] != "user":
-        i, r = body[0]
-        out.append(Finding("roles_out_of_order", ERROR, f"starts with {'an' if r[0] in 'aeiou' else 'a'} {r} message (message {i}), not a user turn: the "
-                           "reply answers nothing; drop it or restore the user message before it", where))
-    if roles and roles[-1] in ("user", "system"):
-        out.append(Finding("roles_out_of_order", ERROR, f"ends on a {roles[-1]} message (message {len(roles) - 1}): nothing "
-                           "after it is trained; add the assistant reply or drop the last message", where))
-    return out
 
 
 def _special_injection(turns: Sequence[Turn], ids: np.ndarray, tok: InspectTokenizer, where: str) -> list[Finding]:

@@ -10,8 +10,10 @@ ERROR, WARNING, INFO = "error", "warning", "info"
 
 # The named checks, in report order.
 CHECKS: dict[str, str] = {
-    "invalid_conversation": "rows that cannot be trained on (malformed JSON, unknown role, empty message, no assistant)",
-    "roles_out_of_order": "conversations that start with anything but a user turn, end on a user/system turn, or put a system message after the start",
+    "invalid_conversation": "rows the SFT pipes drop (malformed JSON, unknown role, empty message, no assistant turn, "
+                            "first turn not a user turn; chat.validate_conversation)",
+    "roles_out_of_order": "conversations the SFT pipes train but flag: a system message after the start, ending on a "
+                          "user/system turn, two user or two assistant turns in a row",
     "foreign_template": "role markers of another chat-template family inside content or text",
     "special_string_in_text": "special-token strings in untrusted text (must stay bytes)",
     "template_mismatch": "the tokenizer's chat template renders other ids/mask than stacklm's render_conversation",
@@ -27,7 +29,6 @@ CHECKS: dict[str, str] = {
     "padding_fraction": "the share of batch positions that are padding (warned when most of a batch is)",
     "stop_token_never_trained": "no end-of-turn/EOS token is a trained target anywhere: the model never learns to stop",
     "row_ends_mid_assistant": "a row that ends inside an assistant turn, before its stop token (a cut reply)",
-    "no_assistant_turn": "conversations without an assistant turn (nothing to train; the SFT pipes drop them)",
     "truncation": "conversations cut or dropped for length (--seq-len), rows starting or ending inside one",
 }
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.chat import DEFAULT_ROLE_ALIASES, NO_ASSISTANT, validate_conversation
+from stacklm.chat import DEFAULT_ROLE_ALIASES, ConversationFlag, validate_conversation
 from stacklm.chat.formats import conversation_from_record
 from stacklm.errors import ChatFormatError, UserError
 from stacklm.inspector.batches import BatchView, check_view, stop_ids, view_batch, view_windows
@@ -93,6 +93,20 @@ def _truncation_counts(report: Report, turns, ids: np.ndarray, tok: InspectToken
         c[TURNS_CUT] = c.get(TURNS_CUT, 0) + cut
 
 
+def _invalid_finding(e: ChatFormatError, where: str) -> Finding:
+    """A record ``chat.validate_conversation`` (or the record reader) rejects: the SFT and
+    preference pipes drop it and count it under the same reason."""
+    return Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}; the SFT pipes drop it", e.where or where,
+                   key=f"[{e.reason}]")
+
+
+def _flag_findings(flags: list[ConversationFlag], where: str) -> list[Finding]:
+    """A kept record's flags: the SFT pipes train it and count each reason (once per record)."""
+    first = {f.reason: f for f in flags}
+    return [Finding("roles_out_of_order", WARNING, f"[{f.reason}] {f.message}; the SFT pipes train it and count it", where,
+                    key=f"[{f.reason}]") for f in first.values()]
+
+
 def inspect_conversations(
     path: Path,
     tok: InspectTokenizer,
@@ -116,15 +130,11 @@ def inspect_conversations(
         try:
             record = parse_json_line(raw, where)[0] if isinstance(raw, bytes) else raw
             turns = conversation_from_record(record, role_aliases=DEFAULT_ROLE_ALIASES, where=where)
-            validate_conversation(turns, where=where)
+            flags = validate_conversation(turns, where=where)
         except ChatFormatError as e:
-            if e.reason == NO_ASSISTANT:
-                report.findings.append(Finding("no_assistant_turn", WARNING, f"[{e.reason}] {e.detail}", e.where or where,
-                                               key="conversations without an assistant turn"))
-            else:
-                report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where,
-                                               key=f"[{e.reason}]"))
+            report.findings.append(_invalid_finding(e, where))
             continue
+        report.findings += _flag_findings(flags, where)
         found, ids, mask = check_conversation(turns, tok, where, allow_template_text)
         report.findings += found
         if not len(ids):
@@ -187,11 +197,11 @@ def inspect_pairs(
         try:
             record = parse_json_line(raw, where)[0] if isinstance(raw, bytes) else raw
             prompt, chosen, rejected = read_pair(record, role_aliases=DEFAULT_ROLE_ALIASES, where=where).turns()
-            for comp in (chosen, rejected):
-                validate_conversation([*prompt, *comp], require_assistant=False, where=where)
+            flags = [f for comp in (chosen, rejected) for f in validate_conversation([*prompt, *comp], require_assistant=False, where=where)]
         except ChatFormatError as e:
-            report.findings.append(Finding("invalid_conversation", ERROR, f"[{e.reason}] {e.detail}", e.where or where, key=f"[{e.reason}]"))
+            report.findings.append(_invalid_finding(e, where))
             continue
+        report.findings += _flag_findings(flags, where)
         pairs += 1
         sides: tuple = (None, None)
         if tok.layout is not None:  # the pipeline's own rendering (prompt masked), no length limit

@@ -621,23 +621,7 @@ def test_encode_says_what_it_replaced(call, tokenizer_512):
             assert tokenizer_512.decode(run(text)) == text
 
 
-# --- class: chat structure ------------------------------------------------------------------
-@pytest.mark.parametrize("messages, must", [
-    ([("assistant", "hi"), ("user", "q"), ("assistant", "a")], ["starts with an assistant message (message 0)"]),
-    ([("user", "q"), ("assistant", "a"), ("user", "again")], ["ends on a user message (message 2)"]),
-    ([("user", "q"), ("system", "be brief"), ("assistant", "a")], ["a system message at position 1"]),
-    ([("system", "s"), ("assistant", "a")], ["starts with an assistant message (message 1)"]),
-])
-def test_inspect_reports_roles_out_of_order(messages, must, tmp_path, tok_dir, capsys):
-    ok = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
-    rows = [{"messages": ok}, {"messages": [{"role": r, "content": c} for r, c in messages]}]
-    path = tmp_path / "c.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    rc, out, _ = run_cli(capsys, "inspect", str(path), "--tokenizer", str(tok_dir))
-    assert rc == 1, out
-    assert "ERROR    roles_out_of_order: 1 finding(s)" in out and f"{path}:2" in out, out
-    for text in must:
-        assert text in out, (text, out)
+# --- class: chat structure: tests/inspector/test_inspect_sft.py::test_inspect_and_sft_share_one_validity_rule ---------
 
 
 def test_a_loader_workers_user_error_is_its_own_line():

@@ -195,20 +195,52 @@ def _eval(capsys, *args):
     return rc, captured.out, captured.err
 
 
-def test_tok_eval_reads_records_and_its_baselines_train_on_them(tmp_path, capsys, tok_dir):
-    data = _write_jsonl(tmp_path / "d.jsonl", DOCS)
-    report = tmp_path / "r.json"
-    rc, out, err = _eval(capsys, "--tokenizer", str(tok_dir), "--input", data, "--hf-baseline",
-                         "--overlap-sizes", "2000,8000", "--json", str(report))
+def test_tok_eval_baselines_train_on_the_tokenizers_own_sample_never_the_evaluation_text(tmp_path, capsys, tok_dir):
+    """Issue 32.7b: a tokenizer trained on text A, evaluated on text B. The HF baseline and the
+    overlap trainings train on A (the artifact's recorded sample, checked by hash), not on B
+    (they trained on B and the baseline "won"); without a usable record they are refused."""
+    from stacklm.tokenizer import evaluate
+    from stacklm.tokenizer.hf_baseline import train_hf_bpe
+    from stacklm.tokenizer.training import train_from_iterable
+
+    a = _write_jsonl(tmp_path / "a.jsonl", DOCS)
+    b = _write_jsonl(tmp_path / "b.jsonl", _docs(200, seed=1))
+    rc, _, err = _train(capsys, tmp_path / "tokA", "--input", a, "--max-bytes", "6000")
     assert rc == 0, err
-    assert f"HF BpeTrainer baseline on {DOC_BYTES:,} bytes of input" in out  # all of the data, not the corpus
-    assert "overlap: trained on 2,000 bytes of input" in out and "overlap: trained on 8,000 bytes of input" in out
-    rows = json.loads(report.read_text())["rows"]
-    assert {r["domain"] for r in rows} == {"input"}
-    ours = next(r for r in rows if r["tokenizer"] == "stacklm")
-    assert ours["n_bytes"] == DOC_BYTES and ours["n_texts"] >= 1
-    hf = next(r for r in rows if r["tokenizer"].startswith("hf-bpe"))
-    assert hf["bytes_per_token"] > ours["bytes_per_token"]  # trained on these very words
+    record = StackTokenizer.load(tmp_path / "tokA").metadata["training_sample"]
+    assert record["inputs"] == [os.path.abspath(a)] and record["max_bytes"] == record["bytes"] == 6000
+    report = tmp_path / "r.json"
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline")
+    # the paths an artifact records are shown, never opened: the user names the files
+    assert rc == 2 and "give them with --train-input" in err and os.path.abspath(a) in err, err
+    rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline",
+                         "--overlap-sizes", "2000,6000", "--json", str(report), "--train-input", a)
+    assert rc == 0, err
+    assert f"HF BpeTrainer baseline on 6,000 bytes of {tmp_path / 'tokA'}'s training sample ({os.path.abspath(a)})" in out
+    data = json.loads(report.read_text())
+    assert data["baselines"]["hf-bpe@300"] == {"trained_on": "the tokenizer's training sample", "bytes": 6000,
+                                                "sha256": record["sha256"]}
+    # independently: a baseline trained here on A's 6,000 bytes tokenizes B exactly as the table says, one on B does not
+    on_a = train_hf_bpe(open_text_input(a, 6000), 300)
+    on_b = train_hf_bpe(open_text_input(b), 300)
+    row = next(r for r in data["rows"] if r["tokenizer"] == "hf-bpe@300")
+    b_texts = list(open_text_input(b))
+    assert row["n_tokens"] == evaluate.measure_compression(on_a, b_texts, "input").n_tokens
+    assert row["n_tokens"] != evaluate.measure_compression(on_b, b_texts, "input").n_tokens
+    small, large = (train_from_iterable(open_text_input(a, n), 300).tokenizer.merged_tokens for n in (2000, 6000))
+    assert data["overlap"] == [o.to_dict() for o in evaluate.merge_overlap_rows(
+        small, large, names=("2,000 B sample", "6,000 B sample"))]
+    # unavailable: an artifact without a record (tok_dir), then A changed inside the sample
+    rc, _, err = _eval(capsys, "--tokenizer", str(tok_dir), "--input", b, "--hf-baseline")
+    assert rc == 2 and "field 'metadata.training_sample' is missing" in err and "never on the evaluation text" in err
+    assert len(err.strip().splitlines()) == 1
+    _write_jsonl(a, ["zorblax changed"] + DOCS[1:])
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--overlap-sizes", "2000,6000",
+                       "--train-input", a)
+    assert rc == 2 and "field 'metadata.training_sample.sha256'" in err and "the files changed or moved" in err, err
+    os.remove(a)
+    rc, _, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline", "--train-input", a)
+    assert rc == 2 and "its training sample cannot be read again" in err and "does not exist" in err, err
 
 
 def test_tok_eval_domains_and_datasets(tmp_path, capsys, tok_dir):

@@ -136,9 +136,9 @@ def test_no_assistant_turn_reported_and_truncation_counted(tok, dirs, convs, tmp
     seq_len = 160
     code, out = run(path, "--tokenizer", dirs["ours"], "--seq-len", seq_len, "--json", "-")
     data = json.loads(out)
-    assert code == 0 and data["errors"] == 0
+    assert code == 1 and data["errors"] == 3  # the SFT pipes drop them (test_inspect_and_sft_share_one_validity_rule)
     groups = {g["check"]: g for g in data["findings"]}
-    assert groups["no_assistant_turn"]["count"] == 3 and groups["no_assistant_turn"]["severity"] == "warning"
+    assert groups["invalid_conversation"]["count"] == 3 and groups["invalid_conversation"]["message"].startswith("[no_assistant]")
     want: dict[str, int] = {}
     for c in convs:  # independent count: the SFT renderer's outcome per conversation
         _, outcome, n_cut = render_for_sft(conversation_from_record({"messages": c}), tok, seq_len, "truncate")
@@ -147,3 +147,74 @@ def test_no_assistant_turn_reported_and_truncation_counted(tok, dirs, convs, tmp
             want["turns_cut"] = want.get("turns_cut", 0) + n_cut
     assert data["counts"] == want and want.get("truncated", 0) >= 1
     assert data["trained_stop_tokens"] > 0
+
+
+# One row per rule of chat.validate_conversation (and of the record reader before it): its
+# verdict -- "drop" (inspect: error; SFT: dropped and counted) or "flag" (inspect: warning;
+# SFT: trained and counted next to kept) -- and the reason both surfaces name.
+U, A, S, TR = ("user", "q"), ("assistant", "a"), ("system", "s"), ("tool_result", "r")
+VALIDITY_RULES = [
+    ("valid", [S, U, A], "kept", None),
+    ("malformed JSON", "{broken", "drop", "malformed_json"),
+    ("no messages field", {"text": "x"}, "drop", "no_messages_column"),
+    ("unknown role", [U, ("narrator", "x"), A], "drop", "unknown_role"),
+    ("non-text content", [U, ("assistant", 3)], "drop", "bad_message"),
+    ("no turns", [], "drop", "empty_conversation"),
+    ("blank message", [U, ("assistant", "  ")], "drop", "empty_content"),
+    ("no assistant turn", [S, U], "drop", "no_assistant"),
+    ("assistant first (after the system turn)", [S, A, U, A], "drop", "first_turn_not_user"),
+    ("system late", [U, S, A], "flag", "system_not_first"),
+    ("ends on user", [U, A, U], "flag", "ends_without_reply"),
+    ("two assistant turns", [U, A, A], "flag", "repeated_role"),
+]
+
+
+def _rule_row(case):
+    if isinstance(case, (str, dict)):
+        return case
+    return {"messages": [{"role": r, "content": c} for r, c in case]}
+
+
+def test_inspect_and_sft_share_one_validity_rule(tok, dirs, tmp_path, caplog):
+    """Issue 32.7a: inspect called an assistant-first conversation an error, SFT trained it
+    without a count. Now every rule has one verdict and one reason name on both surfaces."""
+    from stacklm.chat import FLAG_REASONS, INVALID_REASONS
+    from stacklm.data.sft import SFTConfig, build_sft_pipeline, say_split_drops
+    from stacklm.data.sources.schema import SourceConfig
+    from stacklm.datamodule.stream import merge_worker_summaries
+
+    path = write_jsonl(tmp_path / "rules.jsonl", [_rule_row(case) for _, case, _, _ in VALIDITY_RULES])
+    line = {i + 1: (name, verdict, reason) for i, (name, _, verdict, reason) in enumerate(VALIDITY_RULES)}
+    # inspect: per line, severity and the [reason] its finding names
+    report = inspect_input(path, dirs["ours"])
+    seen = {}
+    for f in report.findings:
+        if f.check in ("invalid_conversation", "roles_out_of_order"):
+            n = int(f.where.split(f"{path}:")[1].split(",")[0])
+            seen[n] = ({"error": "drop", "warning": "flag"}[f.severity], f.message[1:].split("]")[0])
+    assert seen == {n: (v, r) for n, (_, v, r) in line.items() if r}, seen
+    assert report.sequences == sum(v != "drop" for _, v, _ in line.values())  # the flagged ones are rendered and checked
+    code, out = run(path, "--tokenizer", dirs["ours"])
+    assert code == 1 and "ERROR    invalid_conversation: 8 finding(s)" in out and "WARNING  roles_out_of_order: 3 finding(s)" in out
+    assert "[first_turn_not_user] starts with an assistant message (message 1)" in out and f"at: {path}:9" in out, out
+    # SFT: the same file through the whole pipeline
+    with caplog.at_level("WARNING"):
+        pipe = build_sft_pipeline(SFTConfig(sources=(SourceConfig("rules", path=(str(path),)),), seq_len=128, batch_size=2,
+                                            holdout_fraction=0.0), tok)
+        pipe.batches.reset()
+        list(pipe.batches)
+    counts = pipe.stats()["source"]["rules"]
+    for n, (name, verdict, reason) in line.items():
+        if reason:
+            assert counts.get(reason) == 1, (name, counts)
+            assert (reason in INVALID_REASONS) == (verdict == "drop") and (reason in FLAG_REASONS) == (verdict == "flag"), name
+            assert pipe.examples()["rules"][reason].startswith(f"{path}:{n}"), (name, pipe.examples())
+    kept = sum(v != "drop" for _, v, _ in line.values())
+    assert counts["kept"] == kept and pipe.stats()["render"]["rules"] == {"kept": kept}  # flagged ones are trained
+    # the drops (only they) reach data_stats' dropped_docs, the channel every invalid record takes
+    drops = merge_worker_summaries([{"stats": pipe.stats()}])["dropped_docs"]["source"]["rules"]
+    assert drops == {r: 1 for _, v, r in line.values() if v == "drop"}
+    assert f"flagged ends_without_reply (counted, kept); first: {path}:11" in caplog.text
+    say_split_drops(list(pipe.sources.values()), "train")  # what a fit's counting pass says for its quiet readers
+    assert f"flagged and kept ends_without_reply 1, repeated_role 1, system_not_first 1 of the {len(line)} conversations read" \
+        in caplog.text, caplog.text

@@ -18,7 +18,9 @@ turns a mask into targets (``loss_targets``, called by ``collate_sft``).
 
 Every rejected conversation is counted by reason, per source (``chat.INVALID_REASONS`` in the
 source stage; ``truncated`` / ``dropped_too_long`` in the render stage), and the first
-location of each reason is kept (``SFTPipeline.examples()``) so a drop is never silent.
+location of each reason is kept (``SFTPipeline.examples()``) so a drop is never silent. What
+is dropped and what is kept but flagged (``chat.FLAG_REASONS``, counted next to ``kept``) is
+``chat.validate_conversation``'s rule, the one ``stacklm inspect`` reports by.
 
 One module per job: ``sft_config`` (``SFTConfig``; its sources are ``sources.schema.SourceConfig``), ``reader``
 (``ConversationSource``), ``render_node`` (``RenderNode``, the render stage), ``sft_pack``

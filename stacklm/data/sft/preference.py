@@ -346,8 +346,9 @@ def preference_batch(records: Sequence[Mapping[str, Any]], tokenizer: Any, seq_l
     for i, rec in enumerate(records):
         pair = read_pair(rec, where=f"pair {i}")
         prompt, chosen, rejected = pair.turns()
-        for comp in (chosen, rejected):
-            validate_conversation([*prompt, *comp], require_assistant=False, where=pair.where)
+        flags = [f.reason for comp in (chosen, rejected) for f in validate_conversation([*prompt, *comp], require_assistant=False, where=pair.where)]
+        for reason in dict.fromkeys(flags):  # kept, and counted once per pair (chat.FLAG_REASONS)
+            stats.add("batch", reason)
         out, outcome, cut = render_pair(prompt, chosen, rejected, tokenizer, seq_len, overlong, policy)
         stats.add("batch", outcome)
         if out is not None:

@@ -57,8 +57,8 @@ class PreferenceSource(ConversationSource):
         parts = read_pair(self._record(raw, where), role_aliases=self.role_aliases, where=where).turns()
         self._repair(*parts)
         prompt = parts[0]
-        for comp in parts[1:]:
-            validate_conversation([*prompt, *comp], require_assistant=False, where=where)
+        flags = [f for comp in parts[1:] for f in validate_conversation([*prompt, *comp], require_assistant=False, where=where)]
+        self._flag(flags, where)  # a flag of the shared prompt counts once per pair
         return parts
 
     def _document(self, raw: Any, row: int) -> dict | None:

@@ -10,7 +10,9 @@ from typing import Any
 
 from stacklm.chat.turns import (
     DEFAULT_ROLE_ALIASES,
+    FLAG_REASONS,
     MALFORMED_JSON,
+    ConversationFlag,
     Turn,
     validate_conversation,
 )
@@ -86,6 +88,7 @@ class ConversationSource(PartNode):
         self.spec = spec
         self.role_aliases, self.on_invalid = dict(role_aliases), on_invalid
         self.first_where: dict[str, str] = {}
+        self.first_flagged: dict[str, str] = {}  # kept but flagged (chat.FLAG_REASONS): reason -> first location
 
     # parts ---------------------------------------------------------------------------
     def _describe(self) -> str:
@@ -149,9 +152,10 @@ class ConversationSource(PartNode):
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
         self.first_where = dict((initial_state or {}).get("first_where", {}))
+        self.first_flagged = dict((initial_state or {}).get("first_flagged", {}))
 
     def get_state(self) -> dict[str, Any]:
-        return {**super().get_state(), "first_where": dict(self.first_where)}
+        return {**super().get_state(), "first_where": dict(self.first_where), "first_flagged": dict(self.first_flagged)}
 
     def _reject(self, err: ChatFormatError) -> None:
         self.stats.add(self.name, err.reason)
@@ -161,6 +165,18 @@ class ConversationSource(PartNode):
                 logger.warning("sft source %r: dropping conversations (%s); first: %s", self.name, err.reason, err)
         if self.on_invalid == "raise":
             raise err
+
+    def _flag(self, flags: Sequence[ConversationFlag], where: str) -> None:
+        """A kept conversation's flags (``chat.validate_conversation``): each reason counted once
+        per record, next to ``kept`` (not a drop), and said at its first sight."""
+        for reason in dict.fromkeys(f.reason for f in flags):
+            self.stats.add(self.name, reason)
+            if reason not in self.first_flagged:
+                message = next(f.message for f in flags if f.reason == reason)
+                self.first_flagged[reason] = f"{where}: {message}"
+                if self.log_rows and first_time(self.KIND, self.name, "flagged", reason):
+                    logger.warning("%s %r: training conversations flagged %s (counted, kept); first: %s", self.KIND, self.name,
+                                   reason, self.first_flagged[reason])
 
     def _say_drop_counts(self) -> None:
         """At the end of this reader's pass, one line with how many it dropped, by reason: the
@@ -200,7 +216,7 @@ class ConversationSource(PartNode):
         turns = conversation_from_record(self._record(raw, where), column=self.spec.text_column, format=self.spec.format,
                                          role_aliases=self.role_aliases, where=where)
         self._repair(turns)
-        validate_conversation(turns, where=where)
+        self._flag(validate_conversation(turns, where=where), where)
         return turns
 
     def _document(self, raw: Any, row: int) -> dict | None:
@@ -223,7 +239,7 @@ class ConversationSource(PartNode):
             self._say_drop_counts()
             return
         if self._owned_rows:
-            reasons = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT}
+            reasons = {k: v for k, v in self.stats.to_dict().get(self.name, {}).items() if k != KEPT and k not in FLAG_REASONS}
             first = "; ".join(f"{k}: {v}" for k, v in self.first_where.items())
             raise SourceError(
                 f"sft source {self.name!r}: all {self._owned_rows} conversations of {self._describe()} were rejected "
@@ -263,6 +279,7 @@ def say_split_drops(readers: Sequence[ConversationSource], split: str) -> None:
                 dropped[reason] = dropped.get(reason, 0) + n
                 first.setdefault(reason, r.first_where[reason])
         kind = group[0].KIND
+        _say_split_flags(group, kind, name, split)
         if not dropped or group[0].on_invalid == "raise" or not first_time(kind, name, "dropped_in_split", split):
             continue
         for reason in sorted(first):
@@ -271,3 +288,22 @@ def say_split_drops(readers: Sequence[ConversationSource], split: str) -> None:
         # rows read: every record, whatever split the holdout gives it (a record is checked before it has a split)
         logger.warning("%s %r: dropped %d of the %d conversations read, before the train/val holdout (%s)", kind, name,
                        sum(dropped.values()), sum(r._owned_rows for r in group), ", ".join(f"{k} {v}" for k, v in sorted(dropped.items())))
+
+
+def _say_split_flags(group: Sequence[ConversationSource], kind: str, name: str, split: str) -> None:
+    """The kept-but-flagged conversations (``chat.FLAG_REASONS``) of one source's quiet readers:
+    each reason's first location, then one count line."""
+    flagged: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for r in group:
+        for reason, n in r.stats.to_dict().get(r.name, {}).items():
+            if reason in r.first_flagged:
+                flagged[reason] = flagged.get(reason, 0) + n
+                first.setdefault(reason, r.first_flagged[reason])
+    if not flagged or not first_time(kind, name, "flagged_in_split", split):
+        return
+    for reason in sorted(first):
+        if first_time(kind, name, "flagged", reason):
+            logger.warning("%s %r: training conversations flagged %s (counted, kept); first: %s", kind, name, reason, first[reason])
+    logger.warning("%s %r: flagged and kept %s of the %d conversations read", kind, name,
+                   ", ".join(f"{k} {v}" for k, v in sorted(flagged.items())), sum(r._owned_rows for r in group))

@@ -92,7 +92,8 @@ def sft_batch(
     ``chat.formats.FORMATS``. Invalid conversations raise ``ChatFormatError`` (a list in hand
     is fixed, not filtered); overlong ones follow ``overlong``, and they and those with nothing
     to train under ``policy`` are counted in ``stats`` (``kept`` / ``truncated`` /
-    ``truncated_start`` / ``dropped_too_long`` / ``nothing_to_train``). All conversations
+    ``truncated_start`` / ``dropped_too_long`` / ``nothing_to_train``, and the kept but flagged
+    ones by ``chat.FLAG_REASONS``). All conversations
     share one best-fit buffer unless ``pack_buffer`` is given, so the rows are as full as the
     lengths allow.
     """
@@ -110,7 +111,8 @@ def sft_batch(
                 turns = as_turns(conv)
             except ChatFormatError as e:
                 raise ChatFormatError(str(e), reason=e.reason, where=where) from None
-        validate_conversation(turns, where=where)
+        for flag in validate_conversation(turns, where=where):  # kept, and counted (chat.FLAG_REASONS)
+            stats.add("batch", flag.reason)
         piece, outcome, cut = render_for_sft(turns, tokenizer, seq_len, overlong, policy)
         stats.add("batch", outcome)
         if cut and piece is not None:

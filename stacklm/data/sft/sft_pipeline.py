@@ -33,8 +33,10 @@ class SFTPipeline(BuiltPipeline):
         return out
 
     def examples(self) -> dict[str, dict[str, str]]:
-        """source -> reason -> the first rejected conversation's located message."""
-        return {name: dict(src.first_where) for name, src in self.sources.items() if src.first_where}
+        """source -> reason -> the first rejected (or kept but flagged: ``chat.FLAG_REASONS``)
+        conversation's located message."""
+        return {name: {**src.first_where, **src.first_flagged} for name, src in self.sources.items()
+                if src.first_where or src.first_flagged}
 
     def realized(self) -> dict[str, dict[str, Any]]:
         """Per source: conversations, tokens and loss-bearing tokens rendered, target and

@@ -14,6 +14,11 @@ quoting and ``\\n`` escapes, and a binary file trains it on noise, and both "suc
 file read as text is sniffed first (its first 64 KiB): mostly NUL/control bytes or invalid
 UTF-8 is refused as binary, and lines that are JSON objects are refused with the fix (name
 it ``.jsonl``; ``fmt="txt"``, the CLI's ``--raw-text``, reads it as raw text on purpose).
+
+A sample can be read again: ``sample_spec`` is how it was read (files resolved to absolute
+paths, the reading options, the byte budget), ``SampleDigest`` its byte count and sha256;
+``train-tokenizer`` stores both in the artifact (``metadata.training_sample``) and ``tok-eval``
+trains its baselines on ``open_recorded_sample`` of it, checking the hash.
 """
 
 from __future__ import annotations
@@ -268,4 +273,83 @@ def domain_texts_from_files(
     return texts, audits
 
 
-__all__ = ["FORMATS", "TextInputError", "TextInputNotFoundError", "check_text_head", "domain_texts_from_files", "input_format", "open_text_input", "share_of"]
+
+
+# ----------------------------------------------------------------------------- recorded samples
+# A tokenizer artifact records the sample it was trained on (``metadata.training_sample``) so
+# that ``tok-eval`` trains its baselines on that same text, never on the text it evaluates.
+TRAINING_SAMPLE = "training_sample"
+EMBEDDED_CORPUS = "<embedded default corpus>"
+
+
+class SampleDigest:
+    """The texts passing through, counted (UTF-8 bytes) and hashed: sha256 over each text's
+    UTF-8 bytes and a NUL (the sampler removes NULs from text, so the NUL marks the chunk
+    boundaries, which the trainers see too)."""
+
+    def __init__(self, texts: Iterable[str]) -> None:
+        import hashlib
+
+        self.texts, self.bytes, self._hash = texts, 0, hashlib.sha256()
+
+    def __iter__(self) -> Iterator[str]:
+        for t in self.texts:
+            b = t.encode("utf-8", "surrogatepass")
+            self.bytes += len(b)
+            self._hash.update(b + b"\0")
+            yield t
+
+    @property
+    def sha256(self) -> str:
+        return self._hash.hexdigest()
+
+
+def sample_spec(inputs: Sequence[str] | None, max_bytes: int | None, **read: Any) -> dict[str, Any]:
+    """How to read a sample again: ``open_text_input``'s arguments (``read``: text_column, fmt,
+    dataset, ...) with the input files resolved to absolute paths (``None``: the embedded
+    corpus), and the byte budget. ``TRAINING_SAMPLE`` adds the ``bytes`` and ``sha256`` read."""
+    if inputs is None and read.get("dataset") is None:
+        return {"inputs": [EMBEDDED_CORPUS], "max_bytes": max_bytes}
+    if inputs is not None:
+        read["inputs"] = [os.path.abspath(p) for p in resolve_inputs(inputs)[0]]
+    return {**{k: v for k, v in read.items() if v is not None}, "max_bytes": max_bytes}
+
+
+def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int | None = None,
+                         files: Sequence[str] | None = None):
+    """The sample a ``sample_spec`` record names, read again with its recorded options
+    (``max_bytes``: another budget over the same input). ``files``: where the user says the
+    sample's files are (``tok-eval --train-input``). Paths recorded in the artifact are never
+    opened: a name read from a data file does not lead out of it; the caller checks that what
+    ``files`` hold is the recorded text (``SampleDigest`` against the record's sha256). A record
+    that is not one is a ``TokenizerArtifactError`` naming ``source`` and the field; a sample of
+    files read without ``files`` is a ``TextInputError`` saying to give them."""
+    from stacklm.errors import TokenizerArtifactError
+
+    budget = record.get("max_bytes") if max_bytes is None else max_bytes
+    if budget is not None and not (isinstance(budget, int) and budget > 0):
+        raise TokenizerArtifactError(f"{source}: field 'metadata.{TRAINING_SAMPLE}.max_bytes': {budget!r} is not a byte count")
+    if record.get("inputs") == [EMBEDDED_CORPUS]:
+        from stacklm.corpus import iter_default_corpus
+        from stacklm.data.sources.text_sample import sample_texts
+
+        return sample_texts(iter_default_corpus(), budget, source="embedded default corpus (Python stdlib)")
+    known = ("inputs", "text_column", "fmt", "dataset", "dataset_config", "split", "data_files")
+    read = {k: record[k] for k in known if k in record}
+    bad = [k for k, v in read.items() if not (isinstance(v, str) or (k in ("inputs", "data_files") and isinstance(v, list)))]
+    if bad or not ("inputs" in read or "dataset" in read):
+        raise TokenizerArtifactError(f"{source}: field 'metadata.{TRAINING_SAMPLE}': names no input files or dataset "
+                                     f"({', '.join(bad) or 'inputs/dataset missing'}); retrain the tokenizer to record its sample")
+    field = "inputs" if "inputs" in read else "data_files" if "data_files" in read else None
+    if field is not None:  # files: the user names them; the recorded names are only shown
+        if not files:
+            shown = ", ".join(map(str, read[field][:3])) + (", ..." if len(read[field]) > 3 else "")
+            raise TextInputError(f"the tokenizer was trained on files ({shown}); give them with --train-input (they are "
+                                 "checked against the recorded sha256)")
+        read[field] = list(files)
+    return open_text_input(read.pop("inputs", None), budget, **read)
+
+
+__all__ = ["EMBEDDED_CORPUS", "FORMATS", "TRAINING_SAMPLE", "SampleDigest", "TextInputError", "TextInputNotFoundError",
+           "check_text_head", "domain_texts_from_files", "input_format", "open_recorded_sample", "open_text_input",
+           "sample_spec", "share_of"]
