@@ -163,18 +163,25 @@ def cmd_ledger(args: argparse.Namespace) -> int:
 
     from stacklm.data.storage import manifest as mf
     from stacklm.data.storage import remote
+    from stacklm.data.storage.datafiles import check_data_dir, check_data_file
 
     shown = args.dir
     d = args.dir
     if remote.is_remote(d):  # its manifests, mirrored (no shard is downloaded for a ledger)
         d = str(remote.mirror(d, manifests_only=True))
     top = Path(d) / "manifest.json"
-    if not top.exists():
+    if check_data_file(top) is None:
         raise UserError(f"{top} is missing: {shown} is not a finished prebuild (run `stacklm prebuild` first)")
     m = mf.read_manifest(d)
-    for name in m.get("splits", {}):  # a ledger vouches for the build: the split manifests there must be sound (names checked)
-        if (Path(d) / name).is_dir():  # a top manifest alone (copied away to compare) still prints
-            mf.read_manifest(Path(d) / name, required=mf.SPLIT_REQUIRED)
+    # A ledger vouches for the build: each split passes the loader's checks (manifest fields,
+    # shard files, row counts; a mirror of the manifests only: the manifest's). A top manifest
+    # alone (copied away to compare) still prints.
+    files = not remote.is_remote(args.dir)
+    if "shards" in m:
+        mf.check_split(d, files=files)
+    for name in m.get("splits", {}):
+        if check_data_dir(Path(d) / name, d) is not None:
+            mf.check_split(Path(d) / name, files=files)
     per_split = m.get("ledger") if "splits" in m else ({m["split"]: m["ledger"]} if "ledger" in m else None)
     if not per_split:
         raise UserError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")

@@ -3,7 +3,6 @@ directory), each read and checked into a ``Report``; ``inspect_input`` picks by 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -307,41 +306,32 @@ def inspect_batch_file(path: Path, tok: InspectTokenizer, limit: int = 64) -> Re
 
 
 def read_shard_windows(directory: Path, limit: int) -> tuple[np.ndarray, dict[str, Any]]:
-    """The first ``limit`` windows of a shard directory, read per docs/architecture.md "Shards on disk"
-    (``shard_XXXXX.tokens.bin`` flat n_seq x seq_len, dtype and seq_len from ``manifest.json``)."""
-    files = sorted(directory.glob("shard_*.tokens.bin"))
-    if not files:
-        raise UserError(f"{directory}: no shard_*.tokens.bin files; is this a prebuilt shard directory?")
-    manifest: dict[str, Any] = {}
-    mpath = directory / "manifest.json"
-    if mpath.exists():
-        try:
-            manifest = json.loads(mpath.read_text())
-        except json.JSONDecodeError as e:
-            raise UserError(f"{mpath}: not valid JSON ({e.msg} at line {e.lineno})") from None
-        if isinstance(manifest, dict):
-            from stacklm.data.storage.manifest import check_names
+    """The first ``limit`` windows of a shard directory, read per docs/architecture.md "Shards on disk".
+    With a ``manifest.json`` (a prebuild's split) the shards it lists, after the loader's checks
+    (``manifest.check_split``: a damaged manifest or a shard file that is not one is refused);
+    without one, the ``shard_*.tokens.bin`` files by name, each sized by its ``meta.bin``. Every
+    file is opened through ``stacklm.data.storage.datafiles`` (regular files inside the directory)."""
+    from stacklm.data.storage import shards as sh
+    from stacklm.data.storage.datafiles import check_data_file
+    from stacklm.data.storage.manifest import check_split
 
-            check_names(manifest, mpath)  # a shard name that leaves the directory: the manifest is not to be trusted
-    seq_len = manifest.get("seq_len")
-    dtype = manifest.get("dtype")
-    meta = files[0].with_name(files[0].name.replace(".tokens.bin", ".meta.bin"))
-    if seq_len is None and meta.exists():
-        seq_len = int(np.fromfile(meta, dtype="<i8")[1])
-    if seq_len is None:
-        raise UserError(f"{directory}: neither manifest.json nor {meta.name} gives seq_len")
-    if dtype is None:
-        dtype = "uint16" if int(manifest.get("vocab_size", 65536)) <= 65536 else "uint32"
-    dt = np.dtype(dtype).newbyteorder("<")
-    rows = []
-    for f in files:
-        arr = np.memmap(f, dtype=dt, mode="r")
-        if arr.size % seq_len:
-            raise UserError(f"{f}: {arr.size} tokens is not a multiple of seq_len={seq_len}; the shard is truncated")
-        w = arr.reshape(-1, seq_len)
-        rows.append(np.asarray(w[: limit - sum(len(r) for r in rows)], dtype=np.int64))
-        if sum(len(r) for r in rows) >= limit:
-            break
+    if check_data_file(directory / "manifest.json") is not None:
+        layout = check_split(directory)
+        manifest, dtype, seq_len = layout.manifest, layout.dtype, layout.seq_len
+        listed = list(zip(layout.shard_names, layout.shard_rows))
+    else:
+        manifest, listed, dtype, seq_len = {}, [], np.dtype("<u2"), None
+        for name in sh.list_shard_files(directory):
+            if seq_len is None:  # the first shard's; every other meta must agree (check_shard_files)
+                seq_len = sh.read_meta(sh.meta_path(directory, name))[1]
+            listed.append((name, sh.check_shard_files(directory, name, dtype, seq_len)))
+    if not listed:
+        raise UserError(f"{directory}: no shard_*.tokens.bin files; is this a prebuilt shard directory?")
+    rows: list[np.ndarray] = []
+    for name, n_seq in listed:
+        take = min(n_seq, limit - sum(len(r) for r in rows))
+        if take > 0:
+            rows.append(np.asarray(sh.open_tokens(directory, name, dtype, n_seq, seq_len)[:take], dtype=np.int64))
     return np.concatenate(rows), manifest
 
 
@@ -367,6 +357,9 @@ def split_directory(directory: Path, split: str | None = None) -> Path:
         split = "train" if "train" in splits else splits[0]
     if split not in splits:
         raise UserError(f"{directory}: no split {split!r}; it has {', '.join(splits)}: pass --split with one of them")
+    from stacklm.data.storage.datafiles import check_data_dir
+
+    check_data_dir(directory / split, directory)  # a split linked from outside the build: refused
     return directory / split
 
 

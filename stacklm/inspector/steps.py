@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.data.storage.datafiles import check_data_file, read_data_bytes
 from stacklm.data.storage.steplog import find_step
 from stacklm.errors import DataError
 
@@ -63,10 +64,10 @@ def _shard_rows(meta: dict[str, Any]):
     shards = meta["shards"]
     data_dir = Path(shards["data_dir"])
     manifest = data_dir / "manifest.json"
-    if not manifest.is_file():
+    if check_data_file(manifest) is None:
         raise DataError(f"the run read the prebuild {data_dir}, which is gone (no {manifest}); pass the step log of a run "
                            "whose shards are still there")
-    if shards.get("manifest_hash") and hashlib.sha256(manifest.read_bytes()).hexdigest() != shards["manifest_hash"]:
+    if shards.get("manifest_hash") and hashlib.sha256(read_data_bytes(manifest)).hexdigest() != shards["manifest_hash"]:
         raise DataError(f"{manifest} changed since the run (another build in the same place): its rows are not the rows "
                            "the run trained on")
 

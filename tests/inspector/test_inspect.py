@@ -231,14 +231,20 @@ def test_registers_on_the_cli_parser(dirs, tmp_path, tok, convs):
 
 
 def write_shards(directory: Path, tok, docs, seq_len: int = 64, vocab_size: int | None = None) -> Path:
-    """A shard directory in the docs/architecture.md on-disk format, from real packed windows."""
+    """A one-shard split directory in the docs/architecture.md on-disk format, from real packed
+    windows, written by the prebuild's own shard writer with a complete split manifest (inspect
+    reads a manifest only after the loader's checks, ``manifest.check_split``)."""
+    from stacklm.data.storage import manifest as mf
+    from stacklm.data.storage.shards import write_shard
+
     directory.mkdir(parents=True, exist_ok=True)
     tokenized = [{"ids": np.asarray(tok.encode(d), dtype=np.int32), "source": "t"} for d in docs]
-    windows = np.stack(list(pack_greedy(tokenized, seq_len, tok.bos_id, tok.eos_id, tok.pad_id))).astype("<u2")
-    windows.tofile(directory / "shard_00000.tokens.bin")
-    np.array([len(windows), seq_len], dtype="<i8").tofile(directory / "shard_00000.meta.bin")
-    (directory / "manifest.json").write_text(json.dumps({"seq_len": seq_len, "dtype": "uint16",
-                                                         "vocab_size": vocab_size or tok.vocab_size}))
+    windows = np.stack(list(pack_greedy(tokenized, seq_len, tok.bos_id, tok.eos_id, tok.pad_id)))
+    info = write_shard(directory, 0, windows, np.dtype("<u2"))
+    mf.write_manifest(directory, {
+        "format": mf.FORMAT, "version": mf.VERSION, "seq_len": seq_len, "dtype": "uint16", "vocab_size": vocab_size or tok.vocab_size,
+        "bos_id": tok.bos_id, "eos_id": tok.eos_id, "pad_id": tok.pad_id, "tokenizer_hash": mf.tokenizer_hash(tok),
+        "split": directory.name, "shards": [info.to_dict()], "n_seq": info.n_seq})
     return directory
 
 

@@ -26,15 +26,9 @@ import numpy as np
 import torch
 
 from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
-from stacklm.data.storage.manifest import REQUIRED, SPLIT_REQUIRED, read_manifest, tokenizer_hash
-from stacklm.data.storage.shards import (
-    check_content_hash,
-    check_shard_files,
-    list_shard_files,
-    open_tokens,
-    parse_dtype,
-    tokens_path,
-)
+from stacklm.data.storage.datafiles import check_data_dir
+from stacklm.data.storage.manifest import REQUIRED, check_split, read_manifest, split_directory, tokenizer_hash
+from stacklm.data.storage.shards import check_content_hash, open_tokens, tokens_path
 from stacklm.errors import ArgumentTypeError, DataError
 
 
@@ -100,15 +94,17 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
 # Dataset
 # ---------------------------------------------------------------------------------------
 def resolve_split_dir(path: str | os.PathLike, split: str | None = None) -> Path:
-    """``path`` itself when it holds a split's shards, else ``path/split`` (default ``train``)."""
+    """``path`` itself when it holds a split's shards, else ``path/split`` (default ``train``),
+    a directory inside ``path`` (``datafiles.check_data_dir``: a link out of the build is refused)."""
     path = Path(path)
     if split is not None:
-        if (path / split).is_dir():
+        if check_data_dir(path / split, path) is not None:
             return path / split
         if path.name == split:
             return path
         raise DataError(f"{path} has no '{split}' split directory; prebuild writes {path}/train and {path}/val", path=path)
-    if path.is_dir() and not any(p.name.endswith(".tokens.bin") for p in path.iterdir()) and (path / "train").is_dir():
+    if (path.is_dir() and not any(p.name.endswith(".tokens.bin") for p in path.iterdir())
+            and check_data_dir(path / "train", path) is not None):
         return path / "train"
     return path
 
@@ -151,45 +147,26 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
 
         self.url = str(path) if remote.is_remote(path) else None  # read from its local mirror (``remote.mirror``)
         self.path = resolve_split_dir(remote.local_path(path), split)
-        self.manifest = read_manifest(self.path, required=SPLIT_REQUIRED)
-        m = self.manifest
-        where = str(self.path / "manifest.json")
-        self.seq_len = int(m["seq_len"])
-        self.vocab_size = int(m["vocab_size"])
-        self.dtype = parse_dtype(m["dtype"], where=where)
-        if np.iinfo(self.dtype).max + 1 < self.vocab_size:
-            raise DataError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {self.vocab_size}; the manifest is corrupt — rebuild", path=where)
-        self.bos_id, self.eos_id, self.pad_id = int(m["bos_id"]), int(m["eos_id"]), int(m["pad_id"])
-        for key in ("bos_id", "eos_id", "pad_id"):
-            if not 0 <= int(m[key]) < self.vocab_size:
-                raise DataError(f"{where}: field {key!r} = {m[key]} is outside the vocab (size {self.vocab_size}); the manifest is corrupt — rebuild", path=where)
-        if tokenizer is not None:
-            check_tokenizer(m, tokenizer, where)
-        self.shard_names = [s["name"] for s in m["shards"]]
         # ``cache`` (a ``prefetch.ShardCache``): the token files are streamed into this directory
-        # as readers need them (``shard_window``), so nothing is checked or sampled here; the row
+        # as readers need them (``shard_window``), so no file is checked or sampled here; the row
         # counts are the manifest's, each download is checked against its xxh64, and every
         # batch's ids against the vocabulary.
         self.cache = cache
+        layout = check_split(self.path, files=cache is None)  # the checks every reader of a split makes
+        self.manifest = m = layout.manifest
+        where = str(self.path / "manifest.json")
+        self.seq_len, self.vocab_size, self.dtype = layout.seq_len, layout.vocab_size, layout.dtype
+        self.bos_id, self.eos_id, self.pad_id = m["bos_id"], m["eos_id"], m["pad_id"]
+        if tokenizer is not None:
+            check_tokenizer(m, tokenizer, where)
+        self.shard_names = layout.shard_names
         if cache is not None:
-            counts = [int(s["n_seq"]) for s in m["shards"]]
             sample_rows = 0
-        else:
-            counts = [check_shard_files(self.path, s["name"], self.dtype, self.seq_len, int(s["n_seq"])) for s in m["shards"]]
-        self.shard_rows = np.asarray(counts, dtype=np.int64)
+        self.shard_rows = np.asarray(layout.shard_rows, dtype=np.int64)
         self.shard_starts = np.concatenate([[0], np.cumsum(self.shard_rows)])[:-1].astype(np.int64)
-        self.num_rows = int(self.shard_rows.sum())
-        if self.num_rows != int(m["n_seq"]):
-            raise DataError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {self.num_rows} rows; rebuild with `stacklm prebuild`", path=where)
+        self.num_rows = layout.num_rows
         if self.num_rows == 0:
             raise DataError(f"{where}: the '{m['split']}' split holds no sequences; raise the token budget (or the holdout fraction for val) and rebuild", path=where)
-        stray = sorted(set(list_shard_files(self.path)) - set(self.shard_names))
-        if stray:
-            raise DataError(
-                f"{self.path} holds shard files the manifest does not list ({', '.join(stray[:3])}{'...' if len(stray) > 3 else ''}): "
-                "shards from another build were copied in; remove them or rebuild into a fresh directory",
-                path=self.path,
-            )
         self._maps: list[np.ndarray] | None = None
         self._verified: tuple[int, np.ndarray, threading.Lock] | None = None  # (pid, shard checked?, lock)
         self._all_verified_in: int | None = None  # pid of the process that has checked every shard
@@ -370,7 +347,7 @@ def verify_shard_set(path: str | os.PathLike, *, tokenizer=None, progress: bool 
 
     path = Path(remote.local_path(path))
     top = read_manifest(path, required=REQUIRED)
-    splits = {top["split"]: path} if "shards" in top else {name: path / name for name in top.get("splits", {})}
+    splits = {top["split"]: path} if "shards" in top else {name: split_directory(path, name) for name in top.get("splits", {})}
     if not splits:
         raise DataError(f"{path / 'manifest.json'} lists no splits and no shards; rebuild with `stacklm prebuild`", path=path)
     report: dict[str, Any] = {}

@@ -16,10 +16,14 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from stacklm.data.audit import INVALID_RECORDS
+from stacklm.data.storage.datafiles import check_data_dir, check_data_file, read_data_bytes
 from stacklm.data.storage.shards import atomic_write_shard_file
 from stacklm.errors import DataError
 
@@ -79,7 +83,7 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
     path = manifest_path(directory)
     if not directory.is_dir():
         raise DataError(f"{directory} does not exist or is not a directory; build shards with `stacklm prebuild --config CONFIG --out {directory}`", path=directory)
-    if not path.exists():
+    if check_data_file(path, directory) is None:  # a FIFO or a link out of the directory: refused here, never opened
         if not any(directory.iterdir()):
             why = f"{directory} is empty: it is not a prebuilt shard directory"
         elif (directory / ".prebuild").exists() or (directory.parent / ".prebuild").exists():
@@ -88,7 +92,7 @@ def read_manifest(directory: str | os.PathLike, *, required: Iterable[str] = REQ
             why = f"{path} is missing: {directory} is not a finished shard set"
         raise DataError(f"{why}. Build one with `stacklm prebuild --config CONFIG --out DIR`.", path=path)
     try:
-        data = json.loads(path.read_bytes())
+        data = json.loads(read_data_bytes(path, directory))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise DataError(f"{path} is not readable JSON ({e}); the file is damaged — rebuild with `stacklm prebuild` (or restore it from a copy)", path=path) from None
     if not isinstance(data, dict):
@@ -141,6 +145,110 @@ def check_names(data: Mapping[str, Any], path: str | os.PathLike) -> None:
                 raise bad("splits", key, "a plain split directory name")
             if isinstance(entry, Mapping) and "path" in entry and not is_plain_name(entry["path"]):
                 raise bad(f"splits.{key}.path", entry["path"], "a plain split directory name")
+
+
+# ---------------------------------------------------------------------------------------
+# One split: its manifest against its files
+# ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SplitLayout:
+    """What ``check_split`` found a split to be: its manifest, layout and shards' row counts."""
+
+    path: Path
+    manifest: dict[str, Any]
+    seq_len: int
+    vocab_size: int
+    dtype: np.dtype
+    shard_names: list[str]
+    shard_rows: list[int]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(self.shard_rows)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_split(directory: str | os.PathLike, *, files: bool = True) -> SplitLayout:
+    """The checks a split's manifest passes before anything reads it as a shard set, in one
+    place so every reader makes the same ones (the loader, ``stacklm verify``, ``stacklm
+    inspect`` on a split and with ``--row``/``--step``, ``stacklm ledger``): ``read_manifest``
+    (format, version, required fields, names), every field the readers compute with of the
+    right type and range, no shard listed twice; with ``files``, each listed shard's files
+    (tokens, meta, side files) regular files inside the directory (``datafiles``), its meta
+    agreeing with the manifest and its size what the meta says (``shards.check_shard_files``),
+    and no unlisted shard files beside them; then the rows summing to ``n_seq`` and
+    ``n_tokens`` = ``n_seq`` x ``seq_len``. ``files=False`` (a mirror of the manifests only, a
+    streamed cache): the row counts are the manifest's and no file beside it is looked at.
+    Content hashes are checked where rows are read (``shards.check_content_hash``): hashing a
+    whole set is ``stacklm verify``'s work, not an opening's. One ``DataError`` line naming
+    the file, the field and the fix."""
+    from stacklm.data.storage.shards import check_shard_files, list_shard_files, parse_dtype
+
+    directory = Path(directory)
+    m = read_manifest(directory, required=SPLIT_REQUIRED)
+    where = manifest_path(directory)
+
+    def bad(field: str, value: Any, what: str) -> DataError:
+        return DataError(f"{where}: field {field!r} is {value!r}, not {what}: the manifest is damaged; restore it from a copy "
+                         "or rebuild with `stacklm prebuild`", path=where)
+
+    for key, low in (("seq_len", 2), ("vocab_size", 1), ("n_seq", 0)):
+        if not _is_int(m[key]) or m[key] < low:
+            raise bad(key, m[key], f"an integer >= {low}")
+    seq_len, vocab_size = m["seq_len"], m["vocab_size"]
+    dtype = parse_dtype(m["dtype"], where=str(where))
+    if np.iinfo(dtype).max + 1 < vocab_size:
+        raise DataError(f"{where}: dtype {m['dtype']} cannot hold vocab_size {vocab_size}; the manifest is corrupt — rebuild", path=where)
+    for key in ("bos_id", "eos_id", "pad_id"):
+        if not _is_int(m[key]) or not 0 <= m[key] < vocab_size:
+            raise DataError(f"{where}: field {key!r} = {m[key]!r} is outside the vocab (size {vocab_size}); the manifest is corrupt — rebuild", path=where)
+    for key in ("tokenizer_hash", "split"):
+        if not isinstance(m[key], str):
+            raise bad(key, m[key], "a string")
+    names: list[str] = []
+    for i, entry in enumerate(m["shards"]):  # a list of plain names: read_manifest checked it
+        if not isinstance(entry, dict):
+            raise bad(f"shards[{i}]", entry, "a table {name, n_seq, xxh64}")
+        if not _is_int(entry.get("n_seq")) or entry["n_seq"] < 0:
+            raise bad(f"shards[{i}].n_seq", entry.get("n_seq"), "an integer >= 0")
+        if entry["name"] in names:
+            raise bad(f"shards[{i}].name", entry["name"], f"a shard not listed before (shards[{names.index(entry['name'])}] is it)")
+        names.append(entry["name"])
+    if files:
+        rows = [check_shard_files(directory, e["name"], dtype, seq_len, e["n_seq"]) for e in m["shards"]]
+        listed = set(names)
+        for entry in os.scandir(directory):  # every other file of a listed shard (its provenance side file, ...) too
+            if entry.name.split(".", 1)[0] in listed:
+                check_data_file(entry.path, directory)
+    else:
+        rows = [e["n_seq"] for e in m["shards"]]
+    if sum(rows) != m["n_seq"]:
+        raise DataError(f"{where}: field 'n_seq' = {m['n_seq']} but its shards hold {sum(rows)} rows; rebuild with `stacklm prebuild`", path=where)
+    if "n_tokens" in m and m["n_tokens"] != m["n_seq"] * seq_len:
+        raise DataError(f"{where}: field 'n_tokens' = {m['n_tokens']!r} but n_seq {m['n_seq']} x seq_len {seq_len} = "
+                        f"{m['n_seq'] * seq_len}: the manifest is damaged; rebuild with `stacklm prebuild`", path=where)
+    stray = sorted(set(list_shard_files(directory)) - set(names)) if files else []
+    if stray:
+        raise DataError(
+            f"{directory} holds shard files the manifest does not list ({', '.join(stray[:3])}{'...' if len(stray) > 3 else ''}): "
+            "shards from another build were copied in; remove them or rebuild into a fresh directory",
+            path=directory,
+        )
+    return SplitLayout(directory, m, seq_len, vocab_size, dtype, names, rows)
+
+
+def split_directory(top: str | os.PathLike, name: str) -> Path:
+    """Split ``name`` of the build at ``top``: a directory inside it (a link that leaves the
+    build, or a file under its name, is refused: ``datafiles.check_data_dir``). Missing is a
+    ``DataError`` too: a top manifest lists only splits it wrote."""
+    path = Path(top) / name
+    if check_data_dir(path, top) is None:
+        raise DataError(f"{path} is missing: {manifest_path(top)} lists split {name!r}; restore the directory or rebuild "
+                        "with `stacklm prebuild`", path=path)
+    return path
 
 
 # ---------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.data.storage.datafiles import check_data_file, read_data_bytes
 from stacklm.data.storage.shards import atomic_write_shard_file
 from stacklm.errors import DataError
 
@@ -131,7 +132,7 @@ def manifest_entry(sources: Sequence[str], files: Mapping[str, Sequence[str]]) -
 def _split_dir(directory: str | Path, split: str) -> Path:
     d = Path(directory)
     top = d / "manifest.json"
-    if not top.exists():
+    if check_data_file(top) is None:
         raise DataError(f"{top} is missing: {d} is not a finished prebuild (run `stacklm prebuild` first)", path=top)
     from stacklm.data.storage import manifest as mf
 
@@ -139,7 +140,7 @@ def _split_dir(directory: str | Path, split: str) -> Path:
     if "splits" in m:
         if split not in m["splits"]:
             raise DataError(f"{d} has no split {split!r} (splits: {sorted(m['splits'])}); pass --split", path=top)
-        return d / m["splits"][split]["path"]
+        return mf.split_directory(d, m["splits"][split]["path"])  # a link out of d: refused
     return d
 
 
@@ -163,7 +164,8 @@ def _split_provenance(split_dir: str | Path, sources: Sequence[str]):
     def shards():
         for shard in m["shards"]:
             n = int(shard["n_seq"])
-            ptr, pieces = decode_rows(prov_path(split_dir, shard["name"]))
+            path = prov_path(split_dir, shard["name"])
+            ptr, pieces = decode_rows(read_data_bytes(path), path)
             if len(ptr) - 1 != n:
                 raise DataError(f"{prov_path(split_dir, shard['name'])} holds {len(ptr) - 1} rows but the shard has {n}",
                                 path=split_dir)
@@ -260,31 +262,31 @@ class RowProvenance:
 
         self.directory, self.split = directory, split
         self.split_dir = _split_dir(directory, split)
-        self.manifest = m = mf.read_manifest(self.split_dir)
+        layout = mf.check_split(self.split_dir)  # the loader's checks: a damaged manifest or a shard file that is not one
+        self.manifest = m = layout.manifest
         self.prov = m.get("provenance")
         if not self.prov:
             raise DataError(f"{self.split_dir}/manifest.json has no 'provenance': this prebuild was written without it "
                              "(or before stacklm recorded it); rebuild it to ask where rows came from", path=self.split_dir)
-        self.n_rows = int(m["n_seq"])
+        self.n_rows, self.seq_len, self.dtype = layout.num_rows, layout.seq_len, layout.dtype
         self.first_rows = np.cumsum([0] + [int(shard["n_seq"]) for shard in m["shards"]])  # each shard's first global row
         self._shards: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
 
     def _shard(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Shard ``k``'s ``(row_ptr, pieces, tokens)``, decoded on first use."""
-        from stacklm.data.storage.shards import open_tokens, parse_dtype
+        from stacklm.data.storage.shards import open_tokens
 
         if k not in self._shards:
-            m, shard = self.manifest, self.manifest["shards"][k]
+            shard = self.manifest["shards"][k]
             n = int(shard["n_seq"])
             path = prov_path(self.split_dir, shard["name"])
-            if not path.exists():
+            if check_data_file(path) is None:
                 raise DataError(f"{path} is missing (the manifest records provenance); rebuild the prebuild", path=path)
-            ptr, pieces = decode_rows(path.read_bytes(), path)
+            ptr, pieces = decode_rows(read_data_bytes(path), path)
             if len(ptr) - 1 != n:
                 raise DataError(f"{path} holds {len(ptr) - 1} rows but the shard has {n}: the file belongs to another build",
                                  path=path)
-            tokens = open_tokens(self.split_dir, shard["name"], parse_dtype(m["dtype"], where=str(self.split_dir)), n,
-                                 int(m["seq_len"]))
+            tokens = open_tokens(self.split_dir, shard["name"], self.dtype, n, self.seq_len)
             self._shards[k] = (ptr, pieces, tokens)
         return self._shards[k]
 

@@ -32,6 +32,7 @@ import xxhash
 
 from stacklm import atomic
 from stacklm.atomic import TMP_MARK  # temporary files start with this; never matched as shards
+from stacklm.data.storage.datafiles import check_data_file, open_data_file, read_data_bytes
 from stacklm.errors import DataError, ShardWriteError
 from stacklm.parent_death import exit_if_orphaned, orphaned
 
@@ -176,7 +177,7 @@ def read_meta(path: str | os.PathLike) -> tuple[int, int]:
     """``(n_seq, seq_len)`` from a ``.meta.bin``; every problem names the file."""
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_data_bytes(path)
     except FileNotFoundError:
         tokens = path.with_name(path.name[: -len(META_SUFFIX)] + TOKENS_SUFFIX)
         raise DataError(
@@ -195,7 +196,8 @@ def read_meta(path: str | os.PathLike) -> tuple[int, int]:
 def check_shard_files(directory: str | os.PathLike, name: str, dtype: np.dtype, seq_len: int, n_seq: int | None = None) -> int:
     """Check a shard's meta against the expected layout and its tokens file size; return n_seq."""
     mpath, tpath = meta_path(directory, name), tokens_path(directory, name)
-    if not tpath.exists():
+    treal = check_data_file(tpath)  # a FIFO, a device or a link out of the directory: refused, never opened
+    if treal is None:
         raise DataError(f"{tpath} is missing (listed in the manifest); {_REBUILD}", path=tpath)
     meta_n, meta_len = read_meta(mpath)
     if meta_len != seq_len:
@@ -203,7 +205,7 @@ def check_shard_files(directory: str | os.PathLike, name: str, dtype: np.dtype, 
     if n_seq is not None and meta_n != n_seq:
         raise DataError(f"{mpath} says n_seq={meta_n} but the manifest lists {n_seq}: the shard was replaced after the build; {_REBUILD}", path=mpath)
     want = meta_n * meta_len * np.dtype(dtype).itemsize
-    have = tpath.stat().st_size
+    have = treal.stat().st_size
     if have != want:
         kind = "truncated" if have < want else "longer than its meta says"
         raise DataError(
@@ -218,7 +220,8 @@ def open_tokens(directory: str | os.PathLike, name: str, dtype: np.dtype, n_seq:
     """Read-only memmap ``(n_seq, seq_len)`` of a checked shard (an empty array when n_seq == 0)."""
     if n_seq == 0:
         return np.zeros((0, seq_len), dtype=dtype)
-    return np.memmap(tokens_path(directory, name), dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(n_seq, seq_len))
+    with open_data_file(tokens_path(directory, name)) as f:  # the map holds its own descriptor
+        return np.memmap(f, dtype=np.dtype(dtype).newbyteorder("<"), mode="r", shape=(n_seq, seq_len))
 
 
 def file_xxh64(path: str | os.PathLike) -> str:
@@ -228,7 +231,7 @@ def file_xxh64(path: str | os.PathLike) -> str:
     h = xxhash.xxh64()
     buf = bytearray(_HASH_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_data_file(path) as f:
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()

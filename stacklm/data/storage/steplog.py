@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.atomic import atomic_write_text
+from stacklm.data.storage.datafiles import read_data_bytes
 from stacklm.data.storage.provenance import columns_to_pieces, row_columns
 from stacklm.errors import DataError
 
@@ -198,7 +199,7 @@ class StepLogWriter:
 # ---------------------------------------------------------------------------------------
 def read_frames(path: str | Path) -> Iterator[dict[str, np.ndarray]]:
     """The frames of one rank's file, in order; stops at a torn last frame (a killed run)."""
-    data = Path(path).read_bytes()
+    data = read_data_bytes(path)  # a FIFO or a link out of the run folder: refused, never opened
     pos = 0
     while pos + _HEADER.size <= len(data):
         magic, length = _HEADER.unpack_from(data, pos)
@@ -263,7 +264,7 @@ def generations(root: str | Path) -> list[Path]:
 
 def read_meta(generation: Path) -> dict[str, Any]:
     try:
-        meta = json.loads((generation / META).read_text())
+        meta = json.loads(read_data_bytes(generation / META))
     except (ValueError, OSError) as e:
         raise DataError(f"{generation / META}: unreadable ({type(e).__name__}: {e}); it is not a step-log run folder "
                            "(move it away)") from None
