@@ -118,3 +118,11 @@ class S3Server:
 
         return s3fs.S3FileSystem(key=DUMMY_KEY, secret=DUMMY_SECRET, client_kwargs={"endpoint_url": self.endpoint},
                                  skip_instance_cache=True, **kwargs)
+
+
+def s3_tree(fs, url: str) -> dict[str, bytes]:
+    """The objects under ``url`` (``s3://bucket/prefix``) as ``tree`` gives a local folder: path
+    below the prefix -> bytes. Listed afresh: ``fs`` caches listings, another client wrote them."""
+    prefix = url.split("://", 1)[1].rstrip("/")
+    fs.invalidate_cache()
+    return {p[len(prefix) + 1:]: fs.cat_file(p) for p in sorted(fs.find(prefix))}
