@@ -37,7 +37,7 @@ DEDUP_INDEX_EXAMPLES = """examples:
   stacklm dedup-index --config my.yaml --out dedup.npz --executor local --tasks 8 --workers 4
   stacklm dedup-index --config my.yaml --out /shared/dedup.npz --executor slurm --tasks 64 --partition cpu \\
       --stage-resources decision=mem_gb:64,time:12:00:00 --wait
-  stacklm dedup-index --config my.yaml --out s3://bucket/dedup.npz --executor slurm --tasks 64 --partition cpu \
+  stacklm dedup-index --config my.yaml --out s3://bucket/dedup.npz --executor slurm --tasks 64 --partition cpu \\
       --stage-dir /shared/stage/dedup --wait                       # written there, then uploaded by this command
   (the same file for every engine and --tasks; a re-run after a failed task resumes)
 """
@@ -48,7 +48,7 @@ DATATROVE_EXAMPLES = """examples:
   stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu \\
       --env-command 'source /shared/venv/bin/activate' --stage-resources decision=mem_gb:64,time:12:00:00 --wait
   stacklm prebuild-datatrove --config my.yaml --out s3://bucket/shards --tasks 8     # staged in the cache, then uploaded
-  stacklm prebuild-datatrove --config my.yaml --out s3://bucket/shards --tasks 64 --executor slurm --partition cpu \
+  stacklm prebuild-datatrove --config my.yaml --out s3://bucket/shards --tasks 64 --executor slurm --partition cpu \\
       --stage-dir /shared/stage/shards --wait                                     # staged where every node sees it
 """
 
@@ -248,8 +248,12 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     from stacklm.prebuild.build import prebuild_remote
     from stacklm.prebuild.summary import summary_table
 
-    # built in the stage like a local --out (every task completed: a URL run waits), then uploaded as `prebuild` uploads
-    top = prebuild_remote(out, lambda local: build(local) and read_manifest(local), stage=stage, say=lambda m: print(m, file=sys.stderr))
+    def build_staged(local) -> dict[str, Any]:
+        build(local)  # finished when it returns: a URL run waits for every task (``stage_for``: --wait on Slurm)
+        return read_manifest(local)
+
+    # built in the stage like a local --out, then uploaded as `prebuild --out URL` uploads
+    top = prebuild_remote(out, build_staged, stage=stage, say=lambda m: print(m, file=sys.stderr))
     print(summary_table(top, out, time.perf_counter() - t0))
     return 0
 

@@ -239,12 +239,11 @@ def test_a_url_out_the_run_cannot_serve_is_refused_before_any_work(tmp_path, tok
 
 # ---------------------------------------------------------------------------- end to end on the fake Slurm
 @pytest.mark.slow
-def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys, local_shards, s3_bucket, monkeypatch):
+def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys, local_shards, s3_bucket):
     """Into object storage (moto's S3 server): the tasks build in --stage-dir, this process
     uploads once every task has completed; a crash in the upload is finished by the re-run,
     which submits nothing (every task had completed) and uploads the local shards' bytes."""
-    from stacklm.data.storage import remote
-    from tests.helpers.s3_server import s3_tree
+    from tests.helpers.s3_server import s3_tree, upload_killed_after
 
     fs, bucket = s3_bucket
     cfg = write_config(tmp_path / "c.yaml", tok_dir, cluster={"partition": "cpu", "qos": "low", "sbatch_args": {"account": "proj"}})
@@ -258,19 +257,9 @@ def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path,
         first = len(slurm.jobs())
         args = ("--config", cfg, "--out", url, "--stage-dir", stage, "--tasks", tasks, "--executor", "slurm", *resources,
                 "--env-command", "export STACKLM_FAKE_ENV=activated", "--wait", "--poll-seconds", 0.1)
-        real_put, uploaded = remote.put_file, []
-
-        def put_then_die(local, target):
-            if len(uploaded) == 5:
-                raise KeyboardInterrupt("killed mid-upload")
-            real_put(local, target)
-            uploaded.append(target)
-
-        monkeypatch.setattr(remote, "put_file", put_then_die)
-        with pytest.raises(KeyboardInterrupt):
+        with upload_killed_after(5), pytest.raises(KeyboardInterrupt):
             cli(*args)
         assert len(s3_tree(fs, url)) == 5 and "manifest.json" not in s3_tree(fs, url)  # no set a reader takes for finished
-        monkeypatch.setattr(remote, "put_file", real_put)
         jobs = slurm.jobs()[first:]
         assert cli(*args) == 0, capsys.readouterr().err
         assert len(slurm.jobs()) == first + len(jobs)  # the re-run submitted nothing: it only uploaded
