@@ -164,6 +164,11 @@ def test_the_chain_has_each_stages_resources_and_a_new_plan_starts_afresh(corpus
     assert mark.exists()
     dedup_index_executors(config, out, tasks=2, splits=("train", "val"), dedup_ranges=2)  # another T: afresh
     assert not mark.exists() and json.loads((tmp_path / "dedup.npz.work" / "plan.json").read_text())["tasks"] == 2
+    # the tasks write local files: a URL is refused (it was a local folder named 's3:'), naming the command that uploads
+    from stacklm.errors import PrebuildError
+
+    with pytest.raises(PrebuildError, match=r"s3://b/dedup.npz: the executors write into a local folder .* run `stacklm dedup-index --out URL`"):
+        dedup_index_executors(config, "s3://b/dedup.npz", tasks=1)
 
 
 def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsys, s3_bucket, monkeypatch):
