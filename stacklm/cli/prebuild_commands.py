@@ -37,6 +37,8 @@ DEDUP_INDEX_EXAMPLES = """examples:
   stacklm dedup-index --config my.yaml --out dedup.npz --executor local --tasks 8 --workers 4
   stacklm dedup-index --config my.yaml --out /shared/dedup.npz --executor slurm --tasks 64 --partition cpu \\
       --stage-resources decision=mem_gb:64,time:12:00:00 --wait
+  stacklm dedup-index --config my.yaml --out s3://bucket/dedup.npz --executor slurm --tasks 64 --partition cpu \\
+      --stage-dir /shared/stage/dedup --wait                       # written there, then uploaded by this command
   (the same file for every engine and --tasks; a re-run after a failed task resumes)
 """
 
@@ -45,6 +47,9 @@ DATATROVE_EXAMPLES = """examples:
   stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu
   stacklm prebuild-datatrove --config my.yaml --out /shared/shards --tasks 64 --executor slurm --partition cpu \\
       --env-command 'source /shared/venv/bin/activate' --stage-resources decision=mem_gb:64,time:12:00:00 --wait
+  stacklm prebuild-datatrove --config my.yaml --out s3://bucket/shards --tasks 8     # staged in the cache, then uploaded
+  stacklm prebuild-datatrove --config my.yaml --out s3://bucket/shards --tasks 64 --executor slurm --partition cpu \\
+      --stage-dir /shared/stage/shards --wait                                     # staged where every node sees it
 """
 
 
@@ -113,6 +118,11 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
     splits = tuple(args.splits or settings["splits"])
     if args.wait and args.executor != "slurm":
         raise UserError("--wait is for --executor slurm (the other executors wait anyway)")
+    url, stage = None, _url_stage(args, out, "dedup-index")
+    if stage is not None:  # the file is written in the stage, then uploaded (``stacklm.prebuild.url_output``)
+        from stacklm.prebuild.url_output import staged_file
+
+        url, out = str(out), staged_file(str(out), stage)
     if args.executor == "pool":  # in this process and a local process pool, as before the engines
         from stacklm.prebuild.build import worker_pool, pool_starmap
         from stacklm.prebuild.dedup_pass import build_dedup_index
@@ -144,10 +154,15 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
                   "(--cpus-per-task and --stage-resources size its tasks)", file=sys.stderr)
         last = dedup_index_executors(config, out, tasks=args.tasks, splits=splits, executor=args.executor, logging_dir=args.logging_dir,
                                      cluster=cluster, dedup_ranges=args.dedup_ranges or 1, **kwargs)
-        if not _run_chain(args, last, cluster, "dedup-index", out):
+        if not _run_chain(args, last, cluster, "dedup-index", url or out):
             print(f"when they have completed, {out} is the index: set data.pipeline.dedup.index: {out} for stream mode")
             return 0
         index = DedupIndex.load(out)
+    if url is not None:
+        from stacklm.prebuild.url_output import upload_staged_file
+
+        upload_staged_file(Path(out), url, say=lambda m: print(f"stacklm dedup-index: {m}", file=sys.stderr))
+        out = url
     for split, c in index.counts().items():
         print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
     print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
@@ -218,16 +233,50 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
     out = args.out or settings["out"]
     if not out:
         raise UserError("pass --out DIR (or set data.data_dir in the config)")
-    _, merge = prebuild_executors(
-        config, args.tokenizer or settings["tokenizer"], out, tasks=args.tasks,
-        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, cluster=cluster,
-        dedup_ranges=args.dedup_ranges or 1, **kwargs,
-    )
+    stage = _url_stage(args, out, "prebuild-datatrove")
+
+    def build(local) -> bool:
+        _, merge = prebuild_executors(
+            config, args.tokenizer or settings["tokenizer"], local, tasks=args.tasks,
+            tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
+            splits=settings["splits"], executor=args.executor, logging_dir=args.logging_dir, cluster=cluster,
+            dedup_ranges=args.dedup_ranges or 1, **kwargs,
+        )
+        return _run_chain(args, merge, cluster, "prebuild-datatrove", out)
+
     t0 = time.perf_counter()
-    if _run_chain(args, merge, cluster, "prebuild-datatrove", out):
-        _print_summary(out, time.perf_counter() - t0)
+    if stage is None:
+        if build(out):
+            _print_summary(out, time.perf_counter() - t0)
+        return 0
+    import sys
+
+    from stacklm.data.storage.manifest import read_manifest
+    from stacklm.prebuild.build import prebuild_remote
+    from stacklm.prebuild.summary import summary_table
+
+    def build_staged(local) -> dict[str, Any]:
+        build(local)  # finished when it returns: a URL run waits for every task (``stage_for``: --wait on Slurm)
+        return read_manifest(local)
+
+    # built in the stage like a local --out, then uploaded as `prebuild --out URL` uploads
+    top = prebuild_remote(out, build_staged, stage=stage, say=lambda m: print(m, file=sys.stderr))
+    print(summary_table(top, out, time.perf_counter() - t0))
     return 0
+
+
+def _url_stage(args: argparse.Namespace, out, command: str):
+    """The local staging folder of a URL ``--out`` (``stacklm.prebuild.url_output``: an output
+    the run cannot serve is refused here, before any work); None for a local ``--out``."""
+    from stacklm.data.storage import remote
+
+    if not remote.is_remote(out):
+        if args.stage_dir:
+            raise UserError(f"--stage-dir is for a URL --out; {out} is a local path, built in place")
+        return None
+    from stacklm.prebuild.url_output import stage_for
+
+    return stage_for(str(out), command=command, executor=args.executor, stage_dir=args.stage_dir, wait=args.wait)
 
 
 def _cluster_plan(args: argparse.Namespace, settings: dict[str, Any]):
@@ -267,6 +316,9 @@ def _run_chain(args: argparse.Namespace, last, cluster, command: str, out) -> bo
 
     from stacklm.scale.datatrove_executors import run_executors, stage_chain
 
+    if getattr(last, "stacklm_complete", False):  # ``prebuild_executors``: the same build is there already
+        print(f"{out}: already complete (same config, tokenizer and tasks); nothing to run", file=sys.stderr)
+        return True
     chain = stage_chain(last)
     if args.executor != "local":
         table = cluster.table(args.executor, [ex.stacklm_stage for ex in chain])
@@ -349,7 +401,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     )
     x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
     x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index); "
-                   "on slurm/ray on a filesystem every node sees")
+                   "on slurm/ray on a filesystem every node sees; or a URL (s3://...: written in --stage-dir, then uploaded)")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
     x.add_argument("--executor", choices=("pool", "local", "slurm", "ray"), default="pool",
                    help="pool (default): this process and --workers local processes; local, slurm, ray: the prebuild's "
@@ -370,7 +422,8 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         epilog=DATATROVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     d.add_argument("--config", required=True, help="as for `prebuild`: a YAML path or a packaged config name")
-    d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir)")
+    d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir); or a URL "
+                   "(s3://...: built in --stage-dir, then uploaded as `prebuild --out URL` uploads)")
     d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
     d.add_argument("--tasks", type=positive_int, required=True, help="tasks per split (the result equals `stacklm prebuild --workers TASKS`)")
     d.add_argument("--tokens-per-shard", type=positive_int, help=f"shard size in tokens (default {DEFAULT_TOKENS_PER_SHARD:,})")
@@ -388,7 +441,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, stages: tuple[str, ...]) ->
     from stacklm.prebuild.cluster import STAGES
 
     parallel = ", ".join(s for s in stages if STAGES[s][0])
-    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside --out)")
+    p.add_argument("--logging-dir", help="datatrove logs/completions (default: OUT.datatrove-logs beside --out, or beside --stage-dir)")
+    p.add_argument("--stage-dir", help="with a URL --out (s3://..., any fsspec URL): the local folder the tasks build in before this "
+                   "command uploads the result; slurm/ray: required, a folder every node sees (local/pool default: "
+                   "$STACKLM_CACHE_DIR/staging)")
     p.add_argument("--dedup-ranges", type=positive_int,
                    help="dedup bucket stage: key ranges per MinHash band and digest ranges, so 13 x this many tasks (default 1); "
                         "more spreads a large corpus over more nodes, the decision is the same")

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import pickle
+import re
 import shutil
 import sys
 import time
@@ -280,8 +281,9 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
     from stacklm.data.storage import remote
 
     stage = Path(stage or remote.staging_dir(url))
-    stage.mkdir(parents=True, exist_ok=True)
+    # read first: a URL that cannot be served (no filesystem, no bucket) is refused before anything is written
     remote_top = remote.read_bytes(remote.join(url, mf.MANIFEST_NAME), missing_ok=True)
+    stage.mkdir(parents=True, exist_ok=True)
     copied = False
     built_here = any(p.is_dir() for p in stage.iterdir())  # split dirs or .prebuild: a local build to resume
     if remote_top is None and (stage / mf.MANIFEST_NAME).exists() and not built_here:
@@ -294,7 +296,14 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
     except PrebuildError as e:  # name the URL the user gave, not the staging directory
         if copied:
             shutil.rmtree(stage, ignore_errors=True)
-        raise PrebuildError(str(e).replace(str(stage), url), path=url) from None
+        # the stage itself and paths in it; not a folder beside it (a datatrove run's STAGE.datatrove-logs)
+        shown = re.sub(re.escape(str(stage)) + r"(?![\w.-])", url, str(e))
+        if shown == str(e):
+            raise
+        raise PrebuildError(shown, path=url) from None
+    finally:
+        if stage.is_dir() and not any(stage.iterdir()):
+            stage.rmdir()  # refused before anything was built (a bad flag, another build there): leave no empty folder
     if remote_top is not None and (stage / mf.MANIFEST_NAME).read_bytes() == remote_top and not any(p.is_dir() for p in stage.iterdir()):
         shutil.rmtree(stage, ignore_errors=True)  # already complete there
         return top

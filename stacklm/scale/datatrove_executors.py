@@ -65,6 +65,8 @@ def run_executors(last) -> None:
         kinds += (RayPipelineExecutor,)
     except ImportError:
         pass
+    if getattr(last, "stacklm_complete", False):
+        return
     if isinstance(last, kinds):
         run_chain(last, describe=describe_task, preload=TASK_PRELOAD)
     else:
@@ -108,13 +110,14 @@ def prebuild_executors(
     from stacklm.prebuild.manifests import prepare
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
 
+    _refuse_url(out, "prebuild-datatrove")
     cluster = _resolve_cluster(executor, cluster, executor_kwargs, "main")  # refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out).absolute(), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
-    prepare(plan)
-    # piece indexes built once, here; the task processes find them through the environment
-    index_pieces(plan.config, plan.workers, plan.out / STATE_DIR / "pieces")
+    _, complete = prepare(plan)
+    if not complete:  # piece indexes built once, here; the task processes find them through the environment
+        index_pieces(plan.config, plan.workers, plan.out / STATE_DIR / "pieces")
     # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor
     # still writes logs, and OUT must end up exactly as `stacklm prebuild` leaves it.
     logs = logging_dir or str(plan.out.with_name(plan.out.name + ".datatrove-logs"))
@@ -129,6 +132,8 @@ def prebuild_executors(
     steps = [StackMixedDocuments(task_plan), StackPacker(task_plan), StackShardWriter(task_plan)]
     main = make("main", steps, n_tasks, "main", "stacklm-prebuild", before)
     merge = make("merge", [StackManifestMerger(task_plan)], 1, "merge", "stacklm-merge", main)
+    # the same build is already in ``out``: nothing to run (``run_executors`` returns at once)
+    merge.stacklm_complete = complete
     return main, merge
 
 
@@ -168,6 +173,7 @@ def dedup_index_executors(
         raise PrebuildError("dedup.exact and dedup.near are both off: there is no dedup decision to index")
     if int(tasks) < 1 or int(dedup_ranges) < 1:
         raise ValueError(f"tasks and dedup_ranges must be >= 1, got {tasks} and {dedup_ranges}")
+    _refuse_url(out_file, "dedup-index")
     cluster = _resolve_cluster(executor, cluster, executor_kwargs, "signatures")  # refused before anything is written
     out_file = Path(out_file).absolute()  # the tasks may run in another working directory (Ray workers)
     work = out_file.with_name(out_file.name + ".work")
@@ -190,6 +196,18 @@ def dedup_index_executors(
     make = _stage_maker(executor, cluster, logs, executor_kwargs)
     decision = _dedup_stages(make, task_plan)
     return make("index", [StackDedupIndexWriter(task_plan, str(out_file))], 1, "dedup-index", "stacklm-dedup-index", decision)
+
+
+def _refuse_url(out, command: str) -> None:
+    """The tasks write local files: a URL here would be a local folder named ``s3:``. The command
+    stages a URL output and uploads it (``stacklm.prebuild.url_output``); the executors take the
+    local folder."""
+    from stacklm.data.storage import remote
+    from stacklm.errors import PrebuildError
+
+    if remote.is_remote(out):
+        raise PrebuildError(f"{out}: the executors write into a local folder every task sees, not a URL; run `stacklm {command} "
+                            "--out URL` (it builds in a staging folder and uploads) or pass a local path", path=str(out))
 
 
 def _resolve_cluster(executor: str, cluster, executor_kwargs: dict[str, Any], first_stage: str):

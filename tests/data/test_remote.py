@@ -85,24 +85,16 @@ def test_prebuild_to_s3_equals_a_local_build_and_every_reader_takes_it(s3_bucket
     assert not fs.exists(f"{bucket}/runs/a/train/shard_00000.tokens.bin")
 
 
-def test_killed_upload_leaves_no_finished_set_and_the_rerun_completes_it(s3_bucket, tokenizer_dir, local_build, monkeypatch):
+def test_killed_upload_leaves_no_finished_set_and_the_rerun_completes_it(s3_bucket, tokenizer_dir, local_build):
+    from tests.helpers.s3_server import upload_killed_after
+
     fs, bucket = s3_bucket
     url = f"s3://{bucket}/killed"
-    real_put, done = remote.put_file, []
-
-    def put_then_die(local, target):
-        if len(done) == 5:
-            raise KeyboardInterrupt("killed mid-upload")
-        real_put(local, target)
-        done.append(target)
-
-    monkeypatch.setattr(remote, "put_file", put_then_die)
-    with pytest.raises(KeyboardInterrupt):
+    with upload_killed_after(5), pytest.raises(KeyboardInterrupt):
         _build(tokenizer_dir, url)
     assert len(fs.find(f"{bucket}/killed")) == 5 and not fs.exists(f"{bucket}/killed/manifest.json")
     with pytest.raises(RemoteError, match=r"manifest.json is missing: .* is not a finished shard set"):
         PackedMemmapDataset(url)
-    monkeypatch.setattr(remote, "put_file", real_put)
     staged = remote.staging_dir(url)
     assert (staged / "manifest.json").exists()  # the build had finished locally: the re-run only uploads
     _build(tokenizer_dir, url)
@@ -166,6 +158,13 @@ def test_bad_credentials_and_a_missing_bucket_are_one_error_naming_the_url(s3_bu
     fs, bucket = s3_bucket
     with pytest.raises(RemoteError, match=r"s3://no-such-bucket-27/x/manifest.json: the bucket s3://no-such-bucket-27 does not exist"):
         PackedMemmapDataset("s3://no-such-bucket-27/x")
+    # a bucket whose name holds "bucket": a missing object in it is missing, not a missing bucket
+    # (the word was looked for in the message, which names the URL: every first build there failed)
+    fs.mkdir(f"my-bucket-{bucket}")
+    assert remote.read_bytes(f"s3://my-bucket-{bucket}/new/manifest.json", missing_ok=True) is None
+    remote.check_reachable(f"s3://my-bucket-{bucket}/new")
+    with pytest.raises(RemoteError, match=r"s3://no-such-bucket-27/new: the bucket s3://no-such-bucket-27 does not exist"):
+        remote.check_reachable("s3://no-such-bucket-27/new")
     fs.put(str(local_build) + "/", f"{bucket}/c", recursive=True)
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "wrongkey")
     s3_server.faults.bad_keys.add("wrongkey")

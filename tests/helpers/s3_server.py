@@ -14,6 +14,7 @@ dummy keys, no instance-metadata lookups)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -118,3 +119,32 @@ class S3Server:
 
         return s3fs.S3FileSystem(key=DUMMY_KEY, secret=DUMMY_SECRET, client_kwargs={"endpoint_url": self.endpoint},
                                  skip_instance_cache=True, **kwargs)
+
+
+def s3_tree(fs, url: str) -> dict[str, bytes]:
+    """The objects under ``url`` (``s3://bucket/prefix``) as ``tree`` gives a local folder: path
+    below the prefix -> bytes. Listed afresh: ``fs`` caches listings, another client wrote them."""
+    prefix = url.split("://", 1)[1].rstrip("/")
+    fs.invalidate_cache()
+    return {p[len(prefix) + 1:]: fs.cat_file(p) for p in sorted(fs.find(prefix))}
+
+
+@contextlib.contextmanager
+def upload_killed_after(n: int):
+    """In the block, ``remote.put_file`` uploads ``n`` files, then raises ``KeyboardInterrupt``
+    where the next would start, as a process killed mid-upload stops; yields the URLs uploaded."""
+    from stacklm.data.storage import remote
+
+    real, done = remote.put_file, []
+
+    def put_then_die(local, target):
+        if len(done) == n:
+            raise KeyboardInterrupt("killed mid-upload")
+        real(local, target)
+        done.append(target)
+
+    remote.put_file = put_then_die
+    try:
+        yield done
+    finally:
+        remote.put_file = real

@@ -198,9 +198,54 @@ def test_every_stage_executor_gets_its_own_resources(tmp_path, tok_dir):
         (3, 6, 1800), (1, 5, 2400), (2, 20, 7200), (4, 10, 5400), (1, 3, 2700)]
 
 
+def test_a_url_out_the_run_cannot_serve_is_refused_before_any_work(tmp_path, tok_dir, slurm, s3_bucket, capsys, monkeypatch):
+    """An unknown protocol, one whose fsspec package is not installed, a missing bucket, a
+    cluster run with no staging folder every node sees, Slurm without --wait: one line each,
+    exit 2, nothing written (no folder named 's3:' or 'gs:' here, nothing staged, no job, no
+    object). They used to build into a local folder named after the protocol and exit 0."""
+    from stacklm.errors import PrebuildError
+    from stacklm.scale.datatrove_executors import prebuild_executors
+
+    fs, bucket = s3_bucket
+    here = tmp_path / "here"  # the working directory: a folder named 's3:' would appear here
+    here.mkdir()
+    cfg = write_config(here / "c.yaml", tok_dir)
+    monkeypatch.chdir(here)
+    monkeypatch.setenv("STACKLM_CACHE_DIR", str(here / "cache"))
+    url = f"s3://{bucket}/shards"
+    cases = [
+        (("--out", "nosuch://b/shards"), "nosuch://b/shards: Protocol not known: nosuch; give a local path or a URL of an fsspec protocol"),
+        (("--out", "gs://b/shards"), "gs://b/shards: no fsspec filesystem for this URL (Please install gcsfs"),
+        (("--out", "s3://no-such-bucket-32/shards"), "the bucket s3://no-such-bucket-32 does not exist"),
+        (("--out", url, "--executor", "slurm", "--partition", "cpu", "--wait"),
+         f"--out {url} with --executor slurm: the tasks run on other nodes and build into a staging folder that this command "
+         "uploads once every task has completed; pass --stage-dir DIR, a folder every node sees"),
+        (("--out", url, "--executor", "ray"), f"--out {url} with --executor ray: the tasks run on other nodes"),
+        (("--out", url, "--executor", "slurm", "--partition", "cpu", "--stage-dir", here / "stage"),
+         f"--out {url} with --executor slurm needs --wait: the upload runs in this command once every task has completed"),
+        (("--out", here / "local", "--stage-dir", here / "stage"), f"--stage-dir is for a URL --out; {here / 'local'} is a local path"),
+    ]
+    for args, message in cases:
+        assert cli("--config", cfg, "--tasks", 1, *args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("stacklm prebuild-datatrove: error: ") and message in err[0], (args, err)
+    assert sorted(p.name for p in here.iterdir()) == ["c.yaml"] and slurm.jobs() == [] and fs.find(bucket) == []
+    # the executors themselves take a local folder: a URL is refused, not made a folder named 's3:'
+    config, _ = load_config(cfg)
+    with pytest.raises(PrebuildError, match=rf"{url}: the executors write into a local folder every task sees, not a URL; run `stacklm prebuild-datatrove --out URL`"):
+        prebuild_executors(config, tok_dir, url, tasks=1)
+    assert sorted(p.name for p in here.iterdir()) == ["c.yaml"]
+
+
 # ---------------------------------------------------------------------------- end to end on the fake Slurm
 @pytest.mark.slow
-def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys, local_shards):
+def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path, tok_dir, slurm, capsys, local_shards, s3_bucket):
+    """Into object storage (moto's S3 server): the tasks build in --stage-dir, this process
+    uploads once every task has completed; a crash in the upload is finished by the re-run,
+    which submits nothing (every task had completed) and uploads the local shards' bytes."""
+    from tests.helpers.s3_server import s3_tree, upload_killed_after
+
+    fs, bucket = s3_bucket
     cfg = write_config(tmp_path / "c.yaml", tok_dir, cluster={"partition": "cpu", "qos": "low", "sbatch_args": {"account": "proj"}})
     resources = [a for stage, spec in STAGE_FLAGS.items() for a in ("--stage-resources", f"{stage}={spec}")]
     # T = 2 here (T = 1/2/4 were measured identical when this was written, 273-561 s each on a
@@ -208,12 +253,18 @@ def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path,
     # executor by tests/data/test_global_dedup.py::test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing),
     # so CI spends one fake-Slurm chain on it.
     for tasks in (2,):
-        remote = tmp_path / f"slurm{tasks}"
+        url, stage = f"s3://{bucket}/slurm{tasks}", tmp_path / f"stage{tasks}"
         first = len(slurm.jobs())
-        assert cli("--config", cfg, "--out", remote, "--tasks", tasks, "--executor", "slurm", *resources,
-                   "--env-command", "export STACKLM_FAKE_ENV=activated", "--wait", "--poll-seconds", 0.1) == 0, capsys.readouterr().err
-        assert tree(remote) == local_shards, f"T={tasks}: slurm shards differ from the local executor's"
+        args = ("--config", cfg, "--out", url, "--stage-dir", stage, "--tasks", tasks, "--executor", "slurm", *resources,
+                "--env-command", "export STACKLM_FAKE_ENV=activated", "--wait", "--poll-seconds", 0.1)
+        with upload_killed_after(5), pytest.raises(KeyboardInterrupt):
+            cli(*args)
+        assert len(s3_tree(fs, url)) == 5 and "manifest.json" not in s3_tree(fs, url)  # no set a reader takes for finished
         jobs = slurm.jobs()[first:]
+        assert cli(*args) == 0, capsys.readouterr().err
+        assert len(slurm.jobs()) == first + len(jobs)  # the re-run submitted nothing: it only uploaded
+        assert s3_tree(fs, url) == local_shards, f"T={tasks}: slurm shards differ from the local executor's"
+        assert not stage.exists() and (tmp_path / f"stage{tasks}.datatrove-logs" / "merge" / "completions" / "00000").exists()
         stages = [j for j in jobs if "launch_pickled_pipeline" in j["script"]]
         assert [j["name"] for j in stages] == list(WANT)
         for job in stages:  # each stage's own resources, and the cluster options on every job
@@ -226,7 +277,9 @@ def test_fake_slurm_builds_the_local_shards_with_each_stages_resources(tmp_path,
         # afterok chain: each stage waits on the one before
         assert [j["dependency"] for j in stages] == [""] + [f"afterok:{stages[i]['id']}" for i in range(4)]
     out = capsys.readouterr()
-    assert "decision cpus:2,mem_gb:20,time:02:00:00" in out.err and "every slurm task completed" in out.out
+    assert "decision cpus:2,mem_gb:20,time:02:00:00" in out.err and f"{url}: every slurm task completed" in out.out
+    assert f"{url}: already complete (same config, tokenizer and tasks); nothing to run" in out.err
+    assert f"prebuild: uploaded {len(local_shards)} files to {url} (" in out.err and f"prebuild summary: {url}" in out.out
 
 
 @pytest.mark.slow
@@ -293,25 +346,30 @@ def test_a_raising_slurm_task_fails_the_run_without_sacct(tmp_path, tok_dir, slu
 
 # ---------------------------------------------------------------------------- Ray: a local cluster
 @pytest.mark.slow
-def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok_dir, capsys, local_shards):
+def test_ray_stages_get_their_resources_and_build_the_local_shards(tmp_path, tok_dir, capsys, local_shards, s3_bucket):
     """A local Ray cluster (2 CPUs): each stage's request reaches Ray (a stage asking for more
     CPUs than the cluster has would never be scheduled; here they fit) and the shards equal
-    the local executor's; each task's log says what its stage asked for."""
+    the local executor's; each task's log says what its stage asked for. The output is a URL
+    (moto's S3 server): built in --stage-dir, uploaded by the command."""
     import ray  # the [ray] extra (stacklm[ray], in the dev extra)
+
+    from tests.helpers.s3_server import s3_tree
+
+    fs, bucket = s3_bucket
     cfg = write_config(tmp_path / "c.yaml", tok_dir)
-    remote = tmp_path / "ray"
+    url = f"s3://{bucket}/ray"
     # a private TMPDIR for the workers: datatrove's Ray task writes its log to TMPDIR/ray_logs/logs/task_N.log
     # before copying it, a path shared by every stage, build and user of the node
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=80 * 1024**2,
              runtime_env={"env_vars": {"TMPDIR": str(tmp_path / "ray-tmp")}})
     try:
-        assert cli("--config", cfg, "--out", remote, "--tasks", 2, "--executor", "ray",
+        assert cli("--config", cfg, "--out", url, "--stage-dir", tmp_path / "ray", "--tasks", 2, "--executor", "ray",
                    "--stage-resources", "signatures=cpus:1,mem_gb:0.25", "--stage-resources", "buckets=cpus:1,mem_gb:0.25",
                    "--stage-resources", "decision=cpus:2,mem_gb:0.5,time:00:20:00",
                    "--stage-resources", "main=cpus:1,mem_gb:0.5", "--stage-resources", "merge=cpus:1") == 0
     finally:
         ray.shutdown()
-    assert tree(remote) == local_shards
+    assert s3_tree(fs, url) == local_shards and not (tmp_path / "ray").exists()
     logs = tmp_path / "ray.datatrove-logs"
     gib = 1024**3
     asked = {  # log dir: (stage, tasks, what it asked for, what Ray assigned to the task)

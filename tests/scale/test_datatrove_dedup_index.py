@@ -62,28 +62,69 @@ def assert_clean_beside(out: Path) -> None:
     assert (out.with_name(out.name + ".datatrove-logs") / "dedup-index" / "completions" / "00000").exists()
 
 
+def s3_index(s3_bucket, url: str, tmp_path: Path) -> DedupIndex:
+    """The index object at ``url`` on moto's S3 server, downloaded and loaded."""
+    fs, _ = s3_bucket
+    local = tmp_path / "downloaded" / url.rsplit("/", 1)[1]
+    local.parent.mkdir(exist_ok=True)
+    fs.invalidate_cache()
+    fs.get_file(url, str(local))
+    return DedupIndex.load(local)
+
+
+def assert_uploaded_from(stage: Path, name: str) -> None:
+    """A URL's run: the staged file went once uploaded, its work folder too; the logs stay in the staging folder."""
+    assert not (stage / name).exists()
+    assert_clean_beside(stage / name)
+
+
 # ---------------------------------------------------------------------------- fast
-def test_local_executor_writes_the_pools_index(corpus, tmp_path, capsys):
+def test_local_executor_writes_the_pools_index(corpus, tmp_path, capsys, s3_bucket, monkeypatch):
     """Exact dedup only (one bucket task), one split, T = 2: the file equals the pool's, and the
-    command prints the pool's summary lines."""
+    command prints the pool's summary lines. The pool writes to a URL (moto's S3 server): in
+    the cache's staging folder, then one upload; nothing is left staged."""
+    from stacklm.data.storage import remote
+
     glob, _ = corpus
+    monkeypatch.setenv("STACKLM_CACHE_DIR", str(tmp_path / "cache"))
     cfg = write_yaml(tmp_path / "c.yaml", dedup_config(glob, near=False).to_dict())
-    want = pool_index(cfg, tmp_path / "pool.npz", "--splits", "train")
-    pool_out = capsys.readouterr().out
+    url = f"s3://{s3_bucket[1]}/pool/dedup.npz"
+    assert dedup_index("--config", cfg, "--out", url, "--workers", 1, "--splits", "train") == 0
+    want = s3_index(s3_bucket, url, tmp_path)
+    assert not remote.staging_dir(url, "dedup-index").exists()
+    pool_out, pool_err = capsys.readouterr()
+    assert f"stacklm dedup-index: uploaded dedup.npz to {url}" in pool_err
     assert want.counts()["train"]["exact"] >= 20  # the planted exact pairs (30 in all) found
     out = tmp_path / "idx" / "dedup.npz"  # its folder is made
     assert dedup_index("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2) == 0
     assert_same_index(DedupIndex.load(out), want)
     printed = capsys.readouterr().out
-    assert printed.splitlines()[-2:] == [line.replace(str(tmp_path / "pool.npz"), str(out)) for line in pool_out.splitlines()[-2:]]
+    assert printed.splitlines()[-2:] == [line.replace(url, str(out)) for line in pool_out.splitlines()[-2:]]
     assert printed.splitlines()[-1].startswith(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {want.content_hash[:16]}")
     assert_clean_beside(out)
 
 
-def test_engine_flags_are_checked_before_anything_is_written(corpus, tmp_path, capsys):
+def test_engine_flags_are_checked_before_anything_is_written(corpus, tmp_path, capsys, s3_bucket, monkeypatch):
     glob, _ = corpus
     cfg = split_config(tmp_path, glob)
     out = tmp_path / "dedup.npz"
+    # a URL the run cannot serve: one line, before any work (no folder named 'nosuch:' here, nothing staged)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("STACKLM_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"s3://{s3_bucket[1]}/dedup.npz"
+    for args, message in [
+        (("--out", "nosuch://b/dedup.npz", "--executor", "local", "--tasks", 1), "nosuch://b/dedup.npz: Protocol not known: nosuch"),
+        (("--out", "s3://no-such-bucket-32/dedup.npz"), "the bucket s3://no-such-bucket-32 does not exist"),
+        (("--out", f"s3://{s3_bucket[1]}/", "--executor", "local", "--tasks", 1),
+         f"--out s3://{s3_bucket[1]}/ names no file; give the index file's URL, e.g. s3://{s3_bucket[1]}/dedup.npz"),
+        (("--out", url, "--executor", "slurm", "--tasks", 1, "--partition", "cpu", "--wait"),
+         f"--out {url} with --executor slurm: the tasks run on other nodes and build into a staging folder"),
+        (("--out", out, "--stage-dir", tmp_path / "stage"), f"--stage-dir is for a URL --out; {out} is a local path"),
+    ]:
+        assert dedup_index("--config", cfg, *args) == 2, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("stacklm dedup-index: error: ") and message in err[0], (args, err)
+    assert s3_bucket[0].find(s3_bucket[1]) == []
     assert dedup_index("--config", cfg, "--out", out, "--tasks", 2) == 2
     assert "--tasks is for --executor local/slurm/ray; the pool's processes are --workers N" in capsys.readouterr().err
     assert dedup_index("--config", cfg, "--out", out, "--executor", "local") == 2
@@ -123,12 +164,18 @@ def test_the_chain_has_each_stages_resources_and_a_new_plan_starts_afresh(corpus
     assert mark.exists()
     dedup_index_executors(config, out, tasks=2, splits=("train", "val"), dedup_ranges=2)  # another T: afresh
     assert not mark.exists() and json.loads((tmp_path / "dedup.npz.work" / "plan.json").read_text())["tasks"] == 2
+    # the tasks write local files: a URL is refused (it was a local folder named 's3:'), naming the command that uploads
+    from stacklm.errors import PrebuildError
+
+    with pytest.raises(PrebuildError, match=r"s3://b/dedup.npz: the executors write into a local folder .* run `stacklm dedup-index --out URL`"):
+        dedup_index_executors(config, "s3://b/dedup.npz", tasks=1)
 
 
-def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsys):
+def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsys, s3_bucket, monkeypatch):
     """A corrupt input read by signature task 1 (train, worker 1 of 2) ends the run with exit 2
-    and one line naming the stage, the task and its log; task 0 completed. With the file fixed,
-    the re-run skips task 0 and writes the index the pool writes of the fixed corpus."""
+    and one line naming the stage, the task and its (local) log; task 0 completed; nothing is
+    uploaded. With the file fixed, the re-run skips task 0 and uploads the index the pool
+    writes of the fixed corpus."""
     glob, _ = corpus
     pipeline = dedup_config(glob, near=False).to_dict()
     pipeline["mix"]["entries"][0]["weight"] = 0.9
@@ -139,24 +186,29 @@ def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsy
         whole[i] = gzip.compress("".join(json.dumps({"text": f"gz file {i} document {k} " * 30}) + "\n" for k in range(50)).encode())
         (tmp_path / "gz" / f"g{i}.jsonl.gz").write_bytes(whole[i] if i == 0 else whole[i][: len(whole[i]) // 2])
     cfg = write_yaml(tmp_path / "c.yaml", pipeline)
-    out = tmp_path / "dedup.npz"
-    args = ("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2, "--workers", 1)
+    # to a URL (moto's S3 server): staged in this machine's cache (the local executor's default), uploaded at the end
+    from stacklm.data.storage import remote
+
+    monkeypatch.setenv("STACKLM_CACHE_DIR", str(tmp_path / "cache"))
+    url = f"s3://{s3_bucket[1]}/idx/dedup.npz"
+    stage = remote.staging_dir(url, "dedup-index")
+    args = ("--config", cfg, "--out", url, "--splits", "train", "--executor", "local", "--tasks", 2, "--workers", 1)
     assert dedup_index(*args) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("stacklm dedup-index: error:")]
-    logs = tmp_path / "dedup.npz.datatrove-logs" / "dedup-sig"
+    logs = stage / "dedup.npz.datatrove-logs" / "dedup-sig"
     assert len(errors) == 1, errors
     assert re.match(r"stacklm dedup-index: error: datatrove stage 'signatures' task 1 \(split train, worker 1 of 2\) raised SourceError: "
                     rf"source 'gz': failed reading {re.escape(str(tmp_path / 'gz' / 'g1.jsonl.gz'))}.*; its log: "
                     rf"{re.escape(str(logs / 'logs' / 'task_00001.log'))}\. The run stopped \(1 of 2 tasks of 'signatures' completed\)", errors[0])
-    assert not out.exists() and (logs / "completions" / "00000").exists()
+    assert s3_bucket[0].find(s3_bucket[1]) == [] and (logs / "completions" / "00000").exists()
     first_log = (logs / "logs" / "task_00000.log").read_text()
 
     (tmp_path / "gz" / "g1.jsonl.gz").write_bytes(whole[1])
     assert dedup_index(*args) == 0
     assert (logs / "logs" / "task_00000.log").read_text() == first_log  # task 0 was not run again
     assert (logs / "completions" / "00001").exists()
-    assert_same_index(DedupIndex.load(out), pool_index(cfg, tmp_path / "pool.npz", "--splits", "train"))
-    assert_clean_beside(out)
+    assert_same_index(s3_index(s3_bucket, url, tmp_path), pool_index(cfg, tmp_path / "pool.npz", "--splits", "train"))
+    assert_uploaded_from(stage, "dedup.npz")
 
 
 # ---------------------------------------------------------------------------- every engine, exact + near, both splits
@@ -175,15 +227,15 @@ def test_local_executor_index_is_the_pools_for_one_and_three_tasks(corpus, tmp_p
 
 
 @pytest.mark.slow
-def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys):
+def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys, s3_bucket):
     glob, _ = corpus
     cfg = split_config(tmp_path, glob)
     want = pool_index(cfg, tmp_path / "pool.npz")
-    out = tmp_path / "slurm.npz"
-    assert dedup_index("--config", cfg, "--out", out, "--executor", "slurm", "--tasks", 2, "--partition", "cpu",
+    out, stage = f"s3://{s3_bucket[1]}/slurm.npz", tmp_path / "stage"  # written in --stage-dir, uploaded after --wait
+    assert dedup_index("--config", cfg, "--out", out, "--stage-dir", stage, "--executor", "slurm", "--tasks", 2, "--partition", "cpu",
                        "--stage-resources", "index=cpus:1,mem_gb:3,time:00:10:00", "--wait", "--poll-seconds", 0.1) == 0
-    assert_same_index(DedupIndex.load(out), want)
-    assert_clean_beside(out)
+    assert_same_index(s3_index(s3_bucket, out, tmp_path), want)
+    assert_uploaded_from(stage, "slurm.npz")
     stages = [j for j in slurm.jobs() if "launch_pickled_pipeline" in j["script"]]
     assert [(j["name"], len(j["array"]), j["state"]) for j in stages] == [
         ("stacklm-dedup-sig", 4, "COMPLETED"), ("stacklm-dedup-buckets", 13, "COMPLETED"),
@@ -196,15 +248,15 @@ def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys):
     assert f"{out}: every slurm task completed" in printed.out and f"stream mode: set data.pipeline.dedup.index: {out}" in printed.out
 
 
-def test_ray_index_is_the_pools(corpus, tmp_path, ray_cluster):
+def test_ray_index_is_the_pools(corpus, tmp_path, ray_cluster, s3_bucket):
     """On a local 2-CPU Ray cluster (~8 s to start, ~8 s to run here): not slow."""
     glob, _ = corpus
     cfg = split_config(tmp_path, glob)
     want = pool_index(cfg, tmp_path / "pool.npz")
-    out = tmp_path / "ray.npz"
-    assert dedup_index("--config", cfg, "--out", out, "--executor", "ray", "--tasks", 2, "--cpus-per-task", 1,
+    out, stage = f"s3://{s3_bucket[1]}/ray.npz", tmp_path / "stage"  # written in --stage-dir, then uploaded
+    assert dedup_index("--config", cfg, "--out", out, "--stage-dir", stage, "--executor", "ray", "--tasks", 2, "--cpus-per-task", 1,
                        "--stage-resources", "index=cpus:2") == 0
-    assert_same_index(DedupIndex.load(out), want)
-    assert_clean_beside(out)
-    log = (tmp_path / "ray.npz.datatrove-logs" / "dedup-index" / "logs" / "task_00000.log").read_text()
+    assert_same_index(s3_index(s3_bucket, out, tmp_path), want)
+    assert_uploaded_from(stage, "ray.npz")
+    log = (stage / "ray.npz.datatrove-logs" / "dedup-index" / "logs" / "task_00000.log").read_text()
     assert "stacklm stage 'index' task 0: asked for cpus:2,mem_gb:not reserved,time:none; given {'ray': {'CPU': 2.0}}" in log

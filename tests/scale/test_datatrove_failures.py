@@ -111,15 +111,21 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str, shown_log: str):
+def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str, shown_log: str, s3=None):
     """Start the CLI, SIGKILL the process of main task 1 (train, worker 1) once it has written a
-    shard, time how long the CLI takes to fail; re-run; compare with `stacklm prebuild --workers 2`."""
+    shard, time how long the CLI takes to fail; re-run; compare with `stacklm prebuild --workers 2`.
+    ``s3``: ``(fs, bucket)`` of moto's S3 server: the output is a URL there, staged in the same
+    local folder (``--stage-dir``), and what the re-run uploads is compared."""
     from stacklm.prebuild import prebuild
 
     total = 80_000
     cfg_file = own_config(tmp_path, tok_dir, total)
-    out = tmp_path / "dt"
-    proc = subprocess.Popen(_cli(cfg_file, out, *engine), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = tmp_path / "dt"  # the local output, or the URL's staging folder
+    url = f"s3://{s3[1]}/dt" if s3 else None
+    target = url or out
+    if url:
+        engine = [*engine, "--stage-dir", str(out)]
+    proc = subprocess.Popen(_cli(cfg_file, target, *engine), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     killed_at, deadline = None, time.monotonic() + 300
     while proc.poll() is None and time.monotonic() < deadline:
         worker1 = [p for p in (out / "train").glob("*.meta.bin") if int(p.name.split("_")[1].split(".")[0]) % 2 == 1] if (out / "train").is_dir() else []
@@ -140,20 +146,31 @@ def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str
     assert "datatrove stage 'main' task 1 (split train, worker 1 of 2)" in lines[0] and shown_log in lines[0], lines[0]
     assert not (out / "manifest.json").exists()
     print(f"\n{engine}: failed {failed_after:.1f} s after the kill: {lines[0]}")
-    done = subprocess.run(_cli(cfg_file, out, *engine), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    if url:
+        assert s3[0].find(s3[1]) == []  # nothing uploaded before every task has completed
+    done = subprocess.run(_cli(cfg_file, target, *engine), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[0].startswith(f"prebuild summary: {out}")  # the table `stacklm prebuild` prints
+    assert done.stdout.splitlines()[0].startswith(f"prebuild summary: {target}")  # the table `stacklm prebuild` prints
     clean = tmp_path / "clean"
     prebuild(config(total=total), tok_dir, clean, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
-    got, want = tree(out), tree(clean)
+    if url:
+        from tests.helpers.s3_server import s3_tree
+
+        assert not out.exists()  # the staging folder goes once uploaded
+        got, want = s3_tree(s3[0], url), tree(clean)
+    else:
+        got, want = tree(out), tree(clean)
     assert sorted(set(got) ^ set(want)) == [] and [k for k in want if got[k] != want[k]] == []
     return failed_after, lines[0]
 
 
 @pytest.mark.slow
-def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir):
+def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir, s3_bucket):
+    """Into object storage (``--out s3://...``): the build resumes in its staging folder, the
+    error names the task's local log, and the re-run uploads `stacklm prebuild`'s bytes."""
     log = f"{tmp_path}/dt.datatrove-logs/main/logs/task_00001.log"
-    _, line = _kill_task_then_resume(tmp_path, tok_dir, ["--executor", "local", "--workers", "2"], "main/logs/task_00001.log", log)
+    _, line = _kill_task_then_resume(tmp_path, tok_dir, ["--executor", "local", "--workers", "2"], "main/logs/task_00001.log", log,
+                                     s3=s3_bucket)
     assert "was killed by SIGKILL" in line
 
 

@@ -86,9 +86,11 @@ def filesystem(url: str):
         raise RemoteError(f"{url}: remote data dirs need fsspec and the protocol's package: pip install 'stacklm[s3]'", path=url) from None
     try:
         return fsspec.core.url_to_fs(url)[0]
-    except (ImportError, ValueError) as e:
+    except ImportError as e:
         raise RemoteError(f"{url}: no fsspec filesystem for this URL ({e}); install its package (s3://: pip install "
                           "'stacklm[s3]'; gs://: gcsfs; hf://: huggingface_hub)", path=url) from None
+    except ValueError as e:  # fsspec: "Protocol not known: ..."
+        raise RemoteError(f"{url}: {e}; give a local path or a URL of an fsspec protocol (s3://, gs://, hf://, ...)", path=url) from None
 
 
 def _transient(e: BaseException) -> bool:
@@ -122,7 +124,9 @@ def _final_error(e: BaseException, url: str, what: str, attempts: int) -> Remote
         except Exception:  # noqa: BLE001 - asking is best effort; the message below stands anyway
             bucket_there = True
         if not bucket_there:
-            return RemoteError(f"{url}: the bucket {bucket} does not exist (or these credentials cannot see it); {_CREDENTIALS_FIX}", path=url)
+            err = RemoteError(f"{url}: the bucket {bucket} does not exist (or these credentials cannot see it); {_CREDENTIALS_FIX}", path=url)
+            err.bucket_missing = True  # ``call(missing_ok=True)`` raises this one (the message names the URL: no test on it)
+            return err
         return RemoteError(f"{url} does not exist ({what})", path=url)
     tried = f" after {attempts} attempts" if attempts > 1 else ""
     return RemoteError(f"{url}: {what} failed{tried}: {type(e).__name__}: {e}; check the endpoint and network (or {_CREDENTIALS_FIX})", path=url)
@@ -140,7 +144,7 @@ def call(fn: Callable[[], T], url: str, what: str, *, missing_ok: bool = False) 
         except Exception as e:  # noqa: BLE001 - sorted into transient / permanent right here
             if missing_ok and isinstance(e, FileNotFoundError):
                 err = _final_error(e, url, what, attempt)
-                if "bucket" in str(err).split(":", 1)[1]:
+                if getattr(err, "bucket_missing", False):
                     raise err from e
                 return None
             if not _transient(e) or attempt == MAX_ATTEMPTS:
@@ -188,9 +192,19 @@ def _key(url: str) -> str:
     return hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
 
 
-def staging_dir(url: str) -> Path:
-    """Where ``prebuild --out URL`` builds before uploading (resumed from there after a crash)."""
-    return cache_root() / "staging" / _key(url)
+def staging_dir(url: str, command: str = "") -> Path:
+    """Where ``prebuild --out URL`` builds before uploading (resumed from there after a crash);
+    ``command``: another command's own folder for the same URL (``prebuild-datatrove``'s state is
+    not ``prebuild``'s, so one must never resume the other's)."""
+    return cache_root() / "staging" / (f"{command}-{_key(url)}" if command else _key(url))
+
+
+def check_reachable(url: str) -> None:
+    """One request before any work is started for ``url``: its protocol has a filesystem here
+    and its bucket is there with these credentials; otherwise the ``RemoteError`` naming the fix.
+    ``url`` itself need not exist yet."""
+    fs = filesystem(url)
+    call(lambda: fs.info(url), url, "checking", missing_ok=True)
 
 
 def upload_shard_set(local: Path, url: str) -> int:
