@@ -62,12 +62,12 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         raise PrebuildError(f"{args.config}: no tokenizer: set 'data.tokenizer' in the config or pass --tokenizer DIR")
     if not Path(tok_path).exists():
         raise PrebuildError(f"tokenizer {tok_path} does not exist; train one with `stacklm train-tokenizer --out {tok_path}`", path=tok_path)
-    out = args.out or settings["out"]
+    from stacklm.data.storage import remote
+
+    out = remote.file_url_path(args.out or settings["out"])  # file:///x: the local /x
     if not out:
         raise PrebuildError(f"{args.config}: no output directory: pass --out DIR (or set 'data.data_dir' in the config)")
     from stacklm.prebuild.summary import summary_table
-
-    from stacklm.data.storage import remote
 
     if remote.is_remote(out):
         was_complete = remote.read_bytes(remote.join(out, "manifest.json"), missing_ok=True) is not None
@@ -105,8 +105,10 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
 
     from stacklm.prebuild import load_config
 
+    from stacklm.data.storage import remote
+
     config, settings = load_config(args.config)
-    out = args.out or config.dedup.index
+    out = remote.file_url_path(args.out or config.dedup.index)  # file:///x: the local /x
     if not out:
         raise PrebuildError(f"{args.config}: no --out given and data.pipeline.dedup.index is not set; say where to write the index")
     if config.dedup.index and not (config.dedup.exact or config.dedup.near):
@@ -230,7 +232,9 @@ def cmd_prebuild_datatrove(args: argparse.Namespace) -> int:
         _warn_local_ignores(args, "prebuild-datatrove")
     if args.wait and args.executor != "slurm":
         raise UserError("--wait is for --executor slurm (the local and ray executors wait anyway)")
-    out = args.out or settings["out"]
+    from stacklm.data.storage import remote
+
+    out = remote.file_url_path(args.out or settings["out"])  # file:///x: the local /x
     if not out:
         raise UserError("pass --out DIR (or set data.data_dir in the config)")
     stage = _url_stage(args, out, "prebuild-datatrove")

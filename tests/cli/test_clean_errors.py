@@ -311,9 +311,11 @@ def test_trainer_hf_data_files_matching_nothing(tmp_path, tok_dir):
 # --- summary and progress -------------------------------------------------------------------
 def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, tok_dir, capsys):
     out = tmp_path / "out"
-    rc, stdout, stderr = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", str(out),
+    # given as a file:// URL: written at the local path it names, not into a folder named 'file:'
+    rc, stdout, stderr = run_cli(capsys, "prebuild", "--config", str(write_config(tmp_path, tok_dir)), "--out", out.as_uri(),
                                  "--tokens-per-shard", str(SEQ_LEN * 16), "--no-progress")
     assert rc == 0 and "tok/s" not in stderr and "prebuild summary" not in stderr
+    assert not list(Path.cwd().glob("file:*")) and not list(tmp_path.glob("file:*"))
     top = json.loads((out / "manifest.json").read_text())
     rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.startswith("  ") and line.split()}
     for src in top["sources"]:

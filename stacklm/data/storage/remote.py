@@ -73,6 +73,17 @@ def is_remote(path: Any) -> bool:
     return bool(m) and m.group(1).lower() not in ("file", "local")
 
 
+def file_url_path(path: Any) -> Any:
+    """The local path a ``file://`` URL names (``file:///data/out`` -> ``/data/out``), else ``path``
+    unchanged: a local URL is written where it says, not into a folder named ``file:``."""
+    if isinstance(path, str) and path[:7].lower() == "file://":
+        from urllib.parse import unquote, urlparse
+
+        parsed = urlparse(path)
+        return unquote((parsed.netloc if parsed.netloc not in ("", "localhost") else "") + parsed.path) or "/"
+    return path
+
+
 def join(url: str, *parts: str) -> str:
     return "/".join([url.rstrip("/"), *parts])
 
@@ -411,4 +422,4 @@ def _sync_split(split_url: str, split_local: Path, m: dict[str, Any], *, tokens:
 
 def local_path(path: str | os.PathLike, **kw) -> str | os.PathLike:
     """``path`` itself when local; the local mirror of a remote URL (``mirror``)."""
-    return str(mirror(path, **kw)) if is_remote(path) else path
+    return str(mirror(path, **kw)) if is_remote(path) else file_url_path(path)
