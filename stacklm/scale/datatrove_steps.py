@@ -295,7 +295,7 @@ class StackDedupCluster(_StackStep):
         # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
         # globs, from the same working directory
         totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
-                                    {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read, **binding_meta(config)})
+                                    {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding_meta(config)})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)

@@ -47,3 +47,26 @@ def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
             else:
                 chars[end + 1 : end + 1] = line
     return "".join(chars)
+
+
+def inject_word_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
+    """``text`` with ``n_edits`` random word-level edits: a word replaced by a new one, a new
+    word inserted, a word deleted, or a run of 3-8 words repeated (words joined by single
+    spaces). Each edit touches about n word n-grams, so the copy's word-shingle similarity
+    moves anywhere in [0, 1] (``tests/data/test_word_shingles.py``, ``bench/shingles.py``)."""
+    words = text.split()
+    letters = list("abcdefghijklmnopqrstuvwxyz")
+    for _ in range(n_edits):
+        new = "".join(rng.choice(letters, int(rng.integers(3, 9))))
+        pos = int(rng.integers(len(words) + 1))
+        op = int(rng.integers(10))
+        if not words or op < 2:
+            words.insert(pos, new)
+        elif op < 6:
+            words[min(pos, len(words) - 1)] = new
+        elif op < 9:
+            del words[min(pos, len(words) - 1)]
+        else:
+            run = words[pos : pos + int(rng.integers(3, 9))]
+            words[pos:pos] = run
+    return " ".join(words)
