@@ -115,7 +115,7 @@ class MinHasher:
             return rng.integers(0, 2**63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
         base = int(draw(1)[0])  # the char path's rolling-hash base; drawn first for both kinds, so the draws below are the same
-        self.shingles = make_shingles(shingle, self.shingle_size, base, self.seed)
+        self.shingles = make_shingles(shingle, self.shingle_size, base)
         self._round_salt = draw(_ROUNDS + 2)  # [0] tags rows when deduplicating elements
         self._bin_salt = draw(self.num_perm)
         self._band_salt = draw(self.num_bands)

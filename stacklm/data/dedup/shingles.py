@@ -26,10 +26,11 @@ Two kinds (``dedup.shingle`` in the pipeline config, ``MinHasher(shingle=...)``)
   ``scale`` extra), except the combining-mark removal, done with one ``regex`` substitution
   instead of a Python loop over characters (the same characters go).
 
-  Hashing, per pass of documents (no Python loop per word or shingle): the texts are UTF-32
-  encoded into one ``uint32`` array, each word is hashed by a polynomial over its characters
-  (``np.add.reduceat`` at the word starts) plus its length, avalanched; an n-gram's hash is
-  the sum of its n word hashes times n random odd constants (one per position), avalanched.
+  Hashing, per pass of documents (no Python loop per word or shingle), with decontamination's
+  word n-gram hashes (``stacklm.data.quality.ngrams``: the one home of word n-gram hashing):
+  the pass's words are UTF-8 encoded into one buffer, each word hashed by a polynomial over
+  its bytes (prefix sums) and its length, avalanched; an n-gram's hash is its n word hashes
+  times n fixed odd constants (one per position), summed and avalanched.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from stacklm.data.quality.ngrams import joined_word_hashes, ngram_hashes
 from stacklm.data.quality.normalize import normalize_text
 
 SHINGLES = ("char", "word")
@@ -71,7 +73,36 @@ def _powers(base: int, n: int) -> np.ndarray:
     return np.cumprod(np.r_[np.uint64(1), np.full(n - 1, base, dtype=np.uint64)], dtype=np.uint64)
 
 
-class CharShingles:
+class _Shingles:
+    """What both kinds share: texts in passes of about ``_PASS_CHARS`` characters. A subclass
+    gives ``pieces`` (a prepared text cut so that every shingle lies whole in a piece) and
+    ``_hash_pieces`` (the (row, hash) arrays of a pass's pieces)."""
+
+    def pieces(self, text: str) -> Iterator[str]:
+        raise NotImplementedError
+
+    def _hash_pieces(self, pieces: list[str], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        raise NotImplementedError
+
+    def passes(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(row, shingle hash) arrays for every shingle of every prepared text, a bounded number
+        of characters at a time (a huge text is cut into overlapping pieces)."""
+        pieces: list[str] = []
+        rows: list[int] = []
+        chars = 0
+        for row, text in enumerate(texts):
+            for piece in self.pieces(text):
+                pieces.append(piece)
+                rows.append(row)
+                chars += len(piece)
+                if chars >= _PASS_CHARS:
+                    yield self._hash_pieces(pieces, rows)
+                    pieces, rows, chars = [], [], 0
+        if pieces:
+            yield self._hash_pieces(pieces, rows)
+
+
+class CharShingles(_Shingles):
     """Character ``size``-grams of the normalised text (module docstring)."""
 
     def __init__(self, size: int, base: int) -> None:
@@ -109,25 +140,15 @@ class CharShingles:
             _fmix64(w, tmp)
         return out
 
-    def passes(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(row, shingle hash) arrays for every shingle of every prepared text, a bounded number
-        of characters at a time (a huge text is cut into overlapping pieces)."""
+    def pieces(self, text: str) -> Iterator[str]:
+        """A prepared text in overlapping pieces of at most ``_PASS_CHARS`` shingles."""
         k = self.size
-        pieces: list[str] = []
-        rows: list[int] = []
-        chars = 0
-        for row, text in enumerate(texts):
-            n_shingles = len(text) - k + 1
-            for s in range(0, n_shingles, _PASS_CHARS):
-                piece = text[s : min(n_shingles, s + _PASS_CHARS) + k - 1] if n_shingles > _PASS_CHARS else text
-                pieces.append(piece)
-                rows.append(row)
-                chars += len(piece)
-                if chars >= _PASS_CHARS:
-                    yield self._hash_pieces(pieces, rows)
-                    pieces, rows, chars = [], [], 0
-        if pieces:
-            yield self._hash_pieces(pieces, rows)
+        n_shingles = len(text) - k + 1
+        if n_shingles <= _PASS_CHARS:
+            yield text
+            return
+        for s in range(0, n_shingles, _PASS_CHARS):
+            yield text[s : min(n_shingles, s + _PASS_CHARS) + k - 1]
 
     def _hash_pieces(self, pieces: list[str], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         k = self.size
@@ -190,16 +211,12 @@ def _word_pieces(text: str, k: int, size: int) -> Iterator[str]:
     yield text[start:]
 
 
-class WordShingles:
+class WordShingles(_Shingles):
     """Word ``size``-grams, the words as datatrove's MinHash takes them (module docstring)."""
 
-    def __init__(self, size: int, seed: int) -> None:
+    def __init__(self, size: int) -> None:
         self.size = int(size)
         _datatrove_text()  # a missing extra is refused when the deduper is built, not at its first document
-        rng = np.random.default_rng([0x5EED, int(seed), 0x30D])  # its own stream: the char path's draws stay as they were
-        odd = rng.integers(0, 2**63, size=self.size + 2, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
-        self._base, self._length_salt, self._position_mult = int(odd[0]), odd[1], odd[2:]
-        self._pow = _powers(self._base, 256)  # grown when a longer word comes
 
     def prepare(self, text: str, normalized: bool = False) -> str:
         """The words (``simplify_words``) joined by single spaces, padded with NUL words to at
@@ -210,56 +227,25 @@ class WordShingles:
             words = " ".join(([words] if words else []) + ["\0"] * (self.size - n_words))
         return words
 
-    def passes(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(row, shingle hash) arrays for every n-gram of every prepared text, about
-        ``_PASS_CHARS`` characters at a time (a huge text in overlapping pieces)."""
-        pieces: list[str] = []
-        rows: list[int] = []
-        chars = 0
-        for row, text in enumerate(texts):
-            for piece in _word_pieces(text, self.size, _PASS_CHARS):
-                pieces.append(piece)
-                rows.append(row)
-                chars += len(piece) + 1
-                if chars >= _PASS_CHARS:
-                    yield self._hash_pieces(pieces, rows)
-                    pieces, rows, chars = [], [], 0
-        if pieces:
-            yield self._hash_pieces(pieces, rows)
+    def pieces(self, text: str) -> Iterator[str]:
+        return _word_pieces(text, self.size, _PASS_CHARS)
 
     def _hash_pieces(self, pieces: list[str], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
         k = self.size
-        cps = np.frombuffer(" ".join(pieces).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        space = np.flatnonzero(cps == 32)  # prepared texts: one space between words, none at the ends
-        starts = np.r_[0, space + 1]
-        lengths = np.r_[space, cps.size] - starts
-        longest = int(lengths.max())
-        if longest >= self._pow.size:
-            self._pow = _powers(self._base, max(longest + 1, 2 * self._pow.size))
-        # position of each character in its word (a space gets its word's length: zeroed below)
-        offset = np.arange(cps.size, dtype=np.int64) - np.repeat(starts, lengths + 1)[: cps.size]
-        vals = cps.astype(np.uint64)
-        np.multiply(vals, self._pow[offset], out=vals)  # c_i * B^(i - word start)
-        vals[space] = 0
-        words = np.add.reduceat(vals, starts)  # per word: sum c_j B^j (mod 2^64)
-        words += lengths.astype(np.uint64) * self._length_salt
-        _fmix64(words)
-        n_grams = words.size - k + 1
-        grams = np.zeros(max(n_grams, 0), dtype=np.uint64)
-        for t in range(k):  # k vector steps, not a loop over n-grams
-            grams += words[t : t + n_grams] * self._position_mult[t]
-        _fmix64(grams)
+        # every word of the pass hashed at once, then every n-gram (decontamination's hashes)
+        words = joined_word_hashes(" ".join(pieces).encode("utf-8", "surrogatepass"))[0]
+        grams = ngram_hashes(words, k)
         piece_words = np.fromiter((p.count(" ") + 1 for p in pieces), dtype=np.int64, count=len(pieces))
         piece_of = np.repeat(np.arange(len(pieces)), piece_words)
-        whole = piece_of[: max(n_grams, 0)] == piece_of[k - 1 :]  # an n-gram inside one piece
-        return np.asarray(rows, dtype=np.int64)[piece_of[: max(n_grams, 0)][whole]], grams[whole]
+        whole = piece_of[: grams.size] == piece_of[k - 1 :]  # an n-gram inside one piece, not across two
+        return np.asarray(rows, dtype=np.int64)[piece_of[: grams.size][whole]], grams[whole]
 
 
-def make_shingles(shingle: str, size: int, base: int, seed: int) -> CharShingles | WordShingles:
+def make_shingles(shingle: str, size: int, base: int) -> CharShingles | WordShingles:
     """The shingler of ``shingle`` (``char``|``word``) and ``size``; ``base`` is the char path's
-    rolling-hash base (``MinHasher`` draws it), ``seed`` the word path's constants' seed."""
+    rolling-hash base (``MinHasher`` draws it from its seed)."""
     if shingle == "char":
         return CharShingles(size, base)
     if shingle == "word":
-        return WordShingles(size, seed)
+        return WordShingles(size)
     raise ValueError(f"shingle must be one of {SHINGLES}, got {shingle!r}")
