@@ -209,7 +209,7 @@ class StackDedupSignatures(_StackStep):
     task's slice of every source through holdout and filter, as signature columns in
     ``.prebuild/dedup-sig/<job>/`` (``staged.write_signature_dir``: band keys and digests sorted,
     plain ``.npy`` read back with ``allow_pickle=False``). Our own step, not datatrove's: the
-    keys must be the stream path's (``MinHasher`` over ``normalize_text``)."""
+    keys must be the stream path's (``DedupConfig.min_hasher``: char or word shingles, as configured)."""
 
     name = "stacklm dedup signatures"
     type = "🫂 - DEDUP"
