@@ -17,14 +17,17 @@ Two kinds (``dedup.shingle`` in the pipeline config, ``MinHasher(shingle=...)``)
   compare equal to their plain forms), the same normalisation exact dedup uses; (2) words are
   split at whitespace, not by datatrove's per-language tokenizer (spaCy for English): the text
   has no punctuation left by then, so they differ only where spaCy splits a word on its own,
-  e.g. ``cannot`` -> ``can not``; (3) an n-gram is hashed from its words' hashes (below), not
+  e.g. ``cannot`` -> ``can not``, and in text written without spaces (Chinese, Japanese) where
+  a word here is a whole run between spaces and datatrove's tokenizer for the language cuts
+  it; (3) an n-gram is hashed from its words' hashes (below), not
   with xxhash64 of the words joined by spaces, and the signature is one-permutation MinHash
   (``minhash``), not datatrove's 112 permutations; (4) a document with fewer than n words
   is one shingle of its words padded with NUL words, as the char path pads a short document,
   so short copies are found (datatrove gives such a document no signature: it is never
   removed). The normalisation steps are datatrove's own code (``datatrove.utils.text``, the
-  ``scale`` extra), except the combining-mark removal, done with one ``regex`` substitution
-  instead of a Python loop over characters (the same characters go).
+  ``scale`` extra), except two done here with the same result: the combining-mark removal
+  (one ``regex`` substitution instead of a Python loop over characters) and the whitespace
+  collapse (``str.split``, which the word split does anyway, instead of a regex).
 
   Hashing, per pass of documents (no Python loop per word or shingle), with decontamination's
   word n-gram hashes (``stacklm.data.quality.ngrams``: the one home of word n-gram hashing):
