@@ -14,15 +14,17 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
-from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
+from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, MinHasher, NearDeduper
+from stacklm.data.dedup.shingles import SHINGLES, default_shingle_size
 from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_index
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
@@ -49,6 +51,37 @@ class DedupConfig(Config):
     # exact_dup/near_dup, whatever reader sees them. With exact/near also on, in-flight dedup
     # runs after it (catching only what the index does not list, inside this reader).
     index: str | None = None
+    # Near dedup's shingles (``stacklm.data.dedup.shingles``): ``char`` n-grams of the normalised
+    # text, or ``word`` n-grams as datatrove/FineWeb take them; ``shingle_size`` n (null: 7 for
+    # char, 5 for word). Every near dedup uses them: in-flight, ``dedup-index`` and the prebuild.
+    shingle: Literal["char", "word"] = "char"
+    shingle_size: int | None = None
+
+    # Fields added after configs were hashed: left out of to_dict() at their default, so an
+    # existing config keeps its config_hash (a resume is not refused by an upgrade).
+    _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {"shingle": "char", "shingle_size": None}
+
+    @property
+    def near_shingle_size(self) -> int:
+        """The n of near dedup's shingles (``shingle_size``, or its kind's default)."""
+        return default_shingle_size(self.shingle) if self.shingle_size is None else self.shingle_size
+
+    def min_hasher(self) -> MinHasher:
+        """The ``MinHasher`` of these settings: what every near dedup signs documents with."""
+        return MinHasher(self.near_shingle_size, shingle=self.shingle)
+
+    def index_meta(self) -> dict[str, Any]:
+        """These settings as a dedup index records them (``shingle_size`` resolved)."""
+        return {**dataclasses.asdict(self), "shingle_size": self.near_shingle_size}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        if d["shingle_size"] == default_shingle_size(self.shingle):  # written out or left null: the same shingles
+            d["shingle_size"] = None
+        for key, default in self._OMIT_AT_DEFAULT.items():
+            if d[key] == default:
+                del d[key]
+        return d
 
 
 @dataclass(frozen=True)
@@ -98,6 +131,12 @@ class PipelineConfig(Config):
         for name in ("exact_max_docs", "near_max_docs"):
             if getattr(self.dedup, name) < 1:
                 raise ConfigError(f"pipeline config: field 'dedup.{name}' must be >= 1, got {getattr(self.dedup, name)}")
+        if self.dedup.shingle not in SHINGLES:
+            raise ConfigError(f"pipeline config: field 'dedup.shingle' must be one of {SHINGLES} (char or word n-grams), got {self.dedup.shingle!r}")
+        size = self.dedup.shingle_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ConfigError(f"pipeline config: field 'dedup.shingle_size' must be an integer >= 1 or null (the {self.dedup.shingle} n-gram's "
+                              f"length; null: {default_shingle_size(self.dedup.shingle)}), got {size!r}")
 
     def config_hash(self, exclude=None) -> str:
         # without decontamination the hash is what it was before the section existed, so
@@ -129,7 +168,7 @@ class Pipeline(BuiltPipeline):
 def _near_deduper(config: PipelineConfig):
     if not config.dedup.near:
         return None
-    return NearDeduper(max_docs=config.dedup.near_max_docs)
+    return NearDeduper(config.dedup.near_shingle_size, max_docs=config.dedup.near_max_docs, shingle=config.dedup.shingle)
 
 
 def epoch_seed(seed: int, epoch: int) -> int:

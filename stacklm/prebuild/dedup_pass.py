@@ -48,12 +48,11 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     filter, as signature records (``collect_signatures``). A plain function of plain
     arguments, so it runs in a spawned process or a datatrove task alike."""
     from stacklm.data.dedup.global_index import collect_signatures
-    from stacklm.data.dedup.minhash import MinHasher
     from stacklm.data.pipeline import PipelineConfig, document_chain, last_document_node
     from stacklm.data.sources import ShardSpec
 
     config = PipelineConfig.from_dict(config_dict)
-    hasher = MinHasher() if config.dedup.near else None
+    hasher = config.dedup.min_hasher() if config.dedup.near else None
     source_index = {e.name: i for i, e in enumerate(config.mix.entries)}
 
     bytes_in = np.zeros(len(config.mix.entries), dtype=np.int64)  # input bytes read, per source
@@ -120,7 +119,7 @@ def build_index_shards(
     removed = staged.staged_decision(dirs, starmap=starmap)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    staged.write_index_shards(dirs, removed, tmp, {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read, **binding})
+    staged.write_index_shards(dirs, removed, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -209,7 +209,7 @@ class StackDedupSignatures(_StackStep):
     task's slice of every source through holdout and filter, as signature columns in
     ``.prebuild/dedup-sig/<job>/`` (``staged.write_signature_dir``: band keys and digests sorted,
     plain ``.npy`` read back with ``allow_pickle=False``). Our own step, not datatrove's: the
-    keys must be the stream path's (``MinHasher`` over ``normalize_text``)."""
+    keys must be the stream path's (``DedupConfig.min_hasher``: char or word shingles, as configured)."""
 
     name = "stacklm dedup signatures"
     type = "🫂 - DEDUP"
@@ -295,7 +295,7 @@ class StackDedupCluster(_StackStep):
         # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
         # globs, from the same working directory
         totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
-                                    {"dedup": dataclasses.asdict(config.dedup), "bytes_read": bytes_read, **binding_meta(config)})
+                                    {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding_meta(config)})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)

@@ -12,6 +12,7 @@ from stacklm.corpus import iter_prose
 from stacklm.data.quality import normalize as normalize_mod
 from stacklm.data.dedup import ExactDeduper, U64HashSet, normalize_text
 from stacklm.data.dedup import minhash as minhash_mod
+from stacklm.data.dedup import shingles as shingles_mod
 from stacklm.data.dedup.minhash import (
     MinHasher,
     NearDeduper,
@@ -36,12 +37,12 @@ def docs(real_docs) -> list[str]:
 
 
 def _state_is_compact(state: dict) -> None:
-    """One numpy array (the table); everything else a few plain ints/bools."""
+    """One numpy array (the table); everything else a few plain ints/bools (and the shingle kind's name)."""
     assert isinstance(state["table"], np.ndarray) and state["table"].dtype == np.uint64
     for key, value in state.items():
         if isinstance(value, dict):
             flat = [n for v in value.values() for n in (v.values() if isinstance(v, dict) else [v])]
-            assert all(isinstance(n, int) for n in flat) and len(flat) < 50, key
+            assert all(isinstance(n, (int, str)) for n in flat) and len(flat) < 50, key
         elif key != "table":
             assert isinstance(value, (int, bool)), (key, type(value))
 
@@ -161,7 +162,8 @@ def test_chunked_hashing_matches_whole(monkeypatch, docs):
     """Cutting huge documents into passes/chunks must not change a single signature value."""
     texts = [" ".join(docs[:60]), docs[0], "", "short", docs[1]]
     expected = MinHasher().signatures(texts)
-    monkeypatch.setattr(minhash_mod, "_PASS_CHARS", 1000)
+    monkeypatch.setattr(shingles_mod, "_PASS_CHARS", 1000)
+    monkeypatch.setattr(shingles_mod, "_CHUNK", 333)
     monkeypatch.setattr(minhash_mod, "_CHUNK", 333)
     got = MinHasher().signatures(texts)
     assert np.array_equal(got, expected)

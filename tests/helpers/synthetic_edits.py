@@ -47,3 +47,26 @@ def inject_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
             else:
                 chars[end + 1 : end + 1] = line
     return "".join(chars)
+
+
+def inject_word_edits(text: str, n_edits: int, rng: np.random.Generator) -> str:
+    """``text`` with ``n_edits`` random word-level edits: a word replaced by a new one, a new
+    word inserted, a word deleted, or a run of 3-8 words repeated (words joined by single
+    spaces). Each edit touches about n word n-grams, so the copy's word-shingle similarity
+    moves anywhere in [0, 1] (``tests/data/test_word_shingles.py``)."""
+    words = text.split()
+    # every draw at once (one generator call per edit dominated the cost)
+    ops, where, run = rng.integers(10, size=n_edits), rng.random(n_edits), rng.integers(3, 9, size=n_edits)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    new = ["".join(w) for w in letters[rng.integers(26, size=(n_edits, 6))]]
+    for op, u, r, fresh in zip(ops.tolist(), where.tolist(), run.tolist(), new):
+        pos = int(u * len(words))  # < len(words); 0 for an empty list
+        if not words or op < 2:
+            words.insert(pos, fresh)
+        elif op < 6:
+            words[pos] = fresh
+        elif op < 9:
+            del words[pos]
+        else:
+            words[pos:pos] = words[pos : pos + r]
+    return " ".join(words)

@@ -1,8 +1,11 @@
-"""Near-duplicate detection: streaming MinHash + LSH banding over character shingles.
+"""Near-duplicate detection: streaming MinHash + LSH banding over shingles.
 
-What is compared: the set of character ``shingle_size``-grams of ``normalize_text(text)`` (the
-exact-dedup normalisation: NFKC, casefolded, whitespace collapsed). A document shorter than a
-shingle is padded with NULs to one shingle, so empty documents are near-duplicates of each other.
+What is compared: by default the set of character ``shingle_size``-grams of
+``normalize_text(text)`` (the exact-dedup normalisation: NFKC, casefolded, whitespace
+collapsed); with ``shingle="word"`` the set of word 5-grams as datatrove/FineWeb take them.
+``stacklm.data.dedup.shingles`` says how each is formed and hashed (vectorised) and how short
+documents are padded to one shingle (so empty documents are near-duplicates of each other).
+The numbers below are for the default char 7-grams.
 
 Defaults and their S-curve. ``num_bands=12`` x ``rows_per_band=10`` = 120 min-hashes over
 7-character shingles. Two documents with Jaccard similarity J become candidates (and the later
@@ -25,9 +28,9 @@ apart: on random stdlib file pairs J is 0.01 at the median and < 0.07 at the 99t
 Why not ``datasketch``: it hashes every shingle with SHA-1 in a Python loop and then evaluates
 all ``num_perm`` permutations per shingle (O(n * num_perm)). Here, per batch of documents:
 
-1. all texts are UTF-32 encoded into one ``uint32`` array and every k-window is hashed at once
-   with a polynomial rolling hash (prefix sums, so the cost does not grow with k) followed by
-   the murmur3 64-bit finaliser, in cache-sized chunks;
+1. all texts are UTF-32 encoded into one ``uint32`` array and every shingle is hashed at once
+   (``shingles``: a polynomial rolling hash, or word hashes combined per n-gram, then the
+   murmur3 64-bit finaliser), in cache-sized chunks;
 2. one-permutation hashing (OPH): the high 32 bits of a shingle's hash pick one of the 120
    bins and ``np.minimum.at`` keeps each bin's smallest hash, so the cost is O(n), not
    O(n * num_perm);
@@ -57,12 +60,12 @@ from typing import Any
 import numpy as np
 
 from stacklm.data.dedup.exact import U64HashSet, count_by_source, per_doc_sources, run_starts
-from stacklm.data.quality.normalize import normalize_text
+from stacklm.data.dedup.shingles import SHINGLES, _fmix64, default_shingle_size, make_shingles
 from stacklm.data.stats import StageStats
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_SHINGLE_SIZE = 7
+DEFAULT_SHINGLE_SIZE = default_shingle_size("char")
 DEFAULT_NUM_BANDS = 12
 DEFAULT_ROWS_PER_BAND = 10
 # Per worker: 2M kept documents cost at most 2M * 192 B = 384 MB of index.
@@ -73,8 +76,7 @@ _EMPTY = np.uint64(0xFFFF_FFFF_FFFF_FFFF)  # an unfilled bin (a real hash equals
 # 40-character document has ~15 empty bins left, few enough that the (rounds x shingles) array of
 # a batch's short documents stays small.
 _ROUNDS = 10
-_CHUNK = 1 << 16  # shingles hashed per numpy step: keeps temporaries in L2 cache
-_PASS_CHARS = 1 << 16  # characters per pass: small temporaries stay in cache and bound memory on huge documents
+_CHUNK = 1 << 16  # (row, element) pairs per densification step: keeps temporaries small
 _KEEP_SHINGLES = 1 << 20  # a batch with fewer shingles keeps them for densification instead of rehashing
 
 
@@ -83,32 +85,25 @@ def candidate_probability(jaccard: float | np.ndarray, num_bands: int = DEFAULT_
     return 1.0 - (1.0 - np.asarray(jaccard, dtype=np.float64) ** rows_per_band) ** num_bands
 
 
-def _fmix64(h: np.ndarray, tmp: np.ndarray | None = None) -> np.ndarray:
-    """murmur3's 64-bit finaliser, in place (full avalanche: every output bit depends on all)."""
-    tmp = np.empty_like(h) if tmp is None else tmp[: h.size]
-    for mult in (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53):
-        np.right_shift(h, np.uint64(33), out=tmp)
-        np.bitwise_xor(h, tmp, out=h)
-        np.multiply(h, np.uint64(mult), out=h)
-    np.right_shift(h, np.uint64(33), out=tmp)
-    np.bitwise_xor(h, tmp, out=h)
-    return h
-
-
 class MinHasher:
     """Shingle hashing, OPH signatures and band keys for one configuration (pure functions of
     the text and ``seed``: the same text gives the same keys in every process)."""
 
     def __init__(
         self,
-        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        shingle_size: int | None = None,
         num_bands: int = DEFAULT_NUM_BANDS,
         rows_per_band: int = DEFAULT_ROWS_PER_BAND,
         seed: int = 0,
+        shingle: str = "char",
     ) -> None:
+        if shingle not in SHINGLES:
+            raise ValueError(f"MinHasher shingle must be one of {SHINGLES}, got {shingle!r}")
+        shingle_size = default_shingle_size(shingle) if shingle_size is None else shingle_size
         for name, value in (("shingle_size", shingle_size), ("num_bands", num_bands), ("rows_per_band", rows_per_band)):
             if int(value) < 1:
                 raise ValueError(f"MinHasher {name} must be >= 1, got {value}")
+        self.shingle = shingle
         self.shingle_size = int(shingle_size)
         self.num_bands = int(num_bands)
         self.rows_per_band = int(rows_per_band)
@@ -119,80 +114,25 @@ class MinHasher:
         def draw(n: int) -> np.ndarray:  # random odd 64-bit constants
             return rng.integers(0, 2**63, size=n, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 
-        base = int(draw(1)[0])  # odd, so it is invertible mod 2^64
-        inv = pow(base, -1, 1 << 64)
-        n = _CHUNK + self.shingle_size
-        self._pow = np.cumprod(np.r_[np.uint64(1), np.full(n - 1, base, dtype=np.uint64)], dtype=np.uint64)
-        self._inv_pow = np.cumprod(np.r_[np.uint64(1), np.full(n - 1, inv, dtype=np.uint64)], dtype=np.uint64)
+        base = int(draw(1)[0])  # the char path's rolling-hash base; drawn first for both kinds, so the draws below are the same
+        self.shingles = make_shingles(shingle, self.shingle_size, base)
         self._round_salt = draw(_ROUNDS + 2)  # [0] tags rows when deduplicating elements
         self._bin_salt = draw(self.num_perm)
         self._band_salt = draw(self.num_bands)
         self._row_mult = draw(self.num_perm).reshape(self.num_bands, self.rows_per_band)
 
-    def config(self) -> dict[str, int]:
-        return {"shingle_size": self.shingle_size, "num_bands": self.num_bands, "rows_per_band": self.rows_per_band, "seed": self.seed}
+    def config(self) -> dict[str, int | str]:
+        return {"shingle": self.shingle, "shingle_size": self.shingle_size, "num_bands": self.num_bands,
+                "rows_per_band": self.rows_per_band, "seed": self.seed}
 
     # -- shingles ------------------------------------------------------------------------
     def prepare(self, text: str, normalized: bool = False) -> str:
-        """Normalised text (``normalized=True``: already ``normalize_text``-ed), NUL-padded to
-        at least one shingle."""
-        norm = text if normalized else normalize_text(text)
-        return norm if len(norm) >= self.shingle_size else norm.ljust(self.shingle_size, "\0")
-
-    def _window_hashes(self, cps: np.ndarray) -> np.ndarray:
-        """64-bit hash of every ``shingle_size``-window of a ``uint32`` code point array."""
-        k = self.shingle_size
-        n = cps.size - k + 1
-        out = np.empty(max(n, 0), dtype=np.uint64)
-        size = min(max(n, 0), _CHUNK)
-        buf = np.empty(size + k, dtype=np.uint64)
-        prefix = np.empty(size + k, dtype=np.uint64)
-        tmp = np.empty(size, dtype=np.uint64)
-        for s in range(0, n, _CHUNK):
-            m = min(_CHUNK, n - s)
-            c = buf[: m + k - 1]
-            c[:] = cps[s : s + m + k - 1]
-            np.multiply(c, self._pow[: m + k - 1], out=c)  # c_i * B^i
-            prefix[0] = 0
-            np.cumsum(c, out=prefix[1 : m + k])  # P[i] = sum_{j<i} c_j B^j (mod 2^64)
-            w = out[s : s + m]
-            np.subtract(prefix[k : k + m], prefix[:m], out=w)  # sum_{j<k} c_{i+j} B^{i+j}
-            np.multiply(w, self._inv_pow[:m], out=w)  # ... * B^-i: the same for equal windows
-            _fmix64(w, tmp)
-        return out
+        """The text as its shingles are taken (``shingles``): normalised, padded to one shingle."""
+        return self.shingles.prepare(text, normalized)
 
     def _passes(self, texts: Sequence[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """(row, shingle hash) arrays for every shingle of every prepared text, a bounded number
-        of characters at a time (a huge text is cut into overlapping pieces)."""
-        k = self.shingle_size
-        pieces: list[str] = []
-        rows: list[int] = []
-        chars = 0
-        for row, text in enumerate(texts):
-            n_shingles = len(text) - k + 1
-            for s in range(0, n_shingles, _PASS_CHARS):
-                piece = text[s : min(n_shingles, s + _PASS_CHARS) + k - 1] if n_shingles > _PASS_CHARS else text
-                pieces.append(piece)
-                rows.append(row)
-                chars += len(piece)
-                if chars >= _PASS_CHARS:
-                    yield self._hash_pieces(pieces, rows)
-                    pieces, rows, chars = [], [], 0
-        if pieces:
-            yield self._hash_pieces(pieces, rows)
-
-    def _hash_pieces(self, pieces: list[str], rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        k = self.shingle_size
-        cps = np.frombuffer("".join(pieces).encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
-        hashes = self._window_hashes(cps)
-        lengths = np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))
-        ends = np.cumsum(lengths)
-        if len(pieces) > 1:  # drop the k-1 windows that straddle two pieces
-            straddle = (ends[:-1, None] - k + 1 + np.arange(k - 1)).ravel()
-            keep = np.ones(hashes.size, dtype=bool)
-            keep[straddle] = False
-            hashes = hashes[keep]
-        return np.repeat(np.asarray(rows, dtype=np.int64), lengths - k + 1), hashes
+        """(row, shingle hash) arrays of prepared texts, a bounded number of characters at a time."""
+        return self.shingles.passes(texts)
 
     def shingle_set(self, text: str) -> np.ndarray:
         """Sorted unique 64-bit shingle hashes of ``text``: the set the signatures estimate
@@ -325,15 +265,16 @@ class NearDeduper:
 
     def __init__(
         self,
-        shingle_size: int = DEFAULT_SHINGLE_SIZE,
+        shingle_size: int | None = None,
         num_bands: int = DEFAULT_NUM_BANDS,
         rows_per_band: int = DEFAULT_ROWS_PER_BAND,
         max_docs: int = DEFAULT_MAX_DOCS,
         seed: int = 0,
+        shingle: str = "char",
     ) -> None:
         if int(max_docs) < 1:
             raise ValueError(f"NearDeduper max_docs must be >= 1, got {max_docs}")
-        self.hasher = MinHasher(shingle_size, num_bands, rows_per_band, seed)
+        self.hasher = MinHasher(shingle_size, num_bands, rows_per_band, seed, shingle=shingle)
         self.max_docs = int(max_docs)
         self._index = U64HashSet()
         self.n_indexed = 0
@@ -437,7 +378,8 @@ class NearDeduper:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore; the hashing configuration must match (``max_docs`` is this object's own)."""
-        saved = {k: int(v) for k, v in state["config"].items()}
+        # a state saved before word shingles existed has no "shingle": it was made with char shingles
+        saved = {k: v if k == "shingle" else int(v) for k, v in {"shingle": "char", **state["config"]}.items()}
         mine = self.hasher.config()
         if saved != mine:
             diff = ", ".join(f"{k}={saved.get(k)} (this deduper: {v})" for k, v in mine.items() if saved.get(k) != v)

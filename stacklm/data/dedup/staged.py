@@ -36,7 +36,7 @@ the near sets over all documents are those ``decide_splits`` finds among the exa
 
 Why not datatrove's ``MinhashDedupSignature``/``Buckets``/``Cluster``/``Filter`` themselves:
 (a) their signatures shingle and normalise the text their own way, and ours must be the
-stream path's (``MinHasher`` over ``normalize_text``: the offline index and in-flight dedup
+stream path's (``MinHasher`` with the config's ``dedup.shingle``: the offline index and in-flight dedup
 decide on the same keys); (b) their cluster keeps the union-by-size root of ``(file, doc)``
 ids, where ``file`` is the task rank, so the kept copy changes with the task count; (c) no
 rule across splits (val wins); (d) their bucket step merges the files in a Python heap, one

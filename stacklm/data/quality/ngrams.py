@@ -119,11 +119,13 @@ def _multipliers(n: int, salt: int) -> np.ndarray:
 
 def word_hashes(words: Sequence[str]) -> np.ndarray:
     """One uint64 per word (the polynomial hash of its UTF-8 bytes, mixed)."""
-    return _word_hashes(" ".join(words).encode())[0] if words else np.zeros(0, dtype=np.uint64)
+    return joined_word_hashes(" ".join(words).encode())[0] if words else np.zeros(0, dtype=np.uint64)
 
 
-def _word_hashes(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(hashes, starts, ends)`` of the space-separated words of ``data`` (byte offsets)."""
+def joined_word_hashes(data: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(hashes, starts, ends)`` of the space-separated words of ``data`` (byte offsets): the
+    words must be non-empty (one space between two). Also near dedup's word shingles
+    (``stacklm.data.dedup.shingles``), which hash many documents' words in one call."""
     b = np.frombuffer(data, dtype=np.uint8)
     pw, inv = _POWERS.upto(len(b) + 1)
     spaces = np.flatnonzero(b == 32)
@@ -181,7 +183,7 @@ class NgramIndex:
         if len(words) < n or not size:
             return []
         data = " ".join(words).encode()
-        wh, dstart, dend = _word_hashes(data)
+        wh, dstart, dend = joined_word_hashes(data)
         g = ngram_hashes(wh, n)
         at = np.searchsorted(self.hashes, g)
         cand = np.flatnonzero(at < size)
