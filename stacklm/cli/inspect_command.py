@@ -64,11 +64,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         raise UserError("pass --row (a prebuilt row) or --step (a training run's step), not both")
     if args.step is not None and args.split:
         raise UserError("--split is for a prebuild directory; --step reads the train split the run trained on")
-    if args.step is None:
-        from stacklm.data.storage import remote
+    from stacklm.data.storage import remote
 
-        if remote.is_remote(args.input):  # a shard set in object storage: read from its local mirror
-            args.input = str(remote.mirror(args.input))
+    args.input = remote.file_url_path(args.input)  # file:///x: the local /x
+    if args.step is None and remote.is_remote(args.input):  # a shard set in object storage: read from its local mirror
+        args.input = str(remote.mirror(args.input))
     if args.row is not None:
         return _inspect_row(args)
     if args.step is not None:

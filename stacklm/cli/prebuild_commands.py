@@ -94,6 +94,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from stacklm.tokenizer.bpe import StackTokenizer
 
     tokenizer = StackTokenizer.load(args.tokenizer) if args.tokenizer else None  # the data layer takes it loaded
+    from stacklm.data.storage.remote import file_url_path
+
+    args.dir = file_url_path(args.dir)  # file:///x: the local /x
     report = verify_shard_set(args.dir, tokenizer=tokenizer, progress=not args.no_progress)
     for split, r in report.items():
         print(f"{args.dir} [{split}]: OK — {r['shards']} shards, {r['rows']:,} sequences, {r['tokens']:,} tokens, max id {r['max_id']} < vocab {r['vocab_size']}")
@@ -167,7 +170,11 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         out = url
     for split, c in index.counts().items():
         print(f"{out} [{split}]: {index.meta['docs'][split]:,} documents, {c['exact']:,} exact and {c['near']:,} near duplicates and {c['cross_split']:,} copies of documents kept in another split listed")
-    print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
+    if url is not None:  # stream mode reads dedup.index from a local file only
+        print(f"stream mode: copy {url} to a local file on each training node and set data.pipeline.dedup.index to that path "
+              f"(sha256 {index.content_hash[:16]}...)")
+    else:
+        print(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {index.content_hash[:16]}...)")
     return 0
 
 
@@ -182,6 +189,9 @@ def cmd_ledger(args: argparse.Namespace) -> int:
     from stacklm.data.storage import remote
     from stacklm.data.storage.datafiles import check_data_dir, check_data_file
 
+    from stacklm.data.storage.remote import file_url_path
+
+    args.dir = file_url_path(args.dir)  # file:///x: the local /x
     shown = args.dir
     d = args.dir
     if remote.is_remote(d):  # its manifests, mirrored (no shard is downloaded for a ledger)

@@ -247,26 +247,31 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         from stacklm.errors import TextInputError, TokenizerArtifactError
 
         record = _recorded_sample(main_tok, args.tokenizer)
-        try:
-            digest = SampleDigest(open_recorded_sample(record, args.tokenizer, files=args.train_input))
-        except TextInputError as e:
-            raise TokenizerArtifactError(f"{args.tokenizer}: field 'metadata.training_sample': its training sample cannot be "
-                                         f"read again ({e}); restore it, or leave out --hf-baseline/--overlap-sizes") from None
+
+        def recorded(max_bytes=None):
+            try:
+                return open_recorded_sample(record, args.tokenizer, max_bytes=max_bytes, files=args.train_input)
+            except TextInputError as e:
+                raise TokenizerArtifactError(f"{args.tokenizer}: field 'metadata.training_sample': its training sample cannot "
+                                             f"be read again ({e}); restore it, or leave out --hf-baseline/--overlap-sizes") from None
+
+        # read and hashed first, so a sample that changed is refused before any training time is spent
+        digest = SampleDigest(recorded())
+        for _ in digest:
+            pass
+        _check_sample(record, digest, args.tokenizer)
     if args.hf_baseline:
         from stacklm.tokenizer.hf_baseline import train_hf_bpe
 
         t = time.perf_counter()
         name = f"hf-bpe@{main_tok.vocab_size}"
-        baseline = train_hf_bpe(digest, main_tok.vocab_size, pattern=main_tok.pattern)
-        _check_sample(record, digest, args.tokenizer)
-        tokenizers[name] = baseline
-        baselines[name] = {"trained_on": "the tokenizer's training sample", "bytes": digest.bytes, "sha256": digest.sha256}
-        print(f"trained the HF BpeTrainer baseline on {digest.bytes:,} bytes of {args.tokenizer}'s training sample "
-              f"({_described(record)}) in {time.perf_counter() - t:.1f}s")
-    elif args.overlap_sizes:
-        for _ in digest:  # nothing trains on it: read it only to know it is still the same text
-            pass
-        _check_sample(record, digest, args.tokenizer)
+        cap = args.hf_baseline_bytes if args.hf_baseline_bytes and args.hf_baseline_bytes < digest.bytes else None
+        metered = SampleDigest(recorded(cap) if cap else recorded())  # the first cap bytes of the same sample
+        tokenizers[name] = train_hf_bpe(metered, main_tok.vocab_size, pattern=main_tok.pattern)
+        baselines[name] = {"trained_on": "the tokenizer's training sample" + (" (its first bytes)" if cap else ""),
+                           "bytes": metered.bytes, "sha256": metered.sha256}
+        print(f"trained the HF BpeTrainer baseline on {metered.bytes:,} bytes of {args.tokenizer}'s training sample "
+              f"({_described(record)}; {digest.bytes:,} bytes in all) in {time.perf_counter() - t:.1f}s")
     eval_globs = None if not sources else [g for _, kw in sources for g in (kw.get("inputs") or [])]
     overlap = training_overlap(main_tok, eval_globs)
     if overlap:
@@ -376,6 +381,9 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--hf-baseline", action="store_true",
                    help="also train HF's BpeTrainer at the same vocab on the tokenizer's own training sample (recorded in "
                    "its artifact and checked by hash; never the evaluation text)")
+    e.add_argument("--hf-baseline-bytes", type=positive_int, default=None,
+                   help="cap the HF baseline's training at the first N bytes of that sample (default: all of it, as the "
+                   "tokenizer saw it)")
     e.add_argument("--overlap-sizes", type=int_pair, metavar="SMALL,LARGE",
                    help="train ours on SMALL and LARGE bytes of the tokenizer's training input; report how many merges both learn")
     e.add_argument("--train-input", nargs="+", metavar="PATH",

@@ -45,6 +45,9 @@ class DeliveryCounter:
         self.docs = np.zeros(n, dtype=np.int64)
         self.rows = np.zeros(n, dtype=np.int64)  # packed rows holding any of the source's tokens (shards mode)
         self.counts_rows = False  # whether the batches carried ``rows``
+        # restored from a checkpoint written before rows were counted: a count from the resume on
+        # would read as the whole run's, so none is reported for this run
+        self.rows_unknown = False
         self.hist = np.zeros((n, len(HIST_EDGES) - 1), dtype=np.int64)
         self.positions = 0
         self.batches = 0
@@ -66,7 +69,7 @@ class DeliveryCounter:
         self.tokens[: len(tokens)] += tokens
         docs = np.asarray(delivery["docs"], dtype=np.int64)
         self.docs[: len(docs)] += docs
-        if "rows" in delivery:
+        if "rows" in delivery and not self.rows_unknown:
             rows = np.asarray(delivery["rows"], dtype=np.int64)
             self.rows[: len(rows)] += rows
             self.counts_rows = True
@@ -132,12 +135,16 @@ class DeliveryCounter:
             if "rows" in state:
                 self.rows += np.asarray(state["rows"], dtype=np.int64)
                 self.counts_rows = True
+            elif int(state["batches"]):
+                self.rows_unknown = True
             self.hist += np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
             self.positions += int(state["positions"])
             self.batches += int(state["batches"])
             self.padding_rows += int(state.get("padding_rows", 0))
             for s, v in state.get("ran_dry", {}).items():
                 self.ran_dry.setdefault(s, dict(v))
+        if self.rows_unknown:
+            self.counts_rows = False
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if list(state["sources"]) != self.sources:
@@ -146,6 +153,7 @@ class DeliveryCounter:
         self.docs[:] = state["docs"]
         self.counts_rows = "rows" in state
         self.rows[:] = state["rows"] if self.counts_rows else 0
+        self.rows_unknown = not self.counts_rows and int(state["batches"]) > 0
         self.hist[:] = np.asarray(state["hist"], dtype=np.int64).reshape(self.hist.shape)
         self.positions, self.batches = int(state["positions"]), int(state["batches"])
         self.padding_rows = int(state.get("padding_rows", 0))

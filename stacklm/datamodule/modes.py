@@ -172,7 +172,7 @@ class ShardsMode(DataMode):
         ds = self.dataset("train", run.tokenizer)
         self.skips = resolve_skips(self.skips, list(self.config.skip_steps), position, now=run.step,
                                    step_rows=self.restored_step_rows or run.world_size * self.config.batch_size * run.accumulate,
-                                   num_rows=len(ds), last_step=run.last_step)
+                                   num_rows=len(ds))
         return self._loader(ds, "train", position, run)
 
     def val_loader(self, run: Run) -> ShardsLoader:
@@ -185,7 +185,8 @@ class ShardsMode(DataMode):
         """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
         for the step log."""
         ds = self.dataset("train", run.tokenizer)
-        return skipped_rows(self.skips, len(ds), self.config.seed, shard_window=self.config.shard_window, shard_rows=ds.shard_rows)
+        return skipped_rows(self.skips, len(ds), self.config.seed, shard_window=self.config.shard_window, shard_rows=ds.shard_rows,
+                            last_step=run.last_step)
 
     def position(self, loader: Any) -> dict[str, int] | None:
         """The shape-free position at ``loader`` (the current train loader), else the restored one."""

@@ -174,6 +174,10 @@ class DataConfig(Config):
         if self.shard_window is not None and self.mode != "shards":
             raise DataConfigError(f"field '{DATA_PATH}.shard_window' is for mode 'shards' (got mode {self.mode!r}); remove it")
         object.__setattr__(self, "skip_steps", check_skip_steps(self.skip_steps, self.mode))
+        if isinstance(self.data_dir, str):  # file:///x is the local /x everywhere the path is used
+            from stacklm.data.storage.remote import file_url_path
+
+            object.__setattr__(self, "data_dir", file_url_path(self.data_dir))
         object.__setattr__(self, "pipeline", parse_pipeline(self.pipeline, self.mode, self.seq_len, self.batch_size, self.seed))
 
     @classmethod

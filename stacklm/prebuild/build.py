@@ -283,6 +283,7 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
     stage = Path(stage or remote.staging_dir(url))
     # read first: a URL that cannot be served (no filesystem, no bucket) is refused before anything is written
     remote_top = remote.read_bytes(remote.join(url, mf.MANIFEST_NAME), missing_ok=True)
+    made_stage = not stage.exists()  # a folder the user gave (--stage-dir) is never removed for being empty
     stage.mkdir(parents=True, exist_ok=True)
     copied = False
     built_here = any(p.is_dir() for p in stage.iterdir())  # split dirs or .prebuild: a local build to resume
@@ -302,7 +303,7 @@ def prebuild_remote(url: str, build: Callable[[Path], dict[str, Any]], *, stage:
             raise
         raise PrebuildError(shown, path=url) from None
     finally:
-        if stage.is_dir() and not any(stage.iterdir()):
+        if made_stage and stage.is_dir() and not any(stage.iterdir()):
             stage.rmdir()  # refused before anything was built (a bad flag, another build there): leave no empty folder
     if remote_top is not None and (stage / mf.MANIFEST_NAME).read_bytes() == remote_top and not any(p.is_dir() for p in stage.iterdir()):
         shutil.rmtree(stage, ignore_errors=True)  # already complete there

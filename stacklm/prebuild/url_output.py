@@ -58,7 +58,7 @@ def upload_staged_file(local: Path, url: str, say=None) -> None:
     is in it (the run's logs)."""
     remote.put_file(local, url)
     local.unlink()
-    if not any(local.parent.iterdir()):
-        local.parent.rmdir()  # a cache stage with nothing else in it (the pool's)
+    if local.parent == remote.staging_dir(url, "dedup-index") and not any(local.parent.iterdir()):
+        local.parent.rmdir()  # the cache's stage with nothing else in it (the pool's); never a --stage-dir
     if say is not None:
         say(f"uploaded {local.name} to {url}")

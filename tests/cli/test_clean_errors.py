@@ -316,6 +316,8 @@ def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, t
                                  "--tokens-per-shard", str(SEQ_LEN * 16), "--no-progress")
     assert rc == 0 and "tok/s" not in stderr and "prebuild summary" not in stderr
     assert not list(Path.cwd().glob("file:*")) and not list(tmp_path.glob("file:*"))
+    for command in ("verify", "ledger"):  # and read back through the same URL
+        assert run_cli(capsys, command, out.as_uri())[0] == 0
     top = json.loads((out / "manifest.json").read_text())
     rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.startswith("  ") and line.split()}
     for src in top["sources"]:

@@ -216,7 +216,7 @@ def test_tok_eval_baselines_train_on_the_tokenizers_own_sample_never_the_evaluat
     rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline",
                          "--overlap-sizes", "2000,6000", "--json", str(report), "--train-input", a)
     assert rc == 0, err
-    assert f"HF BpeTrainer baseline on 6,000 bytes of {tmp_path / 'tokA'}'s training sample ({os.path.abspath(a)})" in out
+    assert f"HF BpeTrainer baseline on 6,000 bytes of {tmp_path / 'tokA'}'s training sample ({os.path.abspath(a)}; 6,000 bytes in all)" in out
     data = json.loads(report.read_text())
     assert data["baselines"]["hf-bpe@300"] == {"trained_on": "the tokenizer's training sample", "bytes": 6000,
                                                 "sha256": record["sha256"]}
@@ -230,6 +230,11 @@ def test_tok_eval_baselines_train_on_the_tokenizers_own_sample_never_the_evaluat
     small, large = (train_from_iterable(open_text_input(a, n), 300).tokenizer.merged_tokens for n in (2000, 6000))
     assert data["overlap"] == [o.to_dict() for o in evaluate.merge_overlap_rows(
         small, large, names=("2,000 B sample", "6,000 B sample"))]
+    # --hf-baseline-bytes caps the baseline at the first bytes of the same sample
+    rc, out, err = _eval(capsys, "--tokenizer", str(tmp_path / "tokA"), "--input", b, "--hf-baseline", "--hf-baseline-bytes",
+                         "3000", "--json", str(report), "--train-input", a)
+    capped = json.loads(report.read_text())["baselines"]["hf-bpe@300"]
+    assert rc == 0 and capped["trained_on"].endswith("(its first bytes)") and 0 < capped["bytes"] <= 3000, (err, capped)
     # unavailable: an artifact without a record (tok_dir), then A changed inside the sample
     rc, _, err = _eval(capsys, "--tokenizer", str(tok_dir), "--input", b, "--hf-baseline")
     assert rc == 2 and "field 'metadata.training_sample' is missing" in err and "never on the evaluation text" in err

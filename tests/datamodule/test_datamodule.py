@@ -344,3 +344,20 @@ def test_an_opted_in_offline_fallback_is_recorded_in_data_stats(tokenizer_dir, m
     with pytest.warns(RuntimeWarning, match="OFFLINE FALLBACK: source 'code'"):
         next(iter(dm.train_dataloader()))
     assert dm.data_stats()["offline_fallback"] == ["code"]
+
+
+def test_rows_are_not_reported_for_a_run_resumed_from_a_state_without_them():
+    """A checkpoint written before packed rows were counted: a count from the resume on would read
+    as the whole run's ("N tokens in R rows" with R too small), so the run reports no rows."""
+    from stacklm.datamodule.delivery import DeliveryCounter
+
+    batch = {"tokens": [8], "docs": [1], "rows": [1], "doc_lengths": [[0, 8]]}
+    first = DeliveryCounter(["web"])
+    first.add(8, batch)
+    old = {k: v for k, v in first.state_dict().items() if k != "rows"}
+    for state, rows in ((first.state_dict(), 2), (old, None)):
+        resumed = DeliveryCounter(["web"])
+        resumed.load_state_dict(state)
+        resumed.add(8, batch)
+        assert resumed.stats()["realized"]["web"].get("rows") == rows and resumed.stats()["realized"]["web"]["tokens"] == 16
+        assert ("rows" in resumed.state_dict()) == (rows is not None)

@@ -141,11 +141,12 @@ def test_skip_steps_on_another_world_size(tokenizer_dir, shards_dir, tmp_path):
 def test_a_skip_range_costs_what_the_run_reaches_not_what_it_spans():
     """Issue 32.6: ``skip_steps: [[5, 100000000]]`` listed every step of the range (3 GB and
     growing). ``step_span`` jumps whole steps and epochs (the same positions as walking the steps
-    one by one, checked on random cases with gaps), and a range is resolved only up to the run's
-    last step; a resume with a higher ``max_steps`` resolves the next part."""
+    one by one, checked on random cases with gaps), so the whole range resolves at once (the
+    data after it is what the run without the skip trains at step b + 1, whatever max_steps is);
+    the step log lists only the skipped steps the run reaches."""
     import random
 
-    from stacklm.datamodule.resume.shards import resolve_skips, step_span, walk_steps
+    from stacklm.datamodule.resume.shards import LISTED_SKIPPED_STEPS, resolve_skips, skipped_rows, step_span, walk_steps
 
     rng = random.Random(0)
     for _ in range(300):
@@ -158,10 +159,8 @@ def test_a_skip_range_costs_what_the_run_reaches_not_what_it_spans():
         except ValueError:
             continue
         assert step_span(start, first, count, step_rows, rows, gaps) == (int(walked[first][0][0]), int(walked[-1][1]))
-    whole = resolve_skips([], [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50)  # no step limit: arithmetic
+    whole = resolve_skips([], [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50)
     assert whole == [{"steps": [5, 100_000_000], "positions": [10, 200_000_002], "step_rows": 2}]
-    part = resolve_skips([], [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50, last_step=19)
-    assert part == [{"steps": [5, 19], "positions": [10, 40], "step_rows": 2, "given": [5, 100_000_000]}]
-    assert resolve_skips(part, [(5, 100_000_000)], None, now=0, step_rows=2, num_rows=50, last_step=19) == part
-    more = resolve_skips(part, [(5, 100_000_000)], {"epoch": 0, "rows_served": 40}, now=20, step_rows=2, num_rows=50, last_step=29)
-    assert more[1] == {"steps": [20, 29], "positions": [40, 60], "step_rows": 2, "given": [5, 100_000_000]}
+    listed = [step for step, _, _ in skipped_rows(whole, 50, 0, last_step=19)]
+    assert listed == list(range(5, 20))  # what a run of max_steps 20 reaches
+    assert sum(1 for _ in skipped_rows(whole, 50, 0)) == LISTED_SKIPPED_STEPS  # no step limit: bounded

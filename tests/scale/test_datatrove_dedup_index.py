@@ -99,7 +99,9 @@ def test_local_executor_writes_the_pools_index(corpus, tmp_path, capsys, s3_buck
     assert dedup_index("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2) == 0
     assert_same_index(DedupIndex.load(out), want)
     printed = capsys.readouterr().out
-    assert printed.splitlines()[-2:] == [line.replace(url, str(out)) for line in pool_out.splitlines()[-2:]]
+    assert printed.splitlines()[-2] == pool_out.splitlines()[-2].replace(url, str(out))
+    # stream mode reads a local index only: the URL run says to copy it, not to set the URL
+    assert pool_out.splitlines()[-1].startswith(f"stream mode: copy {url} to a local file")
     assert printed.splitlines()[-1].startswith(f"stream mode: set data.pipeline.dedup.index: {out} (sha256 {want.content_hash[:16]}")
     assert_clean_beside(out)
 
@@ -245,7 +247,7 @@ def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys, s3_bucke
     printed = capsys.readouterr()
     assert ("stacklm dedup-index: per-task resources: signatures cpus:2,mem_gb:8,time:04:00:00; buckets cpus:1,mem_gb:4,time:04:00:00; "
             "decision cpus:1,mem_gb:8,time:12:00:00; index cpus:1,mem_gb:3,time:00:10:00") in printed.err.splitlines()
-    assert f"{out}: every slurm task completed" in printed.out and f"stream mode: set data.pipeline.dedup.index: {out}" in printed.out
+    assert f"{out}: every slurm task completed" in printed.out and f"stream mode: copy {out} to a local file" in printed.out
 
 
 def test_ray_index_is_the_pools(corpus, tmp_path, ray_cluster, s3_bucket):

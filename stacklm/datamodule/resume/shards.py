@@ -112,51 +112,43 @@ def step_span(position: int, first: int, count: int, step_rows: int, num_rows: i
 
 
 def resolve_skips(skips: list[dict[str, Any]], skip_steps: list[tuple[int, int]], position: dict[str, int] | None, *,
-                  now: int, step_rows: int, num_rows: int, last_step: int | None = None) -> list[dict[str, Any]]:
+                  now: int, step_rows: int, num_rows: int) -> list[dict[str, Any]]:
     """``skips`` with every ``skip_steps`` range not yet in it resolved to the stream positions
     its steps consume, walking from ``position`` (at trainer step ``now``) as the loader serves,
     ``step_rows`` rows per step (the run that wrote the checkpoint's, else this run's). Each
-    entry is ``{"steps": [a, b], "positions": [lo, hi], "step_rows": n}``, with ``"given": [A,
-    B]`` when it is a part of the range given: a range is resolved only up to ``last_step``, the
-    run's last step (what a run never reaches is neither walked nor listed in its step log, so
-    memory and time do not grow with the range), and a resume with a higher ``max_steps``
-    resolves the next part. Shape-free from then on and kept in the checkpoint, so a resume on any shape passes
-    over exactly those rows. Sorted by position."""
+    entry is ``{"steps": [a, b], "positions": [lo, hi], "step_rows": n}``; shape-free from then
+    on and kept in the checkpoint, so a resume on any shape passes over exactly those rows.
+    The walk is ``step_span``'s arithmetic, so a range of 10^8 steps costs what one of 10 does.
+    Sorted by position."""
     out = [dict(r) for r in skips]
-
-    def given(r: dict[str, Any]) -> tuple[int, int]:
-        return tuple(r.get("given", r["steps"]))
-
-    reached = {}  # given range -> the last step resolved of it
-    for r in out:
-        reached[given(r)] = max(reached.get(given(r), -1), int(r["steps"][1]))
-    todo = sorted(tuple(r) for r in skip_steps if reached.get(tuple(r), -1) < r[1])
+    done = {tuple(r["steps"]) for r in out}
+    todo = sorted(tuple(r) for r in skip_steps if tuple(r) not in done)
     if not todo:
         return out
     pos = position or {"epoch": 0, "rows_served": 0}
     start = int(pos["epoch"]) * num_rows + int(pos["rows_served"])
     for a, b in todo:
-        first = max(a, reached.get((a, b), a - 1) + 1)  # after the part an earlier, shorter run resolved
-        if first < now:
+        if a < now:
             raise DataConfigError(
                 f"StackDataModule: skip_steps ({a}, {b}) starts before this run's step {now} (the checkpoint's): the "
-                f"steps from {first} on are already trained; resume from a checkpoint at or before step {first}"
+                f"steps from {a} on are already trained; resume from a checkpoint at or before step {a}"
             )
-        end = b if last_step is None else min(b, last_step)
-        if end < first:
-            continue
         gaps = [tuple(r["positions"]) for r in out]
-        lo, hi = step_span(start, first - now, end + 1 - first, step_rows, num_rows, gaps)
-        entry = {"steps": [first, end], "positions": [lo, hi], "step_rows": int(step_rows)}
-        out.append(entry if (first, end) == (a, b) else {**entry, "given": [a, b]})
+        lo, hi = step_span(start, a - now, b + 1 - a, step_rows, num_rows, gaps)
+        out.append({"steps": [a, b], "positions": [lo, hi], "step_rows": int(step_rows)})
     out.sort(key=lambda r: r["positions"][0])
     return out
 
 
+LISTED_SKIPPED_STEPS = 10_000  # skipped steps the step log lists per range without a step limit
+
+
 def skipped_rows(skips: list[dict[str, Any]], num_rows: int, seed: int, *, shard_window: int | None = None,
-                 shard_rows=None) -> Iterator[tuple[int, int, np.ndarray]]:
-    """``(step, epoch, rows)`` of every skipped step: the rows it would have had (all ranks'),
-    for the step log."""
+                 shard_rows=None, last_step: int | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
+    """``(step, epoch, rows)`` of the skipped steps the run can reach (up to ``last_step``, the
+    run's last step; without one, the first ``LISTED_SKIPPED_STEPS`` of each range): the rows each
+    would have had (all ranks'), for the step log. Bounded so that a huge range costs the step log
+    what the run trains, not what the range spans; the range itself is resolved whole."""
     from stacklm.datamodule.resume.sampler import ElasticSampler
 
     order = ElasticSampler(num_rows, 1, seed=seed, rank=0, world_size=1, shuffle=True, loop=False,
@@ -164,6 +156,10 @@ def skipped_rows(skips: list[dict[str, Any]], num_rows: int, seed: int, *, shard
     for r in skips:
         a, b = r["steps"]
         others = [tuple(o["positions"]) for o in skips if o is not r]
-        for k, (positions, _) in enumerate(walk_steps(r["positions"][0], b - a + 1, r["step_rows"], num_rows, others)):
+        last = b if last_step is None else min(b, last_step)
+        listed = min(last - a + 1, LISTED_SKIPPED_STEPS if last_step is None else last - a + 1)
+        if listed <= 0:
+            continue
+        for k, (positions, _) in enumerate(walk_steps(r["positions"][0], listed, r["step_rows"], num_rows, others)):
             epoch = int(positions[0]) // num_rows if len(positions) else 0
             yield a + k, epoch, order.permutation(epoch)[positions - epoch * num_rows]
