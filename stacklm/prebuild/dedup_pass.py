@@ -156,12 +156,13 @@ def load_build_index(path: Path):
         raise PrebuildError(str(e).removeprefix("dedup.index: "), path=path) from None
 
 
-def _check_resumed_corpus(plan, shards: Path) -> None:
+def check_resumed_corpus(plan, shards: Path) -> None:
     """A resumed build's index was decided on the corpus the build began with: refuse to go on
     (in one line naming the source and file) when the corpus or the inputs that decide which
     documents its ids name have changed since (``global_index.check_bound``); its shards would
     mix two corpora and its removed ids would name other documents. Shards of a build begun
-    before the binding existed carry no fingerprint and are not checked."""
+    before the binding existed carry no fingerprint and are not checked. Called on the resume of
+    ``stacklm prebuild`` (``load_or_build``) and of ``prebuild-datatrove`` (its driver)."""
     from stacklm.data.dedup.global_index import check_bound
 
     first = next(iter(sorted(shards.glob("*.npz"))), None)
@@ -186,7 +187,7 @@ def load_or_build(plan, starmap: Starmap | None = None) -> None:
 
     state = state_dir_of(plan.out)
     if (state / INDEX_SHARDS).is_dir():
-        _check_resumed_corpus(plan, state / INDEX_SHARDS)
+        check_resumed_corpus(plan, state / INDEX_SHARDS)
         return
     if (state / INDEX_FILE).exists():
         return

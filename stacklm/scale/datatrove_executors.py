@@ -116,6 +116,11 @@ def prebuild_executors(
     plan = PrebuildPlan(config, tok, Path(out).absolute(), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
     fresh = not (plan.out / STATE_DIR / BUILD_FILE).exists() and not (plan.out / "manifest.json").exists()
     _, complete = prepare(plan)
+    if not complete and not fresh:  # a resume: the removed ids already decided must name this corpus's documents
+        from stacklm.prebuild.dedup_pass import INDEX_SHARDS, check_resumed_corpus
+
+        if (plan.out / STATE_DIR / INDEX_SHARDS).is_dir():
+            check_resumed_corpus(plan, plan.out / STATE_DIR / INDEX_SHARDS)
     if not complete:  # piece indexes built once, here; the task processes find them through the environment
         index_pieces(plan.config, plan.workers, plan.out / STATE_DIR / "pieces")
     # Logs live beside OUT, not in it: the merge removes OUT/.prebuild while its own executor

@@ -638,5 +638,9 @@ def test_an_unfinished_build_resumed_on_a_changed_corpus_is_refused(corpus, toke
     (src / "p2.jsonl").write_bytes(before + b'{"text": "appended after the build began"}\n')
     with pytest.raises(PrebuildError, match=r"source 'std': file p2\.jsonl was [\d,]+ bytes, it is [\d,]+ now; restore the corpus"):
         prebuild(cfg, tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)
+    from stacklm.scale.datatrove_executors import prebuild_executors
+
+    with pytest.raises(PrebuildError, match=r"file p2\.jsonl was [\d,]+ bytes"):  # the engine's resume checks the same
+        prebuild_executors(cfg, tokenizer_512, out, tasks=1, tokens_per_shard=128 * 16, splits=("train",), executor="local")
     (src / "p2.jsonl").write_bytes(before)
     assert prebuild(cfg, tokenizer_512, out, tokens_per_shard=128 * 16, splits=("train",), progress=False)["splits"]["train"]["n_seq"] > 0
