@@ -26,11 +26,13 @@ def _read_build_file(path: Path) -> dict[str, Any]:
     """An unfinished build's ``.prebuild/build.json`` (its identity). Anything else under that
     name (a pickle, a cut or garbled file: a ``UnicodeDecodeError`` traceback before) is one
     line naming the file; data only, never unpickled."""
+    from stacklm.data.storage.statefile import is_pickle_head
+
+    data = path.read_bytes()
     try:
-        found = json.loads(path.read_bytes())
+        found = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        head = path.read_bytes()[:2]
-        what = "pickled data, which stacklm never loads" if len(head) == 2 and head[0] == 0x80 and 2 <= head[1] <= 5 else f"not JSON ({e})"
+        what = "pickled data, which stacklm never loads" if is_pickle_head(data) else f"not JSON ({e})"
         raise PrebuildError(f"{path} is {what}: the unfinished build's identity is damaged; delete {path.parent.parent} and "
                             "build again", path=path) from None
     if not isinstance(found, dict):

@@ -44,10 +44,15 @@ def load_error_detail(e: BaseException, source: bytes | memoryview | str | Path 
     msg = str(e).splitlines()[0] if str(e) else ""
     if "pickle" in msg:
         head = _head(source)
-        if head is None or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5):
+        if head is None or is_pickle_head(head):
             return "it holds pickled data, which stacklm never loads"
         return f"neither a .npz nor a .npy file: it starts with {head!r}"
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
+
+
+def is_pickle_head(head: bytes) -> bool:
+    """Whether ``head`` (a file's first bytes) starts a pickle: ``0x80`` and a protocol 2-5."""
+    return len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5
 
 
 def _head(source, n: int = 12) -> bytes | None:
