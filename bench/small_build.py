@@ -1,12 +1,13 @@
 """What a small build pays for the global dedup pass: a 200,000-token build over ~60 MB of sources.
 
-    python3 bench/small_build.py [--mb 60] [--budget 200000] [--workers 1] [--root DIR] [--profile]
+    python3 bench/small_build.py [--mb 60] [--budget 200000] [--workers 1] [--root DIR] [--sign-margin M] [--profile]
 
 Writes two sources of real text (``stacklm.corpus``: code and prose, cut into documents of at
 most 3,000 characters and repeated with a per-copy word change until the size is reached: so
 the copies are other documents, not exact duplicates) as 8 JSON-lines files each, trains a
 2,048-id tokenizer, and runs ``stacklm prebuild`` with exact + near dedup (the default) and the
-default quality filters, timing the whole build and the dedup pass. ``--profile`` runs
+default quality filters, timing the whole build and the dedup pass (its last stderr lines).
+``--sign-margin 0`` signs the whole corpus (what every build did before ``stacklm.prebuild.signing``). ``--profile`` runs
 ``dedup_pass.signature_slice`` for the train split under cProfile and prints the top functions.
 """
 
@@ -81,6 +82,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--root", type=Path, default=Path("/tmp/small_build"))
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--sign-margin", default=None, help="passed to stacklm prebuild (0: sign the whole corpus, as before)")
     args = ap.parse_args()
 
     root = args.root
@@ -118,6 +120,7 @@ def main() -> None:
     out = root / "out"
     subprocess.run(["rm", "-rf", str(out)], check=True)
     cmd = [sys.executable, "-m", "stacklm", "prebuild", "--config", str(cfg), "--out", str(out), "--workers", str(args.workers)]
+    cmd += ["--sign-margin", args.sign_margin] if args.sign_margin is not None else []
     print("$ " + " ".join(cmd))
     t0 = time.perf_counter()
     run = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

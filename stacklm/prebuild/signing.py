@@ -7,8 +7,8 @@ budget is a small fraction of its sources used to sign all of them: a 200,000-to
 With ``read_order: spread`` a budget reads each file's pieces in a seeded order and keeps every
 file at about its share of the bytes, so what a split reads of a local source is, file by file, a
 prefix of that order. ``signing_plan`` estimates, per split and source, the fraction of each
-file's bytes the split's budget needs (its token budget x the source's bytes per token, sampled,
-/ the split's share of the documents, x ``margin``), and the build signs and reads only each
+file's bytes the split's budget needs (its token budget x the source's bytes read per token the
+quality filter keeps, sampled, / the split's share of the documents, x ``margin``), and the build signs and reads only each
 file's *signed prefix* (``pieces.signed_prefix``: the first pieces of the file's seeded order
 holding that fraction of its bytes). The prefix depends on the file, the seed and the fraction,
 never on ``--workers``, so the removed ids are the same for any ``--workers N``; the packing
@@ -26,22 +26,25 @@ from __future__ import annotations
 
 from typing import Any
 
-SIGN_MARGIN = 3.0  # x the estimate: filter and dedup drops, an uneven split of bytes among --workers
+SIGN_MARGIN = 3.0  # x the estimate: dedup drops, the sample's error, an uneven split of bytes among --workers
 WHOLE_AT = 0.5  # an estimated fraction at least this: sign the source whole
 SAMPLE_DOCS = 200  # documents read to measure a source's bytes per token
 
 
 def _bytes_per_token(config, entry, tokenizer) -> tuple[float, int]:
-    """(input bytes per token, the source's size in bytes), from the first ``SAMPLE_DOCS``
-    documents of the source in its spread order (one reader, before holdout and filters)."""
+    """(input bytes read per token kept by the quality filter, the source's size in bytes),
+    from the first ``SAMPLE_DOCS`` documents of the source in its spread order (one reader):
+    a source whose filter drops half its documents needs twice the bytes."""
     from stacklm.data.pipeline import read_order_seed
+    from stacklm.data.quality.filters import filter_reason
     from stacklm.data.sources import ShardSpec, open_source
 
     src = open_source(entry, shard=ShardSpec(), order_seed=read_order_seed(config, entry.name))
     src.reset(None)
     tokens = 0
     for _, doc in zip(range(SAMPLE_DOCS), src):
-        tokens += len(tokenizer.encode(doc["text"])) + 2  # <bos> ... <eos>
+        if filter_reason(doc, config.filters, entry.filter_rules()) is None:
+            tokens += len(tokenizer.encode(doc["text"])) + 2  # <bos> ... <eos>
     return src.bytes_in / max(tokens, 1), src.input_bytes
 
 

@@ -285,6 +285,7 @@ def test_a_small_build_signs_only_what_its_budget_reaches_and_says_so(tmp_path, 
             {"name": "four", "kind": "local", "path": glob, "weight": 1.0, "domain": "code", "filters": "none"}]},
     })
     seed = read_order_seed(cfg, "four")
+    fraction = signing_plan(cfg, tokenizer_512, ("train",))["fractions"]["train"]["four"]  # what the builds below sign
     texts, dedup, signed_bytes = {}, {}, {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
@@ -297,7 +298,6 @@ def test_a_small_build_signs_only_what_its_budget_reaches_and_says_so(tmp_path, 
         assert signed_bytes[workers] < 0.25 * top["read_volume"]["input_total"]  # the whole corpus before
         assert vol["packing"]["total"] <= signed_bytes[workers]
         dedup[workers] = top["global_dedup"]
-        fraction = signing_plan(cfg, tokenizer_512, ("train",))["fractions"]["train"]["four"]
         # every delivered document lies in the signed prefix of its file (the rows of its signed pieces)
         rows = {}
         for k in range(4):
