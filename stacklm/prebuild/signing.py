@@ -85,7 +85,8 @@ def describe(plan: dict[str, Any], total_tokens: int) -> str | None:
     for split, fr in plan["fractions"].items():
         if fr:
             parts.append(f"{split}: " + ", ".join(f"{name} {f:.1%}" for name, f in fr.items()))
-    return (f"prebuild: budget {total_tokens:,} tokens is {total_tokens / max(have, 1):.1%} of the sources' ~{have:,} tokens: "
+    return (f"prebuild: budget {total_tokens:,} tokens is {total_tokens / max(have, 1):.1%} of the ~{have:,} tokens its local sources "
+            f"hold after the quality filter (sampled): "
             f"signing only what it can reach ({'; '.join(parts)} of each file's bytes, margin {plan['margin']:g}x; "
             f"other sources and splits whole); --sign-margin 0 signs everything")
 
