@@ -1,7 +1,7 @@
 """The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision over
 all splits (no duplicate set keeps members in two splits), made by the staged decision's
 functions (``stacklm.data.dedup.staged``: buckets, then the cluster, in this process) so its
-memory is bounded by one bucket chunk or the duplicate pairs, not by the corpus; saved as one
+memory is bounded by one bucket chunk or a share of the verified pairs, not by the corpus; saved as one
 removed-id shard per packing job in ``OUT/.prebuild/dedup-index/`` before any packing job starts.
 
 The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ def packing_config(config):
     return dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=False, near=False, index=None))
 
 
-def signature_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int) -> dict[str, Any]:
+def signature_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int,
+                    signed: dict[str, float] | None = None) -> dict[str, Any]:
     """Step 1 for reader ``reader`` of ``readers``: every source's documents after holdout and
     filter, as signature records (``collect_signatures``). A plain function of plain
-    arguments, so it runs in a spawned process or a datatrove task alike."""
+    arguments, so it runs in a spawned process or a datatrove task alike. ``signed``: the
+    sources of which only a prefix is signed, with its fraction (``stacklm.prebuild.signing``)."""
     from stacklm.data.dedup.global_index import collect_signatures
     from stacklm.data.pipeline import PipelineConfig, document_chain, last_document_node
     from stacklm.data.sources import ShardSpec
@@ -60,6 +63,8 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     def docs():
         for i, entry in enumerate(config.mix.entries):
             chain = document_chain(config, entry, split, ShardSpec(0, 1, reader, readers))
+            if signed and entry.name in signed:
+                chain["source"].limit_to_signed(signed[entry.name])
             node = last_document_node(chain)
             node.reset(None)
             yield from node
@@ -68,36 +73,40 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     return {**collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact), "bytes_in": bytes_in}
 
 
-def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int, sig_dir: str) -> dict[str, Any]:
+def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int, sig_dir: str,
+                signed: dict[str, float] | None = None) -> dict[str, Any]:
     """Step 1 for one slice, written to disk as the staged decision's signature columns
     (``staged.write_signature_dir``) by the process that read it: what comes back to the
     parent is only the slice's read volume, so the parent never holds every signature (the
     one-process decision did: ~1.5 GB per million documents)."""
     from stacklm.data.dedup.staged import write_signature_dir
 
-    sig = signature_slice(config_dict, split, reader, readers)
+    sig = signature_slice(config_dict, split, reader, readers, signed)
     meta = write_signature_dir(sig, split, sig_dir)
     return {"split": split, "docs": int(meta["n"]), "bytes_in": [int(x) for x in sig["bytes_in"]]}
 
 
 def build_index_shards(
     config, splits: Sequence[str], readers: int, work_dir: str | Path, out_dir: str | Path,
-    starmap: Starmap | None = None,
+    starmap: Starmap | None = None, signed: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), through
     ``starmap``: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then every
-    bucket task (``staged.staged_decision``), then the cluster here, so the largest process
-    holds one bucket chunk or the duplicate pairs, never every document; then one removed-id
-    shard per slice in ``out_dir/<job>.npz`` (written beside and renamed, so a half-written set
-    is never taken for a finished one). ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
+    bucket task (``staged.staged_decision``), then the decision here, so the largest process
+    holds one bucket chunk or one partition of the verified pairs, never every document; then one removed-id
+    shard per slice in ``out_dir/<job>.npz``, its evidence beside it (``<job>.evidence.npz``),
+    all written beside and renamed, so a half-written set is never taken for a finished one. ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
     each tuple, in order -- ``stacklm prebuild``'s pool runs both the slices and the bucket
     tasks in parallel; default: one after the other, here.
     The decision is ``decide_splits``'s (canonical kept copy, val wins across splits), so the
     removed ids are the same as the one-process decision's for any ``readers``.
+    ``signed``: a small build's ``signing.signing_plan``: each split signs only the listed
+    sources' signed prefixes; recorded in every shard's meta, where the packing jobs read it.
     Returns the shard paths, in (split, reader) order."""
     import shutil
 
     from stacklm.data.dedup import staged
+    from stacklm.data.dedup.shards import write_index_shards
     from stacklm.data.dedup.global_index import binding_meta
     from stacklm.prebuild.plan import job_name
 
@@ -105,7 +114,8 @@ def build_index_shards(
     cfg = config.to_dict()
     names = [job_name(s, r) for s in splits for r in range(readers)]
     dirs = [work_dir / "sig" / n for n in names]
-    jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
+    fractions = (signed or {}).get("fractions", {})
+    jobs = [(cfg, s, r, readers, str(d), fractions.get(s)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
     starmap = starmap or staged.in_process
     # what the index is bound to (``global_index.check_bound``), taken before anything is read
     binding = binding_meta(config)
@@ -116,10 +126,11 @@ def build_index_shards(
     for res in results:
         for e, n in zip(config.mix.entries, res["bytes_in"]):
             bytes_read[res["split"]][e.name] += int(n)
-    removed = staged.staged_decision(dirs, starmap=starmap)
+    decision = staged.staged_decision(dirs, starmap=starmap, threshold=config.dedup.near_threshold, work_dir=work_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    staged.write_index_shards(dirs, removed, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding})
+    write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding,
+                                             **({"signed": signed} if signed else {})})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -129,18 +140,21 @@ def build_index_shards(
 
 def build_dedup_index(
     config, splits: Sequence[str], readers: int, starmap: Starmap | None = None, work_dir: str | Path | None = None,
+    out: str | Path | None = None,
 ):
     """The whole index in one ``DedupIndex`` (``stacklm dedup-index``, tests): the staged
     decision's shards (``build_index_shards``, in ``work_dir``, default a temporary folder)
-    merged (``staged.load_shards``: the same arrays, hash and counts as one file)."""
+    merged (``shards.load_shards``: the same arrays, hash and counts as one file); saved at
+    ``out`` with its evidence beside it when given (``shards.save_merged``)."""
     import shutil
     import tempfile
 
-    from stacklm.data.dedup.staged import load_shards
+    from stacklm.data.dedup.shards import load_shards, save_merged
 
     work = Path(tempfile.mkdtemp(prefix=".dedup-index-", dir=work_dir))
     try:
-        return load_shards(build_index_shards(config, splits, readers, work, work / "index", starmap))
+        paths = build_index_shards(config, splits, readers, work, work / "index", starmap)
+        return save_merged(paths, out) if out is not None else load_shards(paths)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -165,7 +179,9 @@ def check_resumed_corpus(plan, shards: Path) -> None:
     ``stacklm prebuild`` (``load_or_build``) and of ``prebuild-datatrove`` (its driver)."""
     from stacklm.data.dedup.global_index import check_bound
 
-    first = next(iter(sorted(shards.glob("*.npz"))), None)
+    from stacklm.data.dedup.shards import index_shard_paths
+
+    first = next(iter(index_shard_paths(shards)), None)
     if first is None:
         return
     index = load_build_index(first)
@@ -191,4 +207,10 @@ def load_or_build(plan, starmap: Starmap | None = None) -> None:
         return
     if (state / INDEX_FILE).exists():
         return
-    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap)
+    from stacklm.prebuild import signing
+
+    signed = signing.signing_plan(plan.config, plan.tokenizer, plan.splits, plan.sign_margin)
+    line = signing.describe(signed, plan.config.mix.total_tokens)
+    if line:  # said whatever the progress setting: it decides what the dedup pass can see
+        print(line, file=sys.stderr)
+    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap, signed)

@@ -338,9 +338,9 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
 
         index = load_build_index(index_path)
     elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts
-        from stacklm.data.dedup.staged import load_shards
+        from stacklm.data.dedup.shards import index_shard_paths, load_shards
 
-        index = load_shards(sorted(shard_dir.glob("*.npz")))
+        index = load_shards(index_shard_paths(shard_dir))
     if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
     volume = read_volume(summaries, index.meta.get("bytes_read") if index is not None else None)
