@@ -1,8 +1,10 @@
-"""Peak memory and wall time of the global dedup decision at corpus scale: the staged decision
-(``stacklm.data.dedup.staged``, what ``prebuild-datatrove`` runs) side by side with the old
-single-process ``decide_splits``, on synthetic signatures.
+"""Peak memory and time of the global dedup decision at corpus scale: the staged, verified
+decision (``stacklm.data.dedup.staged``, what ``prebuild-datatrove`` runs) on synthetic
+signatures, every stage task its own process; optionally beside the one-process reference
+``decide_splits``.
 
-    python3 bench/dedup_scale.py --docs 1000000 10000000 [--chain 100000] [--old 1000000] [--inproc 1000000] [--slices 8]
+    python3 bench/dedup_scale.py --docs 1000000 10000000 [--chain 100000] [--partitions 1 4]
+        [--old 1000000] [--inproc 1000000] [--count-pairs] [--slices 8]
 
 Signatures are synthetic (no text). By default (``--gen web``, ``WebLayout``) they have web-like
 duplicate structure: power-law cluster sizes (a cluster has copies with probability
@@ -12,8 +14,8 @@ thousands), copies of copies (a copy's parent is a random earlier member of its 
 that keep each of their parent's 120 MinHash values with probability J ~ U(``--jmin`` 0.7, 1)
 and draw a fresh one otherwise, so they share only some of its 12 bands (folded by
 ``MinHasher.band_keys``, the library's keys); ``--chain N`` plants one drift chain of N links.
-With the defaults the bucket tasks find ~0.57 distinct candidate pairs per document (printed
-per size). Every value is a function of the document number (and a seeded per-block draw of
+With the defaults the banding proposes 0.57 (1M documents) to 0.59 (10M) distinct candidate
+pairs per document (``--count-pairs`` prints it). Every value is a function of the document number (and a seeded per-block draw of
 the cluster sizes), so each signature task generates its own slice without holding the corpus.
 ``--gen dup`` is the older, gentler generator: a ``--dup`` fraction of documents copies an
 earlier original (chosen by hash), half exactly and half near (one band key shared): ~0.15
@@ -23,16 +25,24 @@ Documents are dealt to ``--slices`` slices per split (the signature tasks), ids
 
 Every stage task runs as its own process, one after the other (``os.wait4`` gives its peak
 RSS, ``ru_maxrss``): ``sig`` (one per slice: generate and write the slice's signature columns,
-and the old format when ``--old`` includes this size), ``buckets`` (1 digest range + 12 bands
-x ``--ranges``), ``cluster`` (one: the pairs -> sharded removed ids), ``inproc`` (one, sizes in
-``--inproc``: every bucket task and the cluster in one process, ``staged.staged_decision``, the
-decision ``stacklm prebuild`` and ``stacklm dedup-index`` make in their parent process) and ``old`` (one: load
-every slice and run ``decide_splits``, what ``StackDedupDecision`` did); ``base`` is a task
-that only imports (every task's floor: numpy, torch via stacklm.data). CPU seconds are
+``minhash`` included, and the reference's format when ``--old`` includes this size);
+``pairs`` (``--count-pairs``: one task counting the distinct candidate pairs, the pairs the
+banding proposes); then per ``--partitions`` count P: ``buckets`` (1 digest range + 12 bands x
+``--ranges``: ``staged.run_bucket_task``, the exact decision and the verified edges, written
+per decision partition) and ``decision`` (one: ``staged.decide_partitioned``, its passes over
+one partition of the edges at a time and the remainder pass, then
+``shards.write_index_shards``: the removed-id shards and their evidence); ``inproc`` (one,
+sizes in ``--inproc``: every bucket task and the decision in one process,
+``staged.staged_decision``, what ``stacklm prebuild`` and ``stacklm dedup-index`` do in their
+parent process) and ``old`` (one: load every slice and run ``decide_splits``); ``base`` is a
+task that only imports (every task's floor: numpy, torch via stacklm.data). CPU seconds are
 printed beside wall seconds: on a shared machine the wall time includes waiting for a core.
-Where both ran, the
-removed ids are checked to be identical (``content_hash``). Prints one table row per stage and
-size, and writes the rows as JSON to ``--json``.
+The removed ids of every partition count and of ``inproc`` are checked to be identical
+(``content_hash``); against ``decide_splits`` the removed set must be the same, and removals
+filed under another reason (near vs cross_split: the two name another kept copy) are counted.
+Prints one table row per stage and size and a summary line (records in shared buckets,
+verified edges, the remainder pass, removed counts, cluster statistics), and writes them as
+JSON to ``--json``.
 """
 
 from __future__ import annotations
@@ -259,8 +269,13 @@ def slice_records(n: int, slices: int, split: str, w: int, dup: float, val: floa
         shared = _mix(base * C1 + k + np.uint64(1))  # the base's band k
         rows = np.flatnonzero(near)
         bands[rows, k[rows].astype(np.int64)] = shared[rows]
+        # MinHash values (what verification compares): the text's own; a near copy takes ~85 % of its base's
+        perm = np.arange(NUM_PERM, dtype=np.uint64)[None, :]
+        values = _mix(text[:, None] * C2 + perm + np.uint64(100)).astype(np.uint32)
+        take = _unit(j[rows, None] * np.uint64(NUM_PERM) + perm, 26) < 0.85
+        values[rows] = np.where(take, _mix(base[rows, None] * C2 + perm + np.uint64(100)).astype(np.uint32), values[rows])
     ids, source = _ids(j)
-    return {"ids": ids, "source": source, "digest": digest, "bands": bands}
+    return {"ids": ids, "source": source, "digest": digest, "bands": bands, "minhash": values}
 
 
 def jobs(slices: int) -> list[tuple[str, int]]:
@@ -287,42 +302,101 @@ def task(args) -> None:
         if args.write_old:
             (root / "old").mkdir(exist_ok=True)
             np.savez(root / "old" / f"{s}-w{w:03d}.npz", **rec)
-    elif args.task == "buckets":
-        columns = ["digest"] + [f"band{b}" for b in range(NUM_BANDS)]
-        column = columns[args.index // args.ranges]
-        r = args.index % args.ranges
-        pairs = staged.bucket_pairs(dirs, column, *staged.key_range(r, args.ranges))
-        staged.save_pairs(pairs, root / "pairs" / f"{column}-r{r:04d}.npy")
-    elif args.task == "cluster":
-        files = sorted((root / "pairs").glob("*.npy"))
-        ex = [staged.load_pair_files([p for p in files if p.name.startswith("digest")])]
-        nr = [staged.load_pair_files([p for p in files if not p.name.startswith("digest")])]
-        removed = staged.cluster_pairs(dirs, ex, nr)
-        staged.write_index_shards(dirs, removed, root / "index")
-        index = staged.load_shards(sorted((root / "index").glob("*.npz")))
-        (root / "new.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts(),
-                                                   "pairs": int(sum(p.shape[0] for p in ex + nr)),
-                                                   "candidates": int(staged.unique_pairs(np.concatenate(ex + nr)).shape[0]),
-                                                   "pairs_written": int(sum(staged.load_pairs(p).shape[0] for p in files))}))
+    elif args.task == "buckets":  # one bucket task: a band (or the digest) x key range, its verified edges per partition
+        column, r = bucket_tasks(args.ranges)[args.index][:2]
+        out = root / f"p{args.partitions}"
+        stats = staged.run_bucket_task(dirs, column, r, args.ranges, out / "pairs", args.threshold, args.partitions)
+        (out / f"{column}-r{r:04d}.json").write_text(json.dumps(stats))
+    elif args.task == "decision":  # the partitioned passes and the remainder pass, then the shards and their evidence
+        from stacklm.data.dedup.shards import load_shards, write_index_shards
+
+        out = root / f"p{args.partitions}"
+        exact, near = staged.bucket_files(out / "pairs", bucket_tasks(args.ranges), args.partitions)
+        decision = staged.decide_partitioned(dirs, exact, near)
+        write_index_shards(dirs, decision, out / "index")
+        index = load_shards(sorted((out / "index").glob("*[0-9].npz")))
+        buckets = {}
+        for f in out.glob("*.json"):
+            for k, v in json.loads(f.read_text()).items():
+                buckets[k] = buckets.get(k, 0) + v
+        (out / "decision.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts(), "stats": decision.stats, "buckets": buckets}))
+    elif args.task == "pairs":  # --count-pairs: the distinct candidate pairs (shared digest or band), what the verification checks
+        (root / "pairs.json").write_text(json.dumps({"candidates": candidate_pairs(dirs)}))
     elif args.task == "inproc":  # stages 2 and 3 in one process: `stacklm prebuild`'s and `dedup-index`'s decision
-        removed = staged.staged_decision(dirs, args.ranges, args.ranges)
-        staged.write_index_shards(dirs, removed, root / "index-inproc")
-        (root / "inproc.json").write_text(json.dumps({"hash": staged.load_shards(sorted((root / "index-inproc").glob("*.npz"))).content_hash}))
+        from stacklm.data.dedup.shards import load_shards, write_index_shards
+
+        decision = staged.staged_decision(dirs, args.ranges, args.ranges, threshold=args.threshold, partitions=args.partitions, work_dir=root)
+        write_index_shards(dirs, decision, root / "index-inproc")
+        (root / "inproc.json").write_text(json.dumps({"hash": load_shards(sorted((root / "index-inproc").glob("*[0-9].npz"))).content_hash}))
     elif args.task == "old":
         from stacklm.data.dedup.global_index import DedupIndex, decide_splits
 
         slices = {s: [] for s in ("val", "train")}
         for s, w in jobs(args.slices):
             with np.load(root / "old" / f"{s}-w{w:03d}.npz", allow_pickle=False) as z:
-                slices[s].append({k: z[k] for k in ("ids", "source", "digest", "bands")})
-        index = DedupIndex.from_decisions(decide_splits(slices))
-        (root / "old.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts()}))
+                slices[s].append({k: z[k] for k in ("ids", "source", "digest", "bands", "minhash")})
+        DedupIndex.from_decisions(decide_splits(slices, threshold=args.threshold)).save(root / "old.npz")
 
 
-def run_task(args, name: str, index: int, write_old: bool = False) -> tuple[float, float, float]:
+def compare_with_reference(root: Path, n: int, parts: int) -> str:
+    """The staged decision's removed ids against ``decide_splits``'s: the removed set must be the
+    same (else the bench stops); the reason of a removal (``near`` or ``cross_split``) follows the
+    kept copy it names, so where the two name different kept copies it is counted and said."""
+    from stacklm.data.dedup.global_index import DedupIndex
+    from stacklm.data.dedup.shards import load_shards
+
+    ref, new = DedupIndex.load(root / "old.npz"), load_shards(sorted((root / f"p{parts}" / "index").glob("*[0-9].npz")))
+    moved = 0
+    for split in sorted(set(ref.splits) | set(new.splits)):
+        def ids(index, reason):
+            return index.splits.get(split, {}).get(reason, np.zeros(0, np.uint64))
+        whole = [np.sort(np.concatenate([ids(x, r) for r in ("exact", "near", "cross_split")])) for x in (ref, new)]
+        if not np.array_equal(*whole):
+            raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the staged decision removed other {split} ids than decide_splits")
+        moved += sum(int(np.setdiff1d(ids(new, r), ids(ref, r)).size) for r in ("exact", "near", "cross_split"))
+    if not moved:
+        return "removed ids identical to decide_splits (same ids, same reasons)"
+    return (f"removed ids the same set as decide_splits', but {moved:,} of them with another reason (near <-> cross_split:"
+            f" the two name another kept copy for them)")
+
+
+def bucket_tasks(ranges: int) -> list[tuple[str, int, int]]:
+    """(column, range, ranges) of every bucket task: the digest and every band, ``ranges`` key ranges each."""
+    return [(c, r, ranges) for c in ["digest"] + [f"band{b}" for b in range(NUM_BANDS)] for r in range(ranges)]
+
+
+def candidate_pairs(dirs: list[Path]) -> int:
+    """Distinct (first member, other member) pairs of every digest and band bucket of two or
+    more records over all slices: the candidate pairs the old cluster held, counted one column
+    at a time (a pair shared by several bands counts once)."""
+    from stacklm.data.dedup.exact import run_starts
+    from stacklm.data.dedup.staged import FILE_SHIFT
+
+    def unique_pairs(pairs: np.ndarray) -> np.ndarray:
+        pairs = pairs[np.lexsort((pairs[:, 1], pairs[:, 0]))]
+        keep = np.ones(pairs.shape[0], dtype=bool)
+        keep[1:] = (pairs[1:] != pairs[:-1]).any(axis=1)
+        return pairs[keep]
+
+    acc = np.zeros((0, 2), dtype=np.uint64)
+    for column in ["digest"] + [f"band{b}" for b in range(NUM_BANDS)]:
+        keys = [np.load(d / f"{column}_key.npy", mmap_mode="r", allow_pickle=False) for d in dirs if (d / f"{column}_key.npy").exists()]
+        nodes = [np.load(d / f"{column}_idx.npy", allow_pickle=False) | np.uint64(f << FILE_SHIFT) for f, d in enumerate(dirs) if (d / f"{column}_key.npy").exists()]
+        kk, nn = np.concatenate(keys), np.concatenate(nodes)
+        order = np.argsort(kk, kind="stable")
+        kk, nn = kk[order], nn[order]
+        head = run_starts(kk)
+        first = np.maximum.accumulate(np.where(head, np.arange(kk.size), 0))
+        dup = np.flatnonzero(~head)
+        acc = unique_pairs(np.concatenate([acc, np.sort(np.stack([nn[first[dup]], nn[dup]], axis=1), axis=1)]))
+    return int(acc.shape[0])
+
+
+def run_task(args, name: str, index: int, partitions: int = 0, write_old: bool = False) -> tuple[float, float, float]:
     """(wall s, peak RSS MB, CPU s) of one stage task in a fresh process."""
     cmd = [sys.executable, __file__, "--task", name, "--index", str(index), "--root", args.root, "--docs", str(args.n),
-           "--slices", str(args.slices), "--ranges", str(args.ranges), "--dup", str(args.dup), "--val", str(args.val),
+           "--slices", str(args.slices), "--ranges", str(args.ranges), "--partitions", str(partitions or args.partitions[0]),
+           "--threshold", str(args.threshold), "--dup", str(args.dup), "--val", str(args.val),
            "--gen", args.gen, "--chain", str(args.chain), "--web-dup", str(args.web_dup), "--alpha", str(args.alpha),
            "--exact", str(args.exact), "--jmin", str(args.jmin)]
     if write_old:
@@ -337,19 +411,24 @@ def run_task(args, name: str, index: int, write_old: bool = False) -> tuple[floa
 
 
 def main() -> None:
+    from stacklm.data.dedup.verify import DEFAULT_THRESHOLD
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--docs", type=int, nargs="+", default=[1_000_000])
-    ap.add_argument("--old", type=int, nargs="*", default=[], help="sizes at which to also run the old single-process decision")
-    ap.add_argument("--inproc", type=int, nargs="*", default=[], help="sizes at which to also run the buckets and cluster in one process (what `stacklm prebuild` and `dedup-index` do)")
+    ap.add_argument("--old", type=int, nargs="*", default=[], help="sizes at which to also run the one-process reference decide_splits (~1.7 GB per million documents)")
+    ap.add_argument("--inproc", type=int, nargs="*", default=[], help="sizes at which to also run the buckets and the decision in one process (staged_decision: what `stacklm prebuild` and `dedup-index` do)")
     ap.add_argument("--slices", type=int, default=8, help="signature tasks per split")
     ap.add_argument("--ranges", type=int, default=1, help="key ranges per band (and digest ranges)")
+    ap.add_argument("--partitions", type=int, nargs="+", default=[1], help="decision partitions; several: the bucket and decision stages run once per count")
+    ap.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="dedup.near_threshold: the fraction of equal MinHash values a verified pair needs")
+    ap.add_argument("--count-pairs", action="store_true", help="also count the distinct candidate pairs (one more task, ~the old cluster's memory)")
     ap.add_argument("--gen", choices=("web", "dup"), default="web", help="web: web-like clusters (WebLayout); dup: the older --dup generator")
     ap.add_argument("--chain", type=int, default=0, help="web: plant one drift chain of this many documents (each link J 0.85 from the one before)")
     ap.add_argument("--web-dup", type=float, default=0.3, help="web: probability that a cluster has copies")
     ap.add_argument("--alpha", type=float, default=2.3, help="web: Zipf exponent of the copies per cluster")
     ap.add_argument("--exact", type=float, default=0.4, help="web: share of copies that are exact")
     ap.add_argument("--jmin", type=float, default=0.7, help="web: a near copy keeps each parent value with probability J ~ U(jmin, 1)")
-    ap.add_argument("--dup", type=float, default=0.1, help="dup: fraction of planted copies (half exact, half sharing one band)")
+    ap.add_argument("--dup", type=float, default=0.1, help="dup: fraction of planted copies (half exact, half near: one band and ~85 %% of the values shared)")
     ap.add_argument("--val", type=float, default=0.05)
     ap.add_argument("--root", default="/tmp/dedup_scale")
     ap.add_argument("--json", default=None)
@@ -358,42 +437,55 @@ def main() -> None:
     ap.add_argument("--write-old", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.task:
-        args.docs = args.docs[0]
+        args.docs, args.partitions = args.docs[0], args.partitions[0]
         return task(args)
     base, rows = args.root, []
-    print(f"{'docs':>11} {'stage':>8} {'tasks':>5} {'max RSS MB':>10} {'max wall s':>10} {'sum wall s':>10} {'max CPU s':>9} {'sum CPU s':>9}")
+    print(f"{'docs':>11} {'stage':>11} {'tasks':>5} {'max RSS MB':>10} {'max wall s':>10} {'sum wall s':>10} {'max CPU s':>9} {'sum CPU s':>9}")
     for n in args.docs:
         args.n, args.root = n, f"{base}/{n}"
         shutil.rmtree(args.root, ignore_errors=True)
         Path(args.root).mkdir(parents=True)
         old = n in args.old
-        stages = [("base", 1), ("sig", len(jobs(args.slices))), ("buckets", (1 + NUM_BANDS) * args.ranges), ("cluster", 1)] + ([("inproc", 1)] if n in args.inproc else []) + ([("old", 1)] if old else [])
-        for name, count in stages:
-            got = [run_task(args, name, i, write_old=old) for i in range(count)]
-            row = {"docs": n, "stage": name, "tasks": count, "max_rss_mb": round(max(g[1] for g in got), 1),
+        stages = [("base", 1, 0), ("sig", len(jobs(args.slices)), 0)] + ([("pairs", 1, 0)] if args.count_pairs else [])
+        for parts in args.partitions:
+            stages += [("buckets", len(bucket_tasks(args.ranges)), parts), ("decision", 1, parts)]
+        stages += ([("inproc", 1, 0)] if n in args.inproc else []) + ([("old", 1, 0)] if old else [])
+        for name, count, parts in stages:
+            got = [run_task(args, name, i, parts, write_old=old) for i in range(count)]
+            label = f"{name} P={parts}" if parts else name
+            row = {"docs": n, "stage": label, "tasks": count, "max_rss_mb": round(max(g[1] for g in got), 1),
                    "max_wall_s": round(max(g[0] for g in got), 2), "sum_wall_s": round(sum(g[0] for g in got), 2),
                    "max_cpu_s": round(max(g[2] for g in got), 2), "sum_cpu_s": round(sum(g[2] for g in got), 2)}
             rows.append(row)
-            print(f"{n:>11,} {name:>8} {count:>5} {row['max_rss_mb']:>10,.1f} {row['max_wall_s']:>10.2f} {row['sum_wall_s']:>10.2f}"
+            print(f"{n:>11,} {label:>11} {count:>5} {row['max_rss_mb']:>10,.1f} {row['max_wall_s']:>10.2f} {row['sum_wall_s']:>10.2f}"
                   f" {row['max_cpu_s']:>9.2f} {row['sum_cpu_s']:>9.2f}", flush=True)
-        new = json.loads((Path(args.root) / "new.json").read_text())
-        line = (f"{n:>11,} pairs {new['pairs_written']:,} written by the bucket tasks, {new['pairs']:,} held by the cluster (distinct per"
-                f" kind: exact, near), {new['candidates']:,} distinct candidate pairs: {new['candidates'] / n:.3f} per document; removed {json.dumps(new['counts'], sort_keys=True)}")
+        results = {parts: json.loads((Path(args.root) / f"p{parts}" / "decision.json").read_text()) for parts in args.partitions}
+        new = results[args.partitions[0]]
+        b, st = new["buckets"], new["stats"]
+        line = (f"{n:>11,} bucket tasks: {b['candidates']:,} records in shared buckets, {b['rows']:,} rows written ({b['unverified']:,} left unverified);"
+                f" decision: {st['edges']:,} distinct verified edges ({st['edges'] / n:.3f} per document), {st['remainder_edges']:,} in the remainder pass;"
+                f" removed {json.dumps(new['counts'], sort_keys=True)}")
+        summary = {"docs": n, "counts": new["counts"], "stats": st, "buckets": b}
+        if args.count_pairs:
+            cand = json.loads((Path(args.root) / "pairs.json").read_text())["candidates"]
+            line += f"; {cand:,} distinct candidate pairs ({cand / n:.3f} per document)"
+            summary["candidates"] = cand
         if args.gen == "web":
             sizes = layout(args, n).cluster_sizes()
             line += (f"; clusters: {sizes.size:,} ({(sizes > 1).sum():,} with copies, {(sizes[sizes > 1] == 2).mean():.0%} of those of size 2,"
                      f" largest {sizes.max():,}), {sizes[sizes > 1].sum() / n:.1%} of documents in one with copies")
+        if any(r["hash"] != new["hash"] for r in results.values()):
+            raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the decision removed other ids with --partitions {args.partitions}")
+        if len(results) > 1:
+            line += f"; removed ids identical for partitions {args.partitions}"
         if old:
-            ref = json.loads((Path(args.root) / "old.json").read_text())
-            if ref["hash"] != new["hash"]:
-                raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the staged decision removed other ids than decide_splits")
-            line += f"; removed ids identical to decide_splits ({json.dumps(ref['counts'], sort_keys=True)})"
+            line += "; " + compare_with_reference(Path(args.root), n, args.partitions[0])
         if n in args.inproc:
             if json.loads((Path(args.root) / "inproc.json").read_text())["hash"] != new["hash"]:
-                raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the in-process staged decision removed other ids than the staged tasks")
-            line += "; in-process staged decision identical"
+                raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the in-process staged_decision removed other ids than the staged tasks")
+            line += "; in-process staged_decision identical"
         print(line, flush=True)
-        rows.append({"docs": n, "pairs": new["pairs"], "candidates": new["candidates"], "pairs_written": new["pairs_written"], "identical_to_old": old or None})
+        rows.append(summary)
         shutil.rmtree(args.root, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
