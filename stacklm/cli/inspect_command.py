@@ -193,8 +193,8 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
         if check_data_file(where / "manifest.json") is None:
             raise UserError(f"{where}/manifest.json is missing: --why needs a finished prebuild (or a config with dedup.index)")
         top = mf.read_manifest(where)
-        if "build" not in top:
-            raise UserError(f"{where}: a split directory; pass the prebuild output directory (its parent) with --why")
+        if "splits" not in top:
+            raise UserError(f"{where}: one split's directory; pass the prebuild output directory (its parent) with --why")
         files = build_evidence_files(where)
         if not files:
             said = ("was built without global dedup (dedup.exact and dedup.near off): it removed nothing" if "global_dedup" not in top
