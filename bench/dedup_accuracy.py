@@ -68,6 +68,7 @@ from stacklm.corpus import iter_default_corpus
 from stacklm.data.dedup import staged
 from stacklm.data.dedup.global_index import collect_signatures, decide_splits
 from stacklm.data.dedup.minhash import DEFAULT_SHINGLE_SIZE, MinHasher, candidate_probability, jaccard
+from stacklm.data.dedup.verify import DEFAULT_THRESHOLD
 from stacklm.data.quality.normalize import normalize_text
 from tests.helpers.synthetic_edits import inject_edits
 
@@ -322,7 +323,7 @@ def run_decision(texts: list[str], hasher: MinHasher | None = None) -> np.ndarra
     with tempfile.TemporaryDirectory(prefix="dedup-accuracy-") as tmp:
         sig_dir = Path(tmp) / "train-w000"
         staged.write_signature_dir(sig, "train", sig_dir)
-        removed = staged.staged_decision([sig_dir]).get(0, {})
+        removed = staged.staged_decision([sig_dir]).removed.get(0, {})
     for reason, c in (("exact", 1), ("near", 2)):
         code[removed.get(reason, np.zeros(0, np.int64))] = c
     ref = decide_splits({"train": [sig]})["train"]
@@ -354,6 +355,13 @@ def measure(corpus: Corpus, truth: GroundTruth, code: np.ndarray) -> dict[str, A
         sel = (best_j == 1.0) if lo == 1.0 else (best_j >= lo) & (best_j < hi)
         bins.append({"bin": _bin_label(lo, hi), "removed": int(sel.sum()), **{k: int((sel & (corpus.kind[r_rows] == k)).sum()) for k in KINDS}})
     out["removals_by_best_kept_j"] = bins[::-1]
+    # the target: nothing removed whose best kept partner is below the threshold minus the
+    # estimator's error bound (3 standard errors of the fraction of equal values at the threshold)
+    num_perm = MinHasher().num_perm
+    out["threshold"] = DEFAULT_THRESHOLD
+    out["bound"] = DEFAULT_THRESHOLD - 3 * (DEFAULT_THRESHOLD * (1 - DEFAULT_THRESHOLD) / num_perm) ** 0.5
+    out["lowest_removal_j"] = float(best_j.min()) if best_j.size else None
+    out["below_bound"] = int((best_j < out["bound"]).sum())
     near_rows = code[r_rows] == 2
     out["precision"] = {
         str(t): {"all": _ratio(int((best_j >= t).sum()), r_rows.size), "near_removals": _ratio(int((best_j[near_rows] >= t).sum()), int(near_rows.sum()))}
@@ -412,6 +420,9 @@ def report(m: dict[str, Any], header: str) -> str:
     for b in m["removals_by_best_kept_j"]:
         lines.append(f"  {b['bin']:<24}{b['removed']:>8}" + "".join(f"{b[k]:>11}" for k in KINDS))
     lines.append("")
+    if m["lowest_removal_j"] is not None:
+        lines.append(f"threshold {m['threshold']} (estimated from {MinHasher().num_perm} MinHash values; 3 standard errors below it: {m['bound']:.3f}): "
+                     f"lowest J of a removal's best kept partner {m['lowest_removal_j']:.3f}, removals below {m['bound']:.3f}: {m['below_bound']}")
     for t, p in m["precision"].items():
         lines.append(f"precision at J >= {t} (removed with a kept partner at J >= {t}): all {_fmt(p['all'])}; near removals {_fmt(p['near_removals'])}")
     for t, r in m["recall"].items():

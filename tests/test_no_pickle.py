@@ -91,8 +91,9 @@ def built(tmp_path_factory, tok_dir):
     real = atomic._write_all
 
     def fills_up(f, data):
-        calls["n"] += 1
-        if calls["n"] == 17:
+        # the 16th write once the dedup index is in place: mid-train, whatever the index wrote
+        calls["n"] += (half / ".prebuild" / "dedup-index").is_dir()
+        if calls["n"] == 16:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(f, data)
 
@@ -167,8 +168,8 @@ def test_a_checkpoint_that_is_no_prebuild_state_is_refused(built, tmp_path, caps
 
 # --- the other readers ---------------------------------------------------------------------
 def test_datatrove_dedup_stage_files_are_refused(built, tmp_path):
-    """The staged dedup decision reads back signature columns (bucket tasks) and pair files (the
-    cluster task): a planted pickle or object array in either is refused naming the file, and
+    """The staged dedup decision reads back signature columns (bucket tasks) and edge files (the
+    decision task): a planted pickle or object array in either is refused naming the file, and
     never runs."""
     from stacklm.data.dedup.staged import write_signature_dir
     from stacklm.scale.datatrove_steps import PAIRS_DIR, StackDedupBuckets, StackDedupCluster, TaskPlan, _sig_dirs, bucket_tasks
@@ -180,7 +181,7 @@ def test_datatrove_dedup_stage_files_are_refused(built, tmp_path):
     plan = TaskPlan(config().to_dict(), tok.to_dict(), str(out), 1, TOKENS_PER_SHARD)
     for d in _sig_dirs(plan):  # real signature columns of one record per slice
         rec = {"ids": np.array([f"web/p0/{d.name}"]), "source": np.zeros(1, np.int32), "digest": np.array([7], np.uint64),
-               "bands": np.arange(1, 13, dtype=np.uint64).reshape(1, 12)}
+               "bands": np.arange(1, 13, dtype=np.uint64).reshape(1, 12), "minhash": np.arange(120, dtype=np.uint32).reshape(1, 120)}
         write_signature_dir(rec, d.name.split("-")[0], d)
     tasks = bucket_tasks(plan)
     marker = tmp_path / "pwned"
@@ -196,7 +197,7 @@ def test_datatrove_dedup_stage_files_are_refused(built, tmp_path):
         column.write_bytes(good)
         for rank in range(len(tasks)):  # the real pairs, then one planted pair file
             list(StackDedupBuckets(plan).run(rank=rank, world_size=len(tasks)))
-        pairs = out / ".prebuild" / PAIRS_DIR / "band3-r0000.npy"
+        pairs = out / ".prebuild" / PAIRS_DIR / "band3-r0000.p0000.npy"
         pairs.write_bytes(make(marker))
         with pytest.raises(ValueError) as e:
             list(StackDedupCluster(plan).run())

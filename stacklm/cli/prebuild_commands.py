@@ -141,8 +141,7 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         # the staged decision's signature columns go beside the index (``build_dedup_index``: a temporary folder, removed after)
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         with worker_pool(workers) as (pool, _):
-            index = build_dedup_index(config, splits, workers, None if pool is None else pool_starmap(pool), work_dir=Path(out).parent)
-        index.save(out)
+            index = build_dedup_index(config, splits, workers, None if pool is None else pool_starmap(pool), work_dir=Path(out).parent, out=out)
     else:  # datatrove: signatures -> buckets -> decision -> index (stacklm.scale.datatrove_executors)
         from stacklm.data.dedup.global_index import DedupIndex
         from stacklm.scale.datatrove_executors import dedup_index_executors  # without datatrove: an error naming [scale]

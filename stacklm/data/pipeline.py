@@ -25,6 +25,7 @@ from torchdata.nodes import BaseNode
 from stacklm.config import Config
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, MinHasher, NearDeduper
 from stacklm.data.dedup.shingles import SHINGLES, default_shingle_size
+from stacklm.data.dedup.verify import DEFAULT_THRESHOLD
 from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_index
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
@@ -56,10 +57,14 @@ class DedupConfig(Config):
     # char, 5 for word). Every near dedup uses them: in-flight, ``dedup-index`` and the prebuild.
     shingle: Literal["char", "word"] = "char"
     shingle_size: int | None = None
+    # The global decision's verification (``stacklm.data.dedup.verify``: why 0.75): a candidate
+    # pair is a near copy when at least this fraction of its MinHash values are equal.
+    # In-flight dedup (no index) does not verify: it holds band keys only.
+    near_threshold: float = DEFAULT_THRESHOLD
 
     # Fields added after configs were hashed: left out of to_dict() at their default, so an
     # existing config keeps its config_hash (a resume is not refused by an upgrade).
-    _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {"shingle": "char", "shingle_size": None}
+    _OMIT_AT_DEFAULT: ClassVar[dict[str, Any]] = {"shingle": "char", "shingle_size": None, "near_threshold": DEFAULT_THRESHOLD}
 
     @property
     def near_shingle_size(self) -> int:
@@ -131,6 +136,8 @@ class PipelineConfig(Config):
         for name in ("exact_max_docs", "near_max_docs"):
             if getattr(self.dedup, name) < 1:
                 raise ConfigError(f"pipeline config: field 'dedup.{name}' must be >= 1, got {getattr(self.dedup, name)}")
+        if not 0.0 < self.dedup.near_threshold <= 1.0:
+            raise ConfigError(f"pipeline config: field 'dedup.near_threshold' must be in (0, 1] (the fraction of equal MinHash values a verified near copy needs), got {self.dedup.near_threshold}")
         if self.dedup.shingle not in SHINGLES:
             raise ConfigError(f"pipeline config: field 'dedup.shingle' must be one of {SHINGLES} (char or word n-grams), got {self.dedup.shingle!r}")
         size = self.dedup.shingle_size

@@ -210,8 +210,8 @@ def worker_pool(workers: int):
 
 def pool_starmap(pool):
     """A ``dedup_pass.Starmap`` over ``pool``: the global dedup pass's slices and bucket tasks run
-    in the build's processes. Their arguments and results are small (paths, read volumes, the
-    duplicate pairs of one bucket task): each slice writes its signature columns to disk, so
+    in the build's processes. Their arguments and results are small (paths, read volumes, a
+    bucket task's counts: its rows go to files): each slice writes its signature columns to disk, so
     the parent never holds the signatures."""
     return lambda fn, args: pool.map(fn, *zip(*args)) if args else iter(())
 

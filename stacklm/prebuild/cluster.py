@@ -70,7 +70,7 @@ class StageResources(Config):
 STAGES: dict[str, tuple[bool, StageResources, str]] = {
     "signatures": (True, StageResources(2, 8, "04:00:00"), "one slice's documents at a time, streaming (dedup on)"),
     "buckets": (True, StageResources(1, 4, "04:00:00"), "one band's (or the digest's) key range, sorted 4M records at a time (dedup on)"),
-    "decision": (False, StageResources(1, 8, "12:00:00"), "the duplicate pairs only, not every document (dedup on)"),
+    "decision": (False, StageResources(1, 8, "12:00:00"), "one partition of the verified pairs at a time, not every document (dedup on)"),
     "main": (True, StageResources(2, 8, "04:00:00"), "the source readers, shuffle and packing buffers of one slice"),
     "merge": (False, StageResources(1, 4, "01:00:00"), "every task's counts (small)"),
     "index": (False, StageResources(1, 4, "01:00:00"), "every slice's removed ids, merged into one index file (`stacklm dedup-index`)"),

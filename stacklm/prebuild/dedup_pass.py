@@ -1,7 +1,7 @@
 """The prebuild's global dedup pass: signatures per (split, reader) slice, then one decision over
 all splits (no duplicate set keeps members in two splits), made by the staged decision's
 functions (``stacklm.data.dedup.staged``: buckets, then the cluster, in this process) so its
-memory is bounded by one bucket chunk or the duplicate pairs, not by the corpus; saved as one
+memory is bounded by one bucket chunk or a share of the verified pairs, not by the corpus; saved as one
 removed-id shard per packing job in ``OUT/.prebuild/dedup-index/`` before any packing job starts.
 
 The packing jobs then run with in-flight dedup off and drop the ids the index lists, so the
@@ -86,10 +86,10 @@ def build_index_shards(
 ) -> list[Path]:
     """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), through
     ``starmap``: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then every
-    bucket task (``staged.staged_decision``), then the cluster here, so the largest process
-    holds one bucket chunk or the duplicate pairs, never every document; then one removed-id
-    shard per slice in ``out_dir/<job>.npz`` (written beside and renamed, so a half-written set
-    is never taken for a finished one). ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
+    bucket task (``staged.staged_decision``), then the decision here, so the largest process
+    holds one bucket chunk or one partition of the verified pairs, never every document; then one removed-id
+    shard per slice in ``out_dir/<job>.npz``, its evidence beside it (``<job>.evidence.npz``),
+    all written beside and renamed, so a half-written set is never taken for a finished one. ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
     each tuple, in order -- ``stacklm prebuild``'s pool runs both the slices and the bucket
     tasks in parallel; default: one after the other, here.
     The decision is ``decide_splits``'s (canonical kept copy, val wins across splits), so the
@@ -98,6 +98,7 @@ def build_index_shards(
     import shutil
 
     from stacklm.data.dedup import staged
+    from stacklm.data.dedup.shards import write_index_shards
     from stacklm.data.dedup.global_index import binding_meta
     from stacklm.prebuild.plan import job_name
 
@@ -116,10 +117,10 @@ def build_index_shards(
     for res in results:
         for e, n in zip(config.mix.entries, res["bytes_in"]):
             bytes_read[res["split"]][e.name] += int(n)
-    removed = staged.staged_decision(dirs, starmap=starmap)
+    decision = staged.staged_decision(dirs, starmap=starmap, threshold=config.dedup.near_threshold, work_dir=work_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    staged.write_index_shards(dirs, removed, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding})
+    write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -129,18 +130,21 @@ def build_index_shards(
 
 def build_dedup_index(
     config, splits: Sequence[str], readers: int, starmap: Starmap | None = None, work_dir: str | Path | None = None,
+    out: str | Path | None = None,
 ):
     """The whole index in one ``DedupIndex`` (``stacklm dedup-index``, tests): the staged
     decision's shards (``build_index_shards``, in ``work_dir``, default a temporary folder)
-    merged (``staged.load_shards``: the same arrays, hash and counts as one file)."""
+    merged (``shards.load_shards``: the same arrays, hash and counts as one file); saved at
+    ``out`` with its evidence beside it when given (``shards.save_merged``)."""
     import shutil
     import tempfile
 
-    from stacklm.data.dedup.staged import load_shards
+    from stacklm.data.dedup.shards import load_shards, save_merged
 
     work = Path(tempfile.mkdtemp(prefix=".dedup-index-", dir=work_dir))
     try:
-        return load_shards(build_index_shards(config, splits, readers, work, work / "index", starmap))
+        paths = build_index_shards(config, splits, readers, work, work / "index", starmap)
+        return save_merged(paths, out) if out is not None else load_shards(paths)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -165,7 +169,9 @@ def check_resumed_corpus(plan, shards: Path) -> None:
     ``stacklm prebuild`` (``load_or_build``) and of ``prebuild-datatrove`` (its driver)."""
     from stacklm.data.dedup.global_index import check_bound
 
-    first = next(iter(sorted(shards.glob("*.npz"))), None)
+    from stacklm.data.dedup.shards import index_shard_paths
+
+    first = next(iter(index_shard_paths(shards)), None)
     if first is None:
         return
     index = load_build_index(first)

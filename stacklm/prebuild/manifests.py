@@ -338,10 +338,9 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
 
         index = load_build_index(index_path)
     elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts
-        from stacklm.data.dedup.evidence import EVIDENCE_SUFFIX
-        from stacklm.data.dedup.staged import load_shards
+        from stacklm.data.dedup.shards import index_shard_paths, load_shards
 
-        index = load_shards(sorted(p for p in shard_dir.glob("*.npz") if not p.name.endswith(EVIDENCE_SUFFIX)))
+        index = load_shards(index_shard_paths(shard_dir))
     if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
         similarity = keep_dedup_evidence(shard_dir, plan.out)
@@ -364,9 +363,10 @@ def keep_dedup_evidence(shard_dir: Path, out: Path) -> dict[str, dict[str, dict[
     before the decision wrote it): nothing is moved, and they say how to get it. Moved, not
     merged: a file per job, so no process holds the evidence of the whole corpus. Idempotent:
     a finalize run again after a crash finds the files already moved."""
-    from stacklm.data.dedup.evidence import BUILD_EVIDENCE_DIR, EVIDENCE_SUFFIX, build_evidence_files, evidence_path, split_histograms
+    from stacklm.data.dedup.evidence import BUILD_EVIDENCE_DIR, build_evidence_files, evidence_path, split_histograms
+    from stacklm.data.dedup.shards import index_shard_paths
 
-    shards = sorted(p for p in shard_dir.glob("*.npz") if not p.name.endswith(EVIDENCE_SUFFIX)) if shard_dir.is_dir() else []
+    shards = index_shard_paths(shard_dir) if shard_dir.is_dir() else []
     kept = out / BUILD_EVIDENCE_DIR
     if not shards or not all(evidence_path(p).exists() or (kept / evidence_path(p).name).exists() for p in shards):
         return None

@@ -55,7 +55,14 @@ def staged_file(url: str, stage: Path) -> Path:
 def upload_staged_file(local: Path, url: str, say=None) -> None:
     """Upload the finished ``local`` file to ``url`` (retried on throttling, one error line naming
     the URL on a permanent failure), then remove it; the folder around it stays if anything else
-    is in it (the run's logs)."""
+    is in it (the run's logs). An index's evidence beside it (``X.evidence.npz``) goes first, to
+    the same place."""
+    from stacklm.data.dedup.evidence import evidence_path
+
+    why = evidence_path(local)
+    if why.exists():
+        remote.put_file(why, url.rsplit("/", 1)[0] + "/" + why.name)
+        why.unlink()
     remote.put_file(local, url)
     local.unlink()
     if local.parent == remote.staging_dir(url, "dedup-index") and not any(local.parent.iterdir()):

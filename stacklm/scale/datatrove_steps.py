@@ -8,9 +8,9 @@ Each datatrove task is one prebuild job: with ``T = --tasks`` per split, task ``
 budget, exactly like ``stacklm prebuild --workers T``. When dedup is on, three executors run
 first, in the shape of datatrove's MinHash dedup (``stacklm.data.dedup.staged``):
 ``StackDedupSignatures`` (every task: its slice's signature columns), ``StackDedupBuckets``
-(one task per band and key range, and per digest range: the duplicate pairs) and
-``StackDedupCluster`` (the ``decision`` stage, one task holding only the pairs: the removed
-ids, one shard per packing task); each packing task drops the ids of its own shard. The
+(one task per band and key range, and per digest range: the exact decision and the verified
+near pairs) and ``StackDedupCluster`` (the ``decision`` stage, one task holding one partition
+of the verified pairs at a time: the removed ids, one shard per packing task, with evidence); each packing task drops the ids of its own shard. The
 decision is the one ``stacklm prebuild`` makes in one process (``decide_splits``: the same
 removed ids), and it does not depend on ``T``. Three steps run in each packing task:
 
@@ -232,8 +232,9 @@ class StackDedupSignatures(_StackStep):
 
 class StackDedupBuckets(_StackStep):
     """Global dedup, stage 2 (datatrove's ``MinhashDedupBuckets``: one task per band and key
-    range; here also one per digest range for exact dedup): the duplicate pairs of its range
-    over every slice, to ``.prebuild/dedup-pairs/<column>-r<range>.npy``. It reads only its
+    range; here also one per digest range for exact dedup): ``staged.run_bucket_task`` over every
+    slice, to ``.prebuild/dedup-pairs/`` (the exact decision of its digest range, or the
+    verified edges of its band range, one file per decision partition). It reads only its
     range of each slice's sorted columns, sorting at most ``staged.DEFAULT_CHUNK`` records at
     once, so its memory does not grow with the corpus."""
 
@@ -241,35 +242,38 @@ class StackDedupBuckets(_StackStep):
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.dedup.staged import bucket_pairs, key_range, save_pairs
+        from stacklm.data.dedup.staged import run_bucket_task
+        from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.plan import STATE_DIR
 
         tasks = bucket_tasks(self.plan)
         if world_size != len(tasks):
             raise ValueError(f"the bucket executor runs {world_size} tasks but the plan has {len(tasks)}; build the executors with `prebuild_executors`")
         column, r, ranges = tasks[rank]
-        pairs = bucket_pairs(_sig_dirs(self.plan), column, *key_range(r, ranges))
-        save_pairs(pairs, Path(self.plan.out) / STATE_DIR / PAIRS_DIR / f"{column}-r{r:04d}.npy")
-        self.stat_update("pairs", value=int(pairs.shape[0]))
+        threshold = PipelineConfig.from_dict(self.plan.config).dedup.near_threshold
+        stats = run_bucket_task(_sig_dirs(self.plan), column, r, ranges, Path(self.plan.out) / STATE_DIR / PAIRS_DIR, threshold)
+        self.stat_update("pairs", value=stats["rows"])
         return
         yield
 
 
 class StackDedupCluster(_StackStep):
     """Global dedup, stages 3 and 4 (one task; datatrove's ``MinhashDedupCluster`` then the
-    removed ids ``MinhashDedupFilter`` reads): union-find over the duplicate pairs only, the
-    kept copy of each set its smallest canonical key (split priority: val wins, then mix entry,
-    part, row: ``staged.cluster_pairs``, the rule of ``decide_splits``, so the same for every
-    ``T``), then one removed-id shard per packing task (``.prebuild/dedup-index/<job>.npz``),
-    which that task alone loads. Our own cluster, not datatrove's: its root is the
-    union-by-size one of task-rank ids (changes with ``T``) and it has no cross-split rule."""
+    removed ids ``MinhashDedupFilter`` reads): ``staged.decide_partitioned`` over the verified
+    edges, one decision partition at a time (a document is removed only for a kept document it
+    is verified-similar to, in canonical order: split priority, val wins, then mix entry, part,
+    row: the rule of ``decide_splits``, so the same for every ``T``), then one removed-id shard
+    per packing task (``.prebuild/dedup-index/<job>.npz``, which that task alone loads) with its
+    evidence beside it. Our own cluster, not datatrove's: its root is the union-by-size one of
+    task-rank ids (changes with ``T``), its components chain, and it has no cross-split rule."""
 
     name = "stacklm dedup cluster"
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.dedup.global_index import binding_meta
-        from stacklm.data.dedup.staged import cluster_pairs, load_pair_files, write_index_shards
+        from stacklm.data.dedup.shards import write_index_shards
+        from stacklm.data.dedup.staged import bucket_files, decide_partitioned, default_partitions, slice_meta
         from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR
@@ -277,14 +281,10 @@ class StackDedupCluster(_StackStep):
         # the config and the folder only, not ``self.built()``: that loads a tokenizer, and
         # ``stacklm dedup-index`` has none (the dedup stages never tokenize)
         state = Path(self.plan.out) / STATE_DIR
-        paths: dict[str, list[Path]] = {"exact": [], "near": []}
-        for column, r, _ in bucket_tasks(self.plan):
-            path = state / PAIRS_DIR / f"{column}-r{r:04d}.npy"
-            if not path.exists():
-                raise FileNotFoundError(f"{path} is missing: the dedup bucket task for {column} range {r} has not finished; rerun the prebuild")
-            paths["exact" if column == "digest" else "near"].append(path)
         dirs = _sig_dirs(self.plan)
-        removed = cluster_pairs(dirs, [load_pair_files(paths["exact"])], [load_pair_files(paths["near"])])
+        partitions = default_partitions(sum(int(slice_meta(d)["n"]) for d in dirs))  # what the bucket tasks split by
+        exact, near = bucket_files(state / PAIRS_DIR, bucket_tasks(self.plan), partitions)
+        removed = decide_partitioned(dirs, exact, near)
         bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
         for d in dirs:
             rec = json.loads(d.with_suffix(".read.json").read_text())
@@ -308,7 +308,7 @@ class StackDedupCluster(_StackStep):
 class StackDedupIndexWriter(_StackStep):
     """``stacklm dedup-index`` on an executor, the last stage (``index``, one task): the cluster's
     removed-id shards (``.prebuild/dedup-index/<job>.npz`` in the work folder), merged in (split,
-    worker) order (``staged.load_shards``: the arrays, ``content_hash`` and counts of the one
+    worker) order (``shards.load_shards``: the arrays, ``content_hash`` and counts of the one
     file ``build_dedup_index`` makes in one process, for any ``T``), saved at ``out_file``
     (written beside and renamed: a reader never sees half a file), then the work folder removed."""
 
@@ -320,7 +320,7 @@ class StackDedupIndexWriter(_StackStep):
         self.out_file = str(out_file)
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
-        from stacklm.data.dedup.staged import load_shards
+        from stacklm.data.dedup.shards import save_merged
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR, job_name
 
@@ -329,8 +329,7 @@ class StackDedupIndexWriter(_StackStep):
         missing = [p for p in paths if not p.exists()]
         if missing:
             raise FileNotFoundError(f"{missing[0]} is missing: the dedup decision task has not finished; rerun the same command")
-        index = load_shards(paths)
-        index.save(self.out_file)  # atomic (``atomic_write_bytes``)
+        index = save_merged(paths, self.out_file)  # atomic (``atomic_write_bytes``), its evidence beside it
         for split, counts in index.counts().items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)

@@ -4,7 +4,7 @@
 The build is a chain of datatrove executors, one per stage, and the stages need very different
 machines: the per-document stages (``signatures``, ``main``) run ``T`` small tasks each, the
 dedup ``buckets`` 13 tasks per ``--dedup-ranges`` (one key range each, bounded memory), the
-dedup ``decision`` is one task whose memory grows with the duplicate pairs (``staged``) and the
+dedup ``decision`` is one task whose memory grows with a share of the verified pairs (``staged``) and the
 ``merge`` (``stacklm dedup-index``: the ``index`` stage, which merges the removed ids into one
 file) is one small task. One ``--cpus-per-task``/``--mem-per-cpu-gb`` for all of them
 either starves the one-task stages or wastes a big allocation on every small task, so each

@@ -419,24 +419,28 @@ def test_what_is_and_is_not_the_same_for_any_workers(corpus, tokenizer_512, tmp_
 
 
 def _planted_records(n: int, rng, nb: int = 12):
-    """Signature records with planted exact copies (same digest, hence the same bands: the
-    same normalised text) and near copies (one shared band), over 3 sources, 7 parts and both
-    splits; ids are ``source/part/row`` like a real source's."""
-    bands = rng.integers(1, 2**63, size=(n, nb), dtype=np.uint64)
+    """Signature records with planted exact copies (same digest, hence the same signature: the
+    same normalised text) and near copies (each MinHash value taken from the original with
+    probability 0.95, 0.85, 0.7 or 0.5, so some pass verification and some only share a band;
+    copies of copies make drift chains), over 3 sources, 7 parts and both splits; ids are
+    ``source/part/row`` like a real source's. Bands are folded from the values as
+    ``MinHasher.band_keys`` folds them."""
+    hasher = MinHasher(num_bands=nb)
+    values = rng.integers(1, 2**63, size=(n, hasher.num_perm), dtype=np.uint64)
     digest = rng.integers(1, 2**63, size=n, dtype=np.uint64)
     for _ in range(n // 4):
         a, b = rng.integers(0, n, size=2)
         if rng.random() < 0.4:
             digest[b] = digest[a]
         else:
-            k = rng.integers(0, nb)
-            bands[b, k] = bands[a, k]
+            take = rng.random(hasher.num_perm) < rng.choice([0.95, 0.85, 0.7, 0.5])
+            values[b, take] = values[a, take]
     _, first, inv = np.unique(digest, return_index=True, return_inverse=True)
-    bands = bands[first[inv.reshape(-1)]]
+    values = values[first[inv.reshape(-1)]]
     src = rng.integers(0, 3, size=n)
     ids = np.array([f"s{src[i]}/part{i % 7}/{i * 13 % 100_003}" for i in range(n)])
     split = np.where(rng.random(n) < 0.2, "val", "train")
-    return ids, src, digest, bands, split
+    return ids, src, digest, hasher.band_keys(values), (values & np.uint64(0xFFFF_FFFF)).astype(np.uint32), split
 
 
 @pytest.mark.filterwarnings("ignore:.*ran dry")
@@ -474,22 +478,36 @@ def test_prebuild_and_dedup_index_remove_what_the_one_process_decision_removed(s
 
 
 def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path):
-    """Signatures -> per-band/range buckets -> pairs-only cluster -> sharded removed ids gives
-    exactly ``decide_splits``'s removed ids (reasons included, the val copy winning across
-    splits), for T = 1/2/4 slices per split, 1 or 3 key ranges per band and bucket tasks that
-    sort 300 records at a time; each shard lists only its own slice's ids."""
+    """Signatures -> per-band/range verified buckets -> partitioned decision -> sharded removed
+    ids gives exactly ``decide_splits``'s removed ids (reasons included, the val copy winning
+    across splits), for T = 1/2/4 slices per split, 1 or 3 key ranges per band, bucket tasks
+    that sort 300 records at a time and 1 or 3 decision partitions; each shard lists only its
+    own slice's ids. The rule is verified and does not chain: every near removal names a kept
+    document with >= 75 % of its MinHash values equal (counted here from the values), and
+    pairs that only share a band are not removed."""
+    from stacklm.data.dedup import shards as shards_mod
     from stacklm.data.dedup import staged
+    from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
     from stacklm.data.dedup.global_index import REASONS, decide_splits
 
-    ids, src, digest, bands, split = _planted_records(2000, np.random.default_rng(3))
+    ids, src, digest, bands, minhash, split = _planted_records(2000, np.random.default_rng(3))
+    row_of = {d: i for i, d in enumerate(ids.tolist())}
 
     def slices(t):
-        return {s: [{"ids": ids[q], "source": src[q], "digest": digest[q], "bands": bands[q]}
+        return {s: [{"ids": ids[q], "source": src[q], "digest": digest[q], "bands": bands[q], "minhash": minhash[q]}
                     for q in (np.flatnonzero(split == s)[w::t] for w in range(t))] for s in ("val", "train")}
 
     ref = decide_splits(slices(1))
     want = {s: {r: set(ref[s][r]) for r in REASONS} for s in ref}
     assert want["train"]["cross_split"] and want["train"]["near"] and want["train"]["exact"] and want["val"]["near"]
+    removed_ids = {d for s in want for r in REASONS for d in want[s][r]}
+    equal = lambda a, b: int((minhash[row_of[a]] == minhash[row_of[b]]).sum())  # noqa: E731
+    for s in ref:  # verified, for a kept document
+        for d, k in ref[s]["kept_of"].items():
+            assert k not in removed_ids and equal(d, k) >= 90 and ref[s]["similarity"][d] == pytest.approx(equal(d, k) / 120)
+    shares_band_only = [(a, b) for a in range(len(ids)) for b in np.flatnonzero((bands == bands[a]).any(axis=1)).tolist()
+                        if b > a and (minhash[a] == minhash[b]).sum() < 90 and digest[a] != digest[b]]
+    assert shares_band_only and any(ids[a] not in removed_ids and ids[b] not in removed_ids for a, b in shares_band_only)
     want_hash = DedupIndex.from_decisions(ref).content_hash
     for t in (1, 2, 4):
         dirs, own = [], []
@@ -498,8 +516,8 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
                 dirs.append(tmp_path / f"t{t}" / f"{s}-w{w:03d}")
                 staged.write_signature_dir(p, s, dirs[-1])
                 own.append((s, set(p["ids"].tolist())))
-        for ranges, chunk in ((1, 10**9), (3, 300)):
-            removed = staged.staged_decision(dirs, ranges, ranges, chunk=chunk)
+        for ranges, chunk, partitions in ((1, 10**9, 1), (3, 300, 3)):
+            removed = staged.staged_decision(dirs, ranges, ranges, chunk=chunk, partitions=partitions).removed
             got = {s: {r: set() for r in REASONS} for s in ("val", "train")}
             for f, per in removed.items():
                 s, mine = own[f]
@@ -509,13 +527,54 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
                 assert {names[i] for rows in per.values() for i in rows.tolist()} <= mine
             assert got == want, (t, ranges)
         shards = tmp_path / f"t{t}" / "index"
-        staged.write_index_shards(dirs, staged.staged_decision(dirs), shards)
-        assert staged.load_shards(sorted(shards.glob("*.npz"))).content_hash == want_hash
+        shards_mod.write_index_shards(dirs, staged.staged_decision(dirs), shards)
+        assert shards_mod.load_shards(shards_mod.index_shard_paths(shards)).content_hash == want_hash
         for (s, mine), d in zip(own, dirs):  # a job's shard: its own split, its own documents' ids only
             shard = DedupIndex.load(shards / f"{d.name}.npz")
             assert list(shard.splits) == [s]
             listed = np.concatenate(list(shard.splits[s].values()))
             assert np.isin(listed, np.array([id_key(i) for i in mine], dtype=np.uint64)).all()
+            evidence = DedupEvidence.load(evidence_path(shards / f"{d.name}.npz"))  # why each was removed
+            assert len(evidence) == listed.size
+            for doc in evidence.splits[s]["removed"].tolist():
+                why = evidence.why(s, doc)
+                assert why["kept"] not in removed_ids and doc in want[s][why["reason"]]
+                assert why["similarity"] == (1.0 if why["reason"] == "exact" else pytest.approx(equal(doc, why["kept"]) / 120))
+                assert (why["kept_split"] != s) == (why["reason"] == "cross_split")
+
+
+def test_the_decision_does_not_chain_and_is_linear_in_a_long_chain(tmp_path):
+    """A drift chain A0~A1~...~A_n (each link takes 95 % of the previous one's MinHash values,
+    so documents a few links apart are similar and the ends are unrelated): connected
+    components would keep A0 alone; the rule keeps a document every few links (each one not
+    verified-similar to the kept one before it) and removes the others each for a kept earlier
+    one with >= 90 of 120 values equal, staged and reference alike; 20,000 links decide in one
+    linear pass (the remainder), not 20,000 rounds."""
+    from stacklm.data.dedup import staged
+    from stacklm.data.dedup.global_index import decide_splits
+
+    hasher, rng, n = MinHasher(), np.random.default_rng(5), 20_000
+    values = np.empty((n, hasher.num_perm), dtype=np.uint64)
+    values[0] = rng.integers(1, 2**63, size=hasher.num_perm, dtype=np.uint64)
+    for i in range(1, n):  # each link keeps 95 % of the previous values: J(A_i, A_i+2) ~ 0.9, J(A_i, A_i+4) ~ 0.81 ...
+        values[i] = np.where(rng.random(hasher.num_perm) < 0.95, values[i - 1], rng.integers(1, 2**63, size=hasher.num_perm, dtype=np.uint64))
+    rec = {"ids": np.array([f"s/p0/{i}" for i in range(n)]), "source": np.zeros(n, np.int32),
+           "digest": np.arange(1, n + 1, dtype=np.uint64), "bands": hasher.band_keys(values),
+           "minhash": (values & np.uint64(0xFFFF_FFFF)).astype(np.uint32)}
+    ref = decide_splits({"train": [rec]})["train"]
+    removed = set(ref["near"])
+    low = rec["minhash"]
+    for d, k in ref["kept_of"].items():  # each removed link names an earlier kept one it is verified-similar to
+        i, j = int(d.rsplit("/", 1)[1]), int(k.rsplit("/", 1)[1])
+        assert k not in removed and j < i and (low[i] == low[j]).sum() >= 90
+    kept = sorted(set(range(n)) - {int(d.rsplit("/", 1)[1]) for d in removed})
+    assert kept[0] == 0 and "s/p0/1" in removed and len(kept) > n / 20
+    for a, b in zip(kept, kept[1:]):  # consecutive kept documents are not near copies (J >= 0.9 that share a band)
+        assert (low[a] == low[b]).sum() < 108 or not (rec["bands"][a] == rec["bands"][b]).any()
+    staged.write_signature_dir(rec, "train", tmp_path / "train-w000")
+    decision = staged.staged_decision([tmp_path / "train-w000"], partitions=2)
+    assert {f"s/p0/{i}" for i in decision.removed[0]["near"].tolist()} == removed
+    assert decision.stats["remainder_edges"] > 0.5 * n  # the chain was decided by the linear pass
 
 
 @pytest.mark.slow
@@ -564,7 +623,7 @@ def test_an_empty_slice_takes_part_in_the_staged_decision(tmp_path):
     dirs = [tmp_path / "train-w000", tmp_path / "train-w001"]
     staged.write_signature_dir(full, "train", dirs[0])
     assert staged.write_signature_dir(empty, "train", dirs[1])["n"] == 0
-    removed = staged.staged_decision(dirs)
+    removed = staged.staged_decision(dirs).removed
     assert {f: {r: a.tolist() for r, a in per.items()} for f, per in removed.items()} == {0: {"exact": [1]}}
 
 

@@ -160,7 +160,7 @@ def test_global_pass_with_word_shingles_is_the_same_for_1_and_3_readers(word_cor
     one, three = build_dedup_index(cfg, ("train",), 1), build_dedup_index(cfg, ("train",), 3)
     assert one.content_hash == three.content_hash and one.counts() == three.counts()
     counts = one.counts()["train"]
-    assert counts["exact"] >= 30 and counts["near"] >= 12
+    assert counts["exact"] + counts["near"] >= 42 and counts["exact"] >= 25 and counts["near"] >= 12  # an exact copy of a near-removed document is near
     # every punctuation copy is removed as a near copy (a char 7-gram pass removes 1 of the 12)
     assert one.lookup("train", id_keys([f"std/z_punct.jsonl/{r}" for r in range(len(groups))])).tolist() == [2] * len(groups)
     assert one.meta["dedup"]["shingle"] == "word" and one.meta["dedup"]["shingle_size"] == 5

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from stacklm.data.dedup.global_index import read_meta_npz
 from stacklm.errors import ConfigError
 
 EVIDENCE_FORMAT = "stacklm-dedup-evidence"
@@ -118,23 +119,15 @@ class DedupEvidence:
         in one line naming the file."""
         path = Path(path)
         fix = "it is rewritten with the index (`stacklm dedup-index`, or a new prebuild)"
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(bytes(z["meta"]).decode())
-                arrays = {k: z[k] for k in z.files if k != "meta"}
-        except FileNotFoundError:
-            raise ConfigError(f"{path}: no dedup evidence beside this index (an index built before stacklm wrote evidence); {fix}") from None
-        except Exception as e:
-            raise ConfigError(f"{path}: not a stacklm dedup evidence file ({type(e).__name__}: {e}); {fix}") from None
-        if not isinstance(meta, dict) or meta.get("format") != EVIDENCE_FORMAT:
-            raise ConfigError(f"{path}: not a stacklm dedup evidence file; {fix}")
+        meta, arrays = read_meta_npz(path, EVIDENCE_FORMAT, f"{path}: not a stacklm dedup evidence file",
+                                     f"{path}: no dedup evidence beside this index (an index built before stacklm wrote evidence); {fix}", fix)
         splits: dict[str, dict[str, np.ndarray]] = {}
         for key, a in arrays.items():
             s, _, col = key.rpartition("__")
             if col not in COLUMNS or a.dtype.hasobject:
                 raise ConfigError(f"{path}: not a stacklm dedup evidence file (array {key!r}); {fix}")
             splits.setdefault(s, {})[col] = a
-        return cls(splits, {k: v for k, v in meta.items() if k not in ("format", "version")})
+        return cls(splits, meta)
 
     @classmethod
     def merge(cls, parts: Sequence[DedupEvidence]) -> DedupEvidence:

@@ -13,15 +13,16 @@ multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps
    the union over any slicing is the same set of records.
 2. **decision** (``decide_splits`` here, one process holding every record: the reference rule;
    what the commands run is ``staged.staged_decision``/the datatrove stages, the same removed
-   ids with memory bounded by the duplicate pairs; all splits together so that no duplicate
-   set keeps members in two splits: the val copy wins, train copies are ``cross_split``):
-   records are put in a canonical order that does not depend on the slicing (split, mix
-   entry, part label, row). Exact: sorted by (digest, canonical
-   position), the first of each digest is kept. Near, among the exact survivors: for every
-   band, documents with equal band keys form a bucket; buckets are merged into clusters
-   (connected components, by min-label propagation) and each cluster keeps its earliest
-   document. Like datatrove this is transitive: A~B and B~C remove B and C even when A and C
-   are not similar.
+   ids with memory bounded by a share of the verified pairs; all splits together so that no
+   duplicate set keeps members in two splits: the val copy wins, train copies are
+   ``cross_split``): records are put in a canonical order that does not depend on the
+   slicing (split, mix entry, part label, row). Exact: sorted by (digest, canonical
+   position), the first of each digest is kept. Near: for every band, documents with equal
+   band keys form a bucket; each candidate pair is *verified* on the whole MinHash signature
+   (``verify``: at least ``dedup.near_threshold`` of the values equal) and a document is
+   removed only for an earlier *kept* document it is verified-similar to
+   (``verify.first_fit``). Unlike datatrove's connected components this does not chain: with
+   A~B and B~C but not A~C, B is removed for A and C stays.
 3. **filter**: the ids removed are kept as sorted 64-bit xxh3 digests of the ``doc_id``
    (8 bytes per *removed* document, read-only, never part of a checkpoint); ``DedupNode``
    drops a document whose id digest is listed and counts it as ``exact_dup``/``near_dup``/
@@ -77,18 +78,22 @@ def collect_signatures(docs: Iterable[dict], source_index: Mapping[str, int], ha
     """Step 1 over one reader slice: ``docs`` are the documents after holdout and filter.
 
     Returns plain arrays (picklable, ``np.savez``-able): ``ids`` (the doc_id strings),
-    ``source`` (index in the mix), ``row``, ``digest`` (exact, 0 when off) and ``bands``
-    ((n, num_bands) MinHash band keys, (n, 0) when near dedup is off).
+    ``source`` (index in the mix), ``row``, ``digest`` (exact, 0 when off), ``bands``
+    ((n, num_bands) MinHash band keys, (n, 0) when near dedup is off) and ``minhash`` ((n,
+    num_perm) uint32: the low 32 bits of each MinHash value, what verification compares).
     """
     ids: list[str] = []
     src: list[int] = []
     digests: list[int] = []
     bands: list[np.ndarray] = []
+    values: list[np.ndarray] = []
     batch: list[str] = []
 
     def flush() -> None:
         if hasher is not None and batch:
-            bands.append(hasher.keys(batch, normalized=True))
+            sig = hasher.signatures(batch, normalized=True)
+            bands.append(hasher.band_keys(sig))
+            values.append((sig & np.uint64(0xFFFF_FFFF)).astype(np.uint32))
         batch.clear()
 
     for doc in docs:
@@ -102,53 +107,54 @@ def collect_signatures(docs: Iterable[dict], source_index: Mapping[str, int], ha
                 flush()
     flush()
     nb = hasher.num_bands if hasher is not None else 0
+    npm = hasher.num_perm if hasher is not None else 0
     return {
         "ids": np.array(ids, dtype=str),
         "source": np.array(src, dtype=np.int32),
         "digest": np.array(digests, dtype=np.uint64),
         "bands": np.concatenate(bands) if bands else np.zeros((len(ids), nb), dtype=np.uint64),
+        "minhash": np.concatenate(values) if values else np.zeros((len(ids), npm), dtype=np.uint32),
     }
 
 
-def _components(n: int, bands: np.ndarray) -> np.ndarray:
-    """Cluster label (smallest member position) of each of ``n`` documents that are in canonical
-    order, where documents sharing any band key are linked: min-label propagation over the
-    buckets until nothing changes (a few rounds: the longest chain of buckets)."""
-    label = np.arange(n, dtype=np.int64)
-    groups = []
+def near_edges(bands: np.ndarray, minhash: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The verified edges (``verify.star_edges``) among documents in canonical order: per band,
+    its buckets (equal keys, members in canonical order). Returns ``(lo, hi, equal)``, distinct."""
+    from stacklm.data.dedup.verify import equal_counts, need_equal, star_edges
+
+    need = need_equal(threshold, minhash.shape[1])
+    los, his, eqs = [], [], []
     for b in range(bands.shape[1]):
-        order = np.argsort(bands[:, b], kind="stable")
+        order = np.argsort(bands[:, b], kind="stable")  # stable: canonical order inside a bucket
         head = run_starts(bands[order, b])
-        starts = np.flatnonzero(head)
-        sizes = np.diff(np.append(starts, n))
-        multi = sizes > 1
-        if multi.any():
-            members = np.concatenate([order[s : s + k] for s, k in zip(starts[multi], sizes[multi])])
-            groups.append((members, np.repeat(np.arange(int(multi.sum())), sizes[multi]), np.cumsum(sizes[multi]) - sizes[multi]))
-    changed = True
-    while changed:
-        changed = False
-        for members, group_of, group_start in groups:
-            low = np.minimum.reduceat(label[members], group_start)[group_of]
-            if (low < label[members]).any():
-                np.minimum.at(label, members, low)
-                changed = True
-        label = label[label]  # path halving: follow labels to their own labels
-    return label
+        bucket = np.cumsum(head) - 1
+        size = np.bincount(bucket)
+        multi = size[bucket] > 1
+        rows, bucket = order[multi], bucket[multi]
+        lo, hi, eq, _ = star_edges(bucket, lambda x, y: equal_counts(minhash, rows[x], rows[y]), need)
+        los.append(rows[lo])
+        his.append(rows[hi])
+        eqs.append(eq)
+    if not los:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64), np.zeros(0, np.int64)
+    lo, hi, eq = np.concatenate(los), np.concatenate(his), np.concatenate(eqs)
+    _, first = np.unique(lo * (hi.max(initial=0) + 1) + hi, return_index=True)  # an edge found in several bands once
+    return lo[first], hi[first], eq[first]
 
 
-def decide(parts: Sequence[Mapping[str, Any]], exact: bool = True, near: bool = True) -> dict[str, Any]:
+def decide(parts: Sequence[Mapping[str, Any]], exact: bool = True, near: bool = True, threshold: float | None = None) -> dict[str, Any]:
     """Step 2 for one split alone: ``decide_splits`` over ``{"": parts}``.
 
     Returns ``{"exact": ids removed as exact copies, "near": ids removed as near copies,
     "kept_of": {removed id: the id it duplicates}, "docs": records seen}`` (ids as strings).
     """
-    out = decide_splits({"": parts}, exact, near, priority=("",))[""]
-    return {k: out[k] for k in ("exact", "near", "kept_of", "docs")}
+    out = decide_splits({"": parts}, exact, near, priority=("",), threshold=threshold)[""]
+    return {k: out[k] for k in ("exact", "near", "kept_of", "similarity", "docs")}
 
 
 def decide_splits(
-    slices: Mapping[str, Sequence[Mapping[str, Any]]], exact: bool = True, near: bool = True, priority: Sequence[str] = SPLIT_PRIORITY
+    slices: Mapping[str, Sequence[Mapping[str, Any]]], exact: bool = True, near: bool = True, priority: Sequence[str] = SPLIT_PRIORITY,
+    threshold: float | None = None,
 ) -> dict[str, dict[str, Any]]:
     """Step 2: one global decision over the signature records of every slice of every split.
 
@@ -160,35 +166,45 @@ def decide_splits(
     whole keeps the eval set the same whatever the train corpus holds; the train side loses
     only documents the model would otherwise also see at eval time. A record removed because
     its kept copy is in another split is ``cross_split`` (the ledger's
-    ``dedup/cross_split_dup``), else ``exact`` or ``near``.
+    ``dedup/cross_split_dup``), else ``exact`` or ``near``. Near copies are verified
+    (``verify``): an edge needs ``threshold`` (default ``verify.DEFAULT_THRESHOLD``) of equal
+    MinHash values, and a document is removed only for a *kept* document it has an edge to
+    (``verify.first_fit``: no chaining). This is the reference: ``staged`` makes the same
+    decision in bounded memory.
 
     Returns per split ``{"exact", "near", "cross_split": removed ids, "kept_of": {removed id:
-    kept id}, "docs": records seen}``.
+    kept id}, "similarity": {removed id: estimated Jaccard with it (1.0 exact)}, "docs":
+    records seen}``.
     """
+    from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, first_fit
+
+    threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     order_of = {s: i for i, s in enumerate(priority)}
     names = sorted(slices, key=lambda s: (order_of.get(s, len(order_of)), s))
     rank_of = {s: i for i, s in enumerate(names)}
     parts = [(rank_of[s], p) for s in names for p in slices[s]]
     n = sum(len(p["ids"]) for _, p in parts)
     if n == 0:
-        return {s: {"exact": [], "near": [], "cross_split": [], "kept_of": {}, "docs": 0} for s in names}
+        return {s: {"exact": [], "near": [], "cross_split": [], "kept_of": {}, "similarity": {}, "docs": 0} for s in names}
     ids = np.concatenate([np.asarray(p["ids"], dtype=str) for _, p in parts])
     group = np.concatenate([np.full(len(p["ids"]), r, dtype=np.int32) for r, p in parts])
     source = np.concatenate([np.asarray(p["source"]) for _, p in parts])
     digest = np.concatenate([np.asarray(p["digest"], dtype=np.uint64) for _, p in parts])
     bands = np.concatenate([np.asarray(p["bands"], dtype=np.uint64) for _, p in parts])
+    minhash = np.concatenate([np.asarray(p["minhash"], dtype=np.uint32).reshape(len(p["ids"]), -1) for _, p in parts]) if near else None
     split = [_split_id(d) for d in ids.tolist()]
     prefixes = np.array([s[0] for s in split], dtype=str)
     rows = np.array([s[1] for s in split], dtype=np.int64)
     _, prefix_rank = np.unique(prefixes, return_inverse=True)
     canon = np.lexsort((rows, prefix_rank, source, group))  # canonical order: split, mix entry, part, row
     ids, group, digest, bands = ids[canon], group[canon], digest[canon], bands[canon]
+    minhash = minhash[canon] if minhash is not None else None
     for r in range(len(names)):
         mine = ids[group == r]
         if np.unique(mine).size != mine.size:
             raise ValueError(f"dedup signatures: a document id was recorded twice in split {names[r]!r}; the slices overlap (check the shard specs)")
-    alive = np.ones(n, dtype=bool)
     kept_of = np.arange(n)
+    similarity = np.ones(n, dtype=np.float64)
     removed_exact = np.zeros(n, dtype=bool)
     if exact:
         order = np.argsort(digest, kind="stable")  # stable: canonical order within a digest
@@ -197,13 +213,20 @@ def decide_splits(
         dup = order[~head]
         removed_exact[dup] = True
         kept_of[order] = first
-        alive[dup] = False
     removed_near = np.zeros(n, dtype=bool)
     if near and bands.shape[1]:
-        live = np.flatnonzero(alive)
-        label = _components(live.size, bands[live])
-        removed_near[live[label != np.arange(live.size)]] = True
-        kept_of[live] = live[label]
+        # exact copies are in every bucket of the copy they keep, never before it: they are
+        # bucketed like any document and never kept (``removed_before``)
+        lo, hi, eq = near_edges(bands, minhash, threshold)
+        removed_near, near_kept, equal = first_fit(n, lo, hi, eq, removed_exact, tiebreak=id_keys(ids.tolist()))
+        kept_of[removed_near] = near_kept[removed_near]
+        similarity[removed_near] = equal[removed_near] / minhash.shape[1]
+        # an exact copy whose kept copy is itself removed as a near copy is removed for what
+        # that one was removed for (kept, and at the same similarity): a near removal
+        moved = removed_exact & removed_near[kept_of]
+        kept_of[moved], similarity[moved] = kept_of[kept_of[moved]], similarity[kept_of[moved]]
+        removed_exact &= ~moved
+        removed_near |= moved
     removed = removed_exact | removed_near
     cross = removed & (group[kept_of] != group)
     out = {}
@@ -215,9 +238,31 @@ def decide_splits(
             "near": ids[here & removed_near & ~cross].tolist(),
             "cross_split": ids[here & cross].tolist(),
             "kept_of": {ids[i]: ids[kept_of[i]] for i in sel.tolist()},
+            "similarity": {ids[i]: float(similarity[i]) for i in sel.tolist()},
             "docs": int(here.sum()),
         }
     return out
+
+
+def read_meta_npz(path: Path, fmt: str, what: str, missing: str, fix: str) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(the JSON ``meta`` member without format and version, the other arrays) of an ``.npz``
+    written as the index and its evidence are; data only (``allow_pickle=False``). A missing file
+    is the ``ConfigError`` ``missing``; anything but a ``fmt`` file is ``"{what} (detail); {fix}"``."""
+    import json
+
+    from stacklm.data.storage.statefile import load_error_detail
+
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta, arrays = json.loads(bytes(z["meta"]).decode()), {k: z[k] for k in z.files if k != "meta"}
+    except FileNotFoundError:
+        raise ConfigError(missing) from None
+    except Exception as e:
+        raise ConfigError(f"{what} ({load_error_detail(e, path)}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ConfigError(f"{what} (format {found!r}); {fix}")
+    return {k: v for k, v in meta.items() if k not in ("format", "version")}, arrays
 
 
 class DedupIndex:
@@ -288,29 +333,14 @@ class DedupIndex:
         """The index at ``path`` (data only: ``allow_pickle=False``, so a pickle or an object
         array in its place is refused, never run). ``fix`` ends the error of an unreadable file
         (default: rebuild it with ``stacklm dedup-index``, for the ``dedup.index`` setting)."""
-        import json
-
-
         path = Path(path)
         fix = fix or "rebuild it with `stacklm dedup-index`"
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                meta = json.loads(bytes(z["meta"]).decode())
-                arrays = {k: z[k] for k in z.files if k != "meta"}
-        except FileNotFoundError:
-            raise ConfigError(f"dedup.index: {path} does not exist; build it with `stacklm dedup-index --config C.yaml --out {path}`") from None
-        except Exception as e:
-            from stacklm.data.storage.statefile import load_error_detail
-
-            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index ({load_error_detail(e, path)}); {fix}") from None
-        if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
-            found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
-            raise ConfigError(f"dedup.index: {path} is not a stacklm dedup index (format {found!r}); {fix}")
+        meta, arrays = read_meta_npz(path, INDEX_FORMAT, f"dedup.index: {path} is not a stacklm dedup index",
+                                     f"dedup.index: {path} does not exist; build it with `stacklm dedup-index --config C.yaml --out {path}`", fix)
         splits: dict[str, dict[str, np.ndarray]] = {}
         for key, a in arrays.items():
             s, _, r = key.partition("__")
             splits.setdefault(s, {})[r] = a
-        meta = {k: v for k, v in meta.items() if k not in ("format", "version")}
         return cls(splits, meta)
 
 

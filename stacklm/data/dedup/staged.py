@@ -8,40 +8,44 @@
    the local record index beside them (``band<b>_key/_idx``), the same for the exact digest
    (``digest_key/_idx``), and per record what the kept-copy rule and the index need
    (``source``, ``prefix`` into the slice's small part table ``prefixes``, ``row``, ``idkey``).
-2. **buckets** (``bucket_pairs``; one task per (band, key range) and per digest range): reads
-   from every slice only the rows of its key range (``searchsorted`` on memory-mapped sorted
-   columns) and writes, for every key shared by two or more records, the duplicate pairs
-   (first member, other member) as ``(file << 40 | row)`` node ids. Its memory is bounded by
-   ``chunk`` records whatever the corpus size: a range holding more is processed in key
-   sub-ranges (keys are hashes, so sub-ranges split evenly and a bucket never straddles two).
-3. **cluster** (``cluster_pairs``, one task): union-find over the pairs only (vectorised
-   min-label propagation with pointer jumping), so it holds the distinct duplicate pairs
-   (``load_pair_files``: a set seen in several bands is held once) and the documents in them,
-   never every document. The kept copy of a set is its smallest
-   *canonical* key (split priority, mix entry, part label, row), looked up for the paired
-   documents only from the memory-mapped slice columns: the same rule as ``decide_splits``,
-   so the removed ids are identical to the single-process decision and to each other for
-   every task count (the ``file`` of a node id depends on the slicing; the rule never looks
-   at it). A set with members in two splits keeps its val copy, the others are
-   ``cross_split``.
-4. **removed ids, sharded**: the cluster writes one ``DedupIndex`` per slice
-   (``<job>.npz``, only that slice's removed ids), and the packing task of that slice, which
-   reads exactly the documents the signature task of the same (split, reader) read, loads only
-   its own shard (``load_shards`` merges them back, for the manifest's totals and hash).
-
-Exact dedup by digest ranges the same way: each digest-range task writes the pairs of equal
-digests; the cluster keeps the canonical first of each digest set (exact) and runs the near
-clusters over the band pairs, where an exact copy shares every band with its kept copy, so
-the near sets over all documents are those ``decide_splits`` finds among the exact survivors.
+   With near dedup on, also ``minhash`` ((n, num_perm) uint32): the whole signatures, which
+   verification compares.
+2. **buckets** (``run_bucket_task``; one task per (band, key range) and per digest range):
+   reads from every slice only the rows of its key range (``searchsorted`` on memory-mapped
+   sorted columns), orders the members of every key shared by two or more records
+   canonically (split priority, mix entry, part label, row: read for those records only) and
+   writes ``(file << 40 | row)`` node ids: for the digest, the exact decision itself (the
+   canonical first of a set is kept, the others are removed for it); for a band, the
+   *verified* edges (``verify.star_edges``: a pair counts when at least
+   ``dedup.near_threshold`` of its MinHash values are equal), split into decision partitions
+   by the later node. Its memory is bounded by ``chunk`` records whatever the corpus size: a
+   range holding more is processed in key sub-ranges (keys are hashes, so sub-ranges split
+   evenly and a bucket never straddles two).
+3. **decision** (``decide_partitioned``, one task): ``verify.first_fit``'s rule (a document is
+   removed only for a *kept* document it is verified-similar to; no chaining) in passes over
+   one partition of the edges at a time: the documents with an earlier neighbour, then the
+   removals for a root, then one linear pass over the remainder (drift chains). It holds 8 B
+   per document with an earlier neighbour, one partition's edges and the removed documents,
+   never every pair (``default_partitions``: one partition per 16M documents). The rule reads
+   only the canonical order, never the ``file`` of a node id (which depends on the slicing),
+   so the removed ids are ``decide_splits``'s and the same for every task count. A removed
+   document whose kept copy is in another split (val wins) is ``cross_split``.
+4. **removed ids, sharded** (``shards.write_index_shards``): one ``DedupIndex`` per slice
+   (``<job>.npz``, only that slice's removed ids) and its evidence beside it (``evidence``:
+   the kept document and the estimated similarity of every removal); the packing task of that
+   slice, which reads exactly the documents the signature task of the same (split, reader)
+   read, loads only its own shard (``shards.load_shards`` merges them back, for the manifest's
+   totals and hash).
 
 Why not datatrove's ``MinhashDedupSignature``/``Buckets``/``Cluster``/``Filter`` themselves:
 (a) their signatures shingle and normalise the text their own way, and ours must be the
 stream path's (``MinHasher`` with the config's ``dedup.shingle``: the offline index and in-flight dedup
 decide on the same keys); (b) their cluster keeps the union-by-size root of ``(file, doc)``
-ids, where ``file`` is the task rank, so the kept copy changes with the task count; (c) no
-rule across splits (val wins); (d) their bucket step merges the files in a Python heap, one
-Python object per document and band, where this sorts numpy arrays. The stage boundaries,
-the per-band/per-range task split and the pairs-only cluster are theirs.
+ids, where ``file`` is the task rank, so the kept copy changes with the task count, and it
+takes connected components of unverified candidates (it chains); (c) no rule across splits
+(val wins); (d) their bucket step merges the files in a Python heap, one Python object per
+document and band, where this sorts numpy arrays. The stage boundaries and the
+per-band/per-range task split are theirs.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ import json
 import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +62,13 @@ import numpy as np
 
 from stacklm.data.dedup.exact import run_starts
 from stacklm.data.dedup.global_index import REASONS, SPLIT_PRIORITY, DedupIndex, _split_id, id_keys
+from stacklm.data.dedup.minhash import _fmix64
+from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, first_fit, need_equal, star_edges
 
 FILE_SHIFT = 40  # node id = file << 40 | record: 16M slices of 1T records each
 ROW_MASK = np.uint64((1 << FILE_SHIFT) - 1)
 DEFAULT_CHUNK = 4_000_000  # records a bucket task sorts at once (~100 MB of temporaries)
+PARTITION_DOCS = 16_000_000  # documents per decision partition (``default_partitions``)
 META = "meta.json"
 
 
@@ -96,9 +104,14 @@ def write_signature_dir(sig: Mapping[str, Any], split: str, out: str | Path) -> 
     for b in range(bands.shape[1]):
         order = np.argsort(bands[:, b], kind="stable")
         cols[f"band{b}_key"], cols[f"band{b}_idx"] = bands[order, b], local[order]
+    num_perm = 0
+    if bands.shape[1]:  # near dedup on: the whole signatures, for verification (``verify``)
+        values = np.asarray(sig["minhash"], dtype=np.uint32)
+        cols["minhash"] = np.ascontiguousarray(values if values.ndim == 2 else values.reshape(n, -1 if n else 0))
+        num_perm = int(cols["minhash"].shape[1])
     for name, a in cols.items():
         np.save(tmp / f"{name}.npy", a, allow_pickle=False)
-    meta = {"split": split, "n": n, "exact": exact, "num_bands": int(bands.shape[1])}
+    meta = {"split": split, "n": n, "exact": exact, "num_bands": int(bands.shape[1]), "num_perm": num_perm}
     (tmp / META).write_text(json.dumps(meta, sort_keys=True))
     if out.exists():
         shutil.rmtree(out)
@@ -106,7 +119,7 @@ def write_signature_dir(sig: Mapping[str, Any], split: str, out: str | Path) -> 
     return meta
 
 
-def _meta(d: Path) -> dict[str, Any]:
+def slice_meta(d: Path) -> dict[str, Any]:
     try:
         return json.loads((Path(d) / META).read_text())
     except (OSError, ValueError) as e:
@@ -133,15 +146,49 @@ def key_range(r: int, ranges: int) -> tuple[int, int]:
     return r * step, (1 << 64) if r == ranges - 1 else (r + 1) * step
 
 
-def bucket_pairs(sig_dirs: Sequence[str | Path], column: str, lo: int, hi: int, chunk: int = DEFAULT_CHUNK) -> np.ndarray:
-    """The duplicate pairs ``(m, 2)`` uint64 node ids of every key in ``[lo, hi)`` of ``column``
-    (``digest`` or ``band<b>``) shared by two or more records of the slices ``sig_dirs`` (whose
-    position is the node's file number). Each pair is (first member, other member) of its
-    bucket, so a bucket of k records gives k - 1 pairs."""
-    keys = [_col(d, f"{column}_key") if (Path(d) / f"{column}_key.npy").exists() else np.zeros(0, np.uint64) for d in sig_dirs]
+def _nodes_of(nodes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return (nodes >> np.uint64(FILE_SHIFT)).astype(np.int64), (nodes & ROW_MASK).astype(np.int64)
+
+
+def gather(sig_dirs: Sequence[Path], column: str, nodes: np.ndarray) -> np.ndarray:
+    """Column ``column`` of each node id's record, read from the memory-mapped slice columns."""
+    f, i = _nodes_of(np.asarray(nodes, dtype=np.uint64))
+    out = None
+    for file in np.unique(f).tolist():
+        sel = np.flatnonzero(f == file)
+        got = np.asarray(_col(sig_dirs[file], column)[i[sel]])
+        if out is None:
+            out = np.empty((nodes.size, *got.shape[1:]), dtype=got.dtype)
+        out[sel] = got
+    return out if out is not None else np.zeros(0, dtype=np.uint64)
+
+
+def bucket_task(
+    sig_dirs: Sequence[str | Path], column: str, lo: int, hi: int, threshold: float = DEFAULT_THRESHOLD,
+    chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
+) -> tuple[np.ndarray, dict[str, int]]:
+    """One bucket task: every key in ``[lo, hi)`` of ``column`` (``digest`` or ``band<b>``)
+    shared by two or more records of the slices ``sig_dirs`` (whose position is the node's file
+    number), its members in canonical order (``_canonical_ranks``). Returns ``(rows, stats)``,
+    rows an ``(m, 3)`` uint64 array:
+
+    * ``digest``: the exact decision, made here: (kept copy = the set's canonical first, removed
+      copy, 0) for every other member;
+    * ``band<b>``: the verified edges (``verify.star_edges``): (earlier, later, equal MinHash
+      values) of the pairs with at least ``threshold`` of the values equal.
+
+    Its memory is bounded by ``chunk`` records whatever the corpus size: a range holding more is
+    processed in key sub-ranges (keys are hashes, so sub-ranges split evenly and a bucket never
+    straddles two)."""
+    sig_dirs = [Path(d) for d in sig_dirs]
+    metas = [slice_meta(d) for d in sig_dirs]
+    keys = [_col(d, f"{column}_key") if (d / f"{column}_key.npy").exists() else np.zeros(0, np.uint64) for d in sig_dirs]
     idx = [_col(d, f"{column}_idx") if k.size else None for d, k in zip(sig_dirs, keys)]
     total = sum(_count(k, lo, hi) for k in keys)
     pieces = max(1, -(-total // max(int(chunk), 1)))
+    num_perm = max((int(m.get("num_perm", 0)) for m in metas), default=0)
+    need = need_equal(threshold, num_perm) if num_perm else 0
+    stats = {"records": 0, "candidates": 0, "rows": 0, "unverified": 0}
     out = []
     edges = [lo + (hi - lo) * j // pieces for j in range(pieces + 1)]
     for a, b in zip(edges[:-1], edges[1:]):
@@ -155,15 +202,38 @@ def bucket_pairs(sig_dirs: Sequence[str | Path], column: str, lo: int, hi: int, 
             continue
         kk, nn = np.concatenate(got_k), np.concatenate(got_n)
         del got_k, got_n
+        stats["records"] += int(kk.size)
         order = np.argsort(kk, kind="stable")
         kk, nn = kk[order], nn[order]
-        del order
-        head = run_starts(kk)
-        first = np.maximum.accumulate(np.where(head, np.arange(kk.size), 0))
-        dup = np.flatnonzero(~head)
-        if dup.size:
-            out.append(np.stack([nn[first[dup]], nn[dup]], axis=1))
-    return np.concatenate(out) if out else np.zeros((0, 2), dtype=np.uint64)
+        bucket = np.cumsum(run_starts(kk)) - 1
+        multi = np.bincount(bucket)[bucket] > 1
+        nn, bucket = nn[multi], bucket[multi]
+        del kk, order, multi
+        if not nn.size:
+            continue
+        stats["candidates"] += int(nn.size)
+        rank, _ = _canonical_ranks(nn, sig_dirs, metas, priority)
+        order = np.lexsort((rank, bucket))
+        nn, bucket = nn[order], bucket[order]
+        if column == "digest":
+            head = run_starts(bucket)
+            first = nn[np.maximum.accumulate(np.where(head, np.arange(nn.size), 0))]
+            out.append(np.stack([first[~head], nn[~head], np.zeros(int((~head).sum()), np.uint64)], axis=1))
+            continue
+
+        def equal_of(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+            counts = np.empty(x.size, dtype=np.int64)
+            for s in range(0, x.size, 1 << 16):  # 64k pairs' signatures at a time
+                counts[s : s + (1 << 16)] = (gather(sig_dirs, "minhash", nn[x[s : s + (1 << 16)]])
+                                             == gather(sig_dirs, "minhash", nn[y[s : s + (1 << 16)]])).sum(axis=1)
+            return counts
+
+        c, m, eq, left = star_edges(bucket, equal_of, need)
+        stats["unverified"] += left
+        out.append(np.stack([nn[c], nn[m], eq.astype(np.uint64)], axis=1))
+    rows = np.concatenate(out) if out else np.zeros((0, 3), dtype=np.uint64)
+    stats["rows"] = int(rows.shape[0])
+    return rows, stats
 
 
 def _bounds(k: np.ndarray, a: int, b: int) -> tuple[int, int]:
@@ -179,6 +249,41 @@ def _count(k: np.ndarray, a: int, b: int) -> int:
     return e - s
 
 
+def default_partitions(docs: int) -> int:
+    """Decision partitions for a corpus of ``docs`` records: one per ``PARTITION_DOCS`` (each
+    decision pass then holds the verified edges of about that many documents)."""
+    return max(1, -(-int(docs) // PARTITION_DOCS))
+
+
+def partition_of(nodes: np.ndarray, partitions: int) -> np.ndarray:
+    """The decision partition of each edge's later node (a hash of the node id: even shares)."""
+    return (_fmix64(np.asarray(nodes, dtype=np.uint64).copy()) % np.uint64(partitions)).astype(np.int64)
+
+
+def bucket_file(pairs_dir: str | Path, column: str, r: int, part: int | None = None) -> Path:
+    """A bucket task's output: ``digest-r<r>.npy`` (exact), ``band<b>-r<r>.p<part>.npy`` (near,
+    one per decision partition)."""
+    return Path(pairs_dir) / (f"{column}-r{r:04d}.npy" if part is None else f"{column}-r{r:04d}.p{part:04d}.npy")
+
+
+def run_bucket_task(
+    sig_dirs: Sequence[str | Path], column: str, r: int, ranges: int, pairs_dir: str | Path,
+    threshold: float = DEFAULT_THRESHOLD, partitions: int | None = None, chunk: int = DEFAULT_CHUNK,
+) -> dict[str, int]:
+    """``bucket_task`` for range ``r`` of ``ranges``, written to ``pairs_dir`` (``bucket_file``;
+    near edges split by ``partition_of`` their later node): what the pool's processes and the
+    datatrove bucket tasks run. Returns the task's counts."""
+    partitions = partitions or default_partitions(sum(int(slice_meta(Path(d))["n"]) for d in sig_dirs))
+    rows, stats = bucket_task(sig_dirs, column, *key_range(r, ranges), threshold=threshold, chunk=chunk)
+    if column == "digest":
+        save_pairs(rows, bucket_file(pairs_dir, column, r))
+        return stats
+    part = partition_of(rows[:, 1], partitions)
+    for j in range(partitions):
+        save_pairs(rows[part == j], bucket_file(pairs_dir, column, r, j))
+    return stats
+
+
 def save_pairs(pairs: np.ndarray, path: str | Path) -> None:
     import io
 
@@ -191,7 +296,7 @@ def save_pairs(pairs: np.ndarray, path: str | Path) -> None:
 
 
 def load_pairs(path: str | Path) -> np.ndarray:
-    """A bucket task's pairs; data only (``allow_pickle=False``), anything else refused naming the file."""
+    """A bucket task's rows; data only (``allow_pickle=False``), anything else refused naming the file."""
     try:
         a = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as e:
@@ -200,65 +305,39 @@ def load_pairs(path: str | Path) -> np.ndarray:
         if not isinstance(a, np.ndarray):
             a.close()
         raise ValueError(f"{path}: not a stacklm dedup pair file (not one uint64 array); delete it and re-run the prebuild (the bucket task runs again)")
-    return a.reshape(-1, 2)
+    return a.reshape(-1, 3)
 
 
-def unique_pairs(pairs: np.ndarray) -> np.ndarray:
-    """``pairs`` without repeated rows (sorted)."""
-    pairs = np.ascontiguousarray(pairs, dtype=np.uint64).reshape(-1, 2)
-    if pairs.shape[0] < 2:
-        return pairs
-    order = np.lexsort((pairs[:, 1], pairs[:, 0]))
-    pairs = pairs[order]
-    keep = np.ones(pairs.shape[0], dtype=bool)
-    keep[1:] = (pairs[1:] != pairs[:-1]).any(axis=1)
-    return pairs[keep]
+def bucket_files(pairs_dir: str | Path, tasks: Sequence[tuple[str, int, int]], partitions: int) -> tuple[list[Path], list[list[Path]]]:
+    """(exact files, near files per partition) of the bucket ``tasks`` ``(column, r, ranges)``;
+    a missing one is refused naming it (its task has not finished)."""
+    exact: list[Path] = []
+    near: list[list[Path]] = [[] for _ in range(partitions)]
+    for column, r, _ in tasks:
+        paths = [bucket_file(pairs_dir, column, r)] if column == "digest" else [bucket_file(pairs_dir, column, r, j) for j in range(partitions)]
+        for path in paths:
+            if not path.exists():
+                raise FileNotFoundError(f"{path} is missing: the dedup bucket task for {column} range {r} has not finished; rerun the prebuild")
+        if column == "digest":
+            exact += paths
+        else:
+            for j, path in enumerate(paths):
+                near[j].append(path)
+    return exact, near
 
 
-def load_pair_files(paths: Sequence[str | Path]) -> np.ndarray:
-    """The distinct pairs of all ``paths``, read one file at a time: a duplicate set shows up
-    in many bands (an exact copy in all 12, a near copy in most), always as the same (first,
-    other) pair, so the cluster holds each pair once, not once per band."""
-    acc = np.zeros((0, 2), dtype=np.uint64)
-    for p in paths:
-        acc = unique_pairs(np.concatenate([acc, load_pairs(p)]))
-    return acc
-
-
-# -- 3. cluster ---------------------------------------------------------------------------------------
-def _components(u: np.ndarray, v: np.ndarray, label: np.ndarray) -> np.ndarray:
-    """Smallest ``label`` of each node's connected component over the edges ``u``-``v``
-    (node indices); ``label`` must be a permutation of ``0..n-1`` (the canonical ranks).
-    Min-label propagation with pointer jumping: a few rounds, each O(edges)."""
-    label = label.copy()
-    node_of = np.empty_like(label)
-    node_of[label] = np.arange(label.size)
-    while True:
-        low = np.minimum(label[u], label[v])
-        before = label.copy()
-        np.minimum.at(label, u, low)
-        np.minimum.at(label, v, low)
-        while True:  # pointer jumping: take the label of the node that holds my label
-            jumped = label[node_of[label]]
-            if np.array_equal(jumped, label):
-                break
-            label = jumped
-        if np.array_equal(before, label):
-            return label
-
-
+# -- 3. the decision ---------------------------------------------------------------------------------
 def _canonical_ranks(nodes: np.ndarray, sig_dirs: Sequence[Path], metas: Sequence[Mapping], priority: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(rank in the canonical order, split group) of each node id; the order is
     ``decide_splits``'s (split in ``priority`` order, mix entry, part label, row), read for the
-    paired records only."""
+    given records only (ranks are relative to them; the order is the global one)."""
     names = sorted({m["split"] for m in metas}, key=lambda s: (list(priority).index(s) if s in priority else len(priority), s))
     group_of_file = np.array([names.index(m["split"]) for m in metas], dtype=np.int64)
     tables = [np.asarray(_col(d, "prefixes")) for d in sig_dirs]
     allp, inv = np.unique(np.concatenate(tables) if tables else np.zeros(0, str), return_inverse=True)
     inv = inv.reshape(-1)
     starts = np.cumsum([0] + [t.size for t in tables])
-    f = (nodes >> np.uint64(FILE_SHIFT)).astype(np.int64)
-    i = (nodes & ROW_MASK).astype(np.int64)
+    f, i = _nodes_of(nodes)
     source = np.empty(nodes.size, np.int64)
     prank = np.empty(nodes.size, np.int64)
     row = np.empty(nodes.size, np.int64)
@@ -274,81 +353,122 @@ def _canonical_ranks(nodes: np.ndarray, sig_dirs: Sequence[Path], metas: Sequenc
     return rank, group_of_file[f]
 
 
-def cluster_pairs(
-    sig_dirs: Sequence[str | Path], exact_pairs: Sequence[np.ndarray], near_pairs: Sequence[np.ndarray],
+def _in(a: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Membership of each of ``a`` in the sorted array ``sorted_set``."""
+    if not sorted_set.size:
+        return np.zeros(a.size, dtype=bool)
+    pos = np.minimum(np.searchsorted(sorted_set, a), sorted_set.size - 1)
+    return sorted_set[pos] == a
+
+
+def _load_edges(paths: Sequence[Path], exact_removed: np.ndarray) -> np.ndarray:
+    """One partition's verified edges, each once (an edge is found in every band its pair shares),
+    without the edges of exact copies (never kept, and removed already)."""
+    parts = [e[~(_in(e[:, 0], exact_removed) | _in(e[:, 1], exact_removed))] for e in map(load_pairs, paths)]
+    e = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
+    if e.shape[0] < 2:
+        return e
+    e = e[np.lexsort((e[:, 0], e[:, 1]))]
+    keep = np.ones(e.shape[0], dtype=bool)
+    keep[1:] = (e[1:, :2] != e[:-1, :2]).any(axis=1)
+    return e[keep]
+
+
+@dataclass
+class Decision:
+    """The staged decision: ``removed`` per slice (file number) the local record indices removed,
+    by reason (``exact``, ``near``, ``cross_split``); and per removed node id (``node``) the kept
+    node it duplicates (``kept``), the reason code (1 exact, 2 near, 3 cross_split) and the equal
+    MinHash values of the pair (``equal``, of ``num_perm``; 0 for exact copies)."""
+
+    removed: dict[int, dict[str, np.ndarray]]
+    node: np.ndarray
+    kept: np.ndarray
+    reason: np.ndarray
+    equal: np.ndarray
+    num_perm: int
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+def decide_partitioned(
+    sig_dirs: Sequence[str | Path], exact_files: Sequence[Path], near_files: Sequence[Sequence[Path]],
     priority: Sequence[str] = SPLIT_PRIORITY,
-) -> dict[int, dict[str, np.ndarray]]:
-    """The decision from the pairs: per slice (file number) the local record indices removed,
-    by reason (``exact``, ``near``, ``cross_split``), with the rule of ``decide_splits``."""
+) -> Decision:
+    """The decision from the bucket tasks' files, ``verify.first_fit``'s rule computed in passes
+    over one partition of the verified edges at a time (``near_files[j]``: partition ``j``):
+
+    1. exact: the digest tasks decided it; ``X`` = the exact copies removed (never kept);
+    2. per partition, the later nodes of its edges: ``D`` = every document with an earlier
+       verified neighbour (the others are *roots*: kept by the rule, whatever else happens);
+    3. per partition, a later node with an edge from a root is removed for it (the root with the
+       most equal values, ties: the smallest id digest); the edges of the nodes left undecided
+       are kept for
+    4. the remainder (drift chains, whose links all point to non-roots): ``first_fit`` in
+       canonical order, one pass linear in its edges.
+
+    Largest holding: ``D`` (8 B per document with an earlier neighbour), one partition's edges
+    (24 B each), the removed documents and the remainder's edges -- never every pair at once.
+    The removed set is ``first_fit`` over all edges, so the reference ``decide_splits``'s."""
     sig_dirs = [Path(d) for d in sig_dirs]
-    metas = [_meta(d) for d in sig_dirs]
-    ex = np.concatenate([p.reshape(-1, 2) for p in exact_pairs]) if exact_pairs else np.zeros((0, 2), np.uint64)
-    nr = np.concatenate([p.reshape(-1, 2) for p in near_pairs]) if near_pairs else np.zeros((0, 2), np.uint64)
-    nodes, inv = np.unique(np.concatenate([ex.ravel(), nr.ravel()]), return_inverse=True)
-    inv = inv.reshape(-1)
-    out: dict[int, dict[str, np.ndarray]] = {}
-    if nodes.size == 0:
-        return out
-    rank, group = _canonical_ranks(nodes, sig_dirs, metas, priority)
-    node_of_rank = np.empty_like(rank)
-    node_of_rank[rank] = np.arange(rank.size)
-    n_ex = ex.size
-    eu, ev = inv[:n_ex:2], inv[1:n_ex:2]
-    nu, nv = inv[n_ex::2], inv[n_ex + 1 :: 2]
-    exact_min = _components(eu, ev, rank)
-    near_min = _components(nu, nv, rank)
-    removed_exact = exact_min != rank
-    removed_near = ~removed_exact & (near_min != rank)
-    kept = np.where(removed_exact, node_of_rank[exact_min], node_of_rank[near_min])
-    removed = removed_exact | removed_near
-    cross = removed & (group[kept] != group)
-    f = (nodes >> np.uint64(FILE_SHIFT)).astype(np.int64)
-    i = (nodes & ROW_MASK).astype(np.int64)
-    for reason, mask in (("exact", removed_exact & ~cross), ("near", removed_near & ~cross), ("cross_split", cross)):
+    metas = [slice_meta(d) for d in sig_dirs]
+    num_perm = max((int(m.get("num_perm", 0)) for m in metas), default=0)
+    ex = np.concatenate([load_pairs(p) for p in exact_files]) if exact_files else np.zeros((0, 3), np.uint64)
+    exact_removed = np.sort(ex[:, 1])
+    stats = {"exact_removed": int(ex.shape[0])}
+    later = [np.unique(_load_edges(paths, exact_removed)[:, 1]) for paths in near_files]  # pass 1
+    has_earlier = np.sort(np.concatenate(later)) if later else np.zeros(0, np.uint64)
+    del later
+    stats["edges"] = 0
+    found: list[np.ndarray] = []  # (removed, kept, equal) of pass 2
+    rest: list[np.ndarray] = []  # the remainder's edges
+    for paths in near_files:  # pass 2
+        e = _load_edges(paths, exact_removed)
+        stats["edges"] += int(e.shape[0])
+        root = ~_in(e[:, 0], has_earlier)
+        r = e[root]
+        if r.shape[0]:
+            r = r[np.lexsort((gather(sig_dirs, "idkey", r[:, 0]), -r[:, 2].astype(np.int64), r[:, 1]))]
+            r = r[run_starts(r[:, 1])]
+            found.append(r[:, [1, 0, 2]])
+        rest.append(e[~root & ~_in(e[:, 1], np.sort(r[:, 1]))])
+    near = np.concatenate(found) if found else np.zeros((0, 3), np.uint64)
+    e = np.concatenate(rest) if rest else np.zeros((0, 3), np.uint64)
+    del found, rest
+    e = e[~_in(e[:, 0], np.sort(near[:, 0]))]  # an earlier end removed in pass 2 is never kept
+    stats["remainder_edges"] = int(e.shape[0])
+    if e.shape[0]:  # pass 3
+        nodes, inv = np.unique(e[:, :2].ravel(), return_inverse=True)
+        rank, _ = _canonical_ranks(nodes, sig_dirs, metas, priority)
+        node_of_rank = nodes[np.argsort(rank)]
+        lo, hi = rank[inv.reshape(-1, 2)[:, 0]], rank[inv.reshape(-1, 2)[:, 1]]
+        removed, kept_of, equal = first_fit(nodes.size, lo, hi, e[:, 2].astype(np.int64), tiebreak=gather(sig_dirs, "idkey", node_of_rank))
+        sel = np.flatnonzero(removed)
+        near = np.concatenate([near, np.stack([node_of_rank[sel], node_of_rank[kept_of[sel]], equal[sel].astype(np.uint64)], axis=1)])
+    reason = np.concatenate([np.full(ex.shape[0], 1, np.int8), np.full(near.shape[0], 2, np.int8)])
+    equal = np.concatenate([np.full(ex.shape[0], num_perm, np.int64), near[:, 2].astype(np.int64)])
+    # an exact copy whose kept copy is itself removed as a near copy is removed for what that
+    # one was removed for (kept, at the same similarity): a near removal
+    if near.shape[0] and ex.shape[0]:
+        by_node = np.argsort(near[:, 0])
+        pos = np.minimum(np.searchsorted(near[by_node, 0], ex[:, 0]), near.shape[0] - 1)
+        hit = near[by_node[pos], 0] == ex[:, 0]
+        ex = ex.copy()
+        ex[hit, 0] = near[by_node[pos[hit]], 1]
+        reason[: ex.shape[0]][hit] = 2
+        equal[: ex.shape[0]][hit] = near[by_node[pos[hit]], 2].astype(np.int64)
+    node = np.concatenate([ex[:, 1], near[:, 0]])
+    kept = np.concatenate([ex[:, 0], near[:, 1]])
+    names = sorted({m["split"] for m in metas}, key=lambda s: (list(priority).index(s) if s in priority else len(priority), s))
+    group_of_file = np.array([names.index(m["split"]) for m in metas], dtype=np.int64)
+    f, i = _nodes_of(node)
+    reason[group_of_file[f] != group_of_file[_nodes_of(kept)[0]]] = 3
+    removed_by_file: dict[int, dict[str, np.ndarray]] = {}
+    for code, name in enumerate(REASONS, start=1):
+        mask = reason == code
         for file in np.unique(f[mask]).tolist():
-            out.setdefault(file, {})[reason] = i[mask & (f == file)]
-    return out
-
-
-def write_index_shards(sig_dirs: Sequence[str | Path], removed: Mapping[int, Mapping[str, np.ndarray]], out_dir: str | Path, config_meta: Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
-    """One ``DedupIndex`` per slice at ``out_dir/<slice dir name>.npz``: that slice's split and
-    only its removed ids (``idkey`` of the removed records). Returns the removed counts per split."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    totals: dict[str, dict[str, int]] = {}
-    for file, d in enumerate(sig_dirs):
-        d = Path(d)
-        meta = _meta(d)
-        split = meta["split"]
-        per = removed.get(file, {})
-        idkey = _col(d, "idkey")
-        arrays = {r: np.asarray(idkey[np.sort(per[r])], dtype=np.uint64) if r in per else np.zeros(0, np.uint64) for r in REASONS}
-        counts = {r: int(a.size) for r, a in arrays.items()}
-        t = totals.setdefault(split, {r: 0 for r in REASONS})
-        for r in REASONS:
-            t[r] += counts[r]
-        DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(meta["n"])}, "removed": {split: counts}}).save(out_dir / f"{d.name}.npz")
-    return totals
-
-
-def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
-    """The index of all shards together (what ``decide_index`` would have saved in one file):
-    same arrays, so the same ``content_hash``; ``meta`` sums the shards' ``docs`` and ``removed``."""
-    splits: dict[str, dict[str, list[np.ndarray]]] = {}
-    docs: dict[str, int] = {}
-    removed: dict[str, dict[str, int]] = {}
-    meta: dict[str, Any] = {}
-    for p in paths:
-        shard = DedupIndex.load(p)
-        meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
-        for s, per in shard.splits.items():
-            for r, a in per.items():
-                splits.setdefault(s, {}).setdefault(r, []).append(a)
-            docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
-            for r, c in shard.meta.get("removed", {}).get(s, {}).items():
-                removed.setdefault(s, {}).setdefault(r, 0)
-                removed[s][r] += int(c)
-    return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
+            removed_by_file.setdefault(file, {})[name] = np.sort(i[mask & (f == file)])
+    stats["near_removed"] = int(near.shape[0])
+    return Decision(removed_by_file, node, kept, reason, equal, num_perm, stats)
 
 
 def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
@@ -356,29 +476,41 @@ def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
     return (fn(*a) for a in args)
 
 
+def bucket_task_list(metas: Sequence[Mapping[str, Any]], ranges: int = 1, exact_ranges: int = 1) -> list[tuple[str, int, int]]:
+    """``(column, range, ranges)`` of every bucket task for slices with ``metas``."""
+    nb = max((m["num_bands"] for m in metas), default=0)
+    tasks = [("digest", r, exact_ranges) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
+    return tasks + [(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)]
+
+
 def staged_decision(
     sig_dirs: Sequence[str | Path], ranges: int = 1, exact_ranges: int = 1, chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
     starmap: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
-) -> dict[int, dict[str, np.ndarray]]:
+    threshold: float = DEFAULT_THRESHOLD, partitions: int | None = None, work_dir: str | Path | None = None,
+) -> Decision:
     """Stages 2 and 3 on one machine (``stacklm prebuild``'s pool and ``stacklm dedup-index``, through
     ``prebuild.dedup_pass.build_index_shards``; tests, ``bench/dedup_scale.py``): every bucket task
     through ``starmap(fn, arg_tuples)`` (the build's process pool: one task per band or digest
-    range, run in parallel; default: one after the other, here), then the cluster here. Each
-    bucket task holds one bucket chunk (``chunk`` records) and returns only its pairs, which are
-    merged as they come (``unique_pairs``), so this process holds the distinct duplicate pairs
-    and at most the pairs of the tasks finished and not yet merged, as on the engine."""
-    metas = [_meta(d) for d in sig_dirs]
-    nb = max((m["num_bands"] for m in metas), default=0)
-    starmap = starmap or in_process
-    dirs = [str(d) for d in sig_dirs]
+    range, run in parallel; default: one after the other, here), each writing its rows to a
+    folder beside the signatures (``work_dir``), then the partitioned decision here."""
+    import tempfile
 
-    tasks = [("digest", r, exact_ranges) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
-    tasks += [(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)]
-    merged = {"exact": np.zeros((0, 2), dtype=np.uint64), "near": np.zeros((0, 2), dtype=np.uint64)}
-    # one starmap over every task (exact and near together keep a pool busy), merged as they come
-    for (column, _, _), got in zip(tasks, starmap(bucket_pairs, [(dirs, column, *key_range(r, n), chunk) for column, r, n in tasks])):
-        kind = "exact" if column == "digest" else "near"
-        merged[kind] = unique_pairs(np.concatenate([merged[kind], got]))
-    exact = [merged["exact"]] if any(m["exact"] for m in metas) else []
-    near = [merged["near"]] if nb else []
-    return cluster_pairs(sig_dirs, exact, near, priority)
+    dirs = [str(d) for d in sig_dirs]
+    metas = [slice_meta(Path(d)) for d in dirs]
+    partitions = partitions or default_partitions(sum(int(m["n"]) for m in metas))
+    starmap = starmap or in_process
+    tasks = bucket_task_list(metas, ranges, exact_ranges)
+    base = Path(work_dir) if work_dir is not None else (Path(dirs[0]).parent if dirs else Path(tempfile.gettempdir()))
+    pairs_dir = Path(tempfile.mkdtemp(prefix=".dedup-pairs-", dir=base))
+    try:
+        stats: dict[str, int] = {}
+        args = [(dirs, column, r, n, str(pairs_dir), threshold, partitions, chunk) for column, r, n in tasks]
+        for got in starmap(run_bucket_task, args):
+            for k, v in got.items():
+                stats[k] = stats.get(k, 0) + v
+        exact, near = bucket_files(pairs_dir, tasks, partitions)
+        decision = decide_partitioned(sig_dirs, exact, near, priority)
+        decision.stats.update(stats, partitions=partitions)
+        return decision
+    finally:
+        shutil.rmtree(pairs_dir, ignore_errors=True)

@@ -1,0 +1,104 @@
+"""The staged decision's output: one removed-id ``DedupIndex`` per slice (``<job>.npz``) with its
+evidence beside it (``<job>.evidence.npz``), and the shards merged back into one index.
+
+Each packing task of a slice loads only its own shard; the manifest's totals and hash, and
+``stacklm dedup-index``'s single file, are the shards merged (``load_shards``: the same arrays,
+so the same ``content_hash`` as one file). Apart from ``staged`` (the stages that decide) so
+that module stays about deciding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from stacklm.data.dedup.global_index import REASONS, DedupIndex
+from stacklm.data.dedup.staged import Decision, _col, _nodes_of, slice_meta
+
+
+def _doc_ids(sig_dirs: Sequence[Path], nodes: np.ndarray) -> np.ndarray:
+    """The ``doc_id`` strings of node ids (``source/part/row``, from the slice's part table and rows)."""
+    f, i = _nodes_of(nodes)
+    out = np.empty(nodes.size, dtype=object)
+    for file in np.unique(f).tolist():
+        sel = np.flatnonzero(f == file)
+        table = np.asarray(_col(sig_dirs[file], "prefixes")).tolist()
+        prefix = np.asarray(_col(sig_dirs[file], "prefix")[i[sel]]).tolist()
+        rows = np.asarray(_col(sig_dirs[file], "row")[i[sel]]).tolist()
+        out[sel] = [table[p] if r < 0 else f"{table[p]}/{r}" for p, r in zip(prefix, rows)]
+    return out.astype(str) if nodes.size else np.zeros(0, "<U1")
+
+
+def write_index_shards(sig_dirs: Sequence[str | Path], decision: Decision, out_dir: str | Path, config_meta: Mapping[str, Any] | None = None) -> dict[str, dict[str, int]]:
+    """One ``DedupIndex`` per slice at ``out_dir/<slice dir name>.npz``: that slice's split and
+    only its removed ids (``idkey`` of the removed records); beside it the slice's evidence
+    (``evidence.evidence_path``: per removed document the kept one, the reason and the
+    estimated similarity). Returns the removed counts per split."""
+    from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
+
+    sig_dirs = [Path(d) for d in sig_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    metas = [slice_meta(d) for d in sig_dirs]
+    totals: dict[str, dict[str, int]] = {}
+    node_file = _nodes_of(decision.node)[0]
+    for file, d in enumerate(sig_dirs):
+        split = metas[file]["split"]
+        per = decision.removed.get(file, {})
+        idkey = _col(d, "idkey")
+        arrays = {r: np.asarray(idkey[per[r]], dtype=np.uint64) if r in per else np.zeros(0, np.uint64) for r in REASONS}
+        counts = {r: int(a.size) for r, a in arrays.items()}
+        t = totals.setdefault(split, {r: 0 for r in REASONS})
+        for r in REASONS:
+            t[r] += counts[r]
+        DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(metas[file]["n"])}, "removed": {split: counts}}).save(out_dir / f"{d.name}.npz")
+        mine = np.flatnonzero(node_file == file)
+        kept = decision.kept[mine]
+        evidence = {
+            "removed": _doc_ids(sig_dirs, decision.node[mine]), "kept": _doc_ids(sig_dirs, kept),
+            "kept_split": np.array([metas[k]["split"] for k in _nodes_of(kept)[0].tolist()], dtype=str),
+            "reason": decision.reason[mine],
+            "similarity": np.where(decision.reason[mine] == 1, 1.0, decision.equal[mine] / max(decision.num_perm, 1)),
+        }
+        DedupEvidence({split: evidence}, {"num_perm": decision.num_perm, **{k: v for k, v in (config_meta or {}).items() if k == "dedup"}}).save(evidence_path(out_dir / f"{d.name}.npz"))
+    return totals
+
+
+def index_shard_paths(shard_dir: str | Path) -> list[Path]:
+    """The removed-id shards of ``shard_dir`` (``<job>.npz``), sorted; not their evidence files."""
+    return sorted(p for p in Path(shard_dir).glob("*.npz") if not p.name.endswith(".evidence.npz"))
+
+
+def save_merged(paths: Sequence[str | Path], out: str | Path) -> DedupIndex:
+    """The shards ``paths`` merged into one index file at ``out`` (``load_shards``) and their
+    evidence into one beside it (``evidence.evidence_path(out)``, written first: an index file
+    present means its evidence is). Returns the index."""
+    from stacklm.data.dedup.evidence import evidence_path, load_evidence_shards
+
+    index = load_shards(paths)
+    load_evidence_shards(paths).save(evidence_path(out))
+    index.save(out)
+    return index
+
+
+def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
+    """The index of all shards together (what ``decide_index`` would have saved in one file):
+    same arrays, so the same ``content_hash``; ``meta`` sums the shards' ``docs`` and ``removed``."""
+    splits: dict[str, dict[str, list[np.ndarray]]] = {}
+    docs: dict[str, int] = {}
+    removed: dict[str, dict[str, int]] = {}
+    meta: dict[str, Any] = {}
+    for p in paths:
+        shard = DedupIndex.load(p)
+        meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
+        for s, per in shard.splits.items():
+            for r, a in per.items():
+                splits.setdefault(s, {}).setdefault(r, []).append(a)
+            docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
+            for r, c in shard.meta.get("removed", {}).get(s, {}).items():
+                removed.setdefault(s, {}).setdefault(r, 0)
+                removed[s][r] += int(c)
+    return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
