@@ -95,8 +95,9 @@ def explain_removal(evidence_files: Sequence[str | Path], config, doc_id: str, s
     the evidence does not list it; else also ``split``, ``reason`` (exact, near, cross_split),
     ``kept`` and ``kept_split``, ``similarity`` (the decision's estimate), ``threshold``,
     ``shingles`` and, when both texts can still be read from the sources, ``exact_jaccard``
-    and an excerpt of each (``text_removed``, ``text_kept``, with their ``record``: the line
-    or row ``stacklm inspect --row`` names); otherwise ``texts_unreadable`` says why."""
+    and an excerpt of each from just before their first difference (``text_removed``,
+    ``text_kept`` from character ``excerpt_from``, with their ``record``: the line or row
+    ``stacklm inspect --row`` names); otherwise ``texts_unreadable`` says why."""
     from stacklm.data.dedup.minhash import jaccard
     from stacklm.errors import StackLMError
 
@@ -120,8 +121,13 @@ def explain_removal(evidence_files: Sequence[str | Path], config, doc_id: str, s
         return out
     removed, kept = docs[doc_id], docs[row["kept"]]
     out["exact_jaccard"] = jaccard(hasher.shingle_set(removed["text"]), hasher.shingle_set(kept["text"]))
+    # the excerpts start a little before the first character where the texts differ: a near copy
+    # usually shares its opening, and the difference is what the reader wants to see
+    a, b = removed["text"], kept["text"]
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    out["excerpt_from"] = start = max(0, first - EXCERPT_CHARS // 4)
     for key, doc in (("removed", removed), ("kept", kept)):
-        out[f"text_{key}"] = doc["text"][:EXCERPT_CHARS]
+        out[f"text_{key}"] = doc["text"][start : start + EXCERPT_CHARS]
         out[f"record_{key}"] = int(doc.get("record", -1))
     return out
 
@@ -141,6 +147,8 @@ def format_removal(why: Mapping[str, Any]) -> str:
     if "texts_unreadable" in why:
         lines.append(f"  texts not read, no exact Jaccard: {why['texts_unreadable']}")
     else:
+        if why["excerpt_from"]:
+            lines.append(f"  both texts from character {why['excerpt_from']:,} (just before the first difference):")
         for key, name in (("removed", d), ("kept", why["kept"])):
             lines.append(f"  {key:<7} {name} (record {why[f'record_{key}']}): {why[f'text_{key}']!r}")
     return "\n".join(lines)

@@ -5,9 +5,11 @@ known before the command runs."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
+import pytest
 import yaml
 
 from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
@@ -15,7 +17,7 @@ from stacklm.data.dedup.minhash import MinHasher, jaccard
 from stacklm.prebuild.manifests import keep_dedup_evidence
 from stacklm.prebuild.summary import summary_table
 from tests.helpers.cli import run
-from tests.helpers.dedup_corpus import dedup_config, real_docs
+from tests.helpers.dedup_corpus import dedup_config, real_docs, write_split_corpus
 from tests.helpers.synthetic_edits import inject_edits
 
 
@@ -35,7 +37,7 @@ def test_why_shows_the_kept_copy_the_estimate_and_the_exact_jaccard_from_the_tex
     or foreign name, a kept copy gone from the sources and an index without evidence each say
     so in one line."""
     base, other = real_docs(2)
-    near = inject_edits(base, 3, np.random.default_rng(0))
+    near = base[:200] + inject_edits(base[200:], 3, np.random.default_rng(0))  # the same opening, then edits
     (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in (base, other)))
     (tmp_path / "b.jsonl").write_text("\n" + json.dumps({"text": near}) + "\n" + json.dumps({"text": other.upper()}) + "\n")
     index = tmp_path / "idx.npz"
@@ -52,13 +54,15 @@ def test_why_shows_the_kept_copy_the_estimate_and_the_exact_jaccard_from_the_tex
     lines = out.strip().splitlines()
     assert code == 0 and lines[0] == "std/b.jsonl/0 [train]: removed (near) as a copy of std/a.jsonl/0, which is kept"
     assert f"estimated 0.900 (fraction of equal MinHash values), exact Jaccard {truth:.3f}" in lines[1] and "char 7-grams" in lines[1]
-    assert lines[2].startswith("  removed std/b.jsonl/0 (record 1): " + repr(near[:40])[:-1])
-    assert lines[3].startswith("  kept    std/a.jsonl/0 (record 0): " + repr(base[:40])[:-1])
+    start = next(i for i, (x, y) in enumerate(zip(near, base)) if x != y) - 40  # from just before the first difference
+    assert start > 0 and lines[2] == f"  both texts from character {start:,} (just before the first difference):"
+    assert lines[3] == f"  removed std/b.jsonl/0 (record 1): {near[start:start + 160]!r}"
+    assert lines[4] == f"  kept    std/a.jsonl/0 (record 0): {base[start:start + 160]!r}"
 
     code, out = run(config, "--why", "std/b.jsonl/1", "--json")
     got = json.loads(out)
     assert code == 0 and (got["reason"], got["kept"], got["similarity"], got["exact_jaccard"]) == ("exact", "std/a.jsonl/1", 1.0, 1.0)
-    assert got["text_removed"] == other.upper()[:160] and got["record_removed"] == 2
+    assert got["excerpt_from"] == 0 and got["text_removed"] == other.upper()[:160] and got["record_removed"] == 2
 
     code, out = run(config, "--why", "std/a.jsonl/0")
     assert code == 0 and out.strip() == "std/a.jsonl/0: not removed by the dedup decision (none of its 3 removals in train is this document)"
@@ -115,3 +119,65 @@ def test_a_finished_build_keeps_its_evidence_and_the_summary_shows_its_histogram
     assert "no evidence (an index decided before stacklm kept it)" in summary_table(top, "OUT")
     del top["global_dedup"]
     assert "dedup removals" not in summary_table(top, "OUT")
+
+
+@pytest.mark.filterwarnings("ignore:.*ran dry")
+def test_a_prebuild_of_planted_copies_explains_its_removals_and_counts_them_as_the_ledger_does(tokenizer_512, tmp_path, capsys):
+    """A real prebuild of 60 real documents, each with a planted exact or near copy, dealt into
+    train and val (``write_split_corpus``): every removal its evidence lists is explained by
+    ``--why`` with a kept document of the corpus and, for a near one, a similarity at or above
+    the threshold, whose exact Jaccard is the one computed here from the files; the histogram
+    the summary and the ledger print counts, per split, exactly the ledger's dedup drops (counted
+    by the packing jobs, independently of the evidence)."""
+    from stacklm.cli import main
+    from stacklm.data.dedup.evidence import build_evidence_files
+    from stacklm.data.quality.normalize import normalize_text
+    from stacklm.data.storage import manifest as mf
+    from stacklm.prebuild import prebuild
+
+    (tmp_path / "corpus").mkdir()
+    glob, _ = write_split_corpus(tmp_path / "corpus")
+    cfg = dataclasses.replace(dedup_config(glob), holdout_fraction=0.5)
+    out = tmp_path / "out"
+    prebuild(cfg, tokenizer_512, out, workers=1, tokens_per_shard=128 * 16, progress=False)
+    text_of = {}  # doc_id -> text, read from the files written (no pipeline code)
+    for f in sorted((tmp_path / "corpus").glob("*.jsonl")):
+        for row, line in enumerate(f.read_text().splitlines()):
+            text_of[f"std/{f.name}/{row}"] = json.loads(line)["text"]
+
+    evidence = [DedupEvidence.load(p) for p in build_evidence_files(out)]
+    assert [p.name for p in build_evidence_files(out)] == ["train-w000.evidence.npz", "val-w000.evidence.npz"]
+    removals = [(s, r) for ev in evidence for s, cols in ev.splits.items() for r in cols["removed"].tolist()]
+    threshold = cfg.dedup.near_threshold
+    hasher = cfg.dedup.min_hasher()
+    reasons = set()
+    for split, doc_id in removals:
+        code, said = main(["inspect", str(out), "--why", doc_id, "--json"]), capsys.readouterr().out
+        why = json.loads(said)
+        assert code == 0 and why["removed"] and why["split"] == split and why["kept"] in text_of, why
+        removed, kept = text_of[doc_id], text_of[why["kept"]]
+        truth = jaccard(hasher.shingle_set(removed), hasher.shingle_set(kept))
+        assert why["exact_jaccard"] == pytest.approx(truth) and abs(why["similarity"] - truth) < 0.1  # the estimate is of this pair
+        if why["reason"] == "exact":
+            assert normalize_text(removed) == normalize_text(kept) and why["similarity"] == 1.0
+        else:
+            assert why["similarity"] >= threshold, why
+        reasons.add(why["reason"])
+    assert reasons == {"exact", "near", "cross_split"}
+    assert main(["inspect", str(out / "train"), "--why", removals[0][1]]) == 2
+    assert "one split's directory; pass the prebuild output directory (its parent)" in capsys.readouterr().err
+
+    code, said = main(["ledger", str(out), "--json"]), capsys.readouterr().out
+    per_split = json.loads(said)
+    top = mf.read_manifest(out)
+    for split, entry in per_split.items():
+        dropped = entry["sources"]["std"]["docs"]["dropped"]
+        dedup_drops = sum(n for reason, n in dropped.items() if reason.startswith("dedup/"))
+        hist = entry["removal_similarity"]["std"]
+        assert sum(hist.values()) == dedup_drops == sum(1 for s, _ in removals if s == split) > 0, split
+        assert hist == top["global_dedup"]["removal_similarity"][split]["std"]
+    total = [line for line in summary_table(top, str(out)).splitlines() if line.split()[:1] == ["total"]][-1]  # the histogram's
+    assert sum(int(n.replace(",", "")) for n in total.split()[1:]) == len(removals)
+    code, said = main(["ledger", str(out)]), capsys.readouterr().out
+    assert code == 0 and said.count("dedup removals by similarity to the kept copy: ") == 2
+    assert f"why one was removed, and for which kept copy: stacklm inspect {out} --why SOURCE/FILE/ROW" in said
