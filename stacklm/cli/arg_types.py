@@ -28,6 +28,17 @@ def int_at_least(lo: int, *, also: tuple[int, ...] = (), what: str = "") -> Call
     return parse
 
 
+def non_negative_float(text: str) -> float:
+    """A number >= 0 (``--sign-margin``: 0 turns the feature off)."""
+    try:
+        value = float(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 positive_int = int_at_least(1)
 non_negative_int = int_at_least(0)
 
@@ -44,4 +55,4 @@ def int_pair(text: str) -> tuple[int, int]:
     return small, large
 
 
-__all__ = ["int_at_least", "int_pair", "non_negative_int", "positive_int"]
+__all__ = ["int_at_least", "int_pair", "non_negative_float", "non_negative_int", "positive_int"]

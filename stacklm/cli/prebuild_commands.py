@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stacklm.cli.arg_types import int_at_least, positive_int
+from stacklm.cli.arg_types import int_at_least, non_negative_float, positive_int
 from stacklm.errors import PrebuildError, UserError
 
 PREBUILD_EXAMPLES = """examples:
@@ -83,6 +83,7 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
         splits=tuple(args.splits or settings["splits"]),
         progress=not args.no_progress,
         provenance=not args.no_provenance,
+        sign_margin=args.sign_margin,
     )
     # stdout, also with --no-progress (which hides only the live bar on stderr)
     print(summary_table(top, str(out), None if was_complete else time.perf_counter() - t0))
@@ -375,6 +376,7 @@ def _print_summary(out, seconds: float) -> None:
 def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     """Register ``prebuild``, ``verify``, ``ledger``, ``dedup-index`` and ``prebuild-datatrove`` on the CLI's subparsers."""
     from stacklm.prebuild import DEFAULT_TOKENS_PER_SHARD, SPLITS
+    from stacklm.prebuild.signing import SIGN_MARGIN
 
     p = subparsers.add_parser(
         "prebuild", help="run the data pipes once and write train/val token shards",
@@ -391,6 +393,9 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="hide the live progress bar (stderr); the summary table (stdout) is printed anyway")
     p.add_argument("--no-provenance", action="store_true",
                    help="do not write the per-shard provenance side files (`stacklm inspect OUT --row N` needs them)")
+    p.add_argument("--sign-margin", type=non_negative_float, default=SIGN_MARGIN,
+                   help=f"a budget well under its sources signs (global dedup) and reads only this many times the share of each "
+                        f"file it needs (default {SIGN_MARGIN:g}); 0 signs the whole corpus")
     p.set_defaults(func=cmd_prebuild)
 
     v = subparsers.add_parser(

@@ -25,6 +25,7 @@ from stacklm.prebuild.dedup_pass import load_or_build, uses_global_dedup
 from stacklm.prebuild.jobs import PROGRESS_INTERVAL, run_job
 from stacklm.prebuild.manifests import finalize, prepare
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildPlan, state_dir_of
+from stacklm.prebuild.signing import SIGN_MARGIN
 from stacklm.prebuild.progress import BuildProgress
 
 
@@ -39,6 +40,7 @@ def prebuild(
     progress: bool = True,
     provenance: bool = True,
     progress_interval: float = PROGRESS_INTERVAL,
+    sign_margin: float = SIGN_MARGIN,
 ) -> dict[str, Any]:
     """Build (or resume, or confirm) the shard set in ``out``; returns the top manifest.
 
@@ -50,17 +52,19 @@ def prebuild(
     writes a side file per shard naming each row's document pieces (``stacklm.data.storage.provenance``).
     ``progress``: a live bar on stderr, updated every ``progress_interval`` seconds by each job
     (the summary table is ``stacklm.prebuild.summary``'s, printed by the CLI whatever this says).
+    ``sign_margin``: a budget well under the sources signs only what it can reach, this many
+    times its estimate (``stacklm.prebuild.signing``); 0 signs the whole corpus.
     """
     from stacklm.data.storage import remote
 
     if remote.is_remote(out):  # build in a local staging dir, upload, manifests last (``remote``)
         kw = dict(workers=workers, tokens_per_shard=tokens_per_shard, splits=splits, progress=progress,
-                  provenance=provenance, progress_interval=progress_interval)
+                  provenance=provenance, progress_interval=progress_interval, sign_margin=sign_margin)
         tok = resolve_tokenizer(tokenizer)
         return prebuild_remote(str(out), lambda stage: prebuild(config, tok, stage, **kw),
                                say=(lambda m: print(m, file=sys.stderr)) if progress else None)
     tokenizer = resolve_tokenizer(tokenizer)
-    plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance))
+    plan = PrebuildPlan(config, tokenizer, Path(out), int(workers), int(tokens_per_shard), tuple(splits), bool(provenance), float(sign_margin))
     # The lock is taken before the directory is even checked and held to the end: a second
     # prebuild of the same directory is refused at once, whatever phase the first is in.
     created_state = not state_dir_of(plan.out).exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,10 +44,12 @@ def packing_config(config):
     return dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=False, near=False, index=None))
 
 
-def signature_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int) -> dict[str, Any]:
+def signature_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int,
+                    signed: dict[str, float] | None = None) -> dict[str, Any]:
     """Step 1 for reader ``reader`` of ``readers``: every source's documents after holdout and
     filter, as signature records (``collect_signatures``). A plain function of plain
-    arguments, so it runs in a spawned process or a datatrove task alike."""
+    arguments, so it runs in a spawned process or a datatrove task alike. ``signed``: the
+    sources of which only a prefix is signed, with its fraction (``stacklm.prebuild.signing``)."""
     from stacklm.data.dedup.global_index import collect_signatures
     from stacklm.data.pipeline import PipelineConfig, document_chain, last_document_node
     from stacklm.data.sources import ShardSpec
@@ -60,6 +63,8 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     def docs():
         for i, entry in enumerate(config.mix.entries):
             chain = document_chain(config, entry, split, ShardSpec(0, 1, reader, readers))
+            if signed and entry.name in signed:
+                chain["source"].limit_to_signed(signed[entry.name])
             node = last_document_node(chain)
             node.reset(None)
             yield from node
@@ -68,21 +73,22 @@ def signature_slice(config_dict: dict[str, Any], split: str, reader: int, reader
     return {**collect_signatures(docs(), source_index, hasher, exact=config.dedup.exact), "bytes_in": bytes_in}
 
 
-def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int, sig_dir: str) -> dict[str, Any]:
+def write_slice(config_dict: dict[str, Any], split: str, reader: int, readers: int, sig_dir: str,
+                signed: dict[str, float] | None = None) -> dict[str, Any]:
     """Step 1 for one slice, written to disk as the staged decision's signature columns
     (``staged.write_signature_dir``) by the process that read it: what comes back to the
     parent is only the slice's read volume, so the parent never holds every signature (the
     one-process decision did: ~1.5 GB per million documents)."""
     from stacklm.data.dedup.staged import write_signature_dir
 
-    sig = signature_slice(config_dict, split, reader, readers)
+    sig = signature_slice(config_dict, split, reader, readers, signed)
     meta = write_signature_dir(sig, split, sig_dir)
     return {"split": split, "docs": int(meta["n"]), "bytes_in": [int(x) for x in sig["bytes_in"]]}
 
 
 def build_index_shards(
     config, splits: Sequence[str], readers: int, work_dir: str | Path, out_dir: str | Path,
-    starmap: Starmap | None = None,
+    starmap: Starmap | None = None, signed: dict[str, Any] | None = None,
 ) -> list[Path]:
     """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), through
     ``starmap``: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then every
@@ -94,6 +100,8 @@ def build_index_shards(
     tasks in parallel; default: one after the other, here.
     The decision is ``decide_splits``'s (canonical kept copy, val wins across splits), so the
     removed ids are the same as the one-process decision's for any ``readers``.
+    ``signed``: a small build's ``signing.signing_plan``: each split signs only the listed
+    sources' signed prefixes; recorded in every shard's meta, where the packing jobs read it.
     Returns the shard paths, in (split, reader) order."""
     import shutil
 
@@ -106,7 +114,8 @@ def build_index_shards(
     cfg = config.to_dict()
     names = [job_name(s, r) for s in splits for r in range(readers)]
     dirs = [work_dir / "sig" / n for n in names]
-    jobs = [(cfg, s, r, readers, str(d)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
+    fractions = (signed or {}).get("fractions", {})
+    jobs = [(cfg, s, r, readers, str(d), fractions.get(s)) for (s, r), d in zip([(s, r) for s in splits for r in range(readers)], dirs)]
     starmap = starmap or staged.in_process
     # what the index is bound to (``global_index.check_bound``), taken before anything is read
     binding = binding_meta(config)
@@ -120,7 +129,8 @@ def build_index_shards(
     decision = staged.staged_decision(dirs, starmap=starmap, threshold=config.dedup.near_threshold, work_dir=work_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding})
+    write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding,
+                                             **({"signed": signed} if signed else {})})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)
@@ -197,4 +207,10 @@ def load_or_build(plan, starmap: Starmap | None = None) -> None:
         return
     if (state / INDEX_FILE).exists():
         return
-    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap)
+    from stacklm.prebuild import signing
+
+    signed = signing.signing_plan(plan.config, plan.tokenizer, plan.splits, plan.sign_margin)
+    line = signing.describe(signed, plan.config.mix.total_tokens)
+    if line:  # said whatever the progress setting: it decides what the dedup pass can see
+        print(line, file=sys.stderr)
+    build_index_shards(plan.config, plan.splits, plan.workers, state / "dedup-work", state / INDEX_SHARDS, starmap, signed)

@@ -69,8 +69,13 @@ def run_job(
     from stacklm.data.quality.decontam import chain_report
     from stacklm.data.storage.provenance import source_files
     from stacklm.prebuild.shard_tracker import ShardTracker
+    from stacklm.prebuild import signing
 
-    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=job_dedup_index(plan, split, worker), provenance=plan.provenance)
+    index = job_dedup_index(plan, split, worker)
+    pipe = build(*job_pipeline_args(plan, split, worker), dedup_index=index, provenance=plan.provenance)
+    # a small build's dedup pass signed only a prefix of some sources: read nothing outside it
+    signed = index.meta.get("signed", {}) if index is not None else {}
+    signing.apply(pipe.sources, signed.get("fractions", {}).get(split, {}))
     windows = pipe.windows
     ckpt = load_checkpoint(ckpt_path)
     shards: list[dict] = list(ckpt["shards"]) if ckpt else []
@@ -99,6 +104,7 @@ def run_job(
     report()
     write_job_shards(plan, split_dir, worker, windows, shards, on_shard=checkpoint, tracker=tracker,
                      on_window=tick if on_progress is not None else None)
+    signing.check_budget_met(pipe.realized(), signed, split, plan.out)
     summary = {
         "split": split,
         "worker": worker,

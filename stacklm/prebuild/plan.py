@@ -14,6 +14,7 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.shards import token_dtype
 from stacklm.data.splits import SPLITS
 from stacklm.errors import ConfigError, PrebuildError
+from stacklm.prebuild.signing import SIGN_MARGIN
 
 STATE_DIR = ".prebuild"
 BUILD_FILE = "build.json"
@@ -32,6 +33,7 @@ class PrebuildPlan:
     tokens_per_shard: int = DEFAULT_TOKENS_PER_SHARD
     splits: tuple[str, ...] = SPLITS
     provenance: bool = True  # per-shard side files naming each row's document pieces (stacklm.data.storage.provenance)
+    sign_margin: float = SIGN_MARGIN  # a small build signs each source's budget share x this (``signing``); 0: all of it
 
     def __post_init__(self) -> None:
         if self.workers < 1:

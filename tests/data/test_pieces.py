@@ -4,6 +4,7 @@ count, exact resume inside a piece (``stacklm.data.sources.pieces``, ``sharding.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import os
@@ -254,3 +255,64 @@ def test_a_small_budget_takes_every_file_in_proportion_and_tokenizes_about_what_
     assert spread[4] < 1.5  # tokenized / kept
     print(f"per-file shares spread {spread[:4]} vs sizes {[s / sum(sizes) for s in sizes]}; sequential {seq[:4]}; "
           f"tokenized/kept {spread[4]:.2f} (sequential {seq[4]:.2f})")
+
+
+@pytest.mark.slow
+def test_a_small_build_signs_only_what_its_budget_reaches_and_says_so(tmp_path, tokenizer_512, capsys):
+    """Issue 33 part 6: a budget of a few % of its source signs (global dedup, exact + near) only
+    each file's signed prefix (``stacklm.prebuild.signing``), says so in one line, and delivers
+    only signed documents: the same removed ids (index hash) and signed volume for ``--workers 1``
+    and ``2``, no two delivered documents equal. A margin too small to reach the budget stops the
+    build in one line naming the source and ``--sign-margin``, not a quietly short source."""
+    from stacklm.data.pipeline import PipelineConfig, read_order_seed
+    from stacklm.data.storage import manifest as mf
+    from stacklm.data.sources.pieces import signed_prefix
+    from stacklm.errors import PrebuildError
+    from stacklm.prebuild import prebuild
+    from stacklm.prebuild.signing import signing_plan
+
+    (tmp_path / "d").mkdir()
+    for k, size in enumerate((1, 4, 16, 64)):  # as ``_four_files``, each body its own, every 10th a near copy of the one before
+        with open(tmp_path / "d" / f"f{k}.jsonl", "w") as f:
+            for i in range(60 * size):
+                body = " ".join(f"w{(k * 100_003 + (i - (i % 10 == 9)) * 7919 + j * 104_729) % 5003}" for j in range(40))
+                f.write(json.dumps({"text": f"file {k} document {i}: {body}"}) + "\n")
+    glob = str(tmp_path / "d" / "*.jsonl")
+    cfg = PipelineConfig.from_dict({
+        "seq_len": 64, "batch_size": 2, "seed": 0, "shuffle_buffer": 16, "pack_buffer_docs": 8, "holdout_fraction": 0.0,
+        "num_threads": 1, "tokenize_batch_docs": 16,
+        "mix": {"name": "t", "total_tokens": 6_000, "entries": [
+            {"name": "four", "kind": "local", "path": glob, "weight": 1.0, "domain": "code", "filters": "none"}]},
+    })
+    seed = read_order_seed(cfg, "four")
+    fraction = signing_plan(cfg, tokenizer_512, ("train",))["fractions"]["train"]["four"]  # what the builds below sign
+    texts, dedup, signed_bytes = {}, {}, {}
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        prebuild(cfg, tokenizer_512, out, workers=workers, tokens_per_shard=64 * 32, splits=("train",), progress=False)
+        said = capsys.readouterr().err
+        assert "prebuild: budget 6,000 tokens is" in said and "signing only what it can reach (train: four " in said
+        top = mf.read_manifest(out)
+        vol = {p["pass"]: p for p in top["read_volume"]["passes"]}
+        signed_bytes[workers] = vol["dedup_signatures"]["total"]
+        assert signed_bytes[workers] < 0.25 * top["read_volume"]["input_total"]  # the whole corpus before
+        assert vol["packing"]["total"] <= signed_bytes[workers]
+        dedup[workers] = top["global_dedup"]
+        # every delivered document lies in the signed prefix of its file (the rows of its signed pieces)
+        rows = {}
+        for k in range(4):
+            path = str(tmp_path / "d" / f"f{k}.jsonl")
+            pieces = file_pieces(k, path, "jsonl")
+            ends = {p.lo: q.row for p, q in zip(pieces, pieces[1:])}
+            rows[f"f{k}.jsonl"] = {r for p in signed_prefix(pieces, seed, fraction)
+                                   for r in range(p.row, ends.get(p.lo, 10**9))}
+        delivered = _delivered(out)
+        assert delivered and all(rec in rows[name] for _src, name, rec in delivered)
+        lines = {name: open(tmp_path / "d" / name).read().splitlines() for name in rows}
+        texts[workers] = [json.loads(lines[name][rec])["text"].split(": ", 1)[1] for _src, name, rec in delivered]
+        assert len(set(texts[workers])) == len(texts[workers])  # near copies (same words, other header) were removed
+    assert dedup[1] == dedup[2] and dedup[1]["removed"]["train"]["near"] > 0 and signed_bytes[1] == signed_bytes[2]
+
+    more = dataclasses.replace(cfg, mix=dataclasses.replace(cfg.mix, total_tokens=60_000))
+    with pytest.raises(PrebuildError, match=r"source 'four' needed more than its signed prefix .*--sign-margin"):
+        prebuild(more, tokenizer_512, tmp_path / "short", tokens_per_shard=64 * 32, splits=("train",), progress=False, sign_margin=0.2)

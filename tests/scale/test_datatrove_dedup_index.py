@@ -56,6 +56,23 @@ def assert_same_index(got: DedupIndex, want: DedupIndex) -> None:
     assert got.meta == want.meta  # docs, removed counts, the dedup config, the read volume
 
 
+def assert_same_evidence(got: Path, want: Path) -> None:
+    """The evidence beside two index files (``X.evidence.npz``) holds the same rows, one per removed
+    document of the index (counted from the index itself), each naming a kept document."""
+    from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
+
+    a, b = DedupEvidence.load(evidence_path(got)), DedupEvidence.load(evidence_path(want))
+    assert a.splits.keys() == b.splits.keys()
+    for split, cols in b.splits.items():
+        for name, col in cols.items():
+            assert np.array_equal(a.splits[split][name], col), (split, name)
+    index = DedupIndex.load(got)
+    assert len(a) == sum(n for per in index.counts().values() for n in per.values())
+    for split, cols in a.splits.items():
+        removed = set(cols["removed"].tolist())
+        assert not removed & set(cols["kept"].tolist())  # a kept document is never one removed
+
+
 def assert_clean_beside(out: Path) -> None:
     """The work folder is gone; the logs stay beside the file."""
     assert not out.with_name(out.name + ".work").exists()
@@ -69,6 +86,8 @@ def s3_index(s3_bucket, url: str, tmp_path: Path) -> DedupIndex:
     local.parent.mkdir(exist_ok=True)
     fs.invalidate_cache()
     fs.get_file(url, str(local))
+    why = url.rsplit("/", 1)[0] + "/" + local.name.removesuffix(".npz") + ".evidence.npz"
+    fs.get_file(why, str(local.with_name(local.name.removesuffix(".npz") + ".evidence.npz")))  # uploaded beside it
     return DedupIndex.load(local)
 
 
@@ -98,6 +117,7 @@ def test_local_executor_writes_the_pools_index(corpus, tmp_path, capsys, s3_buck
     out = tmp_path / "idx" / "dedup.npz"  # its folder is made
     assert dedup_index("--config", cfg, "--out", out, "--splits", "train", "--executor", "local", "--tasks", 2) == 0
     assert_same_index(DedupIndex.load(out), want)
+    assert_same_evidence(out, tmp_path / "downloaded" / "dedup.npz")
     printed = capsys.readouterr().out
     assert printed.splitlines()[-2] == pool_out.splitlines()[-2].replace(url, str(out))
     # stream mode reads a local index only: the URL run says to copy it, not to set the URL
@@ -225,6 +245,7 @@ def test_local_executor_index_is_the_pools_for_one_and_three_tasks(corpus, tmp_p
         out = tmp_path / f"local{tasks}.npz"
         assert dedup_index("--config", cfg, "--out", out, "--executor", "local", "--tasks", tasks) == 0
         assert_same_index(DedupIndex.load(out), want)
+        assert_same_evidence(out, tmp_path / "pool.npz")
         assert_clean_beside(out)
 
 

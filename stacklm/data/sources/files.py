@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
-from stacklm.data.sources.pieces import file_pieces, spread_order
+from stacklm.data.sources.pieces import file_pieces, signed_prefix, spread_order
 from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
 from stacklm.data.sources.sharding import ShardSpec
 from stacklm.errors import SourceError, SourceNotFoundError
@@ -59,6 +59,8 @@ class LocalFileSource(TextPartSource):
         # None: files in sorted order, each from its start; a seed: pieces in a seeded order
         # spread over every file (``pieces.spread_order``), so a budget takes a sample, not heads
         self.order_seed = order_seed
+        # None: every piece; a fraction: only each file's signed prefix (``limit_to_signed``)
+        self.signed_fraction: float | None = None
 
     def _describe(self) -> str:
         return f"files {self.patterns}"
@@ -99,7 +101,23 @@ class LocalFileSource(TextPartSource):
             return 0
         return sum(os.path.getsize(p) for p in self._paths if self._formats[p] == "jsonl" and not p.endswith(_COMPRESSIONS))
 
+    def limit_to_signed(self, fraction: float) -> None:
+        """Read only each file's first pieces in the seeded order holding ``fraction`` of its
+        bytes (``pieces.signed_prefix``): what a small prebuild's dedup pass signed
+        (``stacklm.prebuild.signing``), so no unsigned document is ever read; the source ends
+        there. Only with the spread order (``order_seed``); call before the first ``reset``."""
+        if self.order_seed is None:
+            raise ValueError(f"source {self.name!r}: a signed prefix needs the spread read order")
+        self.signed_fraction = float(fraction)
+        self._parts = None  # pieces are listed again, limited, at the next reset
+
     def _list_pieces(self) -> list[list] | None:
+        pieces = self._all_pieces()
+        if pieces is None or self.signed_fraction is None:
+            return pieces
+        return [signed_prefix(ps, self.order_seed, self.signed_fraction) for ps in pieces]
+
+    def _all_pieces(self) -> list[list] | None:
         # Whole files while there are at least as many files as readers (each file read by
         # one reader, no index needed); else pieces (``sources.pieces``), so readers split
         # files instead of each scanning all of them.

@@ -149,6 +149,31 @@ def file_pieces(part: int, path: str, fmt: str) -> list[Piece]:
     return [Piece(part, 0, -1, 0, 0, size)]
 
 
+def _file_permutation(part: int, n: int, seed: int):
+    """The seeded order of one file's ``n`` pieces in the spread read order."""
+    import numpy as np
+
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, part]).permutation(n)
+
+
+def signed_prefix(pieces: list[Piece], seed: int, fraction: float) -> list[Piece]:
+    """The first pieces of one file's seeded order (``spread_order``'s, which reads every file's
+    pieces in that order) that hold at least ``fraction`` of its bytes, at least one piece; in
+    file order. Why: a small prebuild signs only these for its global dedup pass and its packing
+    reads only these (``stacklm.prebuild.signing``); they depend on the file's bytes, the seed and
+    ``fraction`` only, never on the reader count, so the dedup decision over them does not either."""
+    if not pieces or fraction >= 1.0:
+        return list(pieces)
+    total = max(1, sum(max(1, p.nbytes) for p in pieces))
+    taken, got = [], 0
+    for i in _file_permutation(pieces[0].part, len(pieces), seed).tolist():
+        if taken and got >= fraction * total:
+            break
+        taken.append(i)
+        got += max(1, pieces[i].nbytes)
+    return [pieces[i] for i in sorted(taken)]
+
+
 def spread_order(pieces: list[Piece], seed: int) -> list[Piece]:
     """``pieces`` in a seeded order that spreads any prefix over all of them: each file's
     pieces in a seeded random order, and the files interleaved so that every file gives one
@@ -159,15 +184,12 @@ def spread_order(pieces: list[Piece], seed: int) -> list[Piece]:
     in ``seed`` and the pieces, so a resume rebuilds the same order from the state's piece index."""
     import heapq
 
-    import numpy as np
-
     by_part: dict[int, list[Piece]] = {}
     for p in pieces:
         by_part.setdefault(p.part, []).append(p)
     queues, size = {}, {}
     for part, ps in by_part.items():
-        rng = np.random.default_rng([int(seed) & 0xFFFFFFFF, part])
-        queues[part] = [ps[i] for i in rng.permutation(len(ps))]
+        queues[part] = [ps[i] for i in _file_permutation(part, len(ps), seed)]
         size[part] = max(1, sum(max(1, p.nbytes) for p in ps))
     taken = dict.fromkeys(queues, 0)
     # the file furthest below its share goes next: every file gives its first piece in the
