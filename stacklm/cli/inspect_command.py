@@ -183,8 +183,8 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
     from stacklm.data.storage import remote
 
     if remote.is_remote(args.input):
-        raise UserError(f"--why reads a local build: {args.input}'s dedup evidence is not uploaded with its shards; "
-                        "run it on the directory the build was staged in")
+        raise UserError(f"--why reads a local build: download {args.input} (its dedup-evidence/ is uploaded with it), "
+                        "or run it on the directory the build was staged in")
     where = Path(args.input)
     if where.is_dir():
         from stacklm.data.storage import manifest as mf
@@ -198,7 +198,7 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
         files = build_evidence_files(where)
         if not files:
             said = ("was built without global dedup (dedup.exact and dedup.near off): it removed nothing" if "global_dedup" not in top
-                    else "holds no dedup evidence (its index was decided before stacklm kept it); rebuild it to ask why "
+                    else "holds no dedup evidence (dedup-evidence/ deleted, or its index was decided before stacklm kept it); rebuild it to ask why "
                     f"(`stacklm prebuild --config CONFIG --out NEW_DIR`)")
             raise UserError(f"{where} {said}")
         return files, PipelineConfig.from_dict(top["build"]["config"])
@@ -209,9 +209,17 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
         raise UserError(f"{args.input}: data.pipeline.dedup.index is not set; --why reads the evidence beside a stream "
                         "config's dedup index, or pass a prebuild output directory")
     path = evidence_path(config.dedup.index)
+    rebuild = f"rebuild it: stacklm dedup-index --config {args.input} --out {config.dedup.index}"
     if not path.exists():
-        raise UserError(f"{path}: no dedup evidence beside the index {config.dedup.index} (built before stacklm wrote it); "
-                        f"rebuild it: stacklm dedup-index --config {args.input} --out {config.dedup.index}")
+        raise UserError(f"{path}: no dedup evidence beside the index {config.dedup.index} (deleted, or the index was built "
+                        f"before stacklm wrote evidence); {rebuild}")
+    from stacklm.data.dedup.evidence import DedupEvidence
+    from stacklm.data.dedup.global_index import DedupIndex
+
+    bound, index = DedupEvidence.load(path).meta.get("index_sha256"), DedupIndex.load(config.dedup.index).content_hash
+    if bound != index:
+        raise UserError(f"{path} is the evidence of another index (index sha256 {str(bound)[:16]}, {config.dedup.index} has "
+                        f"{index[:16]}): its answers would not be this index's; {rebuild}")
     return [path], config
 
 
@@ -222,6 +230,15 @@ def _inspect_why(args: argparse.Namespace) -> int:
 
     files, config = _why_sources(args)
     why = explain_removal(files, config, args.why, args.split)
+    if not why["removed"] and args.split is None and Path(args.input).is_dir():
+        # every row was read: they must be the build's removed ids, one each (else "not removed" means nothing)
+        from stacklm.data.storage import manifest as mf
+
+        counts = mf.read_manifest(args.input).get("global_dedup", {}).get("removed", {})
+        listed = sum(int(n) for per in counts.values() for n in per.values())
+        if listed != why["removals"]:
+            raise UserError(f"{args.input}/dedup-evidence holds {why['removals']:,} removals but the build's index removed "
+                            f"{listed:,}: the evidence is not this build's; rebuild to ask why")
     if not _json_only(why, args):
         print(format_removal(why))
     return 0

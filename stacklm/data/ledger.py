@@ -204,8 +204,13 @@ def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: 
         line("read", d["read"], t["read"])
         for reason in sorted(set(d["dropped"]) | set(t["dropped"])):
             line(f"- dropped {reason}", d["dropped"].get(reason, "-"), t["dropped"].get(reason, "-"))  # "-": not counted in that unit
-        if removal_similarity is not None and any(r.startswith("dedup/") and n for r, n in d["dropped"].items()):
-            lines.append(f"    dedup removals by similarity to the kept copy: {compact_histogram(removal_similarity.get(name, {}))}")
+        dropped = sum(n for r, n in d["dropped"].items() if r.startswith("dedup/"))
+        if removal_similarity is not None and dropped:
+            hist = removal_similarity.get(name, {})
+            decided = sum(hist.values())
+            # a budget that stops before a source's end reads fewer documents than the decision removed
+            more = f" (all {decided:,} the decision removed; {dropped:,} were in what this build read)" if decided != dropped else ""
+            lines.append(f"    dedup removals by similarity to the kept copy: {compact_histogram(hist)}{more}")
         line("- holdout (other split)", d["holdout"], "-")
         for stage in sorted(set(d["buffered"]) | set(t["buffered"])):
             line(f"- buffered before the mix: {stage}", d["buffered"].get(stage, 0), t["buffered"].get(stage, "-"))

@@ -90,6 +90,26 @@ def read_documents(config, doc_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
     return found
 
 
+def missing_document(config, doc_id: str) -> str | None:
+    """Why ``doc_id`` names no document of the config's sources (its file is not one the
+    source lists, or the file has no such row), or ``None`` when it does."""
+    from stacklm.config import did_you_mean
+    from stacklm.data.sources import ShardSpec, open_source
+    from stacklm.data.sources.entry import part_documents
+    from stacklm.data.storage.provenance import source_files
+
+    entries = {e.name: e for e in config.mix.entries}
+    source, label, row = parse_doc_id(doc_id, list(entries))
+    node = open_source(entries[source], shard=ShardSpec())
+    node.reset()
+    labels = source_files(node)
+    if label not in labels:
+        return f"source {source!r} has no file {label!r}{did_you_mean(label, labels)} (files are named as the source lists them)"
+    if any(doc["doc_id"] == doc_id for doc in part_documents(node, labels.index(label))):
+        return None
+    return f"file {label!r} of source {source!r} has no row {row} (rows count its records from 0, blank lines not counted)"
+
+
 def explain_removal(evidence_files: Sequence[str | Path], config, doc_id: str, split: str | None = None) -> dict[str, Any]:
     """Why ``doc_id`` was removed: ``{"doc_id", "removed": False, "removals", "splits"}`` when
     the evidence does not list it; else also ``split``, ``reason`` (exact, near, cross_split),
@@ -105,6 +125,18 @@ def explain_removal(evidence_files: Sequence[str | Path], config, doc_id: str, s
     row, removals, splits = find_removal(evidence_files, doc_id, split)
     out: dict[str, Any] = {"doc_id": doc_id, "removed": row is not None, "removals": removals, "splits": splits}
     if row is None:
+        # "not removed" only for a document that exists: a mistyped file or row is not a kept document
+        try:
+            problem = missing_document(config, doc_id)
+        except (StackLMError, OSError) as e:
+            out["unchecked"] = f"could not read the source to check the document exists: {str(e).splitlines()[0]}"
+            problem = None
+        if problem:
+            raise UserError(f"--why {doc_id}: no such document: {problem}")
+        if split is not None:
+            elsewhere, _, _ = find_removal(evidence_files, doc_id, None)
+            if elsewhere is not None:
+                out["removed_in"] = elsewhere["split"]
         return out
     hasher = config.dedup.min_hasher()
     out.update(row)
@@ -136,8 +168,13 @@ def format_removal(why: Mapping[str, Any]) -> str:
     """``explain_removal``'s answer in a few lines."""
     d = why["doc_id"]
     if not why["removed"]:
-        return (f"{d}: not removed by the dedup decision (none of its {why['removals']:,} removals in "
+        line = (f"{d}: not removed by the dedup decision (none of its {why['removals']:,} removals in "
                 f"{', '.join(why['splits']) or 'no split'} is this document)")
+        if "removed_in" in why:
+            line += f"; it is removed in {why['removed_in']}: leave --split out to see why"
+        if "unchecked" in why:
+            line += f"; {why['unchecked']}"
+        return line
     other = f" [{why['kept_split']}]" if why["kept_split"] != why["split"] else ""
     lines = [f"{d} [{why['split']}]: removed ({why['reason']}) as a copy of {why['kept']}{other}, which is kept"]
     est = f"estimated {why['similarity']:.3f} (fraction of equal MinHash values)"

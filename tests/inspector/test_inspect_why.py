@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import numpy as np
 import pytest
 import yaml
 
 from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
+from stacklm.data.dedup.global_index import DedupIndex, id_keys
 from stacklm.data.dedup.minhash import MinHasher, jaccard
 from stacklm.prebuild.manifests import keep_dedup_evidence
 from stacklm.prebuild.summary import summary_table
@@ -21,12 +23,12 @@ from tests.helpers.dedup_corpus import dedup_config, real_docs, write_split_corp
 from tests.helpers.synthetic_edits import inject_edits
 
 
-def _evidence(rows: list[tuple[str, str, int, float]], split: str = "train", kept_split: str | None = None) -> DedupEvidence:
+def _evidence(rows: list[tuple[str, str, int, float]], split: str = "train", kept_split: str | None = None, meta=None) -> DedupEvidence:
     """Evidence of one split from ``(removed, kept, reason code, estimated similarity)`` rows."""
     return DedupEvidence({split: {
         "removed": np.array([r[0] for r in rows]), "kept": np.array([r[1] for r in rows]),
         "kept_split": np.array([kept_split or split] * len(rows)), "reason": np.array([r[2] for r in rows], np.int8),
-        "similarity": np.array([r[3] for r in rows], np.float32)}})
+        "similarity": np.array([r[3] for r in rows], np.float64)}}, meta)
 
 
 def test_why_shows_the_kept_copy_the_estimate_and_the_exact_jaccard_from_the_texts(tmp_path):
@@ -44,8 +46,10 @@ def test_why_shows_the_kept_copy_the_estimate_and_the_exact_jaccard_from_the_tex
     cfg = dedup_config(str(tmp_path / "*.jsonl"), exact=False, near=False, index=str(index))
     config = tmp_path / "stream.yaml"
     config.write_text(yaml.safe_dump({"data": {"pipeline": json.loads(json.dumps(cfg.to_dict()))}}))
-    _evidence([("std/b.jsonl/0", "std/a.jsonl/0", 2, 0.9), ("std/b.jsonl/1", "std/a.jsonl/1", 1, 1.0),
-               ("std/b.jsonl/7", "std/a.jsonl/9", 2, 0.85)]).save(evidence_path(index))
+    rows = [("std/b.jsonl/0", "std/a.jsonl/0", 2, 0.9), ("std/b.jsonl/1", "std/a.jsonl/1", 1, 1.0), ("std/b.jsonl/7", "std/a.jsonl/9", 2, 0.85)]
+    the_index = DedupIndex({"train": {"near": id_keys(["std/b.jsonl/0", "std/b.jsonl/7"]), "exact": id_keys(["std/b.jsonl/1"])}})
+    the_index.save(index)
+    _evidence(rows, meta={"index_sha256": the_index.content_hash}).save(evidence_path(index))
     hasher = MinHasher(7)  # the config's shingles: char 7-grams
     truth = jaccard(hasher.shingle_set(near), hasher.shingle_set(base))
     assert 0.3 < truth < 1.0  # a near copy, not an exact one: the exact value is not the estimate
@@ -78,11 +82,19 @@ def test_why_shows_the_kept_copy_the_estimate_and_the_exact_jaccard_from_the_tex
         assert code == 2 and said in out and len(out.strip().splitlines()) == 1, out
     code, out = run(config, "--why", "std/b.jsonl/0", "--row", "3")
     assert code == 2 and "not --row and --why" in out
+    # a name that is no document is not a kept one: one line, not "not removed"
+    for bad, said in (("std/a.jsonl/5", "no such document: file 'a.jsonl' of source 'std' has no row 5"),
+                      ("std/c.jsonl/0", "no such document: source 'std' has no file 'c.jsonl'")):
+        code, out = run(config, "--why", bad)
+        assert code == 2 and said in out and len(out.strip().splitlines()) == 1, out
+    _evidence(rows, meta={"index_sha256": "0" * 64}).save(evidence_path(index))  # evidence of another index beside it
+    code, out = run(config, "--why", "std/b.jsonl/0")
+    assert code == 2 and "is the evidence of another index" in out and len(out.strip().splitlines()) == 1
 
     evidence_path(index).unlink()  # an index decided before stacklm wrote evidence
     code, out = run(config, "--why", "std/b.jsonl/0")
     assert code == 2 and len(out.strip().splitlines()) == 1
-    assert f"no dedup evidence beside the index {index}" in out and f"stacklm dedup-index --config {config} --out {index}" in out
+    assert f"no dedup evidence beside the index {index} (deleted, or" in out and f"stacklm dedup-index --config {config} --out {index}" in out
 
 
 def test_a_finished_build_keeps_its_evidence_and_the_summary_shows_its_histogram(tmp_path):
@@ -181,3 +193,9 @@ def test_a_prebuild_of_planted_copies_explains_its_removals_and_counts_them_as_t
     code, said = main(["ledger", str(out)]), capsys.readouterr().out
     assert code == 0 and said.count("dedup removals by similarity to the kept copy: ") == 2
     assert f"why one was removed, and for which kept copy: stacklm inspect {out} --why SOURCE/FILE/ROW" in said
+    in_train = next(d for s, d in removals if s == "train")  # asked in the other split: said where it is removed
+    assert main(["inspect", str(out), "--why", in_train, "--split", "val"]) == 0
+    assert capsys.readouterr().out.strip().endswith("; it is removed in train: leave --split out to see why")
+    shutil.rmtree(out / "dedup-evidence")  # deleted since the build: the ledger no longer offers --why
+    code, said = main(["ledger", str(out)]), capsys.readouterr().out
+    assert code == 0 and "--why SOURCE/FILE/ROW" not in said and f"{out}/dedup-evidence/ is missing (deleted since the build?)" in said

@@ -49,7 +49,7 @@ def evidence_path(index_path: str | Path) -> Path:
 
 def _empty() -> dict[str, np.ndarray]:
     return {"removed": np.zeros(0, "<U1"), "kept": np.zeros(0, "<U1"), "kept_split": np.zeros(0, "<U1"),
-            "reason": np.zeros(0, np.int8), "similarity": np.zeros(0, np.float32)}
+            "reason": np.zeros(0, np.int8), "similarity": np.zeros(0, np.float64)}
 
 
 class DedupEvidence:
@@ -60,7 +60,7 @@ class DedupEvidence:
         for s, cols in splits.items():
             got = {k: np.asarray(cols[k]) if k in cols else _empty()[k] for k in COLUMNS}
             got["reason"] = got["reason"].astype(np.int8)
-            got["similarity"] = got["similarity"].astype(np.float32)
+            got["similarity"] = got["similarity"].astype(np.float64)  # 108/120 stays 0.9, not 0.89999998
             for k in ("removed", "kept", "kept_split"):
                 got[k] = got[k].astype(str) if got[k].size else _empty()[k]
             order = np.argsort(got["removed"], kind="stable")
