@@ -1,7 +1,7 @@
 """Accuracy of the global near-dedup decision, measured against brute-force Jaccard on a corpus
 with planted duplicates.
 
-    python3 bench/dedup_accuracy.py [--quick] [--seed 0] [--json out.json]
+    python3 bench/dedup_accuracy.py [--quick] [--seed 0] [--json out.json] [--plant char|word] [--datatrove]
 
 The decision measured is the one ``stacklm prebuild`` and ``stacklm dedup-index`` make:
 ``collect_signatures`` (step 1), the signature columns written as a signature task writes them
@@ -29,6 +29,10 @@ Corpus (``make_corpus``, deterministic for a ``--seed`` and the interpreter's st
 then all documents are shuffled into one part (``bench/p0/<row>``), so the canonical order that
 picks a cluster's kept copy is random with respect to the planted structure.
 
+Every J above is on character 7-grams; ``--plant word`` sets them on word 5-grams instead (the
+same steps and seed; an edit changes more word 5-grams than character 7-grams, so a corpus
+planted on one has lower J on the other).
+
 Ground truth (``GroundTruth``): the exact Jaccard of every pair over the very shingle sets the
 signatures estimate (``MinHasher.shingle_set``: 64-bit hashes of the character 7-grams of
 ``normalize_text(text)``, NUL-padded to one shingle), by counting shared shingles through an
@@ -47,6 +51,9 @@ What is reported (``measure``), for the removed documents (``R``) and the kept o
 * per planted near level: realised J, pairs, pairs resolved, and the S-curve's prediction;
 * drift chains: members removed, and how many of them have no kept document at J >= 0.7
   (resp. 0.5) -- removed although not similar to anything kept.
+
+``--datatrove`` then runs datatrove's own MinHash stages and stacklm's word 5-gram decision on
+the same corpus and prints the three decisions side by side (``bench/dedup_datatrove.py``).
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.dedup import staged
 from stacklm.data.dedup.global_index import collect_signatures, decide_splits
-from stacklm.data.dedup.minhash import DEFAULT_SHINGLE_SIZE, MinHasher, candidate_probability, jaccard
+from stacklm.data.dedup.minhash import MinHasher, candidate_probability, jaccard
 from stacklm.data.dedup.verify import DEFAULT_THRESHOLD
 from stacklm.data.quality.normalize import normalize_text
 from tests.helpers.synthetic_edits import inject_edits
@@ -224,7 +231,7 @@ def edit_to_jaccard(text: str, target: float, tol: float, rng: np.random.Generat
     (1 - J) / (1 + J) each try."""
     base = hasher.shingle_set(text)
     want = (1 - target) / (1 + target)
-    n = max(1, round(base.size * want / DEFAULT_SHINGLE_SIZE))
+    n = max(1, round(base.size * want / hasher.shingle_size))
     best: tuple[str, float] | None = None
     for _ in range(tries):
         copy = inject_edits(text, n, rng)
@@ -313,17 +320,22 @@ def make_corpus(unrelated: int, exact: int, near: int, chains: int, seed: int = 
 
 
 # -- the decision ----------------------------------------------------------------------------------
-def run_decision(texts: list[str], hasher: MinHasher | None = None) -> np.ndarray:
+def run_decision(texts: list[str], hasher: MinHasher | None = None, cpu: dict[str, float] | None = None) -> np.ndarray:
     """Per document: 0 kept, 1 removed as an exact copy, 2 as a near copy -- by the staged
-    decision the commands run, checked equal to ``decide_splits``'s."""
+    decision the commands run, checked equal to ``decide_splits``'s. ``cpu``, when given, gets
+    ``"decision"``: the CPU seconds of signing, writing the signature columns and the staged
+    decision (not of the cross-check)."""
     hasher = hasher or MinHasher()
     ids = [f"bench/p0/{i}" for i in range(len(texts))]
+    start = time.process_time()
     sig = collect_signatures(({"text": t, "doc_id": d, "source": "bench"} for t, d in zip(texts, ids)), {"bench": 0}, hasher)
     code = np.zeros(len(texts), dtype=np.int8)
     with tempfile.TemporaryDirectory(prefix="dedup-accuracy-") as tmp:
         sig_dir = Path(tmp) / "train-w000"
         staged.write_signature_dir(sig, "train", sig_dir)
         removed = staged.staged_decision([sig_dir]).removed.get(0, {})
+    if cpu is not None:
+        cpu["decision"] = time.process_time() - start
     for reason, c in (("exact", 1), ("near", 2)):
         code[removed.get(reason, np.zeros(0, np.int64))] = c
     ref = decide_splits({"train": [sig]})["train"]
@@ -449,20 +461,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for k, v in SIZES["full"].items():
         ap.add_argument(f"--{k}", type=int, default=None, help=f"default {v} ({SIZES['quick'][k]} with --quick)")
     ap.add_argument("--json", type=Path, default=None, help="also write every number here")
+    ap.add_argument("--plant", choices=("char", "word"), default="char", help="the shingles whose exact Jaccard the planted levels, links and the pool's "
+                    "unrelatedness are set on (default char 7-grams, what the decision reported first uses; word: word 5-grams)")
+    ap.add_argument("--datatrove", action="store_true", help="also run datatrove's MinHash stages and stacklm's word 5-gram decision on the same corpus and compare (bench/dedup_datatrove.py)")
     args = ap.parse_args(argv)
     sizes = {k: v if getattr(args, k) is None else getattr(args, k) for k, v in SIZES["quick" if args.quick else "full"].items()}
     hasher = MinHasher()
     t0 = time.perf_counter()
-    corpus = make_corpus(sizes["unrelated"], sizes["exact"], sizes["near"], sizes["chains"], args.seed, hasher=hasher)
+    corpus = make_corpus(sizes["unrelated"], sizes["exact"], sizes["near"], sizes["chains"], args.seed, hasher=MinHasher(shingle=args.plant))
     t1 = time.perf_counter()
-    code = run_decision(corpus.texts, hasher)
+    cpu: dict[str, float] = {}
+    code = run_decision(corpus.texts, hasher, cpu)
     t2 = time.perf_counter()
-    m = measure(corpus, GroundTruth(corpus.texts, hasher), code)
+    truth = GroundTruth(corpus.texts, hasher)
+    m = measure(corpus, truth, code)
     t3 = time.perf_counter()
-    m["sizes"], m["seed"] = sizes, args.seed
+    m["sizes"], m["seed"], m["plant"] = sizes, args.seed, args.plant
     m["seconds"] = {"corpus": round(t1 - t0, 1), "decision": round(t2 - t1, 1), "truth_and_measures": round(t3 - t2, 1)}
     secs = ", ".join(f"{k} {v} s" for k, v in m["seconds"].items())
-    print(report(m, f"near-dedup accuracy: seed {args.seed}, sizes {sizes} ({secs})"))
+    print(report(m, f"near-dedup accuracy: seed {args.seed}, sizes {sizes}, planted on {args.plant} shingles ({secs})"))
+    if args.datatrove:
+        from bench.dedup_datatrove import compare  # datatrove (the scale extra) only when asked
+
+        m["datatrove"] = compare(corpus, truth, code, cpu["decision"])
     if args.json:
         args.json.write_text(json.dumps(m, indent=1))
     return m

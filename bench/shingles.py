@@ -55,12 +55,13 @@ def stacklm_signing(kind: str, docs: list[str], batch: int):
     return run
 
 
-def datatrove_signing(docs: list[str]):
-    from datatrove.data import Document
-    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
+def whitespace_tokenizer():
+    """A datatrove ``WordTokenizer`` that splits at whitespace (``str.split``): spaCy, datatrove's
+    English tokenizer, is not installed here. On text ``simplify_text`` has already stripped of
+    punctuation it differs from spaCy only where spaCy splits a word on its own (``cannot``)."""
     from datatrove.utils.word_tokenizers import WordTokenizer
 
-    class Whitespace(WordTokenizer):  # spaCy (datatrove's English tokenizer) is not installed
+    class Whitespace(WordTokenizer):
         def word_tokenize(self, text: str) -> list[str]:
             return text.split()
 
@@ -70,6 +71,12 @@ def datatrove_signing(docs: list[str]):
         def span_tokenize(self, text: str) -> list[tuple[int, int]]:
             return [(0, len(text))]
 
+    return Whitespace()
+
+
+def datatrove_signing(docs: list[str]):
+    from datatrove.data import Document
+    from datatrove.pipeline.dedup.minhash import MinhashConfig, MinhashDedupSignature
     from loguru import logger
 
     logger.disable("datatrove")  # its per-run "Sorting buckets..." lines would interleave with the table
@@ -77,7 +84,7 @@ def datatrove_signing(docs: list[str]):
 
     def run() -> None:
         with tempfile.TemporaryDirectory() as out:
-            step = MinhashDedupSignature(output_folder=out, config=MinhashConfig(), language=Whitespace())
+            step = MinhashDedupSignature(output_folder=out, config=MinhashConfig(), language=whitespace_tokenizer())
             for _ in step.run(iter(documents)) or ():  # a plain function in some versions, a generator in others
                 pass
 

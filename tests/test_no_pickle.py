@@ -2,12 +2,13 @@
 
 A crafted file is planted in every place stacklm reads a file back: a prebuild's resume
 checkpoint and its dedup index (in a half-built output directory, which the docs put on shared
-storage), the datatrove dedup signature slices, a shard's provenance side file, a step-log
-frame, a batch file for ``inspect`` and a Lightning checkpoint. Each planted file is a pickle
-whose ``__reduce__`` creates a marker file (or an ``.npz`` hiding such a pickle in an object
-array); the control below shows that unpickling it would indeed create the marker. Every reader
-must refuse it in one line naming the file, and the marker must never appear. A legitimate
-checkpoint in the new format still resumes byte-identically.
+storage), the datatrove dedup signature slices, a shard's provenance side file, a finished
+build's dedup evidence, a step-log frame, a batch file for ``inspect`` and a Lightning
+checkpoint. Each planted file is a pickle whose ``__reduce__`` creates a marker file (or an
+``.npz`` hiding such a pickle in an object array); the control below shows that unpickling it
+would indeed create the marker. Every reader must refuse it in one line naming the file, and
+the marker must never appear. A legitimate checkpoint in the new format still resumes
+byte-identically.
 """
 
 from __future__ import annotations
@@ -216,6 +217,22 @@ def test_a_provenance_side_file_is_refused(finished, tmp_path, capsys):
         assert stacklm_main(["inspect", str(out), "--row", "0"]) == 2, plant
         line = one_line(capsys.readouterr().err)
         assert str(side) in line and "not a stacklm provenance side file" in line and "rebuild" in line, line
+        assert not marker.exists(), plant
+
+
+@pytest.mark.slow
+def test_a_dedup_evidence_file_is_refused(finished, tmp_path, capsys):
+    """``stacklm inspect OUT --why ID`` reads the build's dedup evidence (``OUT/dedup-evidence/``)."""
+    out = tmp_path / "ref"
+    shutil.copytree(finished, out)
+    marker = tmp_path / "pwned"
+    (out / "dedup-evidence").mkdir(exist_ok=True)
+    for plant, make in PLANTS.items():
+        evidence = out / "dedup-evidence" / "train-w000.evidence.npz"
+        evidence.write_bytes(make(marker))
+        assert stacklm_main(["inspect", str(out), "--why", "web/x/0"]) == 2, plant
+        line = one_line(capsys.readouterr().err)
+        assert str(evidence) in line and "not a stacklm dedup evidence file" in line, line
         assert not marker.exists(), plant
 
 

@@ -19,6 +19,8 @@ EXAMPLES = """examples:
   stacklm inspect batch.pt --tokenizer tok/                     # a batch saved with torch.save
   stacklm inspect shards/ --row 17 --json                       # where prebuilt row 17 came from
   stacklm inspect runs/stack-100m --step 41200                  # every row of a run's step 41200, from its step log
+  stacklm inspect shards/ --why web/a.jsonl/17                  # why the global dedup removed that document, for which kept one
+  stacklm inspect stream.yaml --why web/a.jsonl/17              # the same for a stream config's data.pipeline.dedup.index
 """
 
 
@@ -40,7 +42,12 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
     p.add_argument("--step", type=non_negative_int, help="a training run's global step S: every row of it (each rank's "
                    "batches) with where each piece came from, from the run's step log (INPUT: the run's default_root_dir or "
                    "its steplog/ directory)")
-    p.add_argument("--split", help="for a prebuild output directory (and --row): the split to read (default: train)")
+    p.add_argument("--why", metavar="SOURCE/FILE/ROW", help="why the global dedup removed this document (its doc_id, as the "
+                   "ledger and the dedup index name it): the kept document it duplicates, the estimated and the exact "
+                   "similarity, both texts (INPUT: a prebuild output directory, or a config whose data.pipeline.dedup.index "
+                   "is set)")
+    p.add_argument("--split", help="for a prebuild output directory (and --row, --why): the split to read (default: train; "
+                   "--why: every split)")
     p.add_argument("--hf", action="store_true", help="use the HF files of a directory that also holds our artifact")
     p.add_argument("--limit", type=positive_int, help="conversations (default 200) or rows (default 64) to check")
     p.add_argument("--tokens", type=non_negative_int, default=48, help="rows of the per-token table (default 48)")
@@ -60,13 +67,17 @@ def add_inspect_subcommand(subparsers: argparse._SubParsersAction) -> argparse.A
 def cmd_inspect(args: argparse.Namespace) -> int:
     from stacklm.inspector import format_report, inspect_input, load_tokenizer
 
-    if args.row is not None and args.step is not None:
-        raise UserError("pass --row (a prebuilt row) or --step (a training run's step), not both")
+    asked = [f for f, v in (("--row", args.row), ("--step", args.step), ("--why", args.why)) if v is not None]
+    if len(asked) > 1:
+        raise UserError(f"pass one of --row (a prebuilt row), --step (a training run's step) or --why (a removed document), "
+                        f"not {' and '.join(asked)}")
     if args.step is not None and args.split:
         raise UserError("--split is for a prebuild directory; --step reads the train split the run trained on")
     from stacklm.data.storage import remote
 
     args.input = remote.file_url_path(args.input)  # file:///x: the local /x
+    if args.why is not None:
+        return _inspect_why(args)
     if args.step is None and remote.is_remote(args.input):  # a shard set in object storage: read from its local mirror
         args.input = str(remote.mirror(args.input))
     if args.row is not None:
@@ -161,6 +172,76 @@ def _inspect_step(args: argparse.Namespace) -> int:
             print(f"{head}{extra}: {_pieces(len(r['segments']))}")
             _print_segments(r["segments"], r["input_ids"], args)
     return 1 if unverified else 0
+
+
+def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
+    """``(evidence files, pipeline config)`` of ``--why``'s INPUT: a finished prebuild (its
+    ``dedup-evidence/`` and the config in its top manifest) or a config whose
+    ``data.pipeline.dedup.index`` is set (the evidence beside that index)."""
+    from stacklm.data.dedup.evidence import build_evidence_files, evidence_path
+    from stacklm.data.pipeline import PipelineConfig
+    from stacklm.data.storage import remote
+
+    if remote.is_remote(args.input):
+        raise UserError(f"--why reads a local build: download {args.input} (its dedup-evidence/ is uploaded with it), "
+                        "or run it on the directory the build was staged in")
+    where = Path(args.input)
+    if where.is_dir():
+        from stacklm.data.storage import manifest as mf
+        from stacklm.data.storage.datafiles import check_data_file
+
+        if check_data_file(where / "manifest.json") is None:
+            raise UserError(f"{where}/manifest.json is missing: --why needs a finished prebuild (or a config with dedup.index)")
+        top = mf.read_manifest(where)
+        if "splits" not in top:
+            raise UserError(f"{where}: one split's directory; pass the prebuild output directory (its parent) with --why")
+        files = build_evidence_files(where)
+        if not files:
+            said = ("was built without global dedup (dedup.exact and dedup.near off): it removed nothing" if "global_dedup" not in top
+                    else "holds no dedup evidence (dedup-evidence/ deleted, or its index was decided before stacklm kept it); rebuild it to ask why "
+                    f"(`stacklm prebuild --config CONFIG --out NEW_DIR`)")
+            raise UserError(f"{where} {said}")
+        return files, PipelineConfig.from_dict(top["build"]["config"])
+    from stacklm.prebuild import load_config
+
+    config, _ = load_config(args.input)
+    if not config.dedup.index:
+        raise UserError(f"{args.input}: data.pipeline.dedup.index is not set; --why reads the evidence beside a stream "
+                        "config's dedup index, or pass a prebuild output directory")
+    path = evidence_path(config.dedup.index)
+    rebuild = f"rebuild it: stacklm dedup-index --config {args.input} --out {config.dedup.index}"
+    if not path.exists():
+        raise UserError(f"{path}: no dedup evidence beside the index {config.dedup.index} (deleted, or the index was built "
+                        f"before stacklm wrote evidence); {rebuild}")
+    from stacklm.data.dedup.evidence import DedupEvidence
+    from stacklm.data.dedup.global_index import DedupIndex
+
+    bound, index = DedupEvidence.load(path).meta.get("index_sha256"), DedupIndex.load(config.dedup.index).content_hash
+    if bound != index:
+        raise UserError(f"{path} is the evidence of another index (index sha256 {str(bound)[:16]}, {config.dedup.index} has "
+                        f"{index[:16]}): its answers would not be this index's; {rebuild}")
+    return [path], config
+
+
+def _inspect_why(args: argparse.Namespace) -> int:
+    """``--why SOURCE/FILE/ROW``: the dedup decision's evidence for one document, checked
+    against the two texts (``stacklm.inspector.removals``)."""
+    from stacklm.inspector.removals import explain_removal, format_removal
+
+    files, config = _why_sources(args)
+    why = explain_removal(files, config, args.why, args.split)
+    if not why["removed"] and args.split is None and Path(args.input).is_dir():
+        # every row was read: they must be the build's removed ids, one each (else "not removed" means nothing)
+        from stacklm.data.storage import manifest as mf
+
+        counts = mf.read_manifest(args.input).get("global_dedup", {}).get("removed", {})
+        listed = sum(int(n) for per in counts.values() for n in per.values())
+        if listed != why["removals"]:
+            raise UserError(f"{args.input}/dedup-evidence holds {why['removals']:,} removals but the build's index removed "
+                            f"{listed:,}: the evidence is not this build's; rebuild to ask why")
+    if not _json_only(why, args):
+        print(format_removal(why))
+    return 0
 
 
 def _pieces(n: int) -> str:

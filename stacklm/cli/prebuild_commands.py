@@ -214,16 +214,31 @@ def cmd_ledger(args: argparse.Namespace) -> int:
         raise UserError(f"{top} has no 'ledger': built before stacklm kept one (or by prebuild-datatrove); rebuild it to get one")
     decontam = m.get("decontamination") if "splits" in m else ({m["split"]: m["decontamination"]} if "decontamination" in m else {})
     decontam = decontam or {}
+    from stacklm.data.dedup.evidence import BUILD_EVIDENCE_DIR, build_evidence_files
+
+    # the dedup decision's evidence, per split and source (``manifests.keep_dedup_evidence``); a top manifest only
+    dedup = m.get("global_dedup") if "splits" in m else None
+    similarity = (dedup or {}).get("removal_similarity")
     failed = False
     for split, entry in per_split.items():
         if args.json:
             continue
-        print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]"))
+        hist = similarity.get(split, {}) if similarity is not None else None
+        print(ledger.format_ledger(entry["sources"], title=f"{args.dir} [{split}]", removal_similarity=hist))
+        if dedup and any(r.startswith("dedup/") and n for u in entry["sources"].values() for r, n in u["docs"]["dropped"].items()):
+            if hist is None:
+                print("  dedup removals by similarity: no evidence kept with this build (decided before stacklm kept it); a new build keeps it")
+            elif files and not build_evidence_files(args.dir):
+                print(f"  why one was removed: {args.dir}/{BUILD_EVIDENCE_DIR}/ is missing (deleted since the build?), so "
+                      "`stacklm inspect --why` cannot answer; the histogram above is the manifest's")
+            else:
+                print(f"  why one was removed, and for which kept copy: stacklm inspect {args.dir} --why SOURCE/FILE/ROW")
         if decontam.get(split):  # the ledger's decontam/<set> drops, per set with tokens and examples
             print(format_report(decontam[split]))
         failed |= bool(ledger.check(entry["sources"]))
     if args.json:
-        print(json.dumps({split: {**entry, **({"decontamination": decontam[split]} if decontam.get(split) else {})}
+        print(json.dumps({split: {**entry, **({"decontamination": decontam[split]} if decontam.get(split) else {}),
+                                  **({"removal_similarity": similarity.get(split, {})} if similarity is not None else {})}
                           for split, entry in per_split.items()}, indent=1))
         failed = any(ledger.check(e["sources"]) for e in per_split.values())
     return 1 if failed else 0

@@ -184,8 +184,14 @@ def data_log_drops(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> dic
     return {"dropped_docs": dropped_docs, "dropped_tokens": dropped_tokens, "holdout_docs": holdout}
 
 
-def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: str = "") -> str:
-    """A table per source: each term in documents and tokens, then the two identities."""
+def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: str = "",
+                  removal_similarity: Mapping[str, Mapping[str, int]] | None = None) -> str:
+    """A table per source: each term in documents and tokens, then the two identities.
+    ``removal_similarity`` (per source, the dedup evidence's histogram,
+    ``DedupEvidence.histogram``): under a source's dedup drops, how similar the removed
+    documents were to the copies kept."""
+    from stacklm.data.dedup.evidence import compact_histogram
+
     lines = [title] if title else []
     for name, units in ledger.items():
         d, t = units["docs"], units["tokens"]
@@ -198,6 +204,13 @@ def format_ledger(ledger: Mapping[str, Mapping[str, Mapping[str, Any]]], title: 
         line("read", d["read"], t["read"])
         for reason in sorted(set(d["dropped"]) | set(t["dropped"])):
             line(f"- dropped {reason}", d["dropped"].get(reason, "-"), t["dropped"].get(reason, "-"))  # "-": not counted in that unit
+        dropped = sum(n for r, n in d["dropped"].items() if r.startswith("dedup/"))
+        if removal_similarity is not None and dropped:
+            hist = removal_similarity.get(name, {})
+            decided = sum(hist.values())
+            # a budget that stops before a source's end reads fewer documents than the decision removed
+            more = f" (all {decided:,} the decision removed; {dropped:,} were in what this build read)" if decided != dropped else ""
+            lines.append(f"    dedup removals by similarity to the kept copy: {compact_histogram(hist)}{more}")
         line("- holdout (other split)", d["holdout"], "-")
         for stage in sorted(set(d["buffered"]) | set(t["buffered"])):
             line(f"- buffered before the mix: {stage}", d["buffered"].get(stage, 0), t["buffered"].get(stage, "-"))

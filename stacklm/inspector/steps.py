@@ -136,7 +136,7 @@ class _StreamRows:
 
     def _load(self, needed: set[tuple[int, int, int]]) -> None:
         """Read and tokenize the records of ``needed`` (source, file, record) not read yet."""
-        from stacklm.data.sources.parts import PartNode
+        from stacklm.data.sources.entry import part_documents
         from stacklm.data.tokenizing import tokenize_docs
 
         todo = sorted(needed - set(self._wrapped))
@@ -147,13 +147,12 @@ class _StreamRows:
             node = self._node(src)
             docs = []
             with _cwd(self.cwd):
-                node.reset({"part": fid} if isinstance(node, PartNode) else None)  # a reader of all parts: part index = file
                 last = max(records)
-                for doc in node:  # reset above: iterating continues from there
-                    f, r = int(doc.get("file", -1)), int(doc.get("record", -1))
-                    if f > fid or (f == fid and r > last):
+                for doc in part_documents(node, fid):
+                    r = int(doc.get("record", -1))
+                    if r > last:
                         break
-                    if f == fid and r in records:
+                    if r in records:
                         docs.append(doc)
             for doc in tokenize_docs(self.tok, docs, num_threads=1):
                 ids = np.asarray(doc["ids"], dtype=np.int32)

@@ -343,12 +343,38 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
         index = load_shards(index_shard_paths(shard_dir))
     if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
+        similarity = keep_dedup_evidence(shard_dir, plan.out)
+        if similarity is not None:
+            top["global_dedup"]["removal_similarity"] = similarity
     volume = read_volume(summaries, index.meta.get("bytes_read") if index is not None else None)
     if volume is not None:
         top["read_volume"] = volume
     mf.write_manifest(plan.out, top)
     shutil.rmtree(state_dir_of(plan.out), ignore_errors=True)
     return top
+
+
+def keep_dedup_evidence(shard_dir: Path, out: Path) -> dict[str, dict[str, dict[str, int]]] | None:
+    """Move the decision's evidence (``X.evidence.npz`` beside each index shard ``X.npz``) to
+    ``OUT/dedup-evidence/`` before the state folder goes, so ``stacklm inspect OUT --why ID`` can
+    still say why a document was removed; return per split and source its removal-similarity
+    histogram (the top manifest's ``global_dedup.removal_similarity``: the summary and
+    ``stacklm ledger`` read it there). ``None`` when the index has no evidence (a build begun
+    before the decision wrote it): nothing is moved, and they say how to get it. Moved, not
+    merged: a file per job, so no process holds the evidence of the whole corpus. Idempotent:
+    a finalize run again after a crash finds the files already moved."""
+    from stacklm.data.dedup.evidence import BUILD_EVIDENCE_DIR, build_evidence_files, evidence_path, split_histograms
+    from stacklm.data.dedup.shards import index_shard_paths
+
+    shards = index_shard_paths(shard_dir) if shard_dir.is_dir() else []
+    kept = out / BUILD_EVIDENCE_DIR
+    if not shards or not all(evidence_path(p).exists() or (kept / evidence_path(p).name).exists() for p in shards):
+        return None
+    kept.mkdir(exist_ok=True)
+    for p in shards:
+        if evidence_path(p).exists():
+            os.replace(evidence_path(p), kept / evidence_path(p).name)
+    return split_histograms(build_evidence_files(out))
 
 
 def read_volume(summaries: Sequence[Mapping[str, Any]], dedup_bytes: Mapping[str, Mapping[str, int]] | None) -> dict[str, Any] | None:

@@ -1,5 +1,5 @@
 """The table every prebuild ends with: tokens per source against the target, drops by reason,
-padding and time. Read from the top manifest only, so its numbers are the manifest's (and a
+how similar the documents dedup removed were to the copies kept, padding and time. Read from the top manifest only, so its numbers are the manifest's (and a
 build that was already complete prints the same table)."""
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None
         lines.append(f"    {src}: " + (", ".join(f"{r}={n:,}" for r, n in sorted(row.items())) if row else "none"))
     if not drops:
         lines.append("    none")
+    lines += removal_similarity_lines(top, out)
     volume = top.get("read_volume")
     if volume:
         index = f"; piece index read once: {volume['index_bytes']:,} bytes" if volume.get("index_bytes") else ""
@@ -73,3 +74,34 @@ def summary_table(top: Mapping[str, Any], out: str, seconds: float | None = None
     if top.get("warnings"):
         lines.append(f"  warnings: {len(top['warnings'])} (listed in the manifest's 'warnings')")
     return "\n".join(lines)
+
+
+def removal_similarity_lines(top: Mapping[str, Any], out: str) -> list[str]:
+    """Per source, the documents the global dedup decided to remove by how similar each is to
+    the copy kept (the decision's evidence, ``global_dedup.removal_similarity``; every split):
+    exact copies, then the estimated Jaccard bins. Nothing without global dedup; one line when
+    the build kept no evidence."""
+    from stacklm.data.dedup.evidence import add_histograms, histogram_labels
+
+    dedup = top.get("global_dedup")
+    if not dedup:
+        return []
+    per_split = dedup.get("removal_similarity")
+    if per_split is None:
+        return ["", "  dedup removals by similarity: no evidence (an index decided before stacklm kept it); "
+                "a new build keeps it"]
+    rows: dict[str, dict[str, int]] = {}
+    for hist in per_split.values():
+        add_histograms(rows, hist)
+    labels = histogram_labels()
+    width = max([len("source"), len("total")] + [len(s) for s in rows])
+    lines = ["", f"  dedup removals by similarity to the kept copy (estimated Jaccard; all splits; "
+             f"why one was removed: stacklm inspect {out} --why SOURCE/FILE/ROW):",
+             f"    {'source':<{width}}  " + "  ".join(f"{lab:>9}" for lab in labels)]
+    for src in sorted(rows):
+        lines.append(f"    {src:<{width}}  " + "  ".join(f"{rows[src].get(lab, 0):>9,}" for lab in labels))
+    if not rows:
+        lines.append("    none")
+    else:
+        lines.append(f"    {'total':<{width}}  " + "  ".join(f"{sum(r.get(lab, 0) for r in rows.values()):>9,}" for lab in labels))
+    return lines

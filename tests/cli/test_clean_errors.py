@@ -319,7 +319,10 @@ def test_summary_is_printed_with_no_progress_and_equals_the_manifest(tmp_path, t
     for command in ("verify", "ledger"):  # and read back through the same URL
         assert run_cli(capsys, command, out.as_uri())[0] == 0
     top = json.loads((out / "manifest.json").read_text())
-    rows = {line.split()[0]: line.split() for line in stdout.splitlines() if line.startswith("  ") and line.split()}
+    rows: dict[str, list[str]] = {}
+    for line in stdout.splitlines():  # the mix table's row of each source (the dedup histogram's rows come after it)
+        if line.startswith("  ") and line.split():
+            rows.setdefault(line.split()[0], line.split())
     for src in top["sources"]:
         row = rows[src["name"]]
         assert float(row[1]) == pytest.approx(src["target_weight"], abs=1e-3)

@@ -49,7 +49,7 @@ def evidence_path(index_path: str | Path) -> Path:
 
 def _empty() -> dict[str, np.ndarray]:
     return {"removed": np.zeros(0, "<U1"), "kept": np.zeros(0, "<U1"), "kept_split": np.zeros(0, "<U1"),
-            "reason": np.zeros(0, np.int8), "similarity": np.zeros(0, np.float32)}
+            "reason": np.zeros(0, np.int8), "similarity": np.zeros(0, np.float64)}
 
 
 class DedupEvidence:
@@ -60,7 +60,7 @@ class DedupEvidence:
         for s, cols in splits.items():
             got = {k: np.asarray(cols[k]) if k in cols else _empty()[k] for k in COLUMNS}
             got["reason"] = got["reason"].astype(np.int8)
-            got["similarity"] = got["similarity"].astype(np.float32)
+            got["similarity"] = got["similarity"].astype(np.float64)  # 108/120 stays 0.9, not 0.89999998
             for k in ("removed", "kept", "kept_split"):
                 got[k] = got[k].astype(str) if got[k].size else _empty()[k]
             order = np.argsort(got["removed"], kind="stable")
@@ -145,3 +145,51 @@ class DedupEvidence:
 def load_evidence_shards(index_paths: Sequence[str | Path]) -> DedupEvidence:
     """The evidence beside each of ``index_paths`` (a build's ``.prebuild/dedup-index/*.npz``), merged."""
     return DedupEvidence.merge([DedupEvidence.load(evidence_path(p)) for p in index_paths])
+
+
+# A finished prebuild keeps its decision's evidence in ``OUT/dedup-evidence/<job>.evidence.npz``:
+# the index shards it sits beside live in the build's state folder, which goes when the build
+# finishes (``prebuild.manifests.finalize`` moves the evidence out first).
+BUILD_EVIDENCE_DIR = "dedup-evidence"
+EVIDENCE_SUFFIX = ".evidence.npz"
+
+
+def build_evidence_files(out: str | Path) -> list[Path]:
+    """The evidence shards of the finished prebuild ``out``, sorted; empty when it kept none.
+    Each is a regular file inside ``out`` (``datafiles``: a link out of the build is refused)."""
+    from stacklm.data.storage.datafiles import check_data_dir, check_data_file
+
+    folder = Path(out) / BUILD_EVIDENCE_DIR
+    if check_data_dir(folder, out) is None:
+        return []
+    return [p for p in sorted(folder.glob(f"*{EVIDENCE_SUFFIX}")) if check_data_file(p, out) is not None]
+
+
+def add_histograms(into: dict[str, dict[str, int]], more: Mapping[str, Mapping[str, int]]) -> dict[str, dict[str, int]]:
+    """``into`` plus ``more`` (``histogram`` results of several shards or splits), bin by bin."""
+    for src, row in more.items():
+        slot = into.setdefault(src, {})
+        for label, n in row.items():
+            slot[label] = slot.get(label, 0) + int(n)
+    return into
+
+
+def split_histograms(paths: Sequence[str | Path]) -> dict[str, dict[str, dict[str, int]]]:
+    """Per split, per source, the removal-similarity histogram of the evidence shards ``paths``,
+    read one shard at a time (a build's evidence is never held whole)."""
+    out: dict[str, dict[str, dict[str, int]]] = {}
+    for p in paths:
+        ev = DedupEvidence.load(p)
+        for split in ev.splits:
+            add_histograms(out.setdefault(split, {}), ev.histogram(split))
+    return out
+
+
+def histogram_labels() -> list[str]:
+    """A histogram row's bins as shown: ``exact``, then the near bins from the most similar down."""
+    return ["exact"] + [f"{a:.2f}-{b:.2f}" for a, b in zip(HIST_EDGES[-2::-1], HIST_EDGES[:0:-1])]
+
+
+def compact_histogram(row: Mapping[str, int]) -> str:
+    """One histogram row as ``exact 12, 0.95-1.00 3`` (empty bins left out; ``none`` if all are)."""
+    return ", ".join(f"{label} {int(row[label]):,}" for label in histogram_labels() if row.get(label)) or "none"

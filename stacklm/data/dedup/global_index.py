@@ -218,9 +218,21 @@ def decide_splits(
         # exact copies are in every bucket of the copy they keep, never before it: they are
         # bucketed like any document and never kept (``removed_before``)
         lo, hi, eq = near_edges(bands, minhash, threshold)
-        removed_near, near_kept, equal = first_fit(n, lo, hi, eq, removed_exact, tiebreak=id_keys(ids.tolist()))
-        kept_of[removed_near] = near_kept[removed_near]
-        similarity[removed_near] = equal[removed_near] / minhash.shape[1]
+        idkey = id_keys(ids.tolist())
+        removed_near, _, _ = first_fit(n, lo, hi, eq, removed_exact, tiebreak=idkey)
+        # the kept document a removal names (and so its reason, when it is in another split):
+        # a *root* (no earlier verified neighbour at all) when it has one, else the best kept
+        # one: the one with the most equal values, ties the smallest id digest. ``staged``
+        # names the same: it removes for roots first, then decides the rest.
+        live = ~removed_exact[lo] & ~removed_exact[hi]
+        root = np.ones(n, dtype=bool)
+        root[hi[live]] = False
+        take = live & removed_near[hi] & ~removed_near[lo]
+        order = np.lexsort((idkey[lo[take]], -eq[take], ~root[lo[take]], hi[take]))
+        first = run_starts(hi[take][order])
+        d, c, e = hi[take][order][first], lo[take][order][first], eq[take][order][first]
+        kept_of[d] = c
+        similarity[d] = e / minhash.shape[1]
         # an exact copy whose kept copy is itself removed as a near copy is removed for what
         # that one was removed for (kept, and at the same similarity): a near removal
         moved = removed_exact & removed_near[kept_of]

@@ -54,7 +54,8 @@ def write_index_shards(sig_dirs: Sequence[str | Path], decision: Decision, out_d
         t = totals.setdefault(split, {r: 0 for r in REASONS})
         for r in REASONS:
             t[r] += counts[r]
-        DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(metas[file]["n"])}, "removed": {split: counts}}).save(out_dir / f"{d.name}.npz")
+        shard = DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(metas[file]["n"])}, "removed": {split: counts}})
+        shard.save(out_dir / f"{d.name}.npz")
         mine = np.flatnonzero(node_file == file)
         kept = decision.kept[mine]
         evidence = {
@@ -63,7 +64,9 @@ def write_index_shards(sig_dirs: Sequence[str | Path], decision: Decision, out_d
             "reason": decision.reason[mine],
             "similarity": np.where(decision.reason[mine] == 1, 1.0, decision.equal[mine] / max(decision.num_perm, 1)),
         }
-        DedupEvidence({split: evidence}, {"num_perm": decision.num_perm, **{k: v for k, v in (config_meta or {}).items() if k == "dedup"}}).save(evidence_path(out_dir / f"{d.name}.npz"))
+        # bound to its index (``index_sha256``): evidence put beside another index is refused
+        meta = {"num_perm": decision.num_perm, "index_sha256": shard.content_hash, **{k: v for k, v in (config_meta or {}).items() if k == "dedup"}}
+        DedupEvidence({split: evidence}, meta).save(evidence_path(out_dir / f"{d.name}.npz"))
     return totals
 
 
@@ -79,7 +82,9 @@ def save_merged(paths: Sequence[str | Path], out: str | Path) -> DedupIndex:
     from stacklm.data.dedup.evidence import evidence_path, load_evidence_shards
 
     index = load_shards(paths)
-    load_evidence_shards(paths).save(evidence_path(out))
+    evidence = load_evidence_shards(paths)
+    evidence.meta["index_sha256"] = index.content_hash  # the merged index's, not the first shard's
+    evidence.save(evidence_path(out))
     index.save(out)
     return index
 

@@ -220,7 +220,8 @@ def check_reachable(url: str) -> None:
 
 def upload_shard_set(local: Path, url: str) -> int:
     """Upload a finished local shard set to ``url``: per split every shard's side file, tokens,
-    meta, then the split manifest; the top manifest last. Returns the files uploaded."""
+    meta, then the split manifest; the dedup evidence; the top manifest last. Returns the files
+    uploaded."""
     top = json.loads((local / MANIFEST).read_bytes())
     n = 0
     for name, entry in top.get("splits", {}).items():
@@ -233,6 +234,11 @@ def upload_shard_set(local: Path, url: str) -> int:
                 put_file(p, join(split_url, p.name))
                 n += 1
         put_file(split_local / MANIFEST, join(split_url, MANIFEST))
+        n += 1
+    from stacklm.data.dedup.evidence import BUILD_EVIDENCE_DIR, build_evidence_files
+
+    for p in build_evidence_files(local):  # why each document was removed (``stacklm inspect --why``)
+        put_file(p, join(url, f"{BUILD_EVIDENCE_DIR}/{p.name}"))
         n += 1
     put_file(local / MANIFEST, join(url, MANIFEST))
     return n + 1
