@@ -95,7 +95,10 @@ def removal_similarity_lines(top: Mapping[str, Any], out: str) -> list[str]:
         add_histograms(rows, hist)
     labels = histogram_labels()
     width = max([len("source"), len("total")] + [len(s) for s in rows])
-    lines = ["", f"  dedup removals by similarity to the kept copy (estimated Jaccard; all splits; "
+    # the decision's removals over everything signed: a budget that stops early reads (and counts
+    # among the drops above) only some of them, so say which number this is
+    lines = ["", f"  dedup removals by similarity to the kept copy (estimated Jaccard; all splits; every removal the decision "
+             f"made over the documents it signed, of which the drops above count those this build read; "
              f"why one was removed: stacklm inspect {out} --why SOURCE/FILE/ROW):",
              f"    {'source':<{width}}  " + "  ".join(f"{lab:>9}" for lab in labels)]
     for src in sorted(rows):
