@@ -48,6 +48,14 @@ _MASK64 = (1 << 64) - 1
 _SCALAR_BATCH = 48  # up to this many keys, probe in plain Python
 
 
+def in_sorted(values: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
+    """Membership of each of ``values`` in the sorted array ``sorted_set`` (a binary search each)."""
+    values = np.asarray(values)
+    if not sorted_set.size:
+        return np.zeros(values.size, dtype=bool)
+    return sorted_set[np.minimum(np.searchsorted(sorted_set, values), sorted_set.size - 1)] == values
+
+
 def run_starts(sorted_values: np.ndarray) -> np.ndarray:
     """Mask of the first element of each run of equal values in a sorted array."""
     head = np.empty(sorted_values.size, dtype=bool)

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from stacklm.data.dedup.exact import run_starts, text_digest
+from stacklm.data.dedup.exact import in_sorted, run_starts, text_digest
 from stacklm.data.dedup.minhash import MinHasher
 from stacklm.data.quality.normalize import normalize_text
 from stacklm.errors import ConfigError
@@ -305,9 +305,7 @@ class DedupIndex:
             raise KeyError(f"dedup index has no split {split!r} (it holds {sorted(self.splits)}); rebuild it with that split")
         for code, reason in enumerate(REASONS, start=1):
             table = per[reason]
-            if table.size:
-                pos = np.minimum(np.searchsorted(table, keys), table.size - 1)
-                out[table[pos] == keys] = code
+            out[in_sorted(keys, table)] = code
         return out
 
     def counts(self) -> dict[str, dict[str, int]]:

@@ -60,8 +60,8 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.dedup.exact import run_starts
-from stacklm.data.dedup.global_index import REASONS, SPLIT_PRIORITY, DedupIndex, _split_id, id_keys
+from stacklm.data.dedup.exact import in_sorted, run_starts
+from stacklm.data.dedup.global_index import REASONS, SPLIT_PRIORITY, _split_id, id_keys
 from stacklm.data.dedup.minhash import _fmix64
 from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, first_fit, need_equal, star_edges
 
@@ -327,12 +327,17 @@ def bucket_files(pairs_dir: str | Path, tasks: Sequence[tuple[str, int, int]], p
 
 
 # -- 3. the decision ---------------------------------------------------------------------------------
+def _split_groups(metas: Sequence[Mapping], priority: Sequence[str]) -> np.ndarray:
+    """Each slice's split as its rank in ``priority`` order (val first by default; other splits after, by name)."""
+    names = sorted({m["split"] for m in metas}, key=lambda s: (list(priority).index(s) if s in priority else len(priority), s))
+    return np.array([names.index(m["split"]) for m in metas], dtype=np.int64)
+
+
 def _canonical_ranks(nodes: np.ndarray, sig_dirs: Sequence[Path], metas: Sequence[Mapping], priority: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
     """(rank in the canonical order, split group) of each node id; the order is
     ``decide_splits``'s (split in ``priority`` order, mix entry, part label, row), read for the
     given records only (ranks are relative to them; the order is the global one)."""
-    names = sorted({m["split"] for m in metas}, key=lambda s: (list(priority).index(s) if s in priority else len(priority), s))
-    group_of_file = np.array([names.index(m["split"]) for m in metas], dtype=np.int64)
+    group_of_file = _split_groups(metas, priority)
     tables = [np.asarray(_col(d, "prefixes")) for d in sig_dirs]
     allp, inv = np.unique(np.concatenate(tables) if tables else np.zeros(0, str), return_inverse=True)
     inv = inv.reshape(-1)
@@ -353,18 +358,10 @@ def _canonical_ranks(nodes: np.ndarray, sig_dirs: Sequence[Path], metas: Sequenc
     return rank, group_of_file[f]
 
 
-def _in(a: np.ndarray, sorted_set: np.ndarray) -> np.ndarray:
-    """Membership of each of ``a`` in the sorted array ``sorted_set``."""
-    if not sorted_set.size:
-        return np.zeros(a.size, dtype=bool)
-    pos = np.minimum(np.searchsorted(sorted_set, a), sorted_set.size - 1)
-    return sorted_set[pos] == a
-
-
 def _load_edges(paths: Sequence[Path], exact_removed: np.ndarray) -> np.ndarray:
     """One partition's verified edges, each once (an edge is found in every band its pair shares),
     without the edges of exact copies (never kept, and removed already)."""
-    parts = [e[~(_in(e[:, 0], exact_removed) | _in(e[:, 1], exact_removed))] for e in map(load_pairs, paths)]
+    parts = [e[~(in_sorted(e[:, 0], exact_removed) | in_sorted(e[:, 1], exact_removed))] for e in map(load_pairs, paths)]
     e = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
     if e.shape[0] < 2:
         return e
@@ -424,17 +421,17 @@ def decide_partitioned(
     for paths in near_files:  # pass 2
         e = _load_edges(paths, exact_removed)
         stats["edges"] += int(e.shape[0])
-        root = ~_in(e[:, 0], has_earlier)
+        root = ~in_sorted(e[:, 0], has_earlier)
         r = e[root]
         if r.shape[0]:
             r = r[np.lexsort((gather(sig_dirs, "idkey", r[:, 0]), -r[:, 2].astype(np.int64), r[:, 1]))]
             r = r[run_starts(r[:, 1])]
             found.append(r[:, [1, 0, 2]])
-        rest.append(e[~root & ~_in(e[:, 1], np.sort(r[:, 1]))])
+        rest.append(e[~root & ~in_sorted(e[:, 1], np.sort(r[:, 1]))])
     near = np.concatenate(found) if found else np.zeros((0, 3), np.uint64)
     e = np.concatenate(rest) if rest else np.zeros((0, 3), np.uint64)
     del found, rest
-    e = e[~_in(e[:, 0], np.sort(near[:, 0]))]  # an earlier end removed in pass 2 is never kept
+    e = e[~in_sorted(e[:, 0], np.sort(near[:, 0]))]  # an earlier end removed in pass 2 is never kept
     stats["remainder_edges"] = int(e.shape[0])
     if e.shape[0]:  # pass 3
         nodes, inv = np.unique(e[:, :2].ravel(), return_inverse=True)
@@ -458,8 +455,7 @@ def decide_partitioned(
         equal[: ex.shape[0]][hit] = near[by_node[pos[hit]], 2].astype(np.int64)
     node = np.concatenate([ex[:, 1], near[:, 0]])
     kept = np.concatenate([ex[:, 0], near[:, 1]])
-    names = sorted({m["split"] for m in metas}, key=lambda s: (list(priority).index(s) if s in priority else len(priority), s))
-    group_of_file = np.array([names.index(m["split"]) for m in metas], dtype=np.int64)
+    group_of_file = _split_groups(metas, priority)
     f, i = _nodes_of(node)
     reason[group_of_file[f] != group_of_file[_nodes_of(kept)[0]]] = 3
     removed_by_file: dict[int, dict[str, np.ndarray]] = {}

@@ -40,7 +40,7 @@ import math
 
 import numpy as np
 
-from stacklm.data.dedup.exact import run_starts
+from stacklm.data.dedup.exact import in_sorted, run_starts
 
 DEFAULT_THRESHOLD = 0.75
 MAX_CENTRES = 8  # centres compared per bucket (rows left after them stay unverified in that band)
@@ -119,11 +119,7 @@ def _edge_in(a: np.ndarray, b: np.ndarray, los: list[np.ndarray], his: list[np.n
         return np.zeros(a.size, dtype=bool)
     lo, hi = np.concatenate(los), np.concatenate(his)
     width = int(max(hi.max(initial=0), b.max(initial=0))) + 1
-    known = np.sort(lo * width + hi)
-    q = a * width + b
-    if not known.size:
-        return np.zeros(a.size, dtype=bool)
-    return known[np.minimum(np.searchsorted(known, q), known.size - 1)] == q
+    return in_sorted(a * width + b, np.sort(lo * width + hi))
 
 
 def first_fit(n: int, lo: np.ndarray, hi: np.ndarray, eq: np.ndarray, removed_before: np.ndarray | None = None,
