@@ -417,13 +417,17 @@ def print_kernels(rows, controls, notes, verdicts, tol) -> None:
 # ---------------------------------------------------------------------------------------
 def pipeline_dict(args, total_tokens: int) -> dict:
     """The demo mix (stacklm/configs/demo.yaml) at this run's seq_len/batch size and token budget; the
-    synthetic sources grow with the budget (the demo sizes them for 1M tokens)."""
+    synthetic sources scale with the budget (the demo sizes them for 1M tokens): up for a bigger
+    one, down for a smaller one with 4x headroom for filtering and dedup (``--quick`` needs ~7k
+    tokens: the demo's 40,000 documents made its prebuild's dedup pass ~30 s of a 1-minute run)."""
     import yaml
 
     doc = yaml.safe_load((CONFIG_DIR / "demo.yaml").read_text())
     d = copy.deepcopy(doc["data"]["pipeline"])
     d.update(seq_len=args.seq_len, batch_size=args.batch_size, seed=0)
-    scale = max(1.0, total_tokens / d["mix"]["total_tokens"])
+    scale = total_tokens / d["mix"]["total_tokens"]
+    if scale < 1.0:
+        scale = min(1.0, 4 * scale)
     d["mix"]["total_tokens"] = int(total_tokens)
     for e in d["mix"]["entries"]:
         if e.get("num_docs"):

@@ -11,11 +11,21 @@ so they are deterministic. They are shared across modules: never mutate one (bui
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 
 import pytest
 
-from stacklm.corpus import iter_default_corpus
+from stacklm.corpus import iter_default_corpus  # no torch: the setting below still comes first
+
+# One torch (OpenMP) thread per test process and per program a test starts (they inherit the
+# environment). Two test processes on two cores, each with torch's default of a thread per
+# core, plus the programs they start, spin-wait for each other: test_model's 40-step tiny fit
+# took 12 s with 2 threads and 4 s with 1 on this machine under load. A value set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (a plugin): the variable came too late for it
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def _train(corpus_bytes: int, vocab_size: int):

@@ -4,10 +4,8 @@ coercion of nested configs, lists, Optional and Literal, one hash, and the confi
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -18,8 +16,6 @@ from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -134,22 +130,27 @@ def test_packaged_configs_resolve_by_name_and_share_one_layout(tmp_path):
 
 
 @pytest.mark.parametrize("name", ["demo", "sft"])
-def test_print_config_refuses_a_pipeline_typo(tmp_path, name):
-    """``python -m trainer fit --config X --print_config`` parses ``data.pipeline``: a typo exits
-    2 naming the dotted key and the nearest name; the packaged config itself prints."""
+def test_print_config_refuses_a_pipeline_typo(tmp_path, name, capsys, monkeypatch):
+    """``stacklm-train fit --config X --print_config`` parses ``data.pipeline``: a typo exits
+    2 naming the dotted key and the nearest name; the packaged config itself prints. In-process
+    (``python -m trainer`` as a program: tests/cli/test_clean_errors.py), so the two runs of each
+    config do not pay Lightning's import again (they took 21-24 s a config as subprocesses)."""
     import yaml
 
+    from tests.helpers.cli import run_trainer
+
+    monkeypatch.setattr(sys, "argv", ["stacklm-train"])  # LightningCLI warns about pytest's
+    monkeypatch.setenv("STACKLM_DEBUG", "0")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_MODE", "offline")
     doc = yaml.safe_load(resolve_config(name).read_text())
     doc["data"]["pipeline"]["shuffle_bufer"] = 8
     bad = tmp_path / "bad.yaml"
     bad.write_text(json.dumps(doc))
-    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "WANDB_MODE": "offline"}
-    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", str(bad), "--print_config"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2, res.stdout + res.stderr
-    assert "'data.pipeline.shuffle_bufer'; did you mean 'shuffle_buffer'" in res.stderr
-    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", name, "--print_config"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr
-    printed = yaml.safe_load(res.stdout)["data"]["pipeline"]
+    code, out, err = run_trainer(capsys, "fit", "--config", str(bad), "--print_config")
+    assert code == 2, out + err
+    assert "'data.pipeline.shuffle_bufer'; did you mean 'shuffle_buffer'" in err
+    code, out, err = run_trainer(capsys, "fit", "--config", name, "--print_config")
+    assert code == 0, err
+    printed = yaml.safe_load(out)["data"]["pipeline"]
     assert printed == yaml.safe_load(resolve_config(name).read_text())["data"]["pipeline"]

@@ -90,3 +90,28 @@ def test_datatrove_tasks_fork_from_a_server_that_preloads_their_modules():
     second.depends = first
     assert forkserver_preload([first, second], ["torch", __name__]) == [
         "__main__", "datatrove.executor.local", __name__, "torch"]
+
+
+def test_a_slurm_bucket_task_imports_neither_torch_nor_ray(tmp_path):
+    """What a datatrove Slurm task of the dedup ``buckets`` stage runs in a fresh interpreter
+    (``launch_pickled_pipeline``, the steps, the task's resource log line, ``bucket_tasks``, the
+    bucket step's imports) needs neither torch nor Ray: it sorts and compares numpy columns.
+    They cost every such task ~3 and ~1 CPU-s (13 bucket tasks a chain) while the bucket step read
+    its settings through ``stacklm.data.pipeline`` and the log line imported Ray to find it unused."""
+    config = {"mix": "stack-100m"}  # a pipeline config; its dedup section: the defaults (exact and near)
+    code = (
+        "import json, sys\n"
+        "from datatrove.tools.launch_pickled_pipeline import main\n"
+        "from stacklm.scale.datatrove_steps import StackDedupBuckets, TaskPlan, bucket_tasks\n"
+        "from stacklm.scale.resources import LogTaskResources\n"
+        "from stacklm.data.dedup.staged import run_bucket_task\n"
+        "from stacklm.prebuild.plan import STATE_DIR\n"
+        f"plan = TaskPlan(config=json.loads({json.dumps(config)!r}), tokenizer={{}}, out={str(tmp_path)!r}, tasks_per_split=2, tokens_per_shard=1024)\n"
+        "tasks = bucket_tasks(plan)\n"
+        "LogTaskResources('buckets', 'cpus:1,mem_gb:4,time:04:00:00')(None, 0, len(tasks))\n"
+        "print(json.dumps({'tasks': len(tasks), 'heavy': [m for m in ('torch', 'torchdata', 'ray') if m in sys.modules]}))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"tasks": 13, "heavy": []}  # the digest range and 12 bands; nothing heavy came along

@@ -194,10 +194,10 @@ def _sig_dirs(plan) -> list[Path]:
 def bucket_tasks(plan: TaskPlan) -> list[tuple[str, int, int]]:
     """``(column, range, ranges)`` of every bucket task: ``exact_ranges`` digest ranges (when exact
     dedup is on), then ``near_ranges`` key ranges of each band (when near dedup is on)."""
+    from stacklm.data.dedup.config import DedupConfig
     from stacklm.data.dedup.minhash import MinHasher
-    from stacklm.data.pipeline import PipelineConfig
 
-    dedup = PipelineConfig.from_dict(plan.config).dedup
+    dedup = DedupConfig.from_dict(plan.config.get("dedup", {}), "dedup")  # not PipelineConfig: that imports torch
     out = [("digest", r, plan.exact_ranges) for r in range(plan.exact_ranges)] if dedup.exact else []
     if dedup.near:
         out += [(f"band{b}", r, plan.near_ranges) for b in range(MinHasher().num_bands) for r in range(plan.near_ranges)]
@@ -242,15 +242,16 @@ class StackDedupBuckets(_StackStep):
     type = "🫂 - DEDUP"
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        # nothing here may import torch (stacklm.data.pipeline does): ~3 CPU-s of every bucket task
+        from stacklm.data.dedup.config import DedupConfig
         from stacklm.data.dedup.staged import run_bucket_task
-        from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.plan import STATE_DIR
 
         tasks = bucket_tasks(self.plan)
         if world_size != len(tasks):
             raise ValueError(f"the bucket executor runs {world_size} tasks but the plan has {len(tasks)}; build the executors with `prebuild_executors`")
         column, r, ranges = tasks[rank]
-        threshold = PipelineConfig.from_dict(self.plan.config).dedup.near_threshold
+        threshold = DedupConfig.from_dict(self.plan.config.get("dedup", {}), "dedup").near_threshold
         stats = run_bucket_task(_sig_dirs(self.plan), column, r, ranges, Path(self.plan.out) / STATE_DIR / PAIRS_DIR, threshold)
         self.stat_update("pairs", value=stats["rows"])
         return

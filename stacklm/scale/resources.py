@@ -174,14 +174,16 @@ class LogTaskResources:
 
     def __call__(self, data=None, rank: int = 0, world_size: int = 1):
         import os
+        import sys
 
         from datatrove.utils.logging import logger
 
         given: dict[str, Any] = {k: os.environ[k] for k in ("SLURM_JOB_ID", "SLURM_CPUS_PER_TASK", "SLURM_MEM_PER_CPU", "SLURM_MEM_PER_NODE") if k in os.environ}
+        # a Ray worker has imported Ray before it runs a task; importing it here only to find
+        # it uninitialised cost every Slurm task ~1 CPU-s
+        ray = sys.modules.get("ray")
         try:
-            import ray
-
-            if ray.is_initialized():
+            if ray is not None and ray.is_initialized():
                 given["ray"] = dict(sorted((k, v) for k, v in ray.get_runtime_context().get_assigned_resources().items() if not k.startswith("bundle_group")))
         except Exception:  # noqa: BLE001 - no ray, or not in a ray worker: nothing more to say
             pass

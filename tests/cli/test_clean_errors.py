@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.cli import run_trainer
+
 ROOT = Path(__file__).resolve().parents[2]
 SEQ_LEN = 32
 
@@ -217,20 +219,6 @@ def _plain_argv(monkeypatch):
     monkeypatch.setenv("STACKLM_DEBUG", "0")  # restored (removed) after the test, also when main sets it
 
 
-def run_trainer(capsys, *argv: str) -> tuple[int, str]:
-    import logging
-
-    from stacklm.train.cli import main
-
-    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):  # their handlers hold an earlier test's captured stream
-        for handler in logging.getLogger(name).handlers:
-            if isinstance(handler, logging.StreamHandler):
-                handler.stream = sys.stderr  # not setStream: it flushes the closed one
-    with pytest.raises(SystemExit) as info:
-        main(list(argv))
-    return info.value.code, capsys.readouterr().err
-
-
 def test_trainer_pipeline_typo_is_refused_by_print_config(tmp_path, tok_dir):
     """The real entry point; parse time: --print_config already refuses it, with the nearest name."""
     cfg = trainer_config(tmp_path, tok_dir)
@@ -259,7 +247,7 @@ def test_trainer_config_errors_are_one_line(edit, must, tmp_path, tok_dir, capsy
     doc = json.loads(cfg.read_text())
     edit(doc)
     cfg.write_text(json.dumps(doc))
-    code, err = run_trainer(capsys, "fit", "--config", str(cfg), "--print_config")
+    code, _, err = run_trainer(capsys, "fit", "--config", str(cfg), "--print_config")
     assert code == 2 and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("stacklm-train fit: error: ") and str(cfg) in lines[0], err
@@ -271,7 +259,7 @@ def test_a_pipeline_key_given_as_a_flag_is_one_line_saying_where_it_goes(tmp_pat
     """`--data.pipeline.KEY VALUE` reached the pipeline check as jsonargparse's NestedArg, and the
     error showed that internal object; it now names the flag and the second-config-file way."""
     cfg = trainer_config(tmp_path, tok_dir)
-    code, err = run_trainer(capsys, "fit", "--config", str(cfg), "--data.pipeline.holdout_fraction", "0.5", "--print_config")
+    code, _, err = run_trainer(capsys, "fit", "--config", str(cfg), "--data.pipeline.holdout_fraction", "0.5", "--print_config")
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and "NestedArg" not in err, err
     assert "--data.pipeline.holdout_fraction: the pipeline's keys are not command-line flags" in lines[0], err
@@ -446,7 +434,7 @@ def test_prebuild_and_trainer_refuse_the_same_config(case, tmp_path, tok_dir, ca
     rc, out, err = run_cli(capsys, "prebuild", "--config", str(cfg), "--out", str(tmp_path / "out"), "--no-progress")
     assert_clean(rc, err, str(cfg), *must)
     assert not (tmp_path / "out").exists()
-    code, err = run_trainer(capsys, "fit", "--config", str(cfg))
+    code, _, err = run_trainer(capsys, "fit", "--config", str(cfg))
     lines = [line for line in err.splitlines() if line.strip() and "error:" in line]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("stacklm-train fit: error: ") and str(cfg) in lines[0], err[-3000:]
@@ -510,7 +498,7 @@ TRAINER_RUN_CASES = {  # (extra arguments, what the one line says); each was a t
 def test_trainer_values_past_the_parser_are_one_line(case, tmp_path, tok_dir, capsys):
     make, must = TRAINER_RUN_CASES[case]
     cfg = trainer_config(tmp_path, tok_dir)
-    code, err = run_trainer(capsys, "fit", "--config", str(cfg), *make(tmp_path))
+    code, _, err = run_trainer(capsys, "fit", "--config", str(cfg), *make(tmp_path))
     lines = [line for line in err.splitlines() if "error:" in line]
     assert code == 2 and "Traceback" not in err and len(lines) == 1, err[-3000:]
     assert lines[0].startswith("stacklm-train fit: error: "), lines

@@ -234,26 +234,31 @@ def test_a_failing_task_names_itself_and_a_rerun_resumes(corpus, tmp_path, capsy
 
 
 # ---------------------------------------------------------------------------- every engine, exact + near, both splits
+@pytest.fixture(scope="module")
+def split_pool(corpus, tmp_path_factory) -> tuple[Path, DedupIndex, Path]:
+    """``split_config`` of the corpus and the pool's index of it, built once for the module:
+    (config file, index, its path). Every engine below must write exactly this index."""
+    root = tmp_path_factory.mktemp("split_pool")
+    cfg = split_config(root, corpus[0])
+    return cfg, pool_index(cfg, root / "pool.npz"), root / "pool.npz"
+
+
 @pytest.mark.slow
-def test_local_executor_index_is_the_pools_for_one_and_three_tasks(corpus, tmp_path):
-    glob, _ = corpus
-    cfg = split_config(tmp_path, glob)
-    want = pool_index(cfg, tmp_path / "pool.npz")
+def test_local_executor_index_is_the_pools_for_one_and_three_tasks(split_pool, tmp_path):
+    cfg, want, pool = split_pool
     c = want.counts()
     assert c["train"]["cross_split"] >= 5 and c["train"]["near"] + c["val"]["near"] > 0  # every reason is exercised
     for tasks in (1, 3):
         out = tmp_path / f"local{tasks}.npz"
         assert dedup_index("--config", cfg, "--out", out, "--executor", "local", "--tasks", tasks) == 0
         assert_same_index(DedupIndex.load(out), want)
-        assert_same_evidence(out, tmp_path / "pool.npz")
+        assert_same_evidence(out, pool)
         assert_clean_beside(out)
 
 
 @pytest.mark.slow
-def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys, s3_bucket):
-    glob, _ = corpus
-    cfg = split_config(tmp_path, glob)
-    want = pool_index(cfg, tmp_path / "pool.npz")
+def test_fake_slurm_index_is_the_pools(split_pool, tmp_path, slurm, capsys, s3_bucket):
+    cfg, want, _ = split_pool
     out, stage = f"s3://{s3_bucket[1]}/slurm.npz", tmp_path / "stage"  # written in --stage-dir, uploaded after --wait
     assert dedup_index("--config", cfg, "--out", out, "--stage-dir", stage, "--executor", "slurm", "--tasks", 2, "--partition", "cpu",
                        "--stage-resources", "index=cpus:1,mem_gb:3,time:00:10:00", "--wait", "--poll-seconds", 0.1) == 0
@@ -271,11 +276,9 @@ def test_fake_slurm_index_is_the_pools(corpus, tmp_path, slurm, capsys, s3_bucke
     assert f"{out}: every slurm task completed" in printed.out and f"stream mode: copy {out} to a local file" in printed.out
 
 
-def test_ray_index_is_the_pools(corpus, tmp_path, ray_cluster, s3_bucket):
+def test_ray_index_is_the_pools(split_pool, tmp_path, ray_cluster, s3_bucket):
     """On a local 2-CPU Ray cluster (~8 s to start, ~8 s to run here): not slow."""
-    glob, _ = corpus
-    cfg = split_config(tmp_path, glob)
-    want = pool_index(cfg, tmp_path / "pool.npz")
+    cfg, want, _ = split_pool
     out, stage = f"s3://{s3_bucket[1]}/ray.npz", tmp_path / "stage"  # written in --stage-dir, then uploaded
     assert dedup_index("--config", cfg, "--out", out, "--stage-dir", stage, "--executor", "ray", "--tasks", 2, "--cpus-per-task", 1,
                        "--stage-resources", "index=cpus:2") == 0

@@ -28,6 +28,20 @@ def tok_dir(tokenizer_2048, saved_tokenizer_dir):
     return saved_tokenizer_dir(tokenizer_2048)
 
 
+KILLED_TOTAL = 80_000  # tokens of the builds these tests kill
+
+
+@pytest.fixture(scope="module")
+def clean_tree(tok_dir, tmp_path_factory) -> dict[str, bytes]:
+    """`stacklm prebuild --workers 2` of the killed builds' config, built once for the module:
+    what every engine's resumed build must equal, byte for byte."""
+    from stacklm.prebuild import prebuild
+
+    clean = tmp_path_factory.mktemp("clean") / "clean"
+    prebuild(config(total=KILLED_TOTAL), tok_dir, clean, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
+    return tree(clean)
+
+
 class FailAt(PipelineStep):
     """A step that fails in task ``rank`` (raises, or SIGKILLs its own process) and otherwise
     writes ``<out>/<rank>``; every other task sleeps ``sleep`` s first (a sibling still running)."""
@@ -111,15 +125,13 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
-def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str, shown_log: str, s3=None):
+def _kill_task_then_resume(tmp_path, tok_dir, want: dict[str, bytes], engine: list[str], log_suffix: str, shown_log: str, s3=None):
     """Start the CLI, SIGKILL the process of main task 1 (train, worker 1) once it has written a
-    shard, time how long the CLI takes to fail; re-run; compare with `stacklm prebuild --workers 2`.
-    ``s3``: ``(fs, bucket)`` of moto's S3 server: the output is a URL there, staged in the same
-    local folder (``--stage-dir``), and what the re-run uploads is compared."""
-    from stacklm.prebuild import prebuild
-
-    total = 80_000
-    cfg_file = own_config(tmp_path, tok_dir, total)
+    shard, time how long the CLI takes to fail; re-run; compare with ``want``, the tree of
+    `stacklm prebuild --workers 2` (``clean_tree``). ``s3``: ``(fs, bucket)`` of moto's S3
+    server: the output is a URL there, staged in the same local folder (``--stage-dir``), and
+    what the re-run uploads is compared."""
+    cfg_file = own_config(tmp_path, tok_dir, KILLED_TOTAL)
     out = tmp_path / "dt"  # the local output, or the URL's staging folder
     url = f"s3://{s3[1]}/dt" if s3 else None
     target = url or out
@@ -151,25 +163,23 @@ def _kill_task_then_resume(tmp_path, tok_dir, engine: list[str], log_suffix: str
     done = subprocess.run(_cli(cfg_file, target, *engine), cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[0].startswith(f"prebuild summary: {target}")  # the table `stacklm prebuild` prints
-    clean = tmp_path / "clean"
-    prebuild(config(total=total), tok_dir, clean, workers=2, tokens_per_shard=TOKENS_PER_SHARD, progress=False)
     if url:
         from tests.helpers.s3_server import s3_tree
 
         assert not out.exists()  # the staging folder goes once uploaded
-        got, want = s3_tree(s3[0], url), tree(clean)
+        got = s3_tree(s3[0], url)
     else:
-        got, want = tree(out), tree(clean)
+        got = tree(out)
     assert sorted(set(got) ^ set(want)) == [] and [k for k in want if got[k] != want[k]] == []
     return failed_after, lines[0]
 
 
 @pytest.mark.slow
-def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir, s3_bucket):
+def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir, clean_tree, s3_bucket):
     """Into object storage (``--out s3://...``): the build resumes in its staging folder, the
     error names the task's local log, and the re-run uploads `stacklm prebuild`'s bytes."""
     log = f"{tmp_path}/dt.datatrove-logs/main/logs/task_00001.log"
-    _, line = _kill_task_then_resume(tmp_path, tok_dir, ["--executor", "local", "--workers", "2"], "main/logs/task_00001.log", log,
+    _, line = _kill_task_then_resume(tmp_path, tok_dir, clean_tree, ["--executor", "local", "--workers", "2"], "main/logs/task_00001.log", log,
                                      s3=s3_bucket)
     assert "was killed by SIGKILL" in line
 
@@ -177,7 +187,7 @@ def test_cli_local_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_d
 @pytest.mark.slow
 def test_killing_the_cli_leaves_no_task_process(tmp_path, tok_dir):
     """The task processes die with the run that started them: no orphan keeps writing shards."""
-    cfg_file = own_config(tmp_path, tok_dir, 80_000)
+    cfg_file = own_config(tmp_path, tok_dir, KILLED_TOTAL)
     out = tmp_path / "dt"
     proc = subprocess.Popen(_cli(cfg_file, out, "--executor", "local", "--workers", "2"), cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -264,10 +274,10 @@ def test_ray_refuses_a_task_the_cluster_cannot_hold(tmp_path, ray_cluster):
 
 
 @pytest.mark.slow
-def test_cli_ray_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir):
+def test_cli_ray_task_killed_fails_then_resumes_byte_identical(tmp_path, tok_dir, clean_tree):
     """On a local Ray cluster (the CLI starts one): the Ray worker running main task 1 is
     SIGKILLed; the run fails naming it, and the re-run equals `stacklm prebuild --workers 2`."""
     log = f"{tmp_path}/dt.datatrove-logs/main/logs/task_00001.log"
-    _, line = _kill_task_then_resume(tmp_path, tok_dir, ["--executor", "ray", "--cpus-per-task", "1", "--mem-per-cpu-gb", "1"],
+    _, line = _kill_task_then_resume(tmp_path, tok_dir, clean_tree, ["--executor", "ray", "--cpus-per-task", "1", "--mem-per-cpu-gb", "1"],
                                      "/ray_logs/logs/task_00001.log", log)
     assert "died (WorkerCrashedError" in line
