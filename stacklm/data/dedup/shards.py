@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 
 from stacklm.data.dedup.global_index import REASONS, DedupIndex
-from stacklm.data.dedup.staged import Decision, _col, _nodes_of, slice_meta
+from stacklm.data.dedup.decision import Decision
+from stacklm.data.dedup.staged import _col, _nodes_of, slice_meta
 
 
 def _doc_ids(sig_dirs: Sequence[Path], nodes: np.ndarray) -> np.ndarray:
@@ -44,25 +45,23 @@ def write_index_shards(sig_dirs: Sequence[str | Path], decision: Decision, out_d
     out_dir.mkdir(parents=True, exist_ok=True)
     metas = [slice_meta(d) for d in sig_dirs]
     totals: dict[str, dict[str, int]] = {}
-    node_file = _nodes_of(decision.node)[0]
-    for file, d in enumerate(sig_dirs):
+    for file, d in enumerate(sig_dirs):  # one slice's removals at a time (``Decision.rows``)
         split = metas[file]["split"]
-        per = decision.removed.get(file, {})
+        node, kept, reason, equal = decision.rows(file)
+        local = _nodes_of(node)[1]
         idkey = _col(d, "idkey")
-        arrays = {r: np.asarray(idkey[per[r]], dtype=np.uint64) if r in per else np.zeros(0, np.uint64) for r in REASONS}
+        arrays = {r: np.sort(np.asarray(idkey[local[reason == code]], dtype=np.uint64)) for code, r in enumerate(REASONS, start=1)}
         counts = {r: int(a.size) for r, a in arrays.items()}
         t = totals.setdefault(split, {r: 0 for r in REASONS})
         for r in REASONS:
             t[r] += counts[r]
         shard = DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(metas[file]["n"])}, "removed": {split: counts}})
         shard.save(out_dir / f"{d.name}.npz")
-        mine = np.flatnonzero(node_file == file)
-        kept = decision.kept[mine]
         evidence = {
-            "removed": _doc_ids(sig_dirs, decision.node[mine]), "kept": _doc_ids(sig_dirs, kept),
+            "removed": _doc_ids(sig_dirs, node), "kept": _doc_ids(sig_dirs, kept),
             "kept_split": np.array([metas[k]["split"] for k in _nodes_of(kept)[0].tolist()], dtype=str),
-            "reason": decision.reason[mine],
-            "similarity": np.where(decision.reason[mine] == 1, 1.0, decision.equal[mine] / max(decision.num_perm, 1)),
+            "reason": reason,
+            "similarity": np.where(reason == 1, 1.0, equal / max(decision.num_perm, 1)),
         }
         # bound to its index (``index_sha256``): evidence put beside another index is refused
         meta = {"num_perm": decision.num_perm, "index_sha256": shard.content_hash, **{k: v for k, v in (config_meta or {}).items() if k == "dedup"}}
