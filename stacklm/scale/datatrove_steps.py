@@ -285,16 +285,16 @@ class StackDedupCluster(_StackStep):
         dirs = _sig_dirs(self.plan)
         partitions = default_partitions(sum(int(slice_meta(d)["n"]) for d in dirs))  # what the bucket tasks split by
         exact, near = bucket_files(state / PAIRS_DIR, bucket_tasks(self.plan), partitions)
-        bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
-        for d in dirs:
-            rec = json.loads(d.with_suffix(".read.json").read_text())
-            per = bytes_read.setdefault(rec["split"], {})
-            for src, n in rec["bytes"].items():
-                per[src] = per.get(src, 0) + int(n)
-        config = PipelineConfig.from_dict(self.plan.config)
-        # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
-        # globs, from the same working directory
         with decide_partitioned(dirs, exact, near) as decision:  # its spool is removed on leaving
+            bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
+            for d in dirs:
+                rec = json.loads(d.with_suffix(".read.json").read_text())
+                per = bytes_read.setdefault(rec["split"], {})
+                for src, n in rec["bytes"].items():
+                    per[src] = per.get(src, 0) + int(n)
+            config = PipelineConfig.from_dict(self.plan.config)
+            # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
+            # globs, from the same working directory
             totals = write_index_shards(dirs, decision, state / INDEX_SHARDS,
                                         {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding_meta(config)})
         for split, counts in totals.items():
