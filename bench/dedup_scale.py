@@ -32,8 +32,8 @@ banding proposes); then per ``--partitions`` count P: ``buckets`` (1 digest rang
 per decision partition), ``decision`` (one: ``decision.decide_partitioned``, its passes over
 one partition of the edges at a time and the remainder pass, every removal spooled to disk,
 then ``shards.write_index_shards``: the removed-id shards and their evidence, one slice at a
-time) and ``merge`` (one: ``shards.load_shards``, the shards merged back for the manifest's
-hash and counts, as the prebuild's finalize does: 8 B per removed document); ``inproc`` (one,
+time) and ``merge`` (one: ``shards.merged_identity``, the merged shards' hash and counts for
+the manifest, as the prebuild's finalize computes them: one key range at a time); ``inproc`` (one,
 sizes in ``--inproc``: every bucket task and the decision in one process,
 ``decision.staged_decision``, what ``stacklm prebuild`` and ``stacklm dedup-index`` do in their
 parent process) and ``old`` (one: load every slice and run ``decide_splits``); ``base`` is a
@@ -329,11 +329,11 @@ def task(args) -> None:
                 for k, v in json.loads(f.read_text()).items():
                     buckets[k] = buckets.get(k, 0) + v
         (out / "stats.json").write_text(json.dumps({"stats": decision.stats, "buckets": buckets}))
-    elif args.task == "merge":  # the shards merged back (the prebuild's finalize: the manifest's hash and counts)
-        from stacklm.data.dedup.shards import index_shard_paths, load_shards
+    elif args.task == "merge":  # the shards' merged identity (the prebuild's finalize: the manifest's hash and counts)
+        from stacklm.data.dedup.shards import index_shard_paths, merged_identity
 
         out = root / f"p{args.partitions}"
-        index = load_shards(index_shard_paths(out / "index"))
+        index = merged_identity(index_shard_paths(out / "index"))
         (out / "decision.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts(), **json.loads((out / "stats.json").read_text())}))
     elif args.task == "pairs":  # --count-pairs: the distinct candidate pairs (shared digest or band), what the verification checks
         (root / "pairs.json").write_text(json.dumps({"candidates": candidate_pairs(dirs)}))

@@ -532,7 +532,11 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
             assert got == want, (t, ranges)
         shards = tmp_path / f"t{t}" / "index"
         shards_mod.write_index_shards(dirs, decision_mod.staged_decision(dirs), shards)
-        assert shards_mod.load_shards(shards_mod.index_shard_paths(shards)).content_hash == want_hash
+        merged = shards_mod.load_shards(shards_mod.index_shard_paths(shards))
+        assert merged.content_hash == want_hash
+        for per_range in (1 << 24, 7):  # the finalize's identity, in one key range or in dozens
+            ident = shards_mod.merged_identity(shards_mod.index_shard_paths(shards), ids_per_range=per_range)
+            assert (ident.content_hash, ident.counts(), ident.meta) == (want_hash, merged.counts(), merged.meta)
         for (s, mine), d in zip(own, dirs):  # a job's shard: its own split, its own documents' ids only
             shard = DedupIndex.load(shards / f"{d.name}.npz")
             assert list(shard.splits) == [s]

@@ -10,6 +10,7 @@ that module stays about deciding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -106,3 +107,63 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
                 removed.setdefault(s, {}).setdefault(r, 0)
                 removed[s][r] += int(c)
     return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
+
+
+@dataclass
+class MergedIdentity:
+    """What the merged index of a set of shards is called and counts (``content_hash``,
+    ``counts()``, ``meta``: those of ``load_shards``), without its arrays."""
+
+    content_hash: str
+    removed: dict[str, dict[str, int]]
+    meta: dict[str, Any]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return self.removed
+
+
+def merged_identity(paths: Sequence[str | Path], ids_per_range: int = 1 << 24) -> MergedIdentity:
+    """``load_shards(paths)``'s ``content_hash``, counts and meta (the prebuild's finalize records
+    them in the top manifest) without holding the merged arrays: each shard is read once and its
+    sorted ids are spilled into key ranges of about ``ids_per_range`` ids (ids are hashes, so the
+    ranges fill evenly), then each range is sorted and hashed in key order. The largest holding is
+    one shard and one range (~128 MB), not 8 B per removed document of the corpus."""
+    import hashlib
+    import tempfile
+
+    paths = [Path(p) for p in paths]
+    ranges = max(1, -(-sum(p.stat().st_size for p in paths) // (8 * ids_per_range)))
+    bounds = np.array([r * ((1 << 64) // ranges) for r in range(1, ranges)], dtype=np.uint64)
+    splits: list[str] = []
+    sizes: dict[tuple[int, str], int] = {}
+    docs: dict[str, int] = {}
+    removed: dict[str, dict[str, int]] = {}
+    meta: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix=".index-merge-", dir=paths[0].parent if paths else None) as tmp:
+        for n, p in enumerate(paths):
+            shard = DedupIndex.load(p)
+            meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
+            for s, per in shard.splits.items():
+                if s not in splits:
+                    splits.append(s)
+                docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
+                for r, c in shard.meta.get("removed", {}).get(s, {}).items():
+                    removed.setdefault(s, {}).setdefault(r, 0)
+                    removed[s][r] += int(c)
+                for r, a in per.items():  # sorted (``DedupIndex``): each range a contiguous run
+                    sizes[(splits.index(s), r)] = sizes.get((splits.index(s), r), 0) + int(a.size)
+                    cuts = [0, *np.searchsorted(a, bounds).tolist(), a.size]
+                    for k in range(ranges):
+                        if cuts[k + 1] > cuts[k]:
+                            np.save(Path(tmp) / f"{splits.index(s)}.{r}.{k}.{n}.npy", a[cuts[k] : cuts[k + 1]], allow_pickle=False)
+        h = hashlib.sha256()  # ``DedupIndex.content_hash``'s bytes, range by range
+        for s in sorted(splits):
+            j = splits.index(s)
+            for r in sorted(REASONS):
+                h.update(f"{s}/{r}/{sizes.get((j, r), 0)};".encode())
+                for k in range(ranges):
+                    parts = [np.load(f, allow_pickle=False) for f in sorted(Path(tmp).glob(f"{j}.{r}.{k}.*.npy"))]
+                    if parts:
+                        h.update(np.sort(np.concatenate(parts)).tobytes())
+    counts = {s: {r: sizes.get((splits.index(s), r), 0) for r in REASONS} for s in splits}
+    return MergedIdentity(h.hexdigest(), counts, {**meta, "docs": docs, "removed": removed})
