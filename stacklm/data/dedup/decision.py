@@ -50,6 +50,7 @@ from stacklm.data.dedup.staged import (
 from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, first_fit
 
 EXACT, NEAR, CROSS_SPLIT = 1, 2, 3  # reason codes, in ``REASONS`` order
+EXACT_CHUNK = 4_000_000  # exact rows read at once (~100 MB): a digest range file can hold every exact copy
 
 
 class _Bits:
@@ -194,13 +195,15 @@ def _decide(sig_dirs, metas, num_perm, offsets, n, folder, exact_files, near_fil
     spool = _Spool(folder, len(sig_dirs))
     exact_removed, exact_kept, has_earlier, near_removed = _Bits(n), _Bits(n), _Bits(n), _Bits(n)
     stats = {"exact_removed": 0, "edges": 0, "near_removed": 0}
-    for path in exact_files:  # 0. the digest tasks' decision, spooled as it is read
-        ex = load_pairs(path)
-        exact_removed.set(dense(ex[:, 1]))
-        exact_kept.set(dense(ex[:, 0]))
-        spool.add(ex[:, 1], ex[:, 0], num_perm, EXACT)
-        stats["exact_removed"] += int(ex.shape[0])
-        del ex
+    for path in exact_files:  # 0. the digest tasks' decision, spooled as it is read, a chunk at a time
+        rows = load_pairs(path, mmap=True)
+        for s in range(0, rows.shape[0], EXACT_CHUNK):
+            ex = np.asarray(rows[s : s + EXACT_CHUNK])
+            exact_removed.set(dense(ex[:, 1]))
+            exact_kept.set(dense(ex[:, 0]))
+            spool.add(ex[:, 1], ex[:, 0], num_perm, EXACT)
+            stats["exact_removed"] += int(ex.shape[0])
+        del rows
     is_exact = lambda nodes: exact_removed.get(dense(nodes))  # noqa: E731
     for j, paths in enumerate(near_files):  # 1. each edge once; the documents with an earlier neighbour
         e = _dedup_edges(paths, is_exact)

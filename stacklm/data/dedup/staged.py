@@ -295,10 +295,11 @@ def save_pairs(pairs: np.ndarray, path: str | Path) -> None:
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
-def load_pairs(path: str | Path) -> np.ndarray:
-    """A bucket task's rows; data only (``allow_pickle=False``), anything else refused naming the file."""
+def load_pairs(path: str | Path, mmap: bool = False) -> np.ndarray:
+    """A bucket task's rows (memory-mapped with ``mmap``); data only (``allow_pickle=False``),
+    anything else refused naming the file."""
     try:
-        a = np.load(path, allow_pickle=False)
+        a = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a stacklm dedup pair file ({type(e).__name__}: {e}); delete it and re-run the prebuild (the bucket task runs again)") from None
     if not isinstance(a, np.ndarray) or a.dtype != np.uint64:
