@@ -5,7 +5,7 @@ with planted duplicates.
 
 The decision measured is the one ``stacklm prebuild`` and ``stacklm dedup-index`` make:
 ``collect_signatures`` (step 1), the signature columns written as a signature task writes them
-(``staged.write_signature_dir``) and ``staged.staged_decision`` (buckets, then the cluster). The
+(``staged.write_signature_dir``) and ``decision.staged_decision`` (buckets, then the decision). The
 one-process reference ``decide_splits`` runs on the same records as a cross-check: the two must
 remove the same ids (the bench stops with an error if they do not).
 
@@ -72,7 +72,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from stacklm.corpus import iter_default_corpus
-from stacklm.data.dedup import staged
+from stacklm.data.dedup import decision as decision_mod, staged
 from stacklm.data.dedup.global_index import collect_signatures, decide_splits
 from stacklm.data.dedup.minhash import MinHasher, candidate_probability, jaccard
 from stacklm.data.dedup.verify import DEFAULT_THRESHOLD
@@ -333,7 +333,7 @@ def run_decision(texts: list[str], hasher: MinHasher | None = None, cpu: dict[st
     with tempfile.TemporaryDirectory(prefix="dedup-accuracy-") as tmp:
         sig_dir = Path(tmp) / "train-w000"
         staged.write_signature_dir(sig, "train", sig_dir)
-        removed = staged.staged_decision([sig_dir]).removed.get(0, {})
+        removed = decision_mod.staged_decision([sig_dir]).removed.get(0, {})
     if cpu is not None:
         cpu["decision"] = time.process_time() - start
     for reason, c in (("exact", 1), ("near", 2)):

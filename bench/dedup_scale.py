@@ -29,11 +29,13 @@ RSS, ``ru_maxrss``): ``sig`` (one per slice: generate and write the slice's sign
 ``pairs`` (``--count-pairs``: one task counting the distinct candidate pairs, the pairs the
 banding proposes); then per ``--partitions`` count P: ``buckets`` (1 digest range + 12 bands x
 ``--ranges``: ``staged.run_bucket_task``, the exact decision and the verified edges, written
-per decision partition) and ``decision`` (one: ``staged.decide_partitioned``, its passes over
-one partition of the edges at a time and the remainder pass, then
-``shards.write_index_shards``: the removed-id shards and their evidence); ``inproc`` (one,
+per decision partition), ``decision`` (one: ``decision.decide_partitioned``, its passes over
+one partition of the edges at a time and the remainder pass, every removal spooled to disk,
+then ``shards.write_index_shards``: the removed-id shards and their evidence, one slice at a
+time) and ``merge`` (one: ``shards.merged_identity``, the merged shards' hash and counts for
+the manifest, as the prebuild's finalize computes them: one key range at a time); ``inproc`` (one,
 sizes in ``--inproc``: every bucket task and the decision in one process,
-``staged.staged_decision``, what ``stacklm prebuild`` and ``stacklm dedup-index`` do in their
+``decision.staged_decision``, what ``stacklm prebuild`` and ``stacklm dedup-index`` do in their
 parent process) and ``old`` (one: load every slice and run ``decide_splits``); ``base`` is a
 task that only imports (every task's floor: numpy, torch via stacklm.data). CPU seconds are
 printed beside wall seconds: on a shared machine the wall time includes waiting for a core.
@@ -308,25 +310,40 @@ def task(args) -> None:
         stats = staged.run_bucket_task(dirs, column, r, args.ranges, out / "pairs", args.threshold, args.partitions)
         (out / f"{column}-r{r:04d}.json").write_text(json.dumps(stats))
     elif args.task == "decision":  # the partitioned passes and the remainder pass, then the shards and their evidence
-        from stacklm.data.dedup.shards import load_shards, write_index_shards
+        from stacklm.data.dedup.decision import decide_partitioned
+        from stacklm.data.dedup.shards import write_index_shards
+
+        import tracemalloc
 
         out = root / f"p{args.partitions}"
         exact, near = staged.bucket_files(out / "pairs", bucket_tasks(args.ranges), args.partitions)
-        decision = staged.decide_partitioned(dirs, exact, near)
-        write_index_shards(dirs, decision, out / "index")
-        index = load_shards(sorted((out / "index").glob("*[0-9].npz")))
+        tracemalloc.start()  # numpy reports its buffers to it: the arrays held, not the memory-mapped columns' pages
+        with decide_partitioned(dirs, exact, near, work_dir=out) as decision:
+            held = tracemalloc.get_traced_memory()[1]
+            write_index_shards(dirs, decision, out / "index")
+        decision.stats.update(held_mb=round(held / 2**20, 1), held_with_shards_mb=round(tracemalloc.get_traced_memory()[1] / 2**20, 1))
+        tracemalloc.stop()
         buckets = {}
         for f in out.glob("*.json"):
-            for k, v in json.loads(f.read_text()).items():
-                buckets[k] = buckets.get(k, 0) + v
-        (out / "decision.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts(), "stats": decision.stats, "buckets": buckets}))
+            if f.name.startswith(("band", "digest")):
+                for k, v in json.loads(f.read_text()).items():
+                    buckets[k] = buckets.get(k, 0) + v
+        (out / "stats.json").write_text(json.dumps({"stats": decision.stats, "buckets": buckets}))
+    elif args.task == "merge":  # the shards' merged identity (the prebuild's finalize: the manifest's hash and counts)
+        from stacklm.data.dedup.shards import index_shard_paths, merged_identity
+
+        out = root / f"p{args.partitions}"
+        index = merged_identity(index_shard_paths(out / "index"))
+        (out / "decision.json").write_text(json.dumps({"hash": index.content_hash, "counts": index.counts(), **json.loads((out / "stats.json").read_text())}))
     elif args.task == "pairs":  # --count-pairs: the distinct candidate pairs (shared digest or band), what the verification checks
         (root / "pairs.json").write_text(json.dumps({"candidates": candidate_pairs(dirs)}))
     elif args.task == "inproc":  # stages 2 and 3 in one process: `stacklm prebuild`'s and `dedup-index`'s decision
         from stacklm.data.dedup.shards import load_shards, write_index_shards
 
-        decision = staged.staged_decision(dirs, args.ranges, args.ranges, threshold=args.threshold, partitions=args.partitions, work_dir=root)
-        write_index_shards(dirs, decision, root / "index-inproc")
+        from stacklm.data.dedup.decision import staged_decision
+
+        with staged_decision(dirs, args.ranges, args.ranges, threshold=args.threshold, partitions=args.partitions, work_dir=root) as decision:
+            write_index_shards(dirs, decision, root / "index-inproc")
         (root / "inproc.json").write_text(json.dumps({"hash": load_shards(sorted((root / "index-inproc").glob("*[0-9].npz"))).content_hash}))
     elif args.task == "old":
         from stacklm.data.dedup.global_index import DedupIndex, decide_splits
@@ -448,7 +465,7 @@ def main() -> None:
         old = n in args.old
         stages = [("base", 1, 0), ("sig", len(jobs(args.slices)), 0)] + ([("pairs", 1, 0)] if args.count_pairs else [])
         for parts in args.partitions:
-            stages += [("buckets", len(bucket_tasks(args.ranges)), parts), ("decision", 1, parts)]
+            stages += [("buckets", len(bucket_tasks(args.ranges)), parts), ("decision", 1, parts), ("merge", 1, parts)]
         stages += ([("inproc", 1, 0)] if n in args.inproc else []) + ([("old", 1, 0)] if old else [])
         for name, count, parts in stages:
             got = [run_task(args, name, i, parts, write_old=old) for i in range(count)]
@@ -463,7 +480,8 @@ def main() -> None:
         new = results[args.partitions[0]]
         b, st = new["buckets"], new["stats"]
         line = (f"{n:>11,} bucket tasks: {b['candidates']:,} records in shared buckets, {b['rows']:,} rows written ({b['unverified']:,} left unverified);"
-                f" decision: {st['edges']:,} distinct verified edges ({st['edges'] / n:.3f} per document), {st['remainder_edges']:,} in the remainder pass;"
+                f" decision: {st['edges']:,} distinct verified edges ({st['edges'] / n:.3f} per document), {st['remainder_edges']:,} in the remainder pass,"
+                f" arrays held at peak {st['held_mb']:,} MB ({st['held_with_shards_mb']:,} MB with the shards written; tracemalloc);"
                 f" removed {json.dumps(new['counts'], sort_keys=True)}")
         summary = {"docs": n, "counts": new["counts"], "stats": st, "buckets": b}
         if args.count_pairs:

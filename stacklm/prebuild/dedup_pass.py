@@ -92,7 +92,7 @@ def build_index_shards(
 ) -> list[Path]:
     """Steps 1 and 2 as the staged decision (``stacklm.data.dedup.staged``), through
     ``starmap``: signatures per (split, reader) slice into ``work_dir/sig/<job>/``, then every
-    bucket task (``staged.staged_decision``), then the decision here, so the largest process
+    bucket task (``decision.staged_decision``), then the decision here, so the largest process
     holds one bucket chunk or one partition of the verified pairs, never every document; then one removed-id
     shard per slice in ``out_dir/<job>.npz``, its evidence beside it (``<job>.evidence.npz``),
     all written beside and renamed, so a half-written set is never taken for a finished one. ``starmap(fn, arg_tuples)`` yields ``fn(*args)`` for
@@ -106,6 +106,7 @@ def build_index_shards(
     import shutil
 
     from stacklm.data.dedup import staged
+    from stacklm.data.dedup.decision import staged_decision
     from stacklm.data.dedup.shards import write_index_shards
     from stacklm.data.dedup.global_index import binding_meta
     from stacklm.prebuild.plan import job_name
@@ -126,11 +127,11 @@ def build_index_shards(
     for res in results:
         for e, n in zip(config.mix.entries, res["bytes_in"]):
             bytes_read[res["split"]][e.name] += int(n)
-    decision = staged.staged_decision(dirs, starmap=starmap, threshold=config.dedup.near_threshold, work_dir=work_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding,
-                                             **({"signed": signed} if signed else {})})
+    with staged_decision(dirs, starmap=starmap, threshold=config.dedup.near_threshold, work_dir=work_dir) as decision:
+        write_index_shards(dirs, decision, tmp, {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding,
+                                                 **({"signed": signed} if signed else {})})
     if out_dir.exists():
         shutil.rmtree(out_dir)
     os.replace(tmp, out_dir)

@@ -337,10 +337,10 @@ def finalize(plan: PrebuildPlan, identity: dict[str, Any], summaries: Sequence[M
         from stacklm.prebuild.dedup_pass import load_build_index
 
         index = load_build_index(index_path)
-    elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts
-        from stacklm.data.dedup.shards import index_shard_paths, load_shards
+    elif shard_dir.is_dir():  # the same index, one shard per job: the same hash and counts, range by range
+        from stacklm.data.dedup.shards import index_shard_paths, merged_identity
 
-        index = load_shards(index_shard_paths(shard_dir))
+        index = merged_identity(index_shard_paths(shard_dir))
     if index is not None:
         top["global_dedup"] = {"index_sha256": index.content_hash, "docs": index.meta.get("docs"), "removed": index.counts()}
         similarity = keep_dedup_evidence(shard_dir, plan.out)

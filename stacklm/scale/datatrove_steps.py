@@ -260,7 +260,7 @@ class StackDedupBuckets(_StackStep):
 
 class StackDedupCluster(_StackStep):
     """Global dedup, stages 3 and 4 (one task; datatrove's ``MinhashDedupCluster`` then the
-    removed ids ``MinhashDedupFilter`` reads): ``staged.decide_partitioned`` over the verified
+    removed ids ``MinhashDedupFilter`` reads): ``decision.decide_partitioned`` over the verified
     edges, one decision partition at a time (a document is removed only for a kept document it
     is verified-similar to, in canonical order: split priority, val wins, then mix entry, part,
     row: the rule of ``decide_splits``, so the same for every ``T``), then one removed-id shard
@@ -274,7 +274,8 @@ class StackDedupCluster(_StackStep):
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         from stacklm.data.dedup.global_index import binding_meta
         from stacklm.data.dedup.shards import write_index_shards
-        from stacklm.data.dedup.staged import bucket_files, decide_partitioned, default_partitions, slice_meta
+        from stacklm.data.dedup.decision import decide_partitioned
+        from stacklm.data.dedup.staged import bucket_files, default_partitions, slice_meta
         from stacklm.data.pipeline import PipelineConfig
         from stacklm.prebuild.dedup_pass import INDEX_SHARDS
         from stacklm.prebuild.plan import STATE_DIR
@@ -285,18 +286,18 @@ class StackDedupCluster(_StackStep):
         dirs = _sig_dirs(self.plan)
         partitions = default_partitions(sum(int(slice_meta(d)["n"]) for d in dirs))  # what the bucket tasks split by
         exact, near = bucket_files(state / PAIRS_DIR, bucket_tasks(self.plan), partitions)
-        removed = decide_partitioned(dirs, exact, near)
-        bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
-        for d in dirs:
-            rec = json.loads(d.with_suffix(".read.json").read_text())
-            per = bytes_read.setdefault(rec["split"], {})
-            for src, n in rec["bytes"].items():
-                per[src] = per.get(src, 0) + int(n)
-        config = PipelineConfig.from_dict(self.plan.config)
-        # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
-        # globs, from the same working directory
-        totals = write_index_shards(dirs, removed, state / INDEX_SHARDS,
-                                    {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding_meta(config)})
+        with decide_partitioned(dirs, exact, near) as decision:  # its spool is removed on leaving
+            bytes_read: dict[str, dict[str, int]] = {}  # the signature pass's read volume, as decide_index records it
+            for d in dirs:
+                rec = json.loads(d.with_suffix(".read.json").read_text())
+                per = bytes_read.setdefault(rec["split"], {})
+                for src, n in rec["bytes"].items():
+                    per[src] = per.get(src, 0) + int(n)
+            config = PipelineConfig.from_dict(self.plan.config)
+            # bound to the corpus the signature tasks read (``global_index.check_bound``): the same
+            # globs, from the same working directory
+            totals = write_index_shards(dirs, decision, state / INDEX_SHARDS,
+                                        {"dedup": config.dedup.index_meta(), "bytes_read": bytes_read, **binding_meta(config)})
         for split, counts in totals.items():
             for reason, n in counts.items():
                 self.stat_update(f"{split}/{reason}", value=n)

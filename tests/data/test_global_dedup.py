@@ -486,7 +486,7 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
     document with >= 75 % of its MinHash values equal (counted here from the values), and
     pairs that only share a band are not removed."""
     from stacklm.data.dedup import shards as shards_mod
-    from stacklm.data.dedup import staged
+    from stacklm.data.dedup import decision as decision_mod, staged
     from stacklm.data.dedup.evidence import DedupEvidence, evidence_path
     from stacklm.data.dedup.global_index import REASONS, decide_splits
 
@@ -517,7 +517,11 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
                 staged.write_signature_dir(p, s, dirs[-1])
                 own.append((s, set(p["ids"].tolist())))
         for ranges, chunk, partitions in ((1, 10**9, 1), (3, 300, 3)):
-            removed = staged.staged_decision(dirs, ranges, ranges, chunk=chunk, partitions=partitions).removed
+            with decision_mod.staged_decision(dirs, ranges, ranges, chunk=chunk, partitions=partitions) as decision:
+                removed = decision.removed
+                # exact copies of near-removed documents took the path that renames their kept copy
+                assert decision.stats["reclassified"] > 0 and decision.folder.is_dir()
+            assert not decision.folder.exists()  # the spool goes with the decision
             got = {s: {r: set() for r in REASONS} for s in ("val", "train")}
             for f, per in removed.items():
                 s, mine = own[f]
@@ -527,8 +531,12 @@ def test_staged_decision_is_the_single_process_one_for_every_task_count(tmp_path
                 assert {names[i] for rows in per.values() for i in rows.tolist()} <= mine
             assert got == want, (t, ranges)
         shards = tmp_path / f"t{t}" / "index"
-        shards_mod.write_index_shards(dirs, staged.staged_decision(dirs), shards)
-        assert shards_mod.load_shards(shards_mod.index_shard_paths(shards)).content_hash == want_hash
+        shards_mod.write_index_shards(dirs, decision_mod.staged_decision(dirs), shards)
+        merged = shards_mod.load_shards(shards_mod.index_shard_paths(shards))
+        assert merged.content_hash == want_hash
+        for per_range in (1 << 24, 7):  # the finalize's identity, in one key range or in dozens
+            ident = shards_mod.merged_identity(shards_mod.index_shard_paths(shards), ids_per_range=per_range)
+            assert (ident.content_hash, ident.counts(), ident.meta) == (want_hash, merged.counts(), merged.meta)
         for (s, mine), d in zip(own, dirs):  # a job's shard: its own split, its own documents' ids only
             shard = DedupIndex.load(shards / f"{d.name}.npz")
             assert list(shard.splits) == [s]
@@ -551,7 +559,7 @@ def test_the_decision_does_not_chain_and_is_linear_in_a_long_chain(tmp_path):
     verified-similar to the kept one before it) and removes the others each for a kept earlier
     one with >= 90 of 120 values equal, staged and reference alike; 20,000 links decide in one
     linear pass (the remainder), not 20,000 rounds."""
-    from stacklm.data.dedup import staged
+    from stacklm.data.dedup import decision as decision_mod, staged
     from stacklm.data.dedup.global_index import decide_splits
 
     hasher, rng, n = MinHasher(), np.random.default_rng(5), 20_000
@@ -573,7 +581,7 @@ def test_the_decision_does_not_chain_and_is_linear_in_a_long_chain(tmp_path):
     for a, b in zip(kept, kept[1:]):  # consecutive kept documents are not near copies (J >= 0.9 that share a band)
         assert (low[a] == low[b]).sum() < 108 or not (rec["bands"][a] == rec["bands"][b]).any()
     staged.write_signature_dir(rec, "train", tmp_path / "train-w000")
-    decision = staged.staged_decision([tmp_path / "train-w000"], partitions=2)
+    decision = decision_mod.staged_decision([tmp_path / "train-w000"], partitions=2)
     assert {f"s/p0/{i}" for i in decision.removed[0]["near"].tolist()} == removed
     assert decision.stats["remainder_edges"] > 0.5 * n  # the chain was decided by the linear pass
 
@@ -615,7 +623,7 @@ def test_datatrove_staged_dedup_is_the_same_for_tasks_1_2_4_and_leaks_nothing(sp
 def test_an_empty_slice_takes_part_in_the_staged_decision(tmp_path):
     """A reader slice with no documents (more readers than pieces: the README's example) writes
     an empty signature directory, and the decision over it and a full slice is the full one's."""
-    from stacklm.data.dedup import staged
+    from stacklm.data.dedup import decision as decision_mod, staged
 
     hasher = MinHasher()
     texts = ["alpha beta gamma delta " * 20, "alpha beta gamma delta " * 20, "something else entirely " * 20]
@@ -624,7 +632,7 @@ def test_an_empty_slice_takes_part_in_the_staged_decision(tmp_path):
     dirs = [tmp_path / "train-w000", tmp_path / "train-w001"]
     staged.write_signature_dir(full, "train", dirs[0])
     assert staged.write_signature_dir(empty, "train", dirs[1])["n"] == 0
-    removed = staged.staged_decision(dirs).removed
+    removed = decision_mod.staged_decision(dirs).removed
     assert {f: {r: a.tolist() for r, a in per.items()} for f, per in removed.items()} == {0: {"exact": [1]}}
 
 

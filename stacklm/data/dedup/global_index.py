@@ -12,7 +12,7 @@ multi-stage MinHash (signatures -> buckets -> clusters -> filter) in three steps
    (``MinHasher``, the same as the streaming near deduper). Pure functions of the text, so
    the union over any slicing is the same set of records.
 2. **decision** (``decide_splits`` here, one process holding every record: the reference rule;
-   what the commands run is ``staged.staged_decision``/the datatrove stages, the same removed
+   what the commands run is ``decision.staged_decision``/the datatrove stages, the same removed
    ids with memory bounded by a share of the verified pairs; all splits together so that no
    duplicate set keeps members in two splits: the val copy wins, train copies are
    ``cross_split``): records are put in a canonical order that does not depend on the

@@ -10,13 +10,15 @@ that module stays about deciding.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from stacklm.data.dedup.global_index import REASONS, DedupIndex
-from stacklm.data.dedup.staged import Decision, _col, _nodes_of, slice_meta
+from stacklm.data.dedup.decision import Decision
+from stacklm.data.dedup.staged import _col, _nodes_of, slice_meta
 
 
 def _doc_ids(sig_dirs: Sequence[Path], nodes: np.ndarray) -> np.ndarray:
@@ -44,25 +46,23 @@ def write_index_shards(sig_dirs: Sequence[str | Path], decision: Decision, out_d
     out_dir.mkdir(parents=True, exist_ok=True)
     metas = [slice_meta(d) for d in sig_dirs]
     totals: dict[str, dict[str, int]] = {}
-    node_file = _nodes_of(decision.node)[0]
-    for file, d in enumerate(sig_dirs):
+    for file, d in enumerate(sig_dirs):  # one slice's removals at a time (``Decision.rows``)
         split = metas[file]["split"]
-        per = decision.removed.get(file, {})
+        node, kept, reason, equal = decision.rows(file)
+        local = _nodes_of(node)[1]
         idkey = _col(d, "idkey")
-        arrays = {r: np.asarray(idkey[per[r]], dtype=np.uint64) if r in per else np.zeros(0, np.uint64) for r in REASONS}
+        arrays = {r: np.sort(np.asarray(idkey[local[reason == code]], dtype=np.uint64)) for code, r in enumerate(REASONS, start=1)}
         counts = {r: int(a.size) for r, a in arrays.items()}
         t = totals.setdefault(split, {r: 0 for r in REASONS})
         for r in REASONS:
             t[r] += counts[r]
         shard = DedupIndex({split: arrays}, {**(config_meta or {}), "docs": {split: int(metas[file]["n"])}, "removed": {split: counts}})
         shard.save(out_dir / f"{d.name}.npz")
-        mine = np.flatnonzero(node_file == file)
-        kept = decision.kept[mine]
         evidence = {
-            "removed": _doc_ids(sig_dirs, decision.node[mine]), "kept": _doc_ids(sig_dirs, kept),
+            "removed": _doc_ids(sig_dirs, node), "kept": _doc_ids(sig_dirs, kept),
             "kept_split": np.array([metas[k]["split"] for k in _nodes_of(kept)[0].tolist()], dtype=str),
-            "reason": decision.reason[mine],
-            "similarity": np.where(decision.reason[mine] == 1, 1.0, decision.equal[mine] / max(decision.num_perm, 1)),
+            "reason": reason,
+            "similarity": np.where(reason == 1, 1.0, equal / max(decision.num_perm, 1)),
         }
         # bound to its index (``index_sha256``): evidence put beside another index is refused
         meta = {"num_perm": decision.num_perm, "index_sha256": shard.content_hash, **{k: v for k, v in (config_meta or {}).items() if k == "dedup"}}
@@ -107,3 +107,63 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
                 removed.setdefault(s, {}).setdefault(r, 0)
                 removed[s][r] += int(c)
     return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
+
+
+@dataclass
+class MergedIdentity:
+    """What the merged index of a set of shards is called and counts (``content_hash``,
+    ``counts()``, ``meta``: those of ``load_shards``), without its arrays."""
+
+    content_hash: str
+    removed: dict[str, dict[str, int]]
+    meta: dict[str, Any]
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return self.removed
+
+
+def merged_identity(paths: Sequence[str | Path], ids_per_range: int = 1 << 24) -> MergedIdentity:
+    """``load_shards(paths)``'s ``content_hash``, counts and meta (the prebuild's finalize records
+    them in the top manifest) without holding the merged arrays: each shard is read once and its
+    sorted ids are spilled into key ranges of about ``ids_per_range`` ids (ids are hashes, so the
+    ranges fill evenly), then each range is sorted and hashed in key order. The largest holding is
+    one shard and one range (~128 MB), not 8 B per removed document of the corpus."""
+    import hashlib
+    import tempfile
+
+    paths = [Path(p) for p in paths]
+    ranges = max(1, -(-sum(p.stat().st_size for p in paths) // (8 * ids_per_range)))
+    bounds = np.array([r * ((1 << 64) // ranges) for r in range(1, ranges)], dtype=np.uint64)
+    splits: list[str] = []
+    sizes: dict[tuple[int, str], int] = {}
+    docs: dict[str, int] = {}
+    removed: dict[str, dict[str, int]] = {}
+    meta: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix=".index-merge-", dir=paths[0].parent if paths else None) as tmp:
+        for n, p in enumerate(paths):
+            shard = DedupIndex.load(p)
+            meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
+            for s, per in shard.splits.items():
+                if s not in splits:
+                    splits.append(s)
+                docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
+                for r, c in shard.meta.get("removed", {}).get(s, {}).items():
+                    removed.setdefault(s, {}).setdefault(r, 0)
+                    removed[s][r] += int(c)
+                for r, a in per.items():  # sorted (``DedupIndex``): each range a contiguous run
+                    sizes[(splits.index(s), r)] = sizes.get((splits.index(s), r), 0) + int(a.size)
+                    cuts = [0, *np.searchsorted(a, bounds).tolist(), a.size]
+                    for k in range(ranges):
+                        if cuts[k + 1] > cuts[k]:
+                            np.save(Path(tmp) / f"{splits.index(s)}.{r}.{k}.{n}.npy", a[cuts[k] : cuts[k + 1]], allow_pickle=False)
+        h = hashlib.sha256()  # ``DedupIndex.content_hash``'s bytes, range by range
+        for s in sorted(splits):
+            j = splits.index(s)
+            for r in sorted(REASONS):
+                h.update(f"{s}/{r}/{sizes.get((j, r), 0)};".encode())
+                for k in range(ranges):
+                    parts = [np.load(f, allow_pickle=False) for f in sorted(Path(tmp).glob(f"{j}.{r}.{k}.*.npy"))]
+                    if parts:
+                        h.update(np.sort(np.concatenate(parts)).tobytes())
+    counts = {s: {r: sizes.get((splits.index(s), r), 0) for r in REASONS} for s in splits}
+    return MergedIdentity(h.hexdigest(), counts, {**meta, "docs": docs, "removed": removed})

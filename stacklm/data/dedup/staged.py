@@ -21,15 +21,16 @@
    by the later node. Its memory is bounded by ``chunk`` records whatever the corpus size: a
    range holding more is processed in key sub-ranges (keys are hashes, so sub-ranges split
    evenly and a bucket never straddles two).
-3. **decision** (``decide_partitioned``, one task): ``verify.first_fit``'s rule (a document is
-   removed only for a *kept* document it is verified-similar to; no chaining) in passes over
-   one partition of the edges at a time: the documents with an earlier neighbour, then the
-   removals for a root, then one linear pass over the remainder (drift chains). It holds 8 B
-   per document with an earlier neighbour, one partition's edges and the removed documents,
-   never every pair (``default_partitions``: one partition per 16M documents). The rule reads
-   only the canonical order, never the ``file`` of a node id (which depends on the slicing),
-   so the removed ids are ``decide_splits``'s and the same for every task count. A removed
-   document whose kept copy is in another split (val wins) is ``cross_split``.
+3. **decision** (``decision.decide_partitioned``, one task): ``verify.first_fit``'s rule (a
+   document is removed only for a *kept* document it is verified-similar to; no chaining) in
+   passes over one partition of the edges at a time: the documents with an earlier neighbour,
+   then the removals for a root, then one linear pass over the remainder (drift chains). It
+   holds 4 bits per document, one partition's edges and the remainder's, and spools every
+   removal to disk as it is decided, never every pair or every removal
+   (``default_partitions``: one partition per 16M documents). The rule reads only the
+   canonical order, never the ``file`` of a node id (which depends on the slicing), so the
+   removed ids are ``decide_splits``'s and the same for every task count. A removed document
+   whose kept copy is in another split (val wins) is ``cross_split``.
 4. **removed ids, sharded** (``shards.write_index_shards``): one ``DedupIndex`` per slice
    (``<job>.npz``, only that slice's removed ids) and its evidence beside it (``evidence``:
    the kept document and the estimated similarity of every removal); the packing task of that
@@ -53,17 +54,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from stacklm.data.dedup.exact import in_sorted, run_starts
-from stacklm.data.dedup.global_index import REASONS, SPLIT_PRIORITY, _split_id, id_keys
+from stacklm.data.dedup.exact import run_starts
+from stacklm.data.dedup.global_index import SPLIT_PRIORITY, _split_id, id_keys
 from stacklm.data.dedup.minhash import _fmix64
-from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, first_fit, need_equal, star_edges
+from stacklm.data.dedup.verify import DEFAULT_THRESHOLD, need_equal, star_edges
 
 FILE_SHIFT = 40  # node id = file << 40 | record: 16M slices of 1T records each
 ROW_MASK = np.uint64((1 << FILE_SHIFT) - 1)
@@ -295,10 +295,11 @@ def save_pairs(pairs: np.ndarray, path: str | Path) -> None:
     atomic_write_bytes(Path(path), buf.getvalue())
 
 
-def load_pairs(path: str | Path) -> np.ndarray:
-    """A bucket task's rows; data only (``allow_pickle=False``), anything else refused naming the file."""
+def load_pairs(path: str | Path, mmap: bool = False) -> np.ndarray:
+    """A bucket task's rows (memory-mapped with ``mmap``); data only (``allow_pickle=False``),
+    anything else refused naming the file."""
     try:
-        a = np.load(path, allow_pickle=False)
+        a = np.load(path, mmap_mode="r" if mmap else None, allow_pickle=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: not a stacklm dedup pair file ({type(e).__name__}: {e}); delete it and re-run the prebuild (the bucket task runs again)") from None
     if not isinstance(a, np.ndarray) or a.dtype != np.uint64:
@@ -358,115 +359,6 @@ def _canonical_ranks(nodes: np.ndarray, sig_dirs: Sequence[Path], metas: Sequenc
     return rank, group_of_file[f]
 
 
-def _load_edges(paths: Sequence[Path], exact_removed: np.ndarray) -> np.ndarray:
-    """One partition's verified edges, each once (an edge is found in every band its pair shares),
-    without the edges of exact copies (never kept, and removed already)."""
-    parts = [e[~(in_sorted(e[:, 0], exact_removed) | in_sorted(e[:, 1], exact_removed))] for e in map(load_pairs, paths)]
-    e = np.concatenate(parts) if parts else np.zeros((0, 3), np.uint64)
-    if e.shape[0] < 2:
-        return e
-    e = e[np.lexsort((e[:, 0], e[:, 1]))]
-    keep = np.ones(e.shape[0], dtype=bool)
-    keep[1:] = (e[1:, :2] != e[:-1, :2]).any(axis=1)
-    return e[keep]
-
-
-@dataclass
-class Decision:
-    """The staged decision: ``removed`` per slice (file number) the local record indices removed,
-    by reason (``exact``, ``near``, ``cross_split``); and per removed node id (``node``) the kept
-    node it duplicates (``kept``), the reason code (1 exact, 2 near, 3 cross_split) and the equal
-    MinHash values of the pair (``equal``, of ``num_perm``; 0 for exact copies)."""
-
-    removed: dict[int, dict[str, np.ndarray]]
-    node: np.ndarray
-    kept: np.ndarray
-    reason: np.ndarray
-    equal: np.ndarray
-    num_perm: int
-    stats: dict[str, int] = field(default_factory=dict)
-
-
-def decide_partitioned(
-    sig_dirs: Sequence[str | Path], exact_files: Sequence[Path], near_files: Sequence[Sequence[Path]],
-    priority: Sequence[str] = SPLIT_PRIORITY,
-) -> Decision:
-    """The decision from the bucket tasks' files, ``verify.first_fit``'s rule computed in passes
-    over one partition of the verified edges at a time (``near_files[j]``: partition ``j``):
-
-    1. exact: the digest tasks decided it; ``X`` = the exact copies removed (never kept);
-    2. per partition, the later nodes of its edges: ``D`` = every document with an earlier
-       verified neighbour (the others are *roots*: kept by the rule, whatever else happens);
-    3. per partition, a later node with an edge from a root is removed for it (the root with the
-       most equal values, ties: the smallest id digest); the edges of the nodes left undecided
-       are kept for
-    4. the remainder (drift chains, whose links all point to non-roots): ``first_fit`` in
-       canonical order, one pass linear in its edges.
-
-    Largest holding: ``D`` (8 B per document with an earlier neighbour), one partition's edges
-    (24 B each), the removed documents and the remainder's edges -- never every pair at once.
-    The removed set is ``first_fit`` over all edges, so the reference ``decide_splits``'s."""
-    sig_dirs = [Path(d) for d in sig_dirs]
-    metas = [slice_meta(d) for d in sig_dirs]
-    num_perm = max((int(m.get("num_perm", 0)) for m in metas), default=0)
-    ex = np.concatenate([load_pairs(p) for p in exact_files]) if exact_files else np.zeros((0, 3), np.uint64)
-    exact_removed = np.sort(ex[:, 1])
-    stats = {"exact_removed": int(ex.shape[0])}
-    later = [np.unique(_load_edges(paths, exact_removed)[:, 1]) for paths in near_files]  # pass 1
-    has_earlier = np.sort(np.concatenate(later)) if later else np.zeros(0, np.uint64)
-    del later
-    stats["edges"] = 0
-    found: list[np.ndarray] = []  # (removed, kept, equal) of pass 2
-    rest: list[np.ndarray] = []  # the remainder's edges
-    for paths in near_files:  # pass 2
-        e = _load_edges(paths, exact_removed)
-        stats["edges"] += int(e.shape[0])
-        root = ~in_sorted(e[:, 0], has_earlier)
-        r = e[root]
-        if r.shape[0]:
-            r = r[np.lexsort((gather(sig_dirs, "idkey", r[:, 0]), -r[:, 2].astype(np.int64), r[:, 1]))]
-            r = r[run_starts(r[:, 1])]
-            found.append(r[:, [1, 0, 2]])
-        rest.append(e[~root & ~in_sorted(e[:, 1], np.sort(r[:, 1]))])
-    near = np.concatenate(found) if found else np.zeros((0, 3), np.uint64)
-    e = np.concatenate(rest) if rest else np.zeros((0, 3), np.uint64)
-    del found, rest
-    e = e[~in_sorted(e[:, 0], np.sort(near[:, 0]))]  # an earlier end removed in pass 2 is never kept
-    stats["remainder_edges"] = int(e.shape[0])
-    if e.shape[0]:  # pass 3
-        nodes, inv = np.unique(e[:, :2].ravel(), return_inverse=True)
-        rank, _ = _canonical_ranks(nodes, sig_dirs, metas, priority)
-        node_of_rank = nodes[np.argsort(rank)]
-        lo, hi = rank[inv.reshape(-1, 2)[:, 0]], rank[inv.reshape(-1, 2)[:, 1]]
-        removed, kept_of, equal = first_fit(nodes.size, lo, hi, e[:, 2].astype(np.int64), tiebreak=gather(sig_dirs, "idkey", node_of_rank))
-        sel = np.flatnonzero(removed)
-        near = np.concatenate([near, np.stack([node_of_rank[sel], node_of_rank[kept_of[sel]], equal[sel].astype(np.uint64)], axis=1)])
-    reason = np.concatenate([np.full(ex.shape[0], 1, np.int8), np.full(near.shape[0], 2, np.int8)])
-    equal = np.concatenate([np.full(ex.shape[0], num_perm, np.int64), near[:, 2].astype(np.int64)])
-    # an exact copy whose kept copy is itself removed as a near copy is removed for what that
-    # one was removed for (kept, at the same similarity): a near removal
-    if near.shape[0] and ex.shape[0]:
-        by_node = np.argsort(near[:, 0])
-        pos = np.minimum(np.searchsorted(near[by_node, 0], ex[:, 0]), near.shape[0] - 1)
-        hit = near[by_node[pos], 0] == ex[:, 0]
-        ex = ex.copy()
-        ex[hit, 0] = near[by_node[pos[hit]], 1]
-        reason[: ex.shape[0]][hit] = 2
-        equal[: ex.shape[0]][hit] = near[by_node[pos[hit]], 2].astype(np.int64)
-    node = np.concatenate([ex[:, 1], near[:, 0]])
-    kept = np.concatenate([ex[:, 0], near[:, 1]])
-    group_of_file = _split_groups(metas, priority)
-    f, i = _nodes_of(node)
-    reason[group_of_file[f] != group_of_file[_nodes_of(kept)[0]]] = 3
-    removed_by_file: dict[int, dict[str, np.ndarray]] = {}
-    for code, name in enumerate(REASONS, start=1):
-        mask = reason == code
-        for file in np.unique(f[mask]).tolist():
-            removed_by_file.setdefault(file, {})[name] = np.sort(i[mask & (f == file)])
-    stats["near_removed"] = int(near.shape[0])
-    return Decision(removed_by_file, node, kept, reason, equal, num_perm, stats)
-
-
 def in_process(fn: Callable[..., Any], args: Sequence[tuple]) -> Iterator[Any]:
     """The default starmap: one call after the other, here, each result when it is asked for."""
     return (fn(*a) for a in args)
@@ -477,36 +369,3 @@ def bucket_task_list(metas: Sequence[Mapping[str, Any]], ranges: int = 1, exact_
     nb = max((m["num_bands"] for m in metas), default=0)
     tasks = [("digest", r, exact_ranges) for r in range(exact_ranges)] if any(m["exact"] for m in metas) else []
     return tasks + [(f"band{b}", r, ranges) for b in range(nb) for r in range(ranges)]
-
-
-def staged_decision(
-    sig_dirs: Sequence[str | Path], ranges: int = 1, exact_ranges: int = 1, chunk: int = DEFAULT_CHUNK, priority: Sequence[str] = SPLIT_PRIORITY,
-    starmap: Callable[[Callable[..., Any], Sequence[tuple]], Iterable[Any]] | None = None,
-    threshold: float = DEFAULT_THRESHOLD, partitions: int | None = None, work_dir: str | Path | None = None,
-) -> Decision:
-    """Stages 2 and 3 on one machine (``stacklm prebuild``'s pool and ``stacklm dedup-index``, through
-    ``prebuild.dedup_pass.build_index_shards``; tests, ``bench/dedup_scale.py``): every bucket task
-    through ``starmap(fn, arg_tuples)`` (the build's process pool: one task per band or digest
-    range, run in parallel; default: one after the other, here), each writing its rows to a
-    folder beside the signatures (``work_dir``), then the partitioned decision here."""
-    import tempfile
-
-    dirs = [str(d) for d in sig_dirs]
-    metas = [slice_meta(Path(d)) for d in dirs]
-    partitions = partitions or default_partitions(sum(int(m["n"]) for m in metas))
-    starmap = starmap or in_process
-    tasks = bucket_task_list(metas, ranges, exact_ranges)
-    base = Path(work_dir) if work_dir is not None else (Path(dirs[0]).parent if dirs else Path(tempfile.gettempdir()))
-    pairs_dir = Path(tempfile.mkdtemp(prefix=".dedup-pairs-", dir=base))
-    try:
-        stats: dict[str, int] = {}
-        args = [(dirs, column, r, n, str(pairs_dir), threshold, partitions, chunk) for column, r, n in tasks]
-        for got in starmap(run_bucket_task, args):
-            for k, v in got.items():
-                stats[k] = stats.get(k, 0) + v
-        exact, near = bucket_files(pairs_dir, tasks, partitions)
-        decision = decide_partitioned(sig_dirs, exact, near, priority)
-        decision.stats.update(stats, partitions=partitions)
-        return decision
-    finally:
-        shutil.rmtree(pairs_dir, ignore_errors=True)
