@@ -65,9 +65,6 @@ class _Bits:
     def get(self, i: np.ndarray) -> np.ndarray:
         return ((self.bytes[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(bool)
 
-    def count(self) -> int:
-        return int(np.unpackbits(self.bytes).sum())
-
 
 class _Spool:
     """Removal rows ``(node, kept, equal, reason)`` written as they are decided: one file per
