@@ -4,35 +4,27 @@ docstring says. The bench's own figures (docs/prebuild.md) are its output, not a
 
 from __future__ import annotations
 
-import importlib.util
 import io
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from stacklm.datamodule.loader import to_checkpoint_safe
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "stream_state.py"
+from tests.helpers.bench import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_stream_state", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("stream_state")
 
 
 def test_split_adds_up_to_the_saved_state(bench, tokenizer_1024, tmp_path):
-    files = bench.write_corpus(tmp_path, 2400)
+    files = bench.write_corpus(tmp_path, 1700)
     cfg = bench.pipeline_config(files, "prose", 64, 16, {"exact": True, "near": True}, seq_len=256)
     saved_lengths = []  # the independent count: each measured state saved here, as a checkpoint does
-    rows = bench.run_graph(cfg, tokenizer_1024, [700, 2000], tmp_path, workers=4,
+    rows = bench.run_graph(cfg, tokenizer_1024, [700, 1500], tmp_path, workers=4,
                            on_state=lambda state: saved_lengths.append(len(_saved(to_checkpoint_safe(state)))))
-    assert [r["docs_read"] >= at for r, at in zip(rows, (700, 2000))] == [True, True]
+    assert [r["docs_read"] >= at for r, at in zip(rows, (700, 1500))] == [True, True]
     empty = len(_saved(None))  # what one torch.save container costs with nothing in it
     for r in rows:
         # each part is its own torch.save: the parts hold the whole state once, plus one container
