@@ -19,9 +19,10 @@ corpus kind, once per dedup mode and buffer setting:
   ``pack_buffer_docs`` 1000 (also this bench's defaults) and the pipeline's default 2000 / 1000.
 
 At each count of documents read (the sources' ``records_read``), the graph's ``state_dict()`` is
-serialised exactly as a Lightning checkpoint stores the loader state (``to_checkpoint_safe`` then
-``torch.save``; a file in the temporary directory), timed, loaded back (``torch.load`` with
-``weights_only=True`` then ``from_checkpoint_safe``), timed, and split by part: dedup indexes,
+taken (timed), serialised exactly as a Lightning checkpoint stores the loader state
+(``to_checkpoint_safe`` then ``torch.save``, then written to a file in the temporary directory;
+timed together), loaded back (``torch.load`` with ``weights_only=True`` then
+``from_checkpoint_safe``; timed), and split by part: dedup indexes,
 the shuffle buffer, the packer's buffer, the documents pending inside the per-source stages
 (the tokenizer's encoded batch, the dedup stage's queue), the rest. Each part is its own
 ``torch.save``, so the parts add up to the total plus about 1.5 kB per extra part (its own
@@ -271,13 +272,13 @@ def build_index(base: dict, d: Path) -> dict:
 
 def print_table(results: dict) -> None:
     print("\n| corpus | dedup | shuffle/pack | docs read | per reader | per rank | dedup | shuffle buffer | pack buffer "
-          "| pending | rest | save s | load s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| pending | rest | state_dict s | save s | load s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
     for run in results["runs"]:
         for r in run["rows"]:
             print(f"| {run['kind']} | {run['dedup']} | {run['shuffle_buffer']}/{run['pack_buffer_docs']} | {r['docs_read']:,} "
                   f"| {mib(r['total'])} | {mib(r['per_rank'])} | " + " | ".join(mib(r[k]) for k in PARTS)
-                  + f" | {r['save_s']:.2f} | {r['load_s']:.2f} |")
+                  + f" | {r['state_dict_s']:.2f} | {r['save_s']:.2f} | {r['load_s']:.2f} |")
 
 
 def main() -> None:
@@ -291,11 +292,12 @@ def main() -> None:
     ap.add_argument("--dedup", nargs="+", choices=("index", "in-flight"), default=["index", "in-flight"])
     ap.add_argument("--workers", type=int, default=4, help="loader workers per rank (stack-100m: 4); per rank = per reader x this")
     ap.add_argument("--seq-len", type=int, default=2048)
-    ap.add_argument("--quick", action="store_true", help="short documents at 2k and 10k, long at 1k and 3k, stack-100m's buffers")
+    ap.add_argument("--quick", action="store_true", help="short documents at 10k and 30k, long at 3k, stack-100m's buffers "
+                    "(a mark below the shuffle buffer is measured at the first batch, once the buffer is full or the corpus read)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
-        args.short_at, args.long_at, args.settings = [2_000, 10_000], [1_000, 3_000], [f"{STACK_100M[0]}/{STACK_100M[1]}"]
+        args.short_at, args.long_at, args.settings = [10_000, 30_000], [3_000], [f"{STACK_100M[0]}/{STACK_100M[1]}"]
     settings = [tuple(int(x) for x in s.split("/")) for s in args.settings]
 
     from stacklm.corpus import iter_default_corpus
