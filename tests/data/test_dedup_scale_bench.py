@@ -6,26 +6,19 @@ library's own. Nothing here measures the dedup decision: that is the bench's out
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from stacklm.data.dedup.minhash import MinHasher
 
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "dedup_scale.py"
+from tests.helpers.bench import load_bench
+
 N, CHAIN = 20_000, 400
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_dedup_scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_bench("dedup_scale")
 
 
 def test_web_generator_structure_and_statistics(bench):

@@ -8,7 +8,6 @@ On a CUDA machine the same script runs the Stack-100M model (docs/trainer.md).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -25,16 +24,11 @@ import torch
 from stacklm.data.packing.pack import collate
 from stacklm.train.model import GPT, GPTConfig
 
+from tests.helpers.bench import load_bench
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu.py"
 QUICK_STEPS = 6  # bench/gpu.py's QUICK["steps"]
-
-
-def load_bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +82,7 @@ def test_throughput_from_shards_and_from_stream(quick_run):
 def test_wait_fraction_sees_a_slow_loader():
     """The bench's wait fraction is time blocked in next(loader) over wall time: a loader that
     sleeps before every batch shows up as mostly waiting, one batch repeated as hardly any."""
-    gpu = load_bench()
+    gpu = load_bench("gpu")
     args = gpu.parse_args(["--device", "cpu", "--quick", "--warmup", "1", "--steps", "3"])
     config = GPTConfig.tiny(vocab_size=512, seq_len=64, d_model=64, attention="sdpa")
     rng = np.random.default_rng(0)
