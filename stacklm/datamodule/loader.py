@@ -13,7 +13,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
+from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, delivered_batches, resume_segment, stream_record
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.dist import rank_world
 from stacklm.errors import DataError, ResumeRefused
@@ -121,7 +121,10 @@ class StackDataLoader(StatefulDataLoader):
     def batches_yielded(self) -> int:
         """Batches this loader has handed out in the current pass (restored on resume), counting
         those trained before a resume on another shape (elastic stream mode)."""
-        now = int(getattr(self._iterator, "_num_yielded", 0) or 0) if self._iterator is not None else 0
+        if self._iterator is not None:
+            now = int(getattr(self._iterator, "_num_yielded", 0) or 0)
+        else:  # loaded and not iterated yet: the loaded count (its iterator starts only at the next ``__iter__``)
+            now = delivered_batches(self.next_iter_state) if self.next_iter_state else 0
         segment = getattr(self.dataset, "segment", None)
         return now + (int(segment()["steps_before"]) if segment is not None else 0)
 
@@ -203,7 +206,7 @@ class StackDataLoader(StatefulDataLoader):
 
     def state_dict(self) -> dict[str, Any]:
         mine = {"loader": super().state_dict(), "delivered": self.delivered.state_dict(),
-                "consumed": {str(l): n for l, n in self.consumed.items()}}
+                "consumed": {str(l): n for l, n in self.segment_consumed().items()}}
         out = {"per_rank": to_checkpoint_safe(gather_from_ranks(mine)), "epoch": self.epoch}
         if isinstance(self.dataset, LogicalStreamDataset):
             out["streams"] = self.stream_record()
@@ -212,7 +215,13 @@ class StackDataLoader(StatefulDataLoader):
     def stream_record(self) -> dict[str, Any]:
         """Elastic stream mode: the shape-free position (``logical.stream_record``), the same
         on every rank (a collective under DDP: call it on all ranks)."""
-        return stream_record(self.dataset, gather_from_ranks(dict(self.consumed)), self.batches_yielded, self._shape())
+        return stream_record(self.dataset, gather_from_ranks(dict(self.segment_consumed())), self.batches_yielded, self._shape())
+
+    def segment_consumed(self) -> dict[int, int]:
+        """Rows taken per logical stream in this segment. A loaded count stays pending until the
+        next iteration takes it over (``__iter__``), so a state taken between a load and the first
+        batch is the loaded one, not an empty count."""
+        return self.consumed if self._restored_consumed is None else self._restored_consumed
 
     def _shape(self) -> dict[str, int]:
         _, world = rank_world()

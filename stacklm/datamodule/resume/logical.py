@@ -349,10 +349,21 @@ def _worker_iter_state(loader_state: Mapping[str, Any], worker: int, workers: in
     snap = loader_state.get("_snapshot")
     if not snap:
         return None, 0
-    delivered_total = int(snap["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
     ws = (snap.get("_worker_snapshots") or {}).get(f"worker_{worker}")
     it = ((ws or {}).get("fetcher_state") or {}).get("dataset_iter_state")
-    return it, first_local_batch(delivered_total, worker, workers)
+    return it, first_local_batch(delivered_batches(loader_state), worker, workers)
+
+
+def delivered_batches(loader_state: Mapping[str, Any]) -> int:
+    """The batches one rank's ``StatefulDataLoader`` state says were handed out: the
+    main-process loader counts them itself; with workers, the last snapshot's step plus the
+    batches handed out since."""
+    if "_num_yielded" in loader_state:
+        return int(loader_state["_num_yielded"])
+    snap = loader_state.get("_snapshot")
+    if not snap:
+        return 0
+    return int(snap["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
 
 
 def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], old_shape: Mapping[str, int],
