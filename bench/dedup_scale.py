@@ -483,7 +483,7 @@ def main() -> None:
                 f" decision: {st['edges']:,} distinct verified edges ({st['edges'] / n:.3f} per document), {st['remainder_edges']:,} in the remainder pass,"
                 f" arrays held at peak {st['held_mb']:,} MB ({st['held_with_shards_mb']:,} MB with the shards written; tracemalloc);"
                 f" removed {json.dumps(new['counts'], sort_keys=True)}")
-        summary = {"docs": n, "counts": new["counts"], "stats": st, "buckets": b}
+        summary = {"docs": n, "counts": new["counts"], "stats": st, "buckets": b, "held_mb": {p: r["stats"]["held_mb"] for p, r in results.items()}}
         if args.count_pairs:
             cand = json.loads((Path(args.root) / "pairs.json").read_text())["candidates"]
             line += f"; {cand:,} distinct candidate pairs ({cand / n:.3f} per document)"
@@ -496,6 +496,7 @@ def main() -> None:
             raise SystemExit(f"bench/dedup_scale.py: at {n:,} docs the decision removed other ids with --partitions {args.partitions}")
         if len(results) > 1:
             line += f"; removed ids identical for partitions {args.partitions}"
+            line += "; arrays held at peak per P: " + ", ".join(f"P={p} {r['stats']['held_mb']:,} MB" for p, r in results.items())
         if old:
             line += "; " + compare_with_reference(Path(args.root), n, args.partitions[0])
         if n in args.inproc:
