@@ -1,4 +1,4 @@
-"""The contract a train loader's checkpoint state keeps (issue 34.3), in shards and stream mode.
+"""The contract a train loader's checkpoint state keeps (issue 34.3), in shards, stream and SFT mode.
 
 Issue 34 replaces ``torchdata``'s ``StatefulDataLoader`` (stream mode's loader today) with a plain
 ``torch.utils.data.DataLoader`` and the project's own worker-state path. These tests pin what the
@@ -39,6 +39,7 @@ WORKERS = 2
 # two, so its resume replays from the last one; the second (K1 + K2) falls on one.
 SNAPSHOT_EVERY, K1, K2 = 3, 5, 4
 STREAM_TOKENS = 4_000  # 30 batches of 2 x 64 in stream mode; shards mode reads small_shards_dir (63)
+SFT_CONVERSATIONS = 300  # SFT mode (rendered conversations, 2 x 128): most are too long for 128 and dropped, counted
 
 
 @dataclass
@@ -80,6 +81,11 @@ class Runs:
 
 
 def _datamodule(mode: str, tokenizer_dir, data_dir) -> StackDataModule:
+    if mode == "sft":  # conversations rendered with role tokens, packed per conversation (``data_dir``: their jsonl)
+        pipeline = {"sources": [{"name": "chats", "kind": "local", "path": [str(data_dir)]}], "shuffle_buffer": 16,
+                    "pack_buffer_docs": 8, "holdout_fraction": 0.0}
+        return stream_dm(tokenizer_dir, mode="sft", pipeline=pipeline, seq_len=128, batch_size=2, num_workers=WORKERS,
+                         val_batches=0, step_log=False, snapshot_every_n_steps=SNAPSHOT_EVERY)
     if mode == "stream":
         return stream_dm(tokenizer_dir, pipeline=stream_pipeline(total_tokens=STREAM_TOKENS), num_workers=WORKERS, val_batches=0,
                          step_log=False, snapshot_every_n_steps=SNAPSHOT_EVERY)
@@ -105,10 +111,14 @@ def _ids(batch) -> torch.Tensor:
     return batch["input_ids"].clone()
 
 
-@pytest.fixture(scope="module", params=["shards", "stream"])
-def runs(request, tokenizer_dir) -> Runs:
+@pytest.fixture(scope="module", params=["shards", "stream", "sft"])
+def runs(request, tokenizer_dir, tmp_path_factory) -> Runs:
     mode = request.param
     data_dir = request.getfixturevalue("small_shards_dir") if mode == "shards" else None
+    if mode == "sft":
+        from tests.helpers.sft import make_conversations, write_jsonl
+
+        data_dir = write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", [{"messages": m} for m in make_conversations(SFT_CONVERSATIONS)])
     build = lambda state=None: _loader(mode, tokenizer_dir, data_dir, state)  # noqa: E731
 
     _, reference = build()
