@@ -33,7 +33,7 @@ from stacklm.data.sources import ShardSpec
 from stacklm.data.stats import StageStats
 from tests.helpers.lightning import BatchRecorder, TinyDPO
 from tests.helpers.resume import check_save_load_state
-from tests.helpers.sft import make_conversations, write_jsonl
+from tests.helpers.sft import make_pairs, write_jsonl
 
 SEQ = 256
 
@@ -41,28 +41,6 @@ SEQ = 256
 @pytest.fixture(scope="module")
 def tok(tokenizer_1024):
     return tokenizer_1024
-
-
-def make_pairs(n: int, seed: int = 0) -> list[dict]:
-    """Real-text pairs in the three formats, in turn: explicit conversational, implicit
-    (full conversations), plain strings. The prompt is a conversation up to its last user turn
-    (tool round trips and earlier assistant turns included), the completions two replies."""
-    rng = np.random.default_rng(seed)
-    convs = [c for c in make_conversations(2 * n, seed) if c[-1]["role"] == "assistant"]
-    replies = [c[-1]["content"] for c in convs]
-    out = []
-    for i, msgs in enumerate(convs[:n]):
-        prompt, chosen = msgs[:-1], msgs[-1]
-        rejected = {"role": "assistant", "content": replies[int(rng.integers(len(replies)))] + " (no)"}
-        kind = i % 3
-        if kind == 0:
-            out.append({"prompt": prompt, "chosen": [chosen], "rejected": [rejected]})
-        elif kind == 1:
-            out.append({"chosen": prompt + [chosen], "rejected": prompt + [rejected]})
-        else:
-            user = next(m["content"] for m in reversed(prompt) if m["role"] == "user")
-            out.append({"prompt": user, "chosen": chosen["content"], "rejected": rejected["content"]})
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The contract a train loader's checkpoint state keeps (issue 34.3), in shards, stream and SFT mode.
+"""The contract a train loader's checkpoint state keeps (issue 34.3), in shards, stream, SFT and preference mode.
 
 Issue 34 replaces ``torchdata``'s ``StatefulDataLoader`` (stream mode's loader today) with a plain
 ``torch.utils.data.DataLoader`` and the project's own worker-state path. These tests pin what the
@@ -40,6 +40,7 @@ WORKERS = 2
 SNAPSHOT_EVERY, K1, K2 = 3, 5, 4
 STREAM_TOKENS = 4_000  # 30 batches of 2 x 64 in stream mode; shards mode reads small_shards_dir (63)
 SFT_CONVERSATIONS = 300  # SFT mode (rendered conversations, 2 x 128): most are too long for 128 and dropped, counted
+PREFERENCE_PAIRS = 100  # preference mode: 2 pairs (chosen and rejected rows) a batch, 256 tokens a row
 
 
 @dataclass
@@ -81,11 +82,11 @@ class Runs:
 
 
 def _datamodule(mode: str, tokenizer_dir, data_dir) -> StackDataModule:
-    if mode == "sft":  # conversations rendered with role tokens, packed per conversation (``data_dir``: their jsonl)
+    if mode in ("sft", "preference"):  # conversations (or preference pairs) rendered with role tokens (``data_dir``: their jsonl)
         pipeline = {"sources": [{"name": "chats", "kind": "local", "path": [str(data_dir)]}], "shuffle_buffer": 16,
-                    "pack_buffer_docs": 8, "holdout_fraction": 0.0}
-        return stream_dm(tokenizer_dir, mode="sft", pipeline=pipeline, seq_len=128, batch_size=2, num_workers=WORKERS,
-                         val_batches=0, step_log=False, snapshot_every_n_steps=SNAPSHOT_EVERY)
+                    "holdout_fraction": 0.0, **({"pack_buffer_docs": 8} if mode == "sft" else {})}
+        return stream_dm(tokenizer_dir, mode=mode, pipeline=pipeline, seq_len=128 if mode == "sft" else 256, batch_size=2,
+                         num_workers=WORKERS, val_batches=0, step_log=False, snapshot_every_n_steps=SNAPSHOT_EVERY)
     if mode == "stream":
         return stream_dm(tokenizer_dir, pipeline=stream_pipeline(total_tokens=STREAM_TOKENS), num_workers=WORKERS, val_batches=0,
                          step_log=False, snapshot_every_n_steps=SNAPSHOT_EVERY)
@@ -108,10 +109,13 @@ def _loader(mode: str, tokenizer_dir, data_dir, state: dict[str, Any] | None = N
 
 
 def _ids(batch) -> torch.Tensor:
+    """What a batch trains on: its input ids (a preference batch's chosen and rejected rows)."""
+    if "input_ids" not in batch:
+        return torch.cat([batch["chosen_input_ids"], batch["rejected_input_ids"]])
     return batch["input_ids"].clone()
 
 
-@pytest.fixture(scope="module", params=["shards", "stream", "sft"])
+@pytest.fixture(scope="module", params=["shards", "stream", "sft", "preference"])
 def runs(request, tokenizer_dir, tmp_path_factory) -> Runs:
     mode = request.param
     data_dir = request.getfixturevalue("small_shards_dir") if mode == "shards" else None
@@ -119,6 +123,10 @@ def runs(request, tokenizer_dir, tmp_path_factory) -> Runs:
         from tests.helpers.sft import make_conversations, write_jsonl
 
         data_dir = write_jsonl(tmp_path_factory.mktemp("chats") / "chats.jsonl", [{"messages": m} for m in make_conversations(SFT_CONVERSATIONS)])
+    if mode == "preference":
+        from tests.helpers.sft import make_pairs, write_jsonl
+
+        data_dir = write_jsonl(tmp_path_factory.mktemp("pairs") / "pairs.jsonl", make_pairs(PREFERENCE_PAIRS))
     build = lambda state=None: _loader(mode, tokenizer_dir, data_dir, state)  # noqa: E731
 
     _, reference = build()
