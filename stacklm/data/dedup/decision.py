@@ -68,10 +68,11 @@ class _Bits:
 
 class _Spool:
     """Removal rows ``(node, kept, equal, reason)`` written as they are decided: one file per
-    batch, sorted by slice, with each slice's row bounds beside it."""
+    batch, sorted by slice; each batch's slice bounds stay here (8 B per slice and batch)."""
 
     def __init__(self, folder: Path, files: int) -> None:
-        self.folder, self.files, self.batches = folder, files, 0
+        self.folder, self.files = folder, files
+        self.bounds: list[np.ndarray] = []  # per batch: where each slice's rows start, and the end
 
     def add(self, node: np.ndarray, kept: np.ndarray, equal: np.ndarray | int, reason: int) -> None:
         if not node.size:
@@ -80,15 +81,12 @@ class _Spool:
         order = np.argsort(f, kind="stable")
         rows = np.stack([node, kept, np.broadcast_to(np.asarray(equal, dtype=np.uint64), node.shape),
                          np.full(node.size, reason, np.uint64)], axis=1)[order]
-        bounds = np.searchsorted(f[order], np.arange(self.files + 1))
-        save_pairs(rows, self.folder / f"removed.{self.batches:05d}.npy")
-        np.save(self.folder / f"removed.{self.batches:05d}.bounds.npy", bounds.astype(np.int64), allow_pickle=False)
-        self.batches += 1
+        save_pairs(rows, self.folder / f"removed.{len(self.bounds):05d}.npy")
+        self.bounds.append(np.searchsorted(f[order], np.arange(self.files + 1)))
 
     def rows(self, file: int) -> np.ndarray:
         out = []
-        for b in range(self.batches):
-            bounds = np.load(self.folder / f"removed.{b:05d}.bounds.npy", allow_pickle=False)
+        for b, bounds in enumerate(self.bounds):
             if bounds[file + 1] > bounds[file]:
                 out.append(np.load(self.folder / f"removed.{b:05d}.npy", mmap_mode="r", allow_pickle=False).reshape(-1, 4)[bounds[file] : bounds[file + 1]])
         return np.concatenate(out) if out else np.zeros((0, 4), np.uint64)
@@ -147,6 +145,13 @@ class Decision:
         return out
 
 
+def _work_base(work_dir: str | Path | None, sig_dirs: Sequence[str | Path]) -> Path:
+    """Where the decision's working folders go: ``work_dir``, else beside the first signature directory."""
+    if work_dir is not None:
+        return Path(work_dir)
+    return Path(sig_dirs[0]).parent if sig_dirs else Path(tempfile.gettempdir())
+
+
 def _dense(offsets: np.ndarray, nodes: np.ndarray) -> np.ndarray:
     f, i = _nodes_of(nodes)
     return offsets[f] + i
@@ -178,8 +183,7 @@ def decide_partitioned(
     num_perm = max((int(m.get("num_perm", 0)) for m in metas), default=0)
     offsets = np.cumsum([0] + [int(m["n"]) for m in metas]).astype(np.int64)
     n = int(offsets[-1])
-    base = Path(work_dir) if work_dir is not None else (sig_dirs[0].parent if sig_dirs else Path(tempfile.gettempdir()))
-    folder = Path(tempfile.mkdtemp(prefix=".dedup-decision-", dir=base))
+    folder = Path(tempfile.mkdtemp(prefix=".dedup-decision-", dir=_work_base(work_dir, sig_dirs)))
     try:
         return _decide(sig_dirs, metas, num_perm, offsets, n, folder, exact_files, near_files, priority)
     except BaseException:
@@ -261,7 +265,7 @@ def staged_decision(
     partitions = partitions or default_partitions(sum(int(m["n"]) for m in metas))
     starmap = starmap or in_process
     tasks = bucket_task_list(metas, ranges, exact_ranges)
-    base = Path(work_dir) if work_dir is not None else (Path(dirs[0]).parent if dirs else Path(tempfile.gettempdir()))
+    base = _work_base(work_dir, dirs)
     pairs_dir = Path(tempfile.mkdtemp(prefix=".dedup-pairs-", dir=base))
     try:
         stats: dict[str, int] = {}

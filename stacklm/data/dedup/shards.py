@@ -93,20 +93,26 @@ def load_shards(paths: Sequence[str | Path]) -> DedupIndex:
     """The index of all shards together (what ``decide_index`` would have saved in one file):
     same arrays, so the same ``content_hash``; ``meta`` sums the shards' ``docs`` and ``removed``."""
     splits: dict[str, dict[str, list[np.ndarray]]] = {}
-    docs: dict[str, int] = {}
-    removed: dict[str, dict[str, int]] = {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"docs": {}, "removed": {}}
     for p in paths:
         shard = DedupIndex.load(p)
-        meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
+        meta = _add_meta(meta, shard)
         for s, per in shard.splits.items():
             for r, a in per.items():
                 splits.setdefault(s, {}).setdefault(r, []).append(a)
-            docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
-            for r, c in shard.meta.get("removed", {}).get(s, {}).items():
-                removed.setdefault(s, {}).setdefault(r, 0)
-                removed[s][r] += int(c)
-    return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, {**meta, "docs": docs, "removed": removed})
+    return DedupIndex({s: {r: np.concatenate(v) for r, v in per.items()} for s, per in splits.items()}, meta)
+
+
+def _add_meta(meta: dict[str, Any], shard: DedupIndex) -> dict[str, Any]:
+    """The merged meta so far plus ``shard``'s: its ``docs`` and ``removed`` counts summed per
+    split (and reason), the other keys the last shard's (every shard of a decision has the same)."""
+    docs, removed = meta["docs"], meta["removed"]
+    for s in shard.splits:
+        docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
+        for r, c in shard.meta.get("removed", {}).get(s, {}).items():
+            removed.setdefault(s, {}).setdefault(r, 0)
+            removed[s][r] += int(c)
+    return {**{k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}, "docs": docs, "removed": removed}
 
 
 @dataclass
@@ -136,20 +142,14 @@ def merged_identity(paths: Sequence[str | Path], ids_per_range: int = 1 << 24) -
     bounds = np.array([r * ((1 << 64) // ranges) for r in range(1, ranges)], dtype=np.uint64)
     splits: list[str] = []
     sizes: dict[tuple[int, str], int] = {}
-    docs: dict[str, int] = {}
-    removed: dict[str, dict[str, int]] = {}
-    meta: dict[str, Any] = {}
+    meta: dict[str, Any] = {"docs": {}, "removed": {}}
     with tempfile.TemporaryDirectory(prefix=".index-merge-", dir=paths[0].parent if paths else None) as tmp:
         for n, p in enumerate(paths):
             shard = DedupIndex.load(p)
-            meta = {k: v for k, v in shard.meta.items() if k not in ("docs", "removed")}
+            meta = _add_meta(meta, shard)
             for s, per in shard.splits.items():
                 if s not in splits:
                     splits.append(s)
-                docs[s] = docs.get(s, 0) + int(shard.meta.get("docs", {}).get(s, 0))
-                for r, c in shard.meta.get("removed", {}).get(s, {}).items():
-                    removed.setdefault(s, {}).setdefault(r, 0)
-                    removed[s][r] += int(c)
                 for r, a in per.items():  # sorted (``DedupIndex``): each range a contiguous run
                     sizes[(splits.index(s), r)] = sizes.get((splits.index(s), r), 0) + int(a.size)
                     cuts = [0, *np.searchsorted(a, bounds).tolist(), a.size]
@@ -166,4 +166,4 @@ def merged_identity(paths: Sequence[str | Path], ids_per_range: int = 1 << 24) -
                     if parts:
                         h.update(np.sort(np.concatenate(parts)).tobytes())
     counts = {s: {r: sizes.get((splits.index(s), r), 0) for r in REASONS} for s in splits}
-    return MergedIdentity(h.hexdigest(), counts, {**meta, "docs": docs, "removed": removed})
+    return MergedIdentity(h.hexdigest(), counts, meta)
