@@ -338,13 +338,12 @@ def task(args) -> None:
     elif args.task == "pairs":  # --count-pairs: the distinct candidate pairs (shared digest or band), what the verification checks
         (root / "pairs.json").write_text(json.dumps({"candidates": candidate_pairs(dirs)}))
     elif args.task == "inproc":  # stages 2 and 3 in one process: `stacklm prebuild`'s and `dedup-index`'s decision
-        from stacklm.data.dedup.shards import load_shards, write_index_shards
-
         from stacklm.data.dedup.decision import staged_decision
+        from stacklm.data.dedup.shards import index_shard_paths, load_shards, write_index_shards
 
         with staged_decision(dirs, args.ranges, args.ranges, threshold=args.threshold, partitions=args.partitions, work_dir=root) as decision:
             write_index_shards(dirs, decision, root / "index-inproc")
-        (root / "inproc.json").write_text(json.dumps({"hash": load_shards(sorted((root / "index-inproc").glob("*[0-9].npz"))).content_hash}))
+        (root / "inproc.json").write_text(json.dumps({"hash": load_shards(index_shard_paths(root / "index-inproc")).content_hash}))
     elif args.task == "old":
         from stacklm.data.dedup.global_index import DedupIndex, decide_splits
 
