@@ -117,13 +117,18 @@ class ShuffleBuffer:
     def __len__(self) -> int:
         return len(self.buffer)
 
-    def state(self) -> dict[str, Any]:
-        return {"rng": self.rng.bit_generator.state, "buffer": encode_docs(self.buffer)}
+    def state(self, refs=None) -> dict[str, Any]:
+        """RNG + buffer; with ``refs`` (a ``doc_refs.DocRefs``) the buffer by position."""
+        from stacklm.data.doc_refs import save_docs
 
-    def load_state(self, state: dict[str, Any]) -> None:
+        return {"rng": self.rng.bit_generator.state, "buffer": save_docs(refs, self.buffer)}
+
+    def load_state(self, state: dict[str, Any], refs=None) -> None:
+        from stacklm.data.doc_refs import load_docs
+
         self.reset()
         self.rng.bit_generator.state = state["rng"]
-        self.buffer = decode_docs(state["buffer"])
+        self.buffer = load_docs(refs, state["buffer"])
 
     def __call__(self, docs: Iterable[dict]) -> Iterator[dict]:
         for doc in docs:
@@ -140,13 +145,15 @@ def shuffle_docs(docs: Iterable[dict], buffer_size: int, seed: int = 0) -> Itera
 
 
 class ShuffleNode(BaseNode[dict]):
-    """Stateful wrapper of ``ShuffleBuffer``; state = source state + RNG + compact buffer."""
+    """Stateful wrapper of ``ShuffleBuffer``; state = source state + RNG + the buffer, by position
+    (``stacklm.data.doc_refs``) when the graph gives ``refs``, else compact content."""
 
     SOURCE_KEY = "source"
 
-    def __init__(self, source: BaseNode[dict], buffer_size: int, seed: int = 0) -> None:
+    def __init__(self, source: BaseNode[dict], buffer_size: int, seed: int = 0, refs=None) -> None:
         super().__init__()
         self.source = source
+        self.refs = refs  # a ``doc_refs.DocRefs``: the buffer is checkpointed by position
         self.shuffler = ShuffleBuffer(buffer_size, seed)
         self._source_done = False
 
@@ -158,7 +165,7 @@ class ShuffleNode(BaseNode[dict]):
             self._source_done = False
         else:
             self.source.reset(initial_state[self.SOURCE_KEY])
-            self.shuffler.load_state(initial_state["shuffle"])
+            self.shuffler.load_state(initial_state["shuffle"], self.refs)
             self._source_done = bool(initial_state["source_done"])
 
     def next(self) -> dict:
@@ -183,6 +190,6 @@ class ShuffleNode(BaseNode[dict]):
     def get_state(self) -> dict[str, Any]:
         return {
             self.SOURCE_KEY: self.source.state_dict(),
-            "shuffle": self.shuffler.state(),
+            "shuffle": self.shuffler.state(self.refs),
             "source_done": self._source_done,
         }
