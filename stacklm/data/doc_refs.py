@@ -15,7 +15,7 @@ no longer matches (the file changed since the checkpoint) refuses the resume, na
 Documents with no position keep their content: a hub stream cannot seek (``HFStreamSource``),
 and a document whose text a stage edited (decontamination's ``cut`` mode) is no longer what its
 position reads. Those are saved as before (``shuffle.encode_docs``), bounded by the buffers'
-sizes, and counted by ``bench/stream_state.py``.
+sizes, and counted by ``bench/stream_state.py``. (Before, every buffer was saved this way.)
 
 Why our own: torchdata's nodes checkpoint whatever ``get_state`` returns; none of the peers
 (litdata, Mosaic streaming, torchtitan) keeps a shuffle or packing buffer of variable-length
@@ -30,8 +30,10 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.data.shuffle import decode_docs, encode_docs
 from stacklm.errors import ResumeRefused
+
+# Fields that repeat across many documents: stored as codes into a small table.
+_CODED_FIELDS = ("source", "domain")
 
 # The columns of a saved position, in order: the source (index into the saved names), the part
 # (``file``), the reader's ``seek``, the ``record``, record - row (``doc_id``'s row: they differ by
@@ -40,6 +42,67 @@ from stacklm.errors import ResumeRefused
 _COLUMNS = ("source", "file", "seek", "record", "row_gap", "extra", "cut", "crc")
 BY_POSITION = "by_position"  # marks a state saved by ``DocRefs.save`` (else ``encode_docs``'s)
 CUT_FIELD = "full_len"  # set by the mix on a document it cut to its budget: the uncut length
+
+
+# ---------------------------------------------------------------------------------------
+# Content codec: documents without a position (and graphs that save content)
+# ---------------------------------------------------------------------------------------
+def encode_docs(docs: list[dict]) -> dict[str, Any]:
+    """Columnar, compact encoding of tokenized documents (inverse: ``decode_docs``)."""
+    n = len(docs)
+    for d in docs:
+        if not isinstance(d.get("ids"), np.ndarray):
+            raise TypeError(
+                f"shuffle buffer holds tokenized documents with an np.ndarray 'ids' field; got "
+                f"{type(d.get('ids')).__name__} in doc {d.get('doc_id')!r} of source {d.get('source')!r}; "
+                "put the shuffle after tokenize"
+            )
+    lengths = np.fromiter((len(d["ids"]) for d in docs), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    dtype = docs[0]["ids"].dtype if n else np.dtype(np.int32)
+    ids = np.concatenate([d["ids"] for d in docs]).astype(dtype, copy=False) if n else np.zeros(0, dtype)
+    if ids.size and 0 <= ids.min() and ids.max() <= np.iinfo(np.uint16).max:
+        ids = ids.astype(np.uint16)  # vocab <= 65536: half the bytes; decode restores ``dtype``
+    keys: list[str] = []
+    for d in docs:
+        for k in d:
+            if k != "ids" and k not in keys:
+                keys.append(k)
+    fields: dict[str, Any] = {}
+    missing = object()
+    for k in keys:
+        values = [d.get(k, missing) for d in docs]
+        has = np.array([v is not missing for v in values], dtype=bool)
+        values = [v if v is not missing else None for v in values]
+        if k in _CODED_FIELDS and all(isinstance(v, str) for v in values):
+            table = sorted(set(values))
+            index = {v: i for i, v in enumerate(table)}
+            fields[k] = {"table": table, "codes": np.array([index[v] for v in values], dtype=np.int32)}
+        else:
+            fields[k] = {"values": values}
+        if not has.all():
+            fields[k]["present"] = has
+    return {"ids": ids, "dtype": dtype.str, "offsets": offsets, "fields": fields}
+
+
+def decode_docs(enc: dict[str, Any]) -> list[dict]:
+    offsets = np.asarray(enc["offsets"])
+    ids = np.asarray(enc["ids"]).astype(np.dtype(enc["dtype"]), copy=False)
+    n = len(offsets) - 1
+    docs = [{"ids": ids[offsets[i] : offsets[i + 1]].copy()} for i in range(n)]
+    for k, col in enc["fields"].items():
+        if "codes" in col:
+            table = col["table"]
+            values = [table[c] for c in np.asarray(col["codes"]).tolist()]
+        else:
+            values = col["values"]
+        present = col.get("present")
+        for i, (d, v) in enumerate(zip(docs, values)):
+            if present is None or present[i]:
+                d[k] = v
+    return docs
+
 
 
 def payload_crc(payload: np.ndarray | str) -> int:
@@ -84,12 +147,14 @@ def _row_of(doc: dict) -> int:
 class DocRefs:
     """Saves and restores a buffer's documents by position (module docstring).
 
+    ``tokenize``: documents -> the same documents with ``ids`` (``tokenizing.tokenize_docs`` with
+    the run's tokenizer: passed in, since the tokenizing stage saves through this module);
     ``sources``: the graph's source nodes by name (each with ``reread``), filled as the graph is
-    built; ``tokenizer``: the run's, to re-tokenize. One per graph, shared by its buffering nodes.
+    built. One per graph, shared by its buffering nodes.
     """
 
-    def __init__(self, tokenizer=None, num_threads: int = 2, sources: Mapping[str, Any] | None = None) -> None:
-        self.tokenizer, self.num_threads = tokenizer, num_threads
+    def __init__(self, tokenize: Callable[[list[dict]], list[dict]] | None = None, sources: Mapping[str, Any] | None = None) -> None:
+        self.tokenize = tokenize
         self.sources: dict[str, Any] = dict(sources or {})
         self.bytes_by_content = 0  # content-fallback bytes of the last ``save`` (bench/stream_state.py)
 
@@ -163,9 +228,7 @@ class DocRefs:
             c = cols[:, mine]
             got = self.sources[name].reread(c[1], c[2], c[3], c[3] - c[4])
             if tokenized:
-                from stacklm.data.tokenizing import tokenize_docs  # here: tokenizing imports this module's neighbours
-
-                got = tokenize_docs(self.tokenizer, got, self.num_threads)
+                got = self.tokenize(got)
             for j, doc in zip(mine.tolist(), got):
                 i = at[j]
                 cut = int(cols[6, j])

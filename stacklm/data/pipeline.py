@@ -14,6 +14,7 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.splits import check_split
-from stacklm.data.tokenizing import TokenizeNode
+from stacklm.data.tokenizing import TokenizeNode, tokenize_docs
 from stacklm.errors import ConfigError
 
 READ_ORDERS = ("spread", "sequential")
@@ -203,7 +204,7 @@ def build_pipeline(
     tokenized: dict[str, BaseNode] = {}
     # the buffers (dedup's kept group, the tokenizer's read-ahead, shuffle, packer) are checkpointed
     # by position and re-read from these sources on resume (``doc_refs``)
-    refs = DocRefs(tokenizer, config.num_threads, sources)
+    refs = DocRefs(functools.partial(tokenize_docs, tokenizer, num_threads=config.num_threads), sources)
     for entry in config.mix.entries:
         chain = document_chain(config, entry, split, shard, count_tokens=lambda text: len(tokenizer.encode(text)), epoch=epoch)
         src, node = chain["source"], last_document_node(chain)

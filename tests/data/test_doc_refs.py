@@ -125,7 +125,7 @@ def test_a_resumed_graph_rereads_its_buffers_and_continues_exactly(corpus, token
             refs = unpack_columns(st["refs"])
             seen["cut"] += int((refs[6] > 0).sum())
             if n_content and st["tokenized"]:
-                from stacklm.data.shuffle import decode_docs
+                from stacklm.data.doc_refs import decode_docs
 
                 docs = decode_docs(st["content"])
                 seen["hub_content"] += sum(d["source"] == "hub" for d in docs)
