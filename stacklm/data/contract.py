@@ -83,10 +83,23 @@ def cu_capacity(batch: int, width: int, n_segments: int = 0) -> int:
     return min(cap, full)
 
 
-def segment_starts(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """``(start, is_pad, pad_rows)`` for ``(B, L)`` windows: where a segment starts (a ``bos``,
-    the token after an ``eos``, where padding starts or stops, every column 0), which tokens are
-    padding, and the rows that hold any. Vectorised; padding (rare) is only looked at in its rows."""
+class SegmentStarts(NamedTuple):
+    """Where segments start in ``(B, L)`` windows (``segment_starts``)."""
+
+    start: np.ndarray  # (B, L) bool
+    is_pad: np.ndarray  # (B, L) bool
+    pad_rows: list[int]  # rows holding any padding
+    where: np.ndarray  # every start, flat in (B, L)
+    row: np.ndarray  # its row
+    col: np.ndarray  # its column
+    starts: np.ndarray  # the starts in the inputs, flat in (B, T), T = L - 1
+
+
+def segment_starts(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> SegmentStarts:
+    """Where a segment starts in ``(B, L)`` windows: a ``bos``, the token after an ``eos``, where
+    padding starts or stops, every column 0; which tokens are padding, in which rows. Vectorised;
+    padding (rare) is only looked at in its rows. Shared by the four planes (``derive_batch``)
+    and the lean ones (``lean_batch``)."""
     start = rows == bos_id
     flat = start.reshape(-1)
     flat[1:] |= rows.reshape(-1)[:-1] == eos_id  # entries crossing into the next row hit column 0: set below
@@ -95,7 +108,11 @@ def segment_starts(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> t
     for r in pad_rows:
         start[r, 1:] |= is_pad[r, 1:] != is_pad[r, :-1]
     start[:, 0] = True
-    return start, is_pad, pad_rows
+    L = rows.shape[1]
+    where = np.flatnonzero(flat)
+    row, col = np.divmod(where, L)
+    starts = (where - row)[col < L - 1]  # b*T + c == b*L + c - b
+    return SegmentStarts(start, is_pad, pad_rows, where, row, col, starts)
 
 
 def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
@@ -114,10 +131,8 @@ def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {rows.shape}")
     B, L = rows.shape
     T = L - 1
-    start, is_pad, _ = segment_starts(rows, bos_id, eos_id, pad_id)
-    where = np.flatnonzero(start)  # segment starts, flat in (B, L)
-    row, col = np.divmod(where, L)
-    where = (where - row)[col < T]  # the same starts, flat in (B, T): b*T + c == b*L + c - b
+    seg = segment_starts(rows, bos_id, eos_id, pad_id)
+    where = seg.starts
     n = len(where)
     cap = cu_capacity(B, T, n)
     buf = np.empty(B * T + cap + B, dtype=np.int32)
@@ -129,7 +144,7 @@ def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
     cu[n:] = B * T  # the padding rule: repeat the last boundary
     max_seqlen = int(np.diff(cu[: n + 1]).max()) if n else 0
     last[:] = rows[:, T]
-    last[start[:, T] | is_pad[:, T]] = IGNORE_INDEX
+    last[seg.start[:, T] | seg.is_pad[:, T]] = IGNORE_INDEX
     t = torch.from_numpy(buf)
     return {"input_ids": t[: B * T].view(B, T), "cu_seqlens": t[B * T : B * T + cap], "max_seqlen": max_seqlen,
             "last_targets": t[B * T + cap :], "pad_id": int(pad_id)}
@@ -173,3 +188,18 @@ def full_batch(batch) -> dict:
     out.update(derive_planes(batch["input_ids"], batch["cu_seqlens"], batch["last_targets"], batch["pad_id"]))
     out["input_ids"] = batch["input_ids"].long()
     return out
+
+
+def padding_batch(batch: int, seq_len: int, pad_id: int, planes: str = "full") -> dict:
+    """``batch`` rows of padding (one segment each, every target ``IGNORE_INDEX``) in ``planes``:
+    what a loader that ran dry yields so every rank takes the same number of steps. A row of pad
+    ids holds no ``bos``/``eos``, so -1 stands for both."""
+    if planes == "lean":
+        return lean_batch(np.full((batch, seq_len), pad_id, dtype=np.int64), -1, -1, pad_id)
+    out = contract_buffer(batch, seq_len - 1)
+    p = contract_planes(out)
+    p.input_ids.fill(pad_id)
+    p.position_ids[:] = np.arange(seq_len - 1)
+    p.seq_ids.fill(0)
+    p.targets.fill(IGNORE_INDEX)
+    return contract_batch(out)

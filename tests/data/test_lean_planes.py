@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.contract import (
     BATCH_KEYS, IGNORE_INDEX, LEAN_KEYS, SEGMENT_TOKENS, cu_capacity, derive_planes, full_batch, is_lean, lean_batch,
+    padding_batch,
 )
 from stacklm.data.packing.masks import (
     block_mask, block_mask_from_cu, cu_seqlens, dense_mask, dense_mask_from_cu_seqlens, segments_from_cu,
@@ -173,3 +174,13 @@ def test_block_mask_from_cu_equals_dense_mask(packed, strategy):
             warnings.simplefilter("ignore", UserWarning)
             got = flex_attention(q, k, v, block_mask=block_mask_from_cu(cu, B, T, block_size=size))
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_padding_batch_in_both_planes():
+    """What a dry loader yields: rows of padding, no loss, one segment per row, in either layout."""
+    full, lean = padding_batch(3, 9, 7, "full"), padding_batch(3, 9, 7, "lean")
+    assert set(full) == set(BATCH_KEYS) and bool((full["targets"] == IGNORE_INDEX).all())
+    assert full["position_ids"][2].tolist() == list(range(8)) and int(full["seq_ids"].abs().sum()) == 0
+    _assert_lean(lean, 3, 8)
+    _assert_full_equal(full_batch(lean), full)
+    _assert_full_equal(full, collate(np.full((3, 9), 7), 1, 2, 7))

@@ -64,11 +64,7 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {rows.shape}")
     B, L = rows.shape
     T = L - 1
-    start, is_pad, pad_rows = segment_starts(rows, bos_id, eos_id, pad_id)
-    flat = start.reshape(-1)
-    where = np.flatnonzero(flat)  # every segment start, flat in (B, L)
-    row, col = np.divmod(where, L)
-    starts = (where - row)[col < T]  # the same starts, flat in (B, T): b*T + c == b*L + c - b
+    _, is_pad, pad_rows, where, row, col, starts = segment_starts(rows, bos_id, eos_id, pad_id)
     n = len(starts)
     lengths = np.empty(n, dtype=np.int64)
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
