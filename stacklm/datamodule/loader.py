@@ -15,7 +15,13 @@ from torch.utils.data import DataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, resume_segment, stream_record
+from stacklm.datamodule.resume.logical import (
+    LOGICAL_KEY,
+    LogicalStreamDataset,
+    check_loader_layout,
+    resume_segment,
+    stream_record,
+)
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
 from stacklm.datamodule.worker_state import WORKER_KEY
 from stacklm.dist import rank_world
@@ -142,7 +148,8 @@ class StackDataLoader(DataLoader):
     def batches_yielded(self) -> int:
         """Batches this loader has handed out in the current pass (restored on resume), counting
         those trained before a resume on another shape (elastic stream mode)."""
-        now = self._loader_state()["handed"]
+        # read off the bookkeeping, not ``_loader_state()``: that decodes every snapshot (per batch, with a step log)
+        now = self._loaded[0]["handed"] if self._loaded is not None else (self._track.handed if self._track is not None else 0)
         segment = getattr(self.dataset, "segment", None)
         return int(now) + (int(segment()["steps_before"]) if segment is not None else 0)
 
@@ -306,11 +313,7 @@ class StackDataLoader(DataLoader):
         return (self._track or _Track(self.roles, None)).state()
 
     def _load_own(self, state: dict[str, Any]) -> None:
-        if "roles" not in state:
-            raise ResumeRefused(
-                "refusing to resume: the checkpoint's stream loader state is torchdata's StatefulDataLoader's (a stacklm "
-                "before issue 34), which this loader does not read. Resume it with that stacklm, or start a new run."
-            )
+        check_loader_layout(state)
         if int(state["workers"]) != self.roles:
             raise ResumeRefused(
                 f"refusing to resume: the checkpoint's loader state is from {state['workers']} loader worker role(s) but this "

@@ -338,16 +338,20 @@ def resume_segment(record: Mapping[str, Any] | None, quota: int, shape: Mapping[
     return out
 
 
-def role_start(loader_state: Mapping[str, Any], role: int) -> dict[str, Any]:
-    """Role ``role``'s entry of one rank's loader state (``loader.StackDataLoader``): its last
-    snapshot (``state``), the batches it had produced at it (``at``) and handed out (``delivered``)."""
-    roles = loader_state.get("roles")
-    if roles is None:
+def check_loader_layout(loader_state: Mapping[str, Any]) -> None:
+    """Refuse a rank's loader state that is not ``loader.StackDataLoader``'s own layout."""
+    if "roles" not in loader_state:
         raise ResumeRefused(
             "refusing to resume: the checkpoint's stream loader state is torchdata's StatefulDataLoader's (a stacklm "
             "before issue 34), which this loader does not read. Resume it with that stacklm, or start a new run."
         )
-    return roles[role]
+
+
+def role_start(loader_state: Mapping[str, Any], role: int) -> dict[str, Any]:
+    """Role ``role``'s entry of one rank's loader state (``loader.StackDataLoader``): its last
+    snapshot (``state``), the batches it had produced at it (``at``) and handed out (``delivered``)."""
+    check_loader_layout(loader_state)
+    return loader_state["roles"][role]
 
 
 def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], old_shape: Mapping[str, int],
