@@ -455,7 +455,7 @@ class StackDataModule(L.LightningDataModule):
         change takes effect at the same step boundary everywhere; documents already in the
         shuffle and packing buffers were drawn before it. Loader workers run ahead of the step by
         the prefetch, so registering a change rebuilds them from the loader state at the current
-        batch (exact, like a resume; it replays at most ``snapshot_every_n_steps`` batches, so set
+        batch (exact, like a resume; it replays fewer than ``snapshot_every_n_steps`` batches, so set
         that to the re-weighting interval when re-weighting often). The changes are stored in
         the checkpoint (``state_dict``) and replay exactly on resume. Stream mode, first epoch.
         With gradient accumulation, call it at an optimizer-step boundary (``on_train_batch_end``
