@@ -120,6 +120,26 @@ def test_a_checkpoint_without_logical_streams_is_refused(tokenizer_dir):  # noqa
         dm2.load_state_dict(state)
 
 
+def test_a_loader_state_of_the_old_loader_is_refused_naming_it(tokenizer_dir):  # noqa: F811
+    """A checkpoint whose loader state is torchdata's ``StatefulDataLoader``'s (before issue 34)
+    is refused in one line, on the checkpoint's shape (the loader's own state) and on another
+    (the replay of each old worker), not read as a fresh start."""
+    import copy
+
+    from stacklm.errors import ResumeRefused
+
+    dm1, loader1 = _loader(tokenizer_dir, logical_streams=2)
+    _take(loader1, 3)
+    state, loader_state = dm1.state_dict(), loader1.state_dict()
+    assert loader_state["per_rank"][0]["loader"]["handed"] == 3
+    old = copy.deepcopy(loader_state)
+    old["per_rank"][0]["loader"] = {"_snapshot": {"_snapshot_step": 0}, "_steps_since_snapshot": 3}
+    for shape in ({}, {"num_workers": 2}):
+        dm2, loader2 = _loader(tokenizer_dir, state=state, logical_streams=2, **shape)
+        with pytest.raises(ResumeRefused, match="StatefulDataLoader's .* start a new run"):
+            loader2.load_state_dict(old)
+
+
 def test_more_readers_than_logical_streams_is_a_warning(tokenizer_dir):  # noqa: F811
     """A resume with more readers than logical streams leaves some readers padding-only: loud."""
     dm1, loader1 = _loader(tokenizer_dir, logical_streams=2)
