@@ -1,5 +1,6 @@
 """What a stream-mode checkpoint holds per reader and per rank, how it grows with the documents
-read, and what writing it costs: today's content-based state (the BEFORE of issue 34).
+read, what writing it and resuming from it cost: buffers saved by position (issue 34,
+``stacklm.data.doc_refs``) beside the content they saved before, at the same point of one run.
 
     python3 bench/stream_state.py --quick                       # a few minutes
     python3 bench/stream_state.py --kinds short long --short-at 10000 100000 --long-at 10000 20000 \\
@@ -9,8 +10,8 @@ A real stream graph (local jsonl sources -> holdout -> filter -> dedup -> tokeni
 shuffle -> best-fit pack -> batch, ``stacklm.data.pipeline.build_pipeline``) runs over each
 corpus kind, once per dedup mode and buffer setting:
 
-* corpora: **short** synthetic documents (~60 tokens: 40-80 words with 10% planted exact and
-  near copies) and **long** real documents (~3,000 tokens: the Python sources on this machine,
+* corpora: **short** synthetic documents (~60 tokens: 40-80 frequent words of the standard
+  library's prose, with 10% planted exact and near copies) and **long** real documents (~3,000 tokens: the Python sources on this machine,
   the standard library then site-packages, concatenated in path order and cut at line ends);
 * dedup: **in-flight** (``dedup: {exact: true, near: true}``) and the **global index**
   (``dedup: {index: ..., exact: false, near: false}``, built by ``stacklm dedup-index`` over the
@@ -22,7 +23,9 @@ At each count of documents read (the sources' ``records_read``), the graph's ``s
 taken (timed), serialised exactly as a Lightning checkpoint stores the loader state
 (``to_checkpoint_safe`` then ``torch.save``, then written to a file in the temporary directory;
 timed together), loaded back (``torch.load`` with ``weights_only=True`` then
-``from_checkpoint_safe``; timed), and split by part: dedup indexes,
+``from_checkpoint_safe``; timed), restored into a fresh graph (``reset(state)``, timed: by
+position this re-reads and re-tokenizes the buffered documents; the restored graphs' next
+batches must agree across the forms), and split by part: dedup indexes,
 the shuffle buffer, the packer's buffer, the documents pending inside the per-source stages
 (the tokenizer's encoded batch, the dedup stage's queue), the rest. Each part is its own
 ``torch.save``, so the parts add up to the total plus about 1.5 kB per extra part (its own
@@ -53,10 +56,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-_rng = random.Random(1)
-# word-like tokens with the stop words prose has, so the quality filter keeps the documents
-WORDS = ["".join(_rng.choices("abcdefghijklmnopqrstuvwxyz", k=_rng.randint(2, 9))) for _ in range(20000)]
-WORDS += ["the", "and", "of", "to", "that", "with", "is", "in"] * 500
+WORDS: list[str] = []  # the short documents' vocabulary: ``short_words``
+
+
+def short_words(n: int = 400) -> list[str]:
+    """The ``n`` most frequent lower-case words of the bench tokenizer's own training text (the
+    standard library's prose), each mostly one token: 40-80 of them make a ~60-token document
+    that the prose filter keeps (at least 40 words, stop words present)."""
+    import collections
+    import re
+
+    from stacklm.corpus import iter_default_corpus
+
+    counts = collections.Counter(w for text in iter_default_corpus(2_000_000) for w in re.findall(r"\b[a-z]{2,12}\b", text))
+    return [w for w, _ in counts.most_common(n)]
 
 # where the long real documents come from: text already on this machine, no network
 PYTHON_TREES = (Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}",
@@ -68,6 +81,8 @@ PARTS = ("dedup", "shuffle_buffer", "pack_buffer", "pending", "rest")
 def write_corpus(d: Path, n_docs: int, files: int = 4, dup_rate: float = 0.1, seed: int = 0) -> list[str]:
     """``n_docs`` short documents in ``files`` jsonl files; ``dup_rate`` of them copies of an earlier
     one (half exact, half with one word changed: a near duplicate). Returns the files."""
+    if not WORDS:
+        WORDS.extend(short_words())
     rng = random.Random(seed)
     paths = [d / f"part{k}.jsonl" for k in range(files)]
     handles = [open(p, "w") for p in paths]
@@ -212,26 +227,62 @@ def measure_state(state, path: Path, workers: int) -> dict:
     return {**state_parts(state), "total": total, "per_rank": total * workers, "save_s": save_s, "load_s": load_s}
 
 
-def run_graph(cfg_dict: dict, tok, at: list[int], work: Path, workers: int, label: str = "", on_state=None) -> list[dict]:
-    """Run the graph of ``cfg_dict`` until the sources have read each count in ``at``; one
-    ``measure_state`` row per count (``on_state``, if given, also gets each state measured)."""
+FORMS = ("positions", "content")  # buffers saved by position (issue 34: stacklm.data.doc_refs) or by content (before)
+
+
+def use_refs(p, refs) -> None:
+    """Point every buffering node of pipeline ``p`` at ``refs`` (None: save buffers by content, as
+    before issue 34). Only the saving changes: what the nodes hold is the same either way."""
+    for chain in p.chains.values():
+        for node in chain.values():
+            if hasattr(node, "refs"):
+                node.refs = refs
+    p.shuffle.refs = refs
+    p.windows.packer.refs = refs
+
+
+def run_graph(cfg_dict: dict, tok, at: list[int], work: Path, workers: int, label: str = "", on_state=None,
+              forms: tuple[str, ...] = FORMS) -> list[dict]:
+    """Run the graph of ``cfg_dict`` until the sources have read each count in ``at``; per count and
+    state form (``forms``) one ``measure_state`` row, with ``restore_s``: a fresh graph's
+    ``reset(state)`` (by position: re-reading and re-tokenizing the buffered documents), whose next
+    batch is checked equal across the forms (``on_state``, if given, also gets each state)."""
+    import numpy as np
+
     from stacklm.data.pipeline import PipelineConfig, build_pipeline
 
-    p = build_pipeline(PipelineConfig.from_dict(cfg_dict), tok)
+    cfg = PipelineConfig.from_dict(cfg_dict)
+    p = build_pipeline(cfg, tok)
+    refs = p.shuffle.refs
     out, marks, t0 = [], sorted(at), time.perf_counter()
     for _ in p.batches:
         read = _records_read(p)
         if marks and read >= marks[0]:
             t = time.perf_counter()
-            state = p.batches.state_dict()
-            row = {"docs_read": read, "run_s": t - t0, "state_dict_s": time.perf_counter() - t,
-                   **measure_state(state, work / "state.pt", workers)}
-            out.append(row)
-            if on_state is not None:
-                on_state(state)
-            print(f"  {label:<40} {read:>9,} read {row['run_s']:6.0f}s  " + "  ".join(
-                f"{k}={row[k] / 2**20:.2f}" for k in (*PARTS, "total", "per_rank"))
-                + f" MiB  split overhead {split_overhead(row):,} B  save {row['save_s']:.2f}s load {row['load_s']:.2f}s", flush=True)
+            nexts = []
+            for form in forms:
+                use_refs(p, refs if form == "positions" else None)
+                ts = time.perf_counter()
+                state = p.batches.state_dict()
+                row = {"form": form, "docs_read": read, "run_s": t - t0, "state_dict_s": time.perf_counter() - ts,
+                       "content_bytes": refs.bytes_by_content if form == "positions" else None,
+                       **measure_state(state, work / "state.pt", workers)}
+                fresh = build_pipeline(cfg, tok)
+                ts = time.perf_counter()
+                fresh.batches.reset(state)
+                row["restore_s"] = time.perf_counter() - ts
+                nexts.append(next(iter(fresh.batches))["input_ids"].numpy())
+                del fresh
+                out.append(row)
+                if on_state is not None:
+                    on_state(state)
+                print(f"  {label:<34} {form:<9} {read:>9,} read {row['run_s']:6.0f}s  " + "  ".join(
+                    f"{k}={row[k] / 2**20:.3f}" for k in (*PARTS, "total", "per_rank"))
+                    + f" MiB  split overhead {split_overhead(row):,} B  state_dict {row['state_dict_s']:.2f}s save {row['save_s']:.2f}s "
+                    f"load {row['load_s']:.2f}s restore {row['restore_s']:.2f}s", flush=True)
+            use_refs(p, refs)
+            if any(not np.array_equal(nexts[0], n) for n in nexts[1:]):
+                sys.exit(f"bench/stream_state.py: {label}: the graphs restored from the {forms} states disagree on the next batch")
             while marks and read >= marks[0]:
                 marks.pop(0)
             t0 += time.perf_counter() - t  # the measuring is not the graph's time
@@ -271,14 +322,18 @@ def build_index(base: dict, d: Path) -> dict:
 
 
 def print_table(results: dict) -> None:
-    print("\n| corpus | dedup | shuffle/pack | docs read | per reader | per rank | dedup | shuffle buffer | pack buffer "
-          "| pending | rest | state_dict s | save s | load s |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    mib = lambda b: f"{b / 2**20:.2f} MiB"  # noqa: E731
+    print("\n| corpus | dedup | shuffle/pack | docs read | saved by | per reader | per rank | dedup | shuffle buffer | pack buffer "
+          "| pending | rest | state_dict s | save s | load s | restore s |\n"
+          "|---|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+
+    def size(b: int) -> str:
+        return f"{b / 2**20:.2f} MiB" if b >= 2**20 else f"{b / 2**10:.0f} KiB"
+
     for run in results["runs"]:
         for r in run["rows"]:
             print(f"| {run['kind']} | {run['dedup']} | {run['shuffle_buffer']}/{run['pack_buffer_docs']} | {r['docs_read']:,} "
-                  f"| {mib(r['total'])} | {mib(r['per_rank'])} | " + " | ".join(mib(r[k]) for k in PARTS)
-                  + f" | {r['state_dict_s']:.2f} | {r['save_s']:.2f} | {r['load_s']:.2f} |")
+                  f"| {r['form']} | {size(r['total'])} | {size(r['per_rank'])} | " + " | ".join(size(r[k]) for k in PARTS)
+                  + f" | {r['state_dict_s']:.2f} | {r['save_s']:.2f} | {r['load_s']:.2f} | {r['restore_s']:.2f} |")
 
 
 def main() -> None:
@@ -294,6 +349,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--quick", action="store_true", help="short documents at 10k and 30k, long at 3k, stack-100m's buffers "
                     "(a mark below the shuffle buffer is measured at the first batch, once the buffer is full or the corpus read)")
+    ap.add_argument("--forms", nargs="+", choices=FORMS, default=list(FORMS),
+                    help="buffers saved by position (issue 34) and/or by content (before), side by side at the same point")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.quick:
@@ -329,7 +386,8 @@ def main() -> None:
                     dedup = ({"index": str(d / "dedup.npz"), "exact": False, "near": False} if mode == "index"
                              else {"exact": True, "near": True})
                     cfg = pipeline_config(files, domain, shuffle_buffer, pack_buffer_docs, dedup, args.seq_len)
-                    rows = run_graph(cfg, tok, at, d, args.workers, f"{kind} {mode} {shuffle_buffer}/{pack_buffer_docs}")
+                    rows = run_graph(cfg, tok, at, d, args.workers, f"{kind} {mode} {shuffle_buffer}/{pack_buffer_docs}",
+                                     forms=tuple(args.forms))
                     results["runs"].append({"kind": kind, "dedup": mode, "shuffle_buffer": shuffle_buffer,
                                             "pack_buffer_docs": pack_buffer_docs, "tokens_per_doc": sum(tokens) / len(tokens),
                                             "rows": rows})

@@ -14,6 +14,7 @@ state; a fresh graph ``reset`` with it continues bit for bit.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import zlib
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from stacklm.config import Config
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.dedup.config import DedupConfig
 from stacklm.data.dedup.shingles import SHINGLES, default_shingle_size
+from stacklm.data.doc_refs import DocRefs
 from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_index
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
@@ -35,7 +37,7 @@ from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.splits import check_split
-from stacklm.data.tokenizing import TokenizeNode
+from stacklm.data.tokenizing import TokenizeNode, tokenize_docs
 from stacklm.errors import ConfigError
 
 READ_ORDERS = ("spread", "sequential")
@@ -200,15 +202,18 @@ def build_pipeline(
     sources: dict[str, BaseNode] = {}
     chains: dict[str, dict[str, BaseNode]] = {}
     tokenized: dict[str, BaseNode] = {}
+    # the buffers (dedup's kept group, the tokenizer's read-ahead, shuffle, packer) are checkpointed
+    # by position and re-read from these sources on resume (``doc_refs``)
+    refs = DocRefs(functools.partial(tokenize_docs, tokenizer, num_threads=config.num_threads), sources)
     for entry in config.mix.entries:
         chain = document_chain(config, entry, split, shard, count_tokens=lambda text: len(tokenizer.encode(text)), epoch=epoch)
         src, node = chain["source"], last_document_node(chain)
         if config.dedup.exact or config.dedup.near or dedup_index is not None:
             exact = ExactDeduper(config.dedup.exact_max_docs) if config.dedup.exact else None
             removed = (dedup_index, split) if dedup_index is not None else None
-            node = chain["dedup"] = DedupNode(node, exact, _near_deduper(config), removed=removed)
-        node = chain["tokenize"] = TokenizeNode(node, tokenizer, config.tokenize_batch_docs, config.num_threads)
-        sources[entry.name] = src
+            node = chain["dedup"] = DedupNode(node, exact, _near_deduper(config), removed=removed, refs=refs)
+        node = chain["tokenize"] = TokenizeNode(node, tokenizer, config.tokenize_batch_docs, config.num_threads, refs=refs)
+        sources[entry.name] = refs.sources[entry.name] = src
         chains[entry.name] = chain
         tokenized[entry.name] = node
     # A reader mixes its own slice of the budget from its own shard of every source: the
@@ -216,11 +221,12 @@ def build_pipeline(
     split_share = config.holdout_fraction if split == "val" else 1.0 - config.holdout_fraction
     mix = MixNode(tokenized, config.mix.weights, total, seed=epoch_seed(config.seed, epoch), schedule=config.mix.schedule,
                   size_scale=split_share / max(1, shard.count))
-    shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=epoch_seed(config.seed + 1, epoch))
+    shuffle = ShuffleNode(mix, config.shuffle_buffer, seed=epoch_seed(config.seed + 1, epoch), refs=refs)
     windows = PackNode(
         shuffle, config.seq_len, config.strategy, tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id, config.pack_buffer_docs,
         sources=[entry.name for entry in config.mix.entries],  # batches count what they deliver per source
         provenance=provenance,
+        refs=refs,
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
     return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,

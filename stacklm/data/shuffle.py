@@ -3,10 +3,9 @@
 A bounded buffer (the classic streaming "shuffle buffer"): keep ``buffer_size``
 documents, emit a uniformly chosen one and put the next incoming document in its slot. It
 breaks up the source order (files, shards, the mixer's runs) at O(buffer) memory. Its state
-is the RNG state plus the buffer stored *columnar*: every buffered ``ids`` concatenated into
-one array with offsets (uint16 when the ids fit, as they do at vocab <= 65536), ``source``/``domain`` dictionary-coded as small int arrays and
-the remaining fields as plain lists, so a checkpoint holds a few arrays instead of thousands of
-pickled dicts, and restoring it continues the stream bit for bit.
+is the RNG state plus the buffer: by position in the pre-training graph (``doc_refs``), else
+as compact columnar content (``doc_refs.encode_docs``); restoring it continues the stream bit
+for bit.
 """
 
 from __future__ import annotations
@@ -17,68 +16,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-# Fields that repeat across many documents: stored as codes into a small table.
-_CODED_FIELDS = ("source", "domain")
-
-
-# ---------------------------------------------------------------------------------------
-# Compact buffer codec
-# ---------------------------------------------------------------------------------------
-def encode_docs(docs: list[dict]) -> dict[str, Any]:
-    """Columnar, compact encoding of tokenized documents (inverse: ``decode_docs``)."""
-    n = len(docs)
-    for d in docs:
-        if not isinstance(d.get("ids"), np.ndarray):
-            raise TypeError(
-                f"shuffle buffer holds tokenized documents with an np.ndarray 'ids' field; got "
-                f"{type(d.get('ids')).__name__} in doc {d.get('doc_id')!r} of source {d.get('source')!r}; "
-                "put the shuffle after tokenize"
-            )
-    lengths = np.fromiter((len(d["ids"]) for d in docs), dtype=np.int64, count=n)
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    dtype = docs[0]["ids"].dtype if n else np.dtype(np.int32)
-    ids = np.concatenate([d["ids"] for d in docs]).astype(dtype, copy=False) if n else np.zeros(0, dtype)
-    if ids.size and 0 <= ids.min() and ids.max() <= np.iinfo(np.uint16).max:
-        ids = ids.astype(np.uint16)  # vocab <= 65536: half the bytes; decode restores ``dtype``
-    keys: list[str] = []
-    for d in docs:
-        for k in d:
-            if k != "ids" and k not in keys:
-                keys.append(k)
-    fields: dict[str, Any] = {}
-    missing = object()
-    for k in keys:
-        values = [d.get(k, missing) for d in docs]
-        has = np.array([v is not missing for v in values], dtype=bool)
-        values = [v if v is not missing else None for v in values]
-        if k in _CODED_FIELDS and all(isinstance(v, str) for v in values):
-            table = sorted(set(values))
-            index = {v: i for i, v in enumerate(table)}
-            fields[k] = {"table": table, "codes": np.array([index[v] for v in values], dtype=np.int32)}
-        else:
-            fields[k] = {"values": values}
-        if not has.all():
-            fields[k]["present"] = has
-    return {"ids": ids, "dtype": dtype.str, "offsets": offsets, "fields": fields}
-
-
-def decode_docs(enc: dict[str, Any]) -> list[dict]:
-    offsets = np.asarray(enc["offsets"])
-    ids = np.asarray(enc["ids"]).astype(np.dtype(enc["dtype"]), copy=False)
-    n = len(offsets) - 1
-    docs = [{"ids": ids[offsets[i] : offsets[i + 1]].copy()} for i in range(n)]
-    for k, col in enc["fields"].items():
-        if "codes" in col:
-            table = col["table"]
-            values = [table[c] for c in np.asarray(col["codes"]).tolist()]
-        else:
-            values = col["values"]
-        present = col.get("present")
-        for i, (d, v) in enumerate(zip(docs, values)):
-            if present is None or present[i]:
-                d[k] = v
-    return docs
+from stacklm.data.doc_refs import load_docs, save_docs
 
 
 # ---------------------------------------------------------------------------------------
@@ -117,13 +55,14 @@ class ShuffleBuffer:
     def __len__(self) -> int:
         return len(self.buffer)
 
-    def state(self) -> dict[str, Any]:
-        return {"rng": self.rng.bit_generator.state, "buffer": encode_docs(self.buffer)}
+    def state(self, refs=None) -> dict[str, Any]:
+        """RNG + buffer; with ``refs`` (a ``doc_refs.DocRefs``) the buffer by position."""
+        return {"rng": self.rng.bit_generator.state, "buffer": save_docs(refs, self.buffer)}
 
-    def load_state(self, state: dict[str, Any]) -> None:
+    def load_state(self, state: dict[str, Any], refs=None) -> None:
         self.reset()
         self.rng.bit_generator.state = state["rng"]
-        self.buffer = decode_docs(state["buffer"])
+        self.buffer = load_docs(refs, state["buffer"])
 
     def __call__(self, docs: Iterable[dict]) -> Iterator[dict]:
         for doc in docs:
@@ -140,13 +79,15 @@ def shuffle_docs(docs: Iterable[dict], buffer_size: int, seed: int = 0) -> Itera
 
 
 class ShuffleNode(BaseNode[dict]):
-    """Stateful wrapper of ``ShuffleBuffer``; state = source state + RNG + compact buffer."""
+    """Stateful wrapper of ``ShuffleBuffer``; state = source state + RNG + the buffer, by position
+    (``stacklm.data.doc_refs``) when the graph gives ``refs``, else compact content."""
 
     SOURCE_KEY = "source"
 
-    def __init__(self, source: BaseNode[dict], buffer_size: int, seed: int = 0) -> None:
+    def __init__(self, source: BaseNode[dict], buffer_size: int, seed: int = 0, refs=None) -> None:
         super().__init__()
         self.source = source
+        self.refs = refs  # a ``doc_refs.DocRefs``: the buffer is checkpointed by position
         self.shuffler = ShuffleBuffer(buffer_size, seed)
         self._source_done = False
 
@@ -158,7 +99,7 @@ class ShuffleNode(BaseNode[dict]):
             self._source_done = False
         else:
             self.source.reset(initial_state[self.SOURCE_KEY])
-            self.shuffler.load_state(initial_state["shuffle"])
+            self.shuffler.load_state(initial_state["shuffle"], self.refs)
             self._source_done = bool(initial_state["source_done"])
 
     def next(self) -> dict:
@@ -183,6 +124,6 @@ class ShuffleNode(BaseNode[dict]):
     def get_state(self) -> dict[str, Any]:
         return {
             self.SOURCE_KEY: self.source.state_dict(),
-            "shuffle": self.shuffler.state(),
+            "shuffle": self.shuffler.state(self.refs),
             "source_done": self._source_done,
         }

@@ -5,7 +5,7 @@ tokenizer's fast path (tiktoken's Rust core, which releases the GIL and encodes 
 Why batch-then-yield instead of ``ParallelMapper`` over single documents: the per-item thread
 hand-off costs more than encoding a typical document, while one ``encode_batch`` call keeps
 Python out of the hot loop. Exact resume stays cheap: the state is the source's state plus the
-documents read but not yet emitted, as one compact token array (see ``TokenizeNode``).
+documents read but not yet emitted, by position (see ``TokenizeNode``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.data.shuffle import decode_docs, encode_docs
+from stacklm.data.doc_refs import load_docs, save_docs
 from stacklm.data.stats import StageStats
 
 
@@ -48,7 +48,8 @@ class TokenizeNode(BaseNode):
     Nothing is snapshotted per batch (upstream states hold dedup indexes: copying them every
     few hundred documents would dominate). ``get_state`` is taken only when asked: the
     source's state now, plus the documents already read but not yet emitted (the rest of
-    the current batch and the encoded read-ahead batch) as one compact token array.
+    the current batch and the encoded read-ahead batch): by position (``doc_refs``) in the
+    pre-training graph, else as one compact token array.
     """
 
     SOURCE_KEY = "source"
@@ -56,8 +57,9 @@ class TokenizeNode(BaseNode):
     AHEAD_KEY = "ahead"  # how many of the pending documents are the read-ahead batch
     STATS_KEY = "stats"
 
-    def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 2) -> None:
+    def __init__(self, source: BaseNode, tokenizer, batch_docs: int = 256, num_threads: int = 2, refs=None) -> None:
         super().__init__()
+        self.refs = refs  # a ``doc_refs.DocRefs``: pending documents are checkpointed by position
         if batch_docs < 1:
             raise ValueError(f"batch_docs must be >= 1, got {batch_docs}")
         self.source = source
@@ -82,7 +84,7 @@ class TokenizeNode(BaseNode):
             return
         self.source.reset(initial_state[self.SOURCE_KEY])
         self.stats.load_dict(initial_state[self.STATS_KEY])
-        self._batch = decode_docs(initial_state[self.PENDING_KEY])
+        self._batch = load_docs(self.refs, initial_state[self.PENDING_KEY])
         # The read-ahead batch goes back to being the read-ahead (a finished future): the node
         # then reads upstream exactly when an uninterrupted one would, so what sits in its
         # buffers (the token ledger's "buffered") is the same after a resume.
@@ -154,7 +156,7 @@ class TokenizeNode(BaseNode):
         ahead = self._ahead.result() if self._ahead is not None else []
         return {
             self.SOURCE_KEY: self.source.state_dict(),
-            self.PENDING_KEY: encode_docs(pending + ahead),
+            self.PENDING_KEY: save_docs(self.refs, pending + ahead),
             self.AHEAD_KEY: len(ahead),
             self.STATS_KEY: self.stats.to_dict(),
         }

@@ -90,8 +90,8 @@ class StackDataModule(L.LightningDataModule):
             (stream) or a counting pass (sft); ``0`` disables validation.
         train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
         snapshot_every_n_steps: how often loader workers send their state to the main process.
-            A snapshot copies the worker's stream state (its shuffle buffer and dedup indexes)
-            and pickles it to the main process: each worker sends one at every multiple of this
+            A snapshot holds the worker's stream state (buffered documents by position, and
+            in-flight dedup's indexes) and is pickled to the main process: each worker sends one at every multiple of this
             many loader steps (on its last batch before it), so it must be rare. A resume replays
             fewer than this many batches from the last snapshot, deterministically (still exact).
             ``None`` (default): the trainer's step checkpoint interval

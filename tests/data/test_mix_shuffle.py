@@ -11,7 +11,8 @@ from torchdata.nodes import IterableWrapper
 from stacklm.corpus import iter_default_corpus
 from stacklm.data.quality.holdout import HoldoutNode, filter_split, holdout_split
 from stacklm.data.mix.mix import MixNode, TokenBudgetMixer, mix_budgeted, split_budget
-from stacklm.data.shuffle import ShuffleNode, decode_docs, encode_docs, shuffle_docs
+from stacklm.data.doc_refs import decode_docs, encode_docs
+from stacklm.data.shuffle import ShuffleNode, shuffle_docs
 from stacklm.data.stats import StageStats
 from tests.helpers.resume import check_save_load_state
 

@@ -10,6 +10,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.data.dedup.exact import ExactDeduper
+from stacklm.data.doc_refs import load_docs, save_docs
 from stacklm.data.dedup.global_index import DedupIndex, id_keys
 from stacklm.data.dedup.minhash import NearDeduper
 from stacklm.data.quality.normalize import normalize_text
@@ -39,8 +40,10 @@ class DedupNode(BaseNode[dict]):
         batch_docs: int = 64,
         *,
         removed: tuple[DedupIndex, str] | None = None,
+        refs=None,
     ) -> None:
         super().__init__()
+        self.refs = refs  # a ``doc_refs.DocRefs``: the pending kept documents are checkpointed by position
         if exact is None and near is None and removed is None:
             raise ValueError("DedupNode needs an exact or a near deduper or a global index; with none, leave the stage out")
         self.source, self.exact, self.near, self.batch_docs = source, exact, near, batch_docs
@@ -76,7 +79,8 @@ class DedupNode(BaseNode[dict]):
             self.exact.load_state_dict(st["exact"] if initial_state else self._fresh[0])
         if self.near is not None:
             self.near.load_state_dict(st["near"] if initial_state else self._fresh[1])
-        self._pending = deque(st.get("pending", []))
+        pending = st.get("pending", [])
+        self._pending = deque(load_docs(self.refs, pending) if isinstance(pending, dict) else pending)
         self.index_stats.load_dict(st.get("index_stats", {}))
 
     def _fill(self) -> bool:
@@ -111,7 +115,7 @@ class DedupNode(BaseNode[dict]):
     def get_state(self) -> dict[str, Any]:
         # "stats" is derived from the indexes' own counters; it stays in the state so the
         # checkpoint layout is unchanged.
-        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict(), "pending": list(self._pending)}
+        st: dict[str, Any] = {"source": self.source.state_dict(), "stats": self.stats.to_dict(), "pending": save_docs(self.refs, list(self._pending)) if self.refs is not None else list(self._pending)}
         if self.removed is not None:
             st["index_stats"] = self.index_stats.to_dict()
         if self.exact is not None:

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from stacklm.data.doc_refs import CUT_FIELD
 from stacklm.data.mix.schedule import (
     MixPlan,
     MixScheduleConfig,
@@ -203,7 +204,7 @@ class TokenBudgetMixer:
             if n > room:
                 self.truncated_docs[index] += 1
                 self.truncated_tokens[index] += n - room
-                doc = {**doc, "ids": ids[:room]}
+                doc = {**doc, "ids": ids[:room], CUT_FIELD: n}  # the uncut length: a checkpoint re-reads it by position
                 n = room
             self.status[index] = DONE
         self.tokens[index] += n

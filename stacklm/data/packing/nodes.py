@@ -43,10 +43,12 @@ class PackNode(BaseNode[np.ndarray]):
         buffer_docs: int = DEFAULT_BUFFER_DOCS,
         sources: Sequence[str] | None = None,
         provenance: bool = False,
+        refs=None,
     ) -> None:
         super().__init__()
         self.source = source
         self.packer = make_packer(strategy, seq_len, bos_id, eos_id, pad_id, buffer_docs, sources, provenance)
+        self.packer.refs = refs  # a ``doc_refs.DocRefs``: the buffer is checkpointed by position
         self._ready: deque[np.ndarray] = deque()
         self._source_done = False
         self.last_origin: WindowOrigin | None = None  # of the window ``next`` returned last (tracking sources)
@@ -134,6 +136,8 @@ class PackNode(BaseNode[np.ndarray]):
 
     def get_state(self) -> dict[str, Any]:
         ready = np.stack(self._ready) if self._ready else np.zeros((0, self.packer.seq_len), dtype=np.int32)
+        if ready.size and ready.min() >= 0 and ready.max() <= np.iinfo(np.uint16).max:
+            ready = ready.astype(np.uint16)  # vocab <= 65536: half the bytes (reset reads it back as int32)
         out = {
             self.SOURCE_KEY: self.source.state_dict(),
             "packer": self.packer.state(),

@@ -120,6 +120,12 @@ class _Packer:
         self.stats.add(doc.get("source", "?"), "tokens", len(ids))  # document tokens (the ledger's unit)
         return piece
 
+    def _wrapped(self, ids: np.ndarray) -> np.ndarray:
+        """``<bos> ids <eos>`` as int32, without counting (a re-read document, ``doc_refs``)."""
+        piece = np.empty(len(ids) + 2, dtype=np.int32)
+        piece[0], piece[1:-1], piece[-1] = self.bos_id, ids, self.eos_id
+        return piece
+
     @staticmethod
     def _doc_where(doc: dict) -> tuple[int, int]:
         """``(file, record)`` of a document for provenance; ``(-1, -1)`` when its source does not say."""
@@ -308,14 +314,22 @@ class BestFitPacker(_Packer):
         self._meta: dict[int, tuple[int, ...]] = {}
         self._arrivals = 0
         self._order: deque[int] = deque()  # arrivals in order (placed ones skipped lazily): the oldest first
+        # With ``refs`` (a ``doc_refs.DocRefs``, set by ``PackNode``): arrival -> (the document's fields
+        # without its ids, the piece's offset in the wrapped document), so the state holds positions
+        self._docs: dict[int, tuple[dict, int]] = {}
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def _add_piece(self, piece: np.ndarray, source: int = -1, doc_len: int = 0, where: tuple[int, ...] = ()) -> None:
+    refs = None  # a ``doc_refs.DocRefs``: the buffer is checkpointed by position (``PackNode`` sets it)
+
+    def _add_piece(self, piece: np.ndarray, source: int = -1, doc_len: int = 0, where: tuple[int, ...] = (),
+                   doc: dict | None = None, offset: int = 0) -> None:
         key = (len(piece), self._arrivals)
         self._arrivals += 1
         self._pieces[key[1]] = piece
+        if self.refs is not None:
+            self._docs[key[1]] = ({k: v for k, v in doc.items() if k != "ids"}, offset)
         self._order.append(key[1])
         if self.track_sources:
             self._meta[key[1]] = (source, doc_len, *where)
@@ -344,7 +358,7 @@ class BestFitPacker(_Packer):
             offset = n_full * L
             doc_len = 0  # the tail continues a document already counted where it started
         if len(piece):
-            self._add_piece(piece, src, doc_len, (*self._doc_where(doc), offset) if self.provenance else ())
+            self._add_piece(piece, src, doc_len, (*self._doc_where(doc), offset) if self.provenance else (), doc, offset)
         while len(self._keys) >= self.buffer_docs:
             out.append(self._build_window())
         return out
@@ -360,6 +374,7 @@ class BestFitPacker(_Packer):
         def place(arrival: int, length: int, at: int) -> int:
             """Put piece ``arrival`` at ``at``; the fill after it."""
             window[at : at + length] = self._pieces.pop(arrival)
+            self._docs.pop(arrival, None)
             if origin is not None:
                 src, doc_len, *where = self._meta.pop(arrival)
                 origin[at : at + length] = src
@@ -413,15 +428,15 @@ class BestFitPacker(_Packer):
     def state(self) -> dict[str, Any]:
         arrivals = np.array([a for _, a in self._keys], dtype=np.int64)
         pieces = [self._pieces[a] for a in arrivals.tolist()]
-        lengths = np.array([len(p) for p in pieces], dtype=np.int64)
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
-        out = {
-            "tokens": tokens,
-            "lengths": lengths,
-            "arrivals": arrivals,
-            "next_arrival": self._arrivals,
-            **self._counter_state(),
-        }
+        out: dict[str, Any] = {"arrivals": arrivals, "next_arrival": self._arrivals, **self._counter_state()}
+        if self.refs is not None:  # by position: each piece is its document's wrapped ids from an offset
+            docs = [self._docs[a] for a in arrivals.tolist()]
+            offsets = [off for _, off in docs]
+            out["pieces"] = self.refs.save([d for d, _ in docs], payloads=pieces, extra=offsets,
+                                           lengths=[off + len(p) - 2 for off, p in zip(offsets, pieces)])  # wrapped: <bos> ids <eos>
+        else:
+            out["lengths"] = np.array([len(p) for p in pieces], dtype=np.int64)
+            out["tokens"] = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
         if self.track_sources:
             width = 5 if self.provenance else 2
             out["piece_meta"] = np.array([self._meta[a] for a in arrivals.tolist()], dtype=np.int64).reshape(-1, width)
@@ -429,11 +444,21 @@ class BestFitPacker(_Packer):
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.reset()
-        tokens = np.asarray(state["tokens"], dtype=np.int32)
-        offsets = np.concatenate([[0], np.cumsum(state["lengths"])]).astype(np.int64)
-        for i, arrival in enumerate(np.asarray(state["arrivals"]).tolist()):
-            self._pieces[arrival] = tokens[offsets[i] : offsets[i + 1]].copy()
-            self._keys.append((int(offsets[i + 1] - offsets[i]), arrival))
+        arrivals = np.asarray(state["arrivals"]).tolist()
+        if "pieces" in state:  # saved by position (``doc_refs``)
+            if self.refs is None:
+                raise ValueError("a packer state saved by position needs the graph's DocRefs to load")
+            docs, pieces, offsets = self.refs.load(state["pieces"], payload=lambda doc, off: self._wrapped(doc["ids"])[off:])
+            for arrival, doc, piece, off in zip(arrivals, docs, pieces, offsets):
+                self._pieces[arrival] = np.asarray(piece, dtype=np.int32)
+                self._docs[arrival] = ({k: v for k, v in doc.items() if k != "ids"}, off)
+        else:
+            tokens = np.asarray(state["tokens"], dtype=np.int32)
+            bounds = np.concatenate([[0], np.cumsum(state["lengths"])]).astype(np.int64)
+            for i, arrival in enumerate(arrivals):
+                self._pieces[arrival] = tokens[bounds[i] : bounds[i + 1]].copy()
+        for arrival in arrivals:
+            self._keys.append((len(self._pieces[arrival]), arrival))
         self._keys.sort()
         self._order = deque(sorted(self._pieces))
         self._arrivals = int(state["next_arrival"])

@@ -306,7 +306,9 @@ class DecontamNode(BaseNode[dict]):
                     rep["cut_docs"] += 1
                     rep["cut_tokens"] += sum(self._tokens(r) for r in removed)
                     self.stats.add(doc["source"], KEPT)
-                    return {**doc, "text": rest}
+                    edited = {**doc, "text": rest}
+                    edited.pop("seek", None)  # its position reads the uncut text: checkpointed by content (doc_refs)
+                    return edited
             rep = self._record(name, doc, gram, None)
             rep["docs"] += 1
             rep["tokens"] += self._tokens(doc["text"])

@@ -217,6 +217,13 @@ class HFStreamSource(TextPartSource):
         """UTF-8 bytes of the records read by this process, the fallback's included."""
         return self.text_bytes + (self._fallback.text_bytes if self._fallback is not None else 0)
 
+    def reread(self, files, seeks, records, rows) -> list[dict]:
+        """Only the offline fallback's documents carry a position (``seek``): a hub stream does not
+        seek, so its buffered documents are checkpointed as content (``stacklm.data.doc_refs``)."""
+        if self._fallback is None:
+            raise ValueError(f"source {self.name!r}: a hub stream's documents are not re-read by position")
+        return self._fallback.reread(files, seeks, records, rows)
+
     @property
     def is_fallback(self) -> bool:
         return self._fallback is not None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.data.audit import (
@@ -26,7 +27,7 @@ from stacklm.data.audit import (
 )
 from stacklm.data.sources.sharding import ShardSpec, assign_parts, assign_pieces, owns_row
 from stacklm.data.stats import StageStats
-from stacklm.errors import ConfigError, InvalidRecordError, SourceError, column_error
+from stacklm.errors import ConfigError, InvalidRecordError, ResumeRefused, SourceError, column_error
 from stacklm.once import first_time
 
 logger = logging.getLogger(__name__)
@@ -411,8 +412,10 @@ class TextPartSource(PartNode):
                     file=self._reader.where(),
                 )
             return None
-        part = self._assigned[self._k]
-        return {
+        return self._make_doc(text, self._assigned[self._k], row, self._reader)
+
+    def _make_doc(self, text: str, part: int, row: int, reader) -> dict:
+        doc = {
             "text": text,
             "source": self.name,
             "domain": self.domain,
@@ -420,8 +423,44 @@ class TextPartSource(PartNode):
             # provenance (stacklm.data.storage.provenance): index of the part in the source's sorted part
             # list, and the row's 0-based index in it (line for jsonl, row for parquet, stream index)
             "file": part,
-            "record": int(self._reader.record),
+            "record": int(reader.record),
         }
+        seek = getattr(reader, "row_start", None)
+        if seek is not None:  # where a reader of the part finds the row again (stacklm.data.doc_refs)
+            doc["seek"] = int(seek)
+        return doc
+
+    def reread(self, files, seeks, records, rows) -> list[dict]:
+        """The documents at these positions (part, ``seek`` and ``record`` as ``next`` gave them,
+        ``row`` from their ``doc_id``), as ``next`` gave them: for a checkpoint that saved its
+        buffered documents by position (``stacklm.data.doc_refs``). A part is opened once and
+        read at the positions in ascending order. A row that is no longer a document (the file
+        changed) raises ``ResumeRefused`` naming it."""
+        if self._parts is None:
+            self.reset(None)
+        files, seeks = np.asarray(files, dtype=np.int64), np.asarray(seeks, dtype=np.int64)
+        out: list[dict | None] = [None] * len(files)
+        order = np.lexsort((seeks, files))
+        bounds = np.flatnonzero(np.diff(files[order])) + 1
+        for idx in np.split(order, bounds) if len(order) else []:
+            part = int(files[idx[0]])
+            reader = self._open_part(part, None, None)
+            try:
+                for i, raw in zip(idx.tolist(), reader.rows_at(seeks[idx])):
+                    try:
+                        value = reader.text_of(raw)
+                    except InvalidRecordError:
+                        value = None
+                    text, audit = clean_text(value) if isinstance(value, (str, bytes)) else ("", None)
+                    if audit is None or getattr(audit, "drop", None) is not None:
+                        raise ResumeRefused(
+                            f"refusing to resume: source {self.name!r}: {self._part_path(part)} at byte/row {int(seeks[i])} "
+                            f"(record {int(records[i])}) no longer holds the document the checkpoint buffered; the file changed "
+                            "since. Restore it, or start the run afresh")
+                    out[i] = self._make_doc(text, part, int(rows[i]), _At(int(records[i]), int(seeks[i])))
+            finally:
+                reader.close()
+        return out
 
     def _check_exhausted(self) -> None:
         if self._emitted:
@@ -447,3 +486,12 @@ class TextPartSource(PartNode):
                 source=self.name,
                 file=self._describe(),
             )
+
+
+class _At:
+    """A reader's position as ``_make_doc`` reads it, for a re-read row."""
+
+    __slots__ = ("record", "row_start")
+
+    def __init__(self, record: int, row_start: int) -> None:
+        self.record, self.row_start = record, row_start

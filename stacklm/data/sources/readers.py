@@ -126,9 +126,34 @@ class JsonlReader:
         for raw in self._stream:
             if 0 <= end <= self.offset:  # the next piece's first line: not ours
                 return
+            self.row_start = self.offset  # where this line starts: a buffered document's position
             self.offset += len(raw)
             self.line += 1
             yield raw if raw.strip() else None
+
+    row_start = 0  # decompressed byte offset of the line yielded last
+
+    def rows_at(self, offsets) -> Iterator[bytes]:
+        """The raw lines starting at byte ``offsets`` (ascending; repeats allowed), for re-reading
+        buffered documents (``stacklm.data.doc_refs``): a seek per line in a plain file, one
+        forward pass through a compressed one (where a seek is a decompression up to it)."""
+        compressed = self.path.endswith((".gz", ".zst", ".zstd"))
+        at, last = self.offset, None
+        for off in offsets:
+            off = int(off)
+            if last is not None and off == last[0]:
+                yield last[1]
+                continue
+            if not compressed:
+                self._stream.seek(off)
+            elif off >= at:
+                _skip_bytes(self._stream, off - at)
+            else:
+                raise ValueError(f"{self.path}: offsets must ascend to re-read a compressed file ({off} after {at})")
+            raw = self._stream.readline()
+            at = self.offset = off + len(raw)
+            last = (off, raw)
+            yield raw
 
     def consumed(self) -> int | None:
         """Bytes of the file read since it was opened (plain files; None when compressed: the
@@ -197,6 +222,16 @@ class TextFileReader:
         return {"done": int(self.done)}
 
     record = 0  # the file is the one record
+    row_start = 0
+
+    def rows_at(self, offsets) -> Iterator[bytes]:
+        """The file's one record, once per offset (each is 0): re-reading a buffered document."""
+        data = None
+        for _ in offsets:
+            if data is None:
+                with open_binary(self.path) as f:
+                    data = f.read()
+            yield data
 
     def where(self) -> str:
         return self.path
@@ -261,6 +296,24 @@ class ParquetReader:
     def record(self) -> int:
         """0-based row number of the row yielded last (provenance)."""
         return self.row - 1
+
+    row_start = record  # a row's position is its row number
+
+    def rows_at(self, rows) -> Iterator[tuple[Any]]:
+        """The rows numbered ``rows`` (ascending) as 1-tuples, reading only the row groups that
+        hold them: re-reading buffered documents (``stacklm.data.doc_refs``)."""
+        import numpy as np
+
+        rows = np.asarray(rows, dtype=np.int64)
+        meta = self._file.metadata
+        starts = np.cumsum([0] + [meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+        groups = np.searchsorted(starts, rows, side="right") - 1
+        for g in np.unique(groups).tolist():
+            if not 0 <= g < meta.num_row_groups:
+                raise ValueError(f"{self.path} has {starts[-1]} rows; no row {int(rows[groups == g][0])}")
+            column = self._file.read_row_group(g, columns=[self.text_column]).column(0)
+            for value in column.take(rows[groups == g] - starts[g]).to_pylist():
+                yield (value,)
 
     def where(self) -> str:
         return f"{self.path}, row {self.row}"

@@ -57,6 +57,13 @@ class SyntheticSource(BaseNode[dict]):
             self.text_bytes += len(text) if text.isascii() else len(text.encode())
             self.stats.add(self.name, "records_read")  # the ledger's "read" (stacklm.data.ledger)
             if record_audit(self.stats, self.name, audit):
-                return {"text": text, "source": self.name, "domain": self.domain, "doc_id": f"{self.name}/{self.label}/{i}",
-                        "file": 0, "record": i}
+                return self._make_doc(text, i)
         raise StopIteration
+
+    def _make_doc(self, text: str, i: int) -> dict:
+        return {"text": text, "source": self.name, "domain": self.domain, "doc_id": f"{self.name}/{self.label}/{i}",
+                "file": 0, "record": i, "seek": i}
+
+    def reread(self, files, seeks, records, rows) -> list[dict]:
+        """The documents numbered ``seeks`` again (``PartNode.reread``; random access by index)."""
+        return [self._make_doc(clean_text(synthetic_text(int(i), self.domain, self.seed))[0], int(i)) for i in seeks]
