@@ -20,6 +20,9 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
                                                        maximum over ranks (the slowest rank holds all of them)
   ``loader/wait_fraction_mean``, ``loader/wait_s``      the mean over ranks; the waiting rank's seconds in the window
   ``loader/wait_on_device``                            1 when the wait is timed on the GPU (CUDA events), 0: host clock
+  ``loader/stage_seconds/<stage>``                     stream mode: the loader workers' seconds in each pipeline stage's
+                                                       own work (source ... tokenize, mix, shuffle, pack, batch), summed
+                                                       over workers and ranks, since the workers started (``StageClock``)
 
 The drop, cut and holdout keys come from one list, ``drop_rows`` (each ``<stage>/<reason>`` as
 the token ledger names it), which the W&B drops chart and ``stacklm report`` also draw from.
@@ -245,6 +248,9 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         from stacklm.data.mix.schedule import merge_phase_reports
 
         merged["mix_phases"] = merge_phase_reports(phases)
+    clocks = [stats["stage_seconds"] for stats in per_rank if stats.get("stage_seconds")]
+    if clocks:  # the loader workers' seconds per stage, summed over the ranks
+        merged["stage_seconds"] = {stage: sum(c.get(stage, 0.0) for c in clocks) for stage in sorted({k for c in clocks for k in c})}
     if delivered.get("positions"):
         merged["padding_fraction"] = 1.0 - delivered.get("tokens", 0) / delivered["positions"]
     elif paddings:
@@ -314,6 +320,8 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     if stats.get("ledger") is not None:  # 1 while every ledger identity holds (stacklm.data.ledger)
         out["data/ledger_ok"] = float(bool(stats["ledger"]["ok"]))
         out["data/ledger_problems"] = float(len(stats["ledger"]["problems"]))
+    for stage, seconds in (stats.get("stage_seconds") or {}).items():  # the workers' own time per stage
+        out[f"loader/stage_seconds/{stage}"] = float(seconds)
     for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
         for source, share in phase["realized_share"].items():
             out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
@@ -474,7 +482,7 @@ class DataStatsCallback(Callback):
         cannot carry (the document-length histograms, drops by stage and reason), so
         ``stacklm report`` draws a run without W&B. Replaced atomically at every table step."""
         keep = ("realized", "delivered", "dropped_docs", "dropped_tokens", "holdout_docs", "cut_docs",
-                "doc_length_hist", "padding_fraction", "hashes", "mix_phases", "decontamination")
+                "doc_length_hist", "padding_fraction", "hashes", "mix_phases", "decontamination", "stage_seconds")
         snapshot = {"step": int(step), **{k: stats[k] for k in keep if k in stats}}
         for logger in trainer.loggers:
             log_dir = getattr(logger, "log_dir", None)

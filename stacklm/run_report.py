@@ -239,6 +239,11 @@ def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
                       f"{int(delivered.get('tokens', 0)):,} tokens"))
     if "padding_fraction" in stats:
         items.append(("padding", f"{100 * float(stats['padding_fraction']):.2f}% of positions"))
+    clock = stats.get("stage_seconds") or {}
+    if sum(clock.values()) > 0:  # where the loader workers' time went, largest first
+        total = sum(clock.values())
+        items.append(("loader workers' time by stage", f"{total:,.1f} s: " + ", ".join(
+            f"{stage} {100 * sec / total:.0f}%" for stage, sec in sorted(clock.items(), key=lambda kv: -kv[1]) if sec / total >= 0.005)))
     ws, wait = _series(rows, "loader/wait_fraction")
     if ws:
         items.append(("step waiting for its batch", f"{100 * wait[-1]:.1f}% of the last window (slowest rank), "

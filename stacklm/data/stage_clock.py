@@ -25,7 +25,8 @@ from typing import Any
 
 class StageClock:
     """Installs itself on nodes (``wrap``) and answers ``seconds()``: stage name -> seconds of
-    its own work so far."""
+    its own work so far, for the stages that have run (elastic stream mode batches a graph's
+    windows itself: its ``batch`` stage never runs)."""
 
     def __init__(self) -> None:
         self._own: dict[str, float] = {}
@@ -33,7 +34,6 @@ class StageClock:
 
     def wrap(self, name: str, node: Any) -> None:
         inner = node.next
-        self._own.setdefault(name, 0.0)
         own, stack, clock = self._own, self._stack, time.perf_counter
 
         def timed_next():
@@ -43,7 +43,7 @@ class StageClock:
                 return inner()
             finally:
                 spent = clock() - t
-                own[name] += spent - stack.pop()
+                own[name] = own.get(name, 0.0) + spent - stack.pop()
                 if stack:
                     stack[-1] += spent
 

@@ -46,6 +46,26 @@ FALLBACK_REASON = "fallback_offline"  # stacklm.data.sources.FALLBACK_OFFLINE, w
 HOLDOUT_REASON = "holdout_other_split"
 
 
+def graph_report(graph) -> dict[str, Any]:
+    """What a worker reports of one built graph (its part of a summary): the mixer's counts
+    (``mixed``), the stage counts, the packing, and for the pre-training graph its mixture
+    phases, each stage's own seconds (``StageClock``), the token ledger and decontamination."""
+    out = {"mixed": graph.realized(), "stats": graph.stats(), "packing": graph.packing()}
+    if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.mix.schedule)
+        out["mix_phases"] = graph.phases()
+    if hasattr(graph, "stage_seconds"):  # each stage's own seconds since the worker started
+        out["stage_seconds"] = graph.stage_seconds()
+    if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
+        from stacklm.data.ledger import pipeline_ledger
+        from stacklm.data.quality.decontam import chain_report
+
+        out["ledger"] = pipeline_ledger(graph)
+        report = chain_report(graph.chains)
+        if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
+            out["decontam"] = report
+    return out
+
+
 def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
     """Sum the workers' latest summaries into the drop side of the ``data_stats`` protocol.
 
@@ -108,6 +128,9 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         from stacklm.data.quality.decontam import merge_reports
 
         out["decontamination"] = merge_reports(decontam)
+    clocks = [s["stage_seconds"] for s in summaries if s.get("stage_seconds")]
+    if clocks:  # seconds of each stage's own work, summed over the workers (stacklm.data.stage_clock)
+        out["stage_seconds"] = {stage: sum(c.get(stage, 0.0) for c in clocks) for stage in {k for c in clocks for k in c}}
     ledgers = [s["ledger"] for s in summaries if s.get("ledger")]
     if ledgers:
         # each worker's ledger is exact at its own summary's batch, so the sum is exact too;
@@ -217,19 +240,8 @@ class _StreamIterator:
         its drops, its mixer's counts (``mixed``: read ahead of delivery, for drops only) and
         which sources ran dry."""
         graph = self._graph()
-        out = {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
-               "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
-        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.mix.schedule)
-            out["mix_phases"] = graph.phases()
-        if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
-            from stacklm.data.ledger import pipeline_ledger
-            from stacklm.data.quality.decontam import chain_report
-
-            out["ledger"] = pipeline_ledger(graph)
-            report = chain_report(graph.chains)
-            if report is not None:
-                out["decontam"] = report
-        return out
+        return {"worker": self.shard.worker, "rank": self.shard.rank, **graph_report(graph), "padding_batches": self.padded,
+                "ran_dry": self._dry_sources(graph)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import html
 import json
 import re
 
@@ -73,6 +74,10 @@ def test_report_draws_a_resumed_run_from_its_own_logs(tokenizer_dir, tmp_path, c
                 last = (int(row["step"]), float(row["train/loss"]))
     assert f"{last[1]:.4f} at step {last[0]:,}" in page
     assert "<b>last step reached</b></td><td>10<" in page
+    clock = snapshot["stage_seconds"]  # the workers' seconds per stage, as the page states them (largest first)
+    total = sum(clock.values())
+    top = max(clock, key=clock.get)
+    assert html.escape("loader workers' time by stage") + f"</b></td><td>{total:,.1f} s: {top} {100 * clock[top] / total:.0f}%" in page
     waits = [float(r["loader/wait_fraction"]) for p in data["csv"] for r in csv.DictReader(open(p)) if r.get("loader/wait_fraction")]
     assert f"{100 * waits[-1]:.1f}% of the last window (slowest rank), {100 * sum(waits) / len(waits):.1f}% averaged" in page
     for src, r in snapshot["realized"].items():

@@ -46,6 +46,7 @@ from stacklm.datamodule.stream import (
     StreamDataset,
     _padding_batch,
     first_local_batch,
+    graph_report,
 )
 from stacklm.errors import ResumeRefused
 
@@ -194,19 +195,9 @@ class _LogicalIterator:
             if l not in self.graphs and l not in self._pending and self.streams[l]["left"] == 0:
                 continue  # an untouched finished stream (after a reshape): another reader reported it
             graph = self._graph(l)
-            s = {"stream": l, "worker": self.worker, "rank": self.rank, "mixed": graph.realized(), "stats": graph.stats(),
-                 "packing": graph.packing(), "ran_dry": sorted(src for src, row in graph.realized().items() if row.get("status") == "ran_dry")}
-            if hasattr(graph, "phases"):
-                s["mix_phases"] = graph.phases()
-            if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
-                from stacklm.data.ledger import pipeline_ledger
-                from stacklm.data.quality.decontam import chain_report
-
-                s["ledger"] = pipeline_ledger(graph)
-                report = chain_report(graph.chains)
-                if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
-                    s["decontam"] = report
-            streams.append(s)
+            report = graph_report(graph)
+            streams.append({"stream": l, "worker": self.worker, "rank": self.rank, **report,
+                            "ran_dry": sorted(src for src, row in report["mixed"].items() if row.get("status") == "ran_dry")})
         return {"worker": self.worker, "rank": self.rank, "streams": streams, "padding_rows": self.padded_rows}
 
     # -- state -----------------------------------------------------------------------------
