@@ -259,7 +259,9 @@ def _code_reason(text: str, r: CodeRules) -> str | None:
     raw = text.encode("ascii") if ascii_text else None
     codes = np.frombuffer(raw, dtype=np.uint8) if raw is not None else _code_points(text)
     breaks = np.flatnonzero(codes == 10)
-    if int((np.diff(breaks, prepend=-1, append=len(codes)) - 1).max()) > r.max_line_len:
+    edges = np.empty(len(breaks) + 2, dtype=np.int64)  # -1, each "\n", the end (np.diff's prepend/append cost more)
+    edges[0], edges[1:-1], edges[-1] = -1, breaks, len(codes)
+    if int((edges[1:] - edges[:-1]).max()) - 1 > r.max_line_len:
         return "long_lines"
     if len(text) / (len(breaks) + 1) > r.max_mean_line_len:
         return "mean_line_length"
