@@ -136,12 +136,12 @@ _UNSPACED_RANGES = (
 
 @lru_cache(maxsize=1)
 def _char_classes() -> np.ndarray:
-    """Class bits for every code point (built once per process, ~1 MB, ~0.2 CPU-s: only when a
+    """Class bits for every code point (built once per process, ~1 MB, ~25 CPU-ms, and only when a
     document is not ASCII): letter / digit / whitespace / unspaced letter."""
-    chars = "".join(map(chr, range(0x110000))).encode("utf-32-le", errors="surrogatepass")
     table = np.zeros(0x110000, dtype=np.uint8)
-    # str predicates on the whole range, vectorised through numpy's string ufuncs.
-    arr = np.frombuffer(chars, dtype="<U1")
+    # str predicates on the whole range, vectorised through numpy's string ufuncs; the code
+    # points viewed as one-character strings directly (joining and encoding them took 0.15 s).
+    arr = np.arange(0x110000, dtype="<u4").view("<U1")
     table[np.char.isalpha(arr)] |= _ALPHA
     table[np.char.isnumeric(arr)] |= _DIGIT
     table[np.char.isspace(arr)] |= _SPACE
