@@ -7,7 +7,7 @@
 3. the whole graph end to end (local jsonl sources, one per domain; filter, dedup, tokenize,
    mix, shuffle, best-fit pack, batch) vs raw tiktoken on every document, per CPU-second:
    one process with the global dedup index (stack-100m's setting), in-flight dedup, dedup
-   off; 2 loader workers with the global index
+   off; 2 loader workers with the global index; both again on a 32-document corpus (the fixed start)
                                                           -> tokens per CPU-s, ratio (target >= 1.0x
                                                              with the global index; workers within
                                                              1.2x one process's CPU per token)
@@ -132,8 +132,10 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
     its own files. CPU is what the process used (``time.process_time``: all its threads); with
     workers, the main process's plus each worker's (psutil, read while they are alive). Rows
     are interleaved for ``rounds`` rounds and each keeps its best, so load elsewhere on the
-    machine does not decide the ratio. ``profile``: also cProfile one in-process global-index
-    run's main thread and write its stats there."""
+    machine does not decide the ratio. The "tiny" rows run the first 8 documents of each
+    domain: a run's fixed cost (worker start, tokenizer load, graph build), subtracted to
+    compare workers with one process per token beyond it. ``profile``: also cProfile one
+    in-process global-index run's main thread and write its stats there."""
     from stacklm.data.pipeline import PipelineConfig, build_pipeline
     from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, PipelineBuilder, StackDataLoader, StreamDataset
     from stacklm.datamodule.workers import WorkerEnv, worker_context
