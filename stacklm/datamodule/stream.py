@@ -26,6 +26,7 @@ from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
+from stacklm.datamodule.worker_state import SnapshotIterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from stacklm.data.sft import SFTConfig
@@ -140,8 +141,8 @@ def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torc
 class _StreamIterator:
     """One worker's stream: builds its node graph lazily, yields exactly ``n_batches``.
 
-    Stateful (``state_dict``/``load_state_dict``) so ``StatefulDataLoader`` snapshots it in
-    the worker and restores it there before iteration resumes. Every
+    Stateful (``state_dict``/``load_state_dict``) so its worker sends snapshots of it to the
+    main process and a resume restores it there (``worker_state.SnapshotIterator``). Every
     ``SUMMARY_EVERY_N_BATCHES`` batches (and with the last) a small summary of what the
     worker delivered rides on the batch under ``SUMMARY_KEY``; ``StackDataLoader`` takes it
     off, so logging stays fresh while the heavy state snapshots stay rare.
@@ -324,6 +325,10 @@ class StreamDataset(IterableDataset):
         # Online re-weighting, sorted by batch: [{"step", "batch" (per-rank loader index), "weights"}].
         # Workers read it when they start, so a change made later restarts them (StackDataLoader).
         self.mix_changes: list[dict[str, Any]] = []
+        # Set by the loader just before its workers start (``loader.StackDataLoader._open``): loader
+        # steps between snapshots, and where each worker role starts on a resume (None: afresh).
+        self.snapshot_every = 1000
+        self.worker_start: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return self.n_batches_total
@@ -334,6 +339,20 @@ class StreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        start = self.worker_start or {}
+        # the role this worker plays: a resume continues the round-robin order where it stopped
+        # (``loader.StackDataLoader``'s order rule)
+        role = (worker + int(start.get("offset", 0))) % workers
+        roles = start.get("roles")
+        return SnapshotIterator(self._iterator(role, workers), role, roles[role] if roles else None, workers=workers,
+                                every=self.snapshot_every, offset=self.steps_before())
+
+    def steps_before(self) -> int:
+        """Per-rank batches trained in this epoch before this pass started (0: the pass is the epoch)."""
+        return 0
+
+    def _iterator(self, worker: int, workers: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Reader ``worker`` of ``workers``'s stateful iterator."""
         # each worker yields an equal share; the loader interleaves them round-robin
         self.n_batches = self.n_batches_total // workers
         return _StreamIterator(self, ShardSpec(self.rank, self.world_size, worker, workers))
