@@ -209,6 +209,14 @@ def test_a_changed_file_refuses_the_resume_naming_the_document(corpus, tokenizer
     path.write_text("\n".join(json.dumps({"text": json.loads(l)["text"].replace(" the ", " teh ", 1)}) if l else l for l in lines))
     with pytest.raises(ResumeRefused, match=r"refusing to resume: document 'web/.*a\.jsonl/\d+'.*changed"):
         build_pipeline(cfg, tokenizer_1024).batches.reset(state)
+    # a file added to a source's pattern (it sorts first) or one removed: its positions index the old list
+    (copy / "t" / "000-new.txt").write_text("a new note")
+    with pytest.raises(ResumeRefused, match=r"source 'notes': .* now lists 21 part\(s\), not the 20 the checkpoint read"):
+        build_pipeline(cfg, tokenizer_1024).batches.reset(state)
+    (copy / "t" / "000-new.txt").unlink()
+    (copy / "j" / "b.jsonl.gz").unlink()
+    with pytest.raises(ResumeRefused, match=r"source 'web': .* now lists 2 part\(s\), not the 3"):
+        build_pipeline(cfg, tokenizer_1024).batches.reset(state)
 
 
 def test_columns_pack_narrow_and_round_trip():
