@@ -1,12 +1,16 @@
 """Streaming-pipeline benchmark, side by side in one run on the same real documents.
 
-    python3 bench/pipeline.py [--mb 20] [--dedup-docs 4000] [--vocab 32768]
+    python3 bench/pipeline.py [--mb 20] [--dedup-docs 4000] [--vocab 32768] [--only-e2e] [--profile FILE]
 
 1. near dedup (signatures + LSH) vs datasketch           -> bench/dedup.py's run()
 2. tokenize stage (TokenizeNode) vs raw tiktoken          -> MB/s, ratio (target >= 90%)
-3. the whole graph end to end (local jsonl sources, one per domain; filter, exact + near
-   dedup, tokenize, mix, shuffle, best-fit pack, batch) vs raw tiktoken on every document
-                                                          -> tokens/s out, ratio (target >= 50%)
+3. the whole graph end to end (local jsonl sources, one per domain; filter, dedup, tokenize,
+   mix, shuffle, best-fit pack, batch) vs raw tiktoken on every document, per CPU-second:
+   one process with the global dedup index (stack-100m's setting), in-flight dedup, dedup
+   off; 2 loader workers with the global index; both again on a 32-document corpus (the fixed start)
+                                                          -> tokens per CPU-s, ratio (target >= 1.0x
+                                                             with the global index; workers within
+                                                             1.2x one process's CPU per token)
 4. packing waste greedy vs best-fit at 2048               -> bench/packing.py's run()
 5. pipeline state size, and how it grows per million documents
 
@@ -16,7 +20,9 @@ Documents are the embedded corpus (stdlib code, docstrings, pydoc topics, CJK, m
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import pickle
 import sys
 import tempfile
@@ -92,43 +98,108 @@ def _write_sources(docs: list[tuple[str, str]], d: Path, files_per_source: int =
     return entries
 
 
-def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: int = 2048, workers: int = 2, rounds: int = 3) -> dict:
-    """Tokens/s out of the whole graph, from start to the last batch (buffer fills included):
-    in-process (one reader), and through ``StackDataLoader`` with ``workers`` processes, each
-    reading its own files: how a trainer runs it. Raw tiktoken, in-process and workers runs
-    are interleaved for ``rounds`` rounds and each keeps its best, so bursts of load elsewhere
-    on the machine do not decide the ratio."""
+class _WorkerCPU:
+    """User + system CPU seconds of loader worker processes, read with psutil while they live:
+    sampled every few batches, so a worker that exits before the end keeps its last reading."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.seen = dict.fromkeys(pids, 0.0)
+
+    def sample(self) -> float:
+        import psutil
+
+        for pid in self.seen:
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            self.seen[pid] = t.user + t.system
+        return sum(self.seen.values())
+
+
+# The dedup settings the end-to-end rows compare: stack-100m's (the global index, in-flight off),
+# in-flight exact + near, and none. The global index is built once by ``build_dedup_index``
+# (``stacklm dedup-index``'s code) over the same sources and bound to them.
+DEDUP_ROWS = ("global", "inflight", "off")
+
+
+def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: int = 2048, workers: int = 2, rounds: int = 3,
+                     profile: Path | None = None) -> dict:
+    """Tokens out of the whole graph per CPU-second (and per wall second), from start to the
+    last batch (buffer fills included), side by side with raw tiktoken on every document:
+    in-process (one reader) with each of ``DEDUP_ROWS``, and through ``StackDataLoader`` with
+    ``workers`` forkserver processes (as the datamodule starts them), global index, each reading
+    its own files. CPU is what the process used (``time.process_time``: all its threads); with
+    workers, the main process's plus each worker's (psutil, read while they are alive). Rows
+    are interleaved for ``rounds`` rounds and each keeps its best, so load elsewhere on the
+    machine does not decide the ratio. The "tiny" rows run the first 8 documents of each
+    domain: a run's fixed cost (worker start, tokenizer load, graph build), subtracted to
+    compare workers with one process per token beyond it. ``profile``: also cProfile one
+    in-process global-index run's main thread and write its stats there."""
     from stacklm.data.pipeline import PipelineConfig, build_pipeline
     from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, PipelineBuilder, StackDataLoader, StreamDataset
+    from stacklm.datamodule.workers import WorkerEnv, worker_context
+    from stacklm.prebuild.dedup_pass import build_dedup_index
 
     texts = [text for _, text in docs]
     out: dict = {"workers": workers}
+    # the first documents of each domain: what a run costs before its data does (start, load, build)
+    tiny = [dt for domain in ("prose", "cjk", "code", "math") for dt in [x for x in docs if x[0] == domain][:8]]
     with tempfile.TemporaryDirectory() as d:
         tok_dir = Path(d) / "tok"
         tok.save(tok_dir / "tokenizer.stacklm.json")
-        cfg = PipelineConfig.from_dict({
-            "mix": {"name": "bench", "total_tokens": 10**12, "entries": _write_sources(docs, Path(d))},
-            "seq_len": seq_len, "batch_size": 8, "holdout_fraction": 0.0, "num_threads": threads,
-        })
-        one_thread = PipelineConfig.from_dict({**cfg.to_dict(), "num_threads": 1})  # the processes are the parallelism
 
-        def in_process() -> tuple[float, int]:
-            p = build_pipeline(cfg, tok)
+        def configs(corpus: list[tuple[str, str]], name: str) -> dict:
+            (Path(d) / name).mkdir()
+            base = {"mix": {"name": "bench", "total_tokens": 10**12, "entries": _write_sources(corpus, Path(d) / name)},
+                    "seq_len": seq_len, "batch_size": 8, "holdout_fraction": 0.0, "num_threads": threads}
+            index_path = Path(d) / name / "dedup.npz"
             t = time.perf_counter()
-            n = sum(int((b["input_ids"] != tok.pad_id).sum()) for b in p.batches)
-            out.update(state_bytes=len(pickle.dumps(p.batches.state_dict())), dedup=p.stats().get("dedup"),
-                       filter=p.stats().get("filter"), packing=p.packing(),
-                       kept_docs=sum(per.get("kept", 0) for per in p.stats().get("dedup", {}).values()))
-            return time.perf_counter() - t, n
+            build_dedup_index(PipelineConfig.from_dict({**base, "dedup": {"exact": True, "near": True}}), ("train",), 1, out=index_path)
+            out.setdefault("index_build_s", time.perf_counter() - t)
+            cfgs = {
+                "global": PipelineConfig.from_dict({**base, "dedup": {"index": str(index_path), "exact": False, "near": False}}),
+                "inflight": PipelineConfig.from_dict({**base, "dedup": {"exact": True, "near": True}}),
+                "off": PipelineConfig.from_dict({**base, "dedup": {"exact": False, "near": False}}),
+            }
+            # the processes are the parallelism: one encode thread each
+            cfgs["workers"] = PipelineConfig.from_dict({**cfgs["global"].to_dict(), "num_threads": 1})
+            return cfgs
 
-        def with_workers() -> tuple[float, int]:
-            ds = StreamDataset(PipelineBuilder(one_thread, str(tok_dir), "train"), split="train", rank=0,
+        corpora = {"full": configs(docs, "full"), "tiny": configs(tiny, "tiny")}
+
+        def raw() -> tuple[float, float, int]:
+            c0 = time.process_time()
+            secs, n = _raw_tiktoken(tok, texts, threads)
+            return secs, time.process_time() - c0, n
+
+        def in_process(dedup: str, corpus: str = "full") -> tuple[float, float, int]:
+            c, t = time.process_time(), time.perf_counter()
+            p = build_pipeline(corpora[corpus][dedup], tok)
+            n = sum(int((b["input_ids"] != tok.pad_id).sum()) for b in p.batches)
+            secs, cpu = time.perf_counter() - t, time.process_time() - c
+            stats = p.stats()
+            out.setdefault("stats", {})[f"{corpus}/{dedup}"] = {"dedup": stats.get("dedup"), "filter": stats.get("filter"),
+                                                                "state_bytes": len(pickle.dumps(p.batches.state_dict()))}
+            return secs, cpu, n
+
+        def with_workers(corpus: str = "full") -> tuple[float, float, int]:
+            cfg = corpora[corpus]["workers"]
+            ds = StreamDataset(PipelineBuilder(cfg, str(tok_dir), "train"), split="train", rank=0,
                                world_size=1, n_batches_total=10**9, batch_size=8, seq_len=seq_len, pad_id=tok.pad_id,
                                sources=[e.name for e in cfg.mix.entries], target_weights=dict(cfg.mix.weights))
-            loader = StackDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=DEFAULT_SNAPSHOT_STEPS)
-            t = time.perf_counter()
-            n, last, dry = 0, t, 0
-            for b in loader:
+            loader = StackDataLoader(ds, batch_size=None, num_workers=workers, snapshot_every_n_steps=DEFAULT_SNAPSHOT_STEPS,
+                                     persistent_workers=False, multiprocessing_context=worker_context(),
+                                     worker_init_fn=WorkerEnv(os.environ))
+            c, t = time.process_time(), time.perf_counter()
+            n, last, dry, first, cpus = 0, t, 0, None, None
+            it = iter(loader)
+            for k, b in enumerate(it):
+                if cpus is None:
+                    first = time.perf_counter() - t
+                    cpus = _WorkerCPU([w.pid for w in loader._iterator._workers])  # torch's worker processes
+                if k % 16 == 0:
+                    cpus.sample()
                 if not bool((b["targets"] != -100).any()):  # a worker ran dry: stop once all have
                     dry += 1
                     if dry >= 2 * workers:
@@ -137,20 +208,52 @@ def bench_end_to_end(tok, docs: list[tuple[str, str]], threads: int, seq_len: in
                 dry = 0
                 n += int((b["input_ids"] != tok.pad_id).sum())
                 last = time.perf_counter()
-            return last - t, n
+            main_cpu = time.process_time() - c
+            worker_cpu = cpus.sample()
+            out.setdefault("worker_runs", []).append({"corpus": corpus, "main_cpu": round(main_cpu, 3), "worker_cpu": round(worker_cpu, 3),
+                                                      "first_batch_s": round(first or 0.0, 3)})
+            del it
+            return last - t, main_cpu + worker_cpu, n
 
-        best = {"raw": (float("inf"), 0), "one": (float("inf"), 0), "workers": (float("inf"), 0)}
+        rows = {"raw": raw, **{f"one/{k}": functools.partial(in_process, k) for k in DEDUP_ROWS}, "workers/global": with_workers,
+                "tiny one/global": functools.partial(in_process, "global", "tiny"),
+                "tiny workers/global": functools.partial(with_workers, "tiny")}
+        best = {name: (float("inf"), float("inf"), 0) for name in rows}
         for _ in range(rounds):
-            for name, fn in (("raw", lambda: _raw_tiktoken(tok, texts, threads)), ("one", in_process), ("workers", with_workers)):
-                secs, n = fn()
-                if secs < best[name][0]:
-                    best[name] = (secs, n)
-    raw = best["raw"][1] / best["raw"][0]
-    out.update(raw_tokens_per_s=raw, raw_tokens=best["raw"][1], tokens_out=best["one"][1], seconds=best["one"][0],
-               pipeline_tokens_per_s=best["one"][1] / best["one"][0], ratio=best["one"][1] / best["one"][0] / raw,
-               workers_tokens_per_s=best["workers"][1] / best["workers"][0],
-               workers_ratio=best["workers"][1] / best["workers"][0] / raw)
+            for name, fn in rows.items():
+                secs, cpu, n = fn()
+                best[name] = (min(best[name][0], secs), min(best[name][1], cpu), n)  # n is the same every round
+        if profile is not None:
+            import cProfile
+
+            prof = cProfile.Profile(time.thread_time)  # the main thread's CPU: its waits on the encode threads are not work
+            prof.enable()
+            in_process("global")
+            prof.disable()
+            prof.dump_stats(str(profile))
+    raw_per_cpu = best["raw"][2] / best["raw"][1]
+    out["rows"] = {name: {"tokens": n, "wall_s": secs, "cpu_s": cpu, "tokens_per_cpu_s": n / cpu, "tokens_per_s": n / secs,
+                          "vs_raw_per_cpu": n / cpu / raw_per_cpu}
+                   for name, (secs, cpu, n) in best.items()}
+    # what the data costs beyond a run's fixed start (the tiny corpus's CPU): per token, workers vs one process
+    for kind in ("one/global", "workers/global"):
+        (_, cpu, n), (_, cpu0, n0) = best[kind], best[f"tiny {kind}"]
+        out["rows"][kind]["marginal_tokens_per_cpu_s"] = (n - n0) / (cpu - cpu0)
     return out
+
+
+def print_profile(path: Path, top: int = 10) -> None:
+    """The main thread's top functions by own CPU time, with their share of its total."""
+    import pstats
+
+    st = pstats.Stats(str(path))
+    total = st.total_tt
+    rows = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    print(f"main thread: {total:.2f} CPU-s profiled (cProfile's own overhead included)")
+    print("| own s | share | cum s | calls | function |\n|---:|---:|---:|---:|---|")
+    for (file, line, fn), (_cc, calls, tt, ct, _callers) in rows:
+        where = f"{Path(file).name}:{line}" if line else file
+        print(f"| {tt:.2f} | {tt / total:.1%} | {ct:.2f} | {calls} | {fn} ({where}) |")
 
 
 def state_growth(tok, texts: list[str]) -> dict:
@@ -176,6 +279,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dedup-docs", type=int, default=4000)
     ap.add_argument("--skip-dedup", action="store_true")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the end-to-end rows (each keeps its best)")
+    ap.add_argument("--only-e2e", action="store_true", help="section 3 only (the end-to-end rows)")
+    ap.add_argument("--profile", type=Path, default=None, help="cProfile one in-process global-index run; print its top 10")
     args = ap.parse_args()
 
     docs = list(iter_default_documents(int(args.mb * 1e6)))
@@ -183,27 +289,35 @@ def main() -> None:
     print(f"corpus: {len(texts)} documents, {sum(len(t.encode()) for t in texts) / 1e6:.1f} MB")
     tok = _tokenizer(args.vocab, 20)
 
-    if not args.skip_dedup:
+    if not (args.skip_dedup or args.only_e2e):
         import dedup as dedup_bench
 
         print("\n== 1. near dedup vs datasketch")
         res = dedup_bench.run(args.dedup_docs)
         print(json.dumps(res, indent=1, default=str))
 
-    print(f"\n== 2. tokenize stage vs raw tiktoken ({args.threads} threads)")
-    r = bench_tokenize(tok, texts, args.threads)
-    print(f"raw tiktoken {r['raw_MBps']:.1f} MB/s | TokenizeNode {r['node_MBps']:.1f} MB/s | ratio {r['ratio']:.0%} (target >= 90%)")
+    if not args.only_e2e:
+        print(f"\n== 2. tokenize stage vs raw tiktoken ({args.threads} threads)")
+        r = bench_tokenize(tok, texts, args.threads)
+        print(f"raw tiktoken {r['raw_MBps']:.1f} MB/s | TokenizeNode {r['node_MBps']:.1f} MB/s | ratio {r['ratio']:.0%} (target >= 90%)")
 
-    print("\n== 3. whole graph end to end vs raw tiktoken")
-    e = bench_end_to_end(tok, docs, args.threads)
-    print(f"raw tiktoken ({args.threads} threads) {e['raw_tokens_per_s'] / 1e6:.2f} M tok/s on all {len(texts)} documents")
-    print(f"pipeline, one process:       {e['pipeline_tokens_per_s'] / 1e6:.2f} M tok/s | ratio {e['ratio']:.0%} "
-          f"(target >= 50%) | {e['seconds']:.1f}s")
-    print(f"pipeline, {e['workers']} loader workers:   {e['workers_tokens_per_s'] / 1e6:.2f} M tok/s | ratio "
-          f"{e['workers_ratio']:.0%} (target >= 50%)")
-    print(f"tokens out (kept documents + bos/eos) per raw token: {e['tokens_out'] / e['raw_tokens']:.0%}")
-    print(f"dedup: {e['dedup']}\nfilter: {e['filter']}\npacking: {e['packing']}")
-    print(f"state after the run: {e['state_bytes'] / 1e6:.2f} MB for {e['kept_docs']} kept docs")
+    print("\n== 3. whole graph end to end vs raw tiktoken, per CPU-second")
+    e = bench_end_to_end(tok, docs, args.threads, rounds=args.rounds, profile=args.profile)
+    print(f"global dedup index built in {e['index_build_s']:.1f}s")
+    print("| row | tokens | wall s | CPU s | M tok per CPU-s | M tok/s | vs raw per CPU-s |\n|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in e["rows"].items():
+        print(f"| {name} | {r['tokens']} | {r['wall_s']:.2f} | {r['cpu_s']:.2f} | {r['tokens_per_cpu_s'] / 1e6:.2f} "
+              f"| {r['tokens_per_s'] / 1e6:.2f} | {r['vs_raw_per_cpu']:.2f}x |")
+    one, wk = e["rows"]["one/global"], e["rows"]["workers/global"]
+    print(f"{e['workers']} workers vs one process, CPU per token: {one['tokens_per_cpu_s'] / wk['tokens_per_cpu_s']:.2f}x all in, "
+          f"{one['marginal_tokens_per_cpu_s'] / wk['marginal_tokens_per_cpu_s']:.2f}x beyond the fixed start (the tiny rows' CPU; "
+          f"target <= 1.2x)\nworker runs: {e['worker_runs']}")
+    for name, st in e["stats"].items():
+        print(f"{name}: {st}")
+    if args.profile:
+        print_profile(args.profile)
+    if args.only_e2e:
+        return
 
     print("\n== 4. packing waste at 2048 (best-fit vs greedy)")
     import packing as packing_bench

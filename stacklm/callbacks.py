@@ -15,8 +15,14 @@ it logs these scalars through **every logger of the trainer** (CSV, TensorBoard,
   ``data/offline_fallback``                            sources reading the synthetic fallback (0 unless opted in)
   ``data/ran_dry/<source>``                            the step at which a source ran dry (once it has)
   ``data/phase/<phase>/{realized,target}_share/<source>``  per mixture phase (``mix_phases``: what the mixer drew)
-  ``loader/batches_per_s``, ``loader/tokens_per_s``     rate of batches through the train loop
-  ``loader/wait_fraction``                             share of wall time spent waiting on the loader
+  ``loader/batches_per_s``, ``loader/tokens_per_s``     rank 0's rate of batches through the train loop
+  ``loader/wait_fraction``                             share of the window the step waited for its batch: the
+                                                       maximum over ranks (the slowest rank holds all of them)
+  ``loader/wait_fraction_mean``, ``loader/wait_s``      the mean over ranks; the waiting rank's seconds in the window
+  ``loader/wait_on_device``                            1 when the wait is timed on the GPU (CUDA events), 0: host clock
+  ``loader/stage_seconds/<stage>``                     stream mode: the loader workers' seconds in each pipeline stage's
+                                                       own work (source ... tokenize, mix, shuffle, pack, batch), summed
+                                                       over workers and ranks, since the workers started (``StageClock``)
 
 The drop, cut and holdout keys come from one list, ``drop_rows`` (each ``<stage>/<reason>`` as
 the token ledger names it), which the W&B drops chart and ``stacklm report`` also draw from.
@@ -86,6 +92,66 @@ from stacklm.atomic import atomic_write_text
 from stacklm.once import first_time
 
 DATA_STATS_FILE = "data_stats.json"  # the latest data_stats() beside a file logger's metrics (``stacklm report``)
+
+
+def reduce_wait(per_rank: list[tuple[float, float]]) -> dict[str, float]:
+    """``(seconds waited, window seconds)`` per rank -> the logged wait: the slowest rank's
+    fraction and seconds (under DDP every rank waits for it: at the gradient all-reduce, and at
+    Lightning's per-step ``should_stop`` sync) and the mean fraction over the ranks."""
+    fractions = [min(1.0, w / max(e, 1e-9)) for w, e in per_rank]
+    slowest = int(np.argmax(fractions))
+    return {"loader/wait_fraction": fractions[slowest], "loader/wait_fraction_mean": float(np.mean(fractions)),
+            "loader/wait_s": float(per_rank[slowest][0])}
+
+
+class WaitClock:
+    """How long the training step waits for its next batch, as the device sees it.
+
+    On a CUDA device: an event recorded after a step's work (``step_end``) and one recorded once
+    the next batch is on the device (``batch_ready``; Lightning moves the batch before
+    ``on_train_batch_start``). The time between them on the GPU's own clock is time it had
+    nothing to do for want of data: zero while the host runs ahead, the loader's delay and the
+    copy when it does not. Host code never waits for an event: they are read once per logging
+    window (``take``), the one sync. On the CPU: the host clock between the same two points.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[Any, Any]] = []  # (step end, batch ready) CUDA events of this window
+        self._end_event = None
+        self._end_host: float | None = None
+        self.host_s = 0.0
+
+    def epoch_start(self) -> None:
+        """A new epoch and window: the gap before its first batch is the loader starting (its
+        workers), not a step's wait."""
+        self._end_event, self._end_host, self._pairs, self.host_s = None, None, [], 0.0
+
+    def batch_ready(self, device: torch.device) -> None:
+        now = time.perf_counter()
+        if self._end_host is not None:
+            self.host_s += now - self._end_host
+        if self._end_event is not None and device.type == "cuda":
+            ready = torch.cuda.Event(enable_timing=True)
+            ready.record()
+            self._pairs.append((self._end_event, ready))
+
+    def step_end(self, device: torch.device) -> None:
+        self._end_host = time.perf_counter()
+        if device.type == "cuda":
+            self._end_event = torch.cuda.Event(enable_timing=True)
+            self._end_event.record()
+        else:
+            self._end_event = None
+
+    def take(self) -> tuple[float, bool]:
+        """``(seconds waited in the window, timed on the device)``, and a new window."""
+        if self._pairs:
+            self._pairs[-1][1].synchronize()  # all of the window's events are done once its last is
+            waited, on_device = sum(end.elapsed_time(ready) for end, ready in self._pairs) / 1000.0, True
+        else:
+            waited, on_device = self.host_s, False
+        self._pairs, self.host_s = [], 0.0
+        return waited, on_device
 
 
 def _plain_number(x: Any) -> Any:
@@ -182,6 +248,9 @@ def merge_data_stats(per_rank: list[Mapping[str, Any]]) -> dict[str, Any]:
         from stacklm.data.mix.schedule import merge_phase_reports
 
         merged["mix_phases"] = merge_phase_reports(phases)
+    clocks = [stats["stage_seconds"] for stats in per_rank if stats.get("stage_seconds")]
+    if clocks:  # the loader workers' seconds per stage, summed over the ranks
+        merged["stage_seconds"] = {stage: sum(c.get(stage, 0.0) for c in clocks) for stage in sorted({k for c in clocks for k in c})}
     if delivered.get("positions"):
         merged["padding_fraction"] = 1.0 - delivered.get("tokens", 0) / delivered["positions"]
     elif paddings:
@@ -251,6 +320,8 @@ def data_scalars(stats: Mapping[str, Any]) -> dict[str, float]:
     if stats.get("ledger") is not None:  # 1 while every ledger identity holds (stacklm.data.ledger)
         out["data/ledger_ok"] = float(bool(stats["ledger"]["ok"]))
         out["data/ledger_problems"] = float(len(stats["ledger"]["problems"]))
+    for stage, seconds in (stats.get("stage_seconds") or {}).items():  # the workers' own time per stage
+        out[f"loader/stage_seconds/{stage}"] = float(seconds)
     for phase in stats.get("mix_phases") or ():  # mixture schedules: realized vs target per phase
         for source, share in phase["realized_share"].items():
             out[f"data/phase/{phase['name']}/realized_share/{source}"] = float(share)
@@ -283,8 +354,7 @@ class DataStatsCallback(Callback):
         self._window_start = time.perf_counter()
         self._window_batches = 0
         self._window_tokens = 0
-        self._window_wait = 0.0
-        self._last_batch_end: float | None = None
+        self._wait = WaitClock()
 
     # ---------------------------------------------------------------- lifecycle
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -320,7 +390,8 @@ class DataStatsCallback(Callback):
                 logger.log_hyperparams({"data/hashes": dict(hashes)})
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset_window()
+        self._window_start, self._window_batches, self._window_tokens = time.perf_counter(), 0, 0
+        self._wait.epoch_start()
 
     # ---------------------------------------------------------------- resume
     def state_dict(self) -> dict[str, Any]:
@@ -337,9 +408,8 @@ class DataStatsCallback(Callback):
 
     # ---------------------------------------------------------------- per batch
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        if self.enabled and self._last_batch_end is not None:
-            # Lightning fetches the next batch between these two hooks.
-            self._window_wait += time.perf_counter() - self._last_batch_end
+        if self.enabled:  # Lightning fetches the next batch (and moves it to the device) before this hook
+            self._wait.batch_ready(pl_module.device)
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.enabled:
@@ -351,7 +421,7 @@ class DataStatsCallback(Callback):
         if step != self._last_logged_step and step % self.log_every_n_steps == 0:
             self._last_logged_step = step
             self._log(trainer, step, with_table=step % self.table_every_n_steps == 0)
-        self._last_batch_end = time.perf_counter()
+        self._wait.step_end(pl_module.device)  # after the logging: its time is not the loader's
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.enabled and trainer.global_step != self._last_logged_step:
@@ -374,22 +444,24 @@ class DataStatsCallback(Callback):
             torch.distributed.all_gather_object(per_rank, stats)
         return merge_data_stats(per_rank)
 
-    def _throughput(self) -> dict[str, float]:
+    def _throughput(self, trainer: Trainer) -> dict[str, float]:
+        """This window's rates (this rank's) and the wait over all ranks (a collective under DDP)."""
         elapsed = max(time.perf_counter() - self._window_start, 1e-9)
-        out = {
-            "loader/batches_per_s": self._window_batches / elapsed,
-            "loader/tokens_per_s": self._window_tokens / elapsed,
-            "loader/wait_fraction": min(1.0, self._window_wait / elapsed),
-        }
-        self._window_start, self._window_batches, self._window_tokens, self._window_wait = time.perf_counter(), 0, 0, 0.0
+        waited, on_device = self._wait.take()
+        per_rank = [(waited, elapsed)]
+        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            per_rank = [None] * trainer.world_size
+            torch.distributed.all_gather_object(per_rank, (waited, elapsed))
+        out = {"loader/batches_per_s": self._window_batches / elapsed, "loader/tokens_per_s": self._window_tokens / elapsed,
+               **reduce_wait(per_rank), "loader/wait_on_device": float(on_device)}
+        self._window_start, self._window_batches, self._window_tokens = time.perf_counter(), 0, 0
         return out
 
     def _log(self, trainer: Trainer, step: int, with_table: bool) -> None:
         stats = self._collect(trainer)  # collective under DDP: every rank gets here
+        metrics = self._throughput(trainer)  # collective too
         if not trainer.is_global_zero:
-            self._throughput()
             return
-        metrics = self._throughput()
         if stats:
             metrics.update(data_scalars(stats))
             metrics.update(self._dry_sources(stats, step))
@@ -410,7 +482,7 @@ class DataStatsCallback(Callback):
         cannot carry (the document-length histograms, drops by stage and reason), so
         ``stacklm report`` draws a run without W&B. Replaced atomically at every table step."""
         keep = ("realized", "delivered", "dropped_docs", "dropped_tokens", "holdout_docs", "cut_docs",
-                "doc_length_hist", "padding_fraction", "hashes", "mix_phases", "decontamination")
+                "doc_length_hist", "padding_fraction", "hashes", "mix_phases", "decontamination", "stage_seconds")
         snapshot = {"step": int(step), **{k: stats[k] for k in keep if k in stats}}
         for logger in trainer.loggers:
             log_dir = getattr(logger, "log_dir", None)

@@ -182,6 +182,18 @@ def figures(data: dict[str, Any]) -> dict[str, Any]:
         ax.set(xlabel="document length (tokens)", ylabel="documents", title="Delivered document lengths per source")
         ax.legend(fontsize=8)
         out["doc_lengths"] = fig
+    ws, wait = _series(rows, "loader/wait_fraction")
+    if ws:
+        fig, ax = plt.subplots(figsize=(7, 2.8))
+        _plot(ax, ws, [100 * w for w in wait], color="C4", label="slowest rank")
+        ms, mean = _series(rows, "loader/wait_fraction_mean")
+        if ms:
+            _plot(ax, ms, [100 * w for w in mean], color="C4", ls="--", lw=1, label="mean over ranks")
+        resumes(ax)
+        clock = "GPU clock" if any(v for _, v in zip(*_series(rows, "loader/wait_on_device"))) else "host clock"
+        ax.set(xlabel="step", ylabel="% of the window", ylim=(0, 100), title=f"Step waiting for its batch ({clock})")
+        ax.legend(fontsize=8)
+        out["loader_wait"] = fig
     ps, pad = _series(rows, "data/padding_fraction")
     if ps:
         fig, ax = plt.subplots(figsize=(7, 2.8))
@@ -227,6 +239,15 @@ def summary(data: dict[str, Any]) -> list[tuple[str, str]]:
                       f"{int(delivered.get('tokens', 0)):,} tokens"))
     if "padding_fraction" in stats:
         items.append(("padding", f"{100 * float(stats['padding_fraction']):.2f}% of positions"))
+    clock = stats.get("stage_seconds") or {}
+    if sum(clock.values()) > 0:  # where the loader workers' time went, largest first
+        total = sum(clock.values())
+        items.append(("loader workers' time by stage", f"{total:,.1f} s: " + ", ".join(
+            f"{stage} {100 * sec / total:.0f}%" for stage, sec in sorted(clock.items(), key=lambda kv: -kv[1]) if sec / total >= 0.005)))
+    ws, wait = _series(rows, "loader/wait_fraction")
+    if ws:
+        items.append(("step waiting for its batch", f"{100 * wait[-1]:.1f}% of the last window (slowest rank), "
+                      f"{100 * sum(wait) / len(wait):.1f}% averaged over {len(wait):,} windows"))
     return items
 
 

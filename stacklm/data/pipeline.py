@@ -38,6 +38,7 @@ from stacklm.data.packing.nodes import PackNode, batch_node
 from stacklm.data.packing.pack import Collate
 from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
+from stacklm.data.stage_clock import StageClock, install
 from stacklm.data.sources import ShardSpec, open_source
 from stacklm.data.splits import check_split
 from stacklm.data.tokenizing import TokenizeNode, tokenize_docs
@@ -125,6 +126,11 @@ class Pipeline(BuiltPipeline):
 
     mix: MixNode
     shuffle: ShuffleNode
+    clock: StageClock | None = None  # each stage's own seconds (sampled): the workers' summaries carry them
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Stage -> estimated seconds of its own work in this reader so far (``StageClock``)."""
+        return self.clock.seconds() if self.clock is not None else {}
 
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mix.realized()
@@ -243,5 +249,6 @@ def build_pipeline(
         refs=refs,
     )
     batches = batch_node(windows, config.batch_size, drop_last=config.drop_last, planes=config.planes)
+    clock = install(StageClock(), chains, {"mix": mix, "shuffle": shuffle, "pack": windows}, batches)
     return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,
-                    mix=mix, shuffle=shuffle)
+                    mix=mix, shuffle=shuffle, clock=clock)

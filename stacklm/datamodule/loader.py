@@ -1,20 +1,29 @@
-"""``StackDataLoader``: torchdata's ``StatefulDataLoader`` whose state is per rank and loads
-with ``torch.load(weights_only=True)``; the rank-state gather/pick it checkpoints with."""
+"""``StackDataLoader``: a plain ``torch.utils.data.DataLoader`` with the project's own worker
+state (``worker_state``), per rank and loadable with ``torch.load(weights_only=True)``; the
+rank-state gather/pick it checkpoints with."""
 
 from __future__ import annotations
 
+import copy
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torchdata.stateful_dataloader import StatefulDataLoader
+from torch.utils.data import DataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
-from stacklm.datamodule.resume.logical import LOGICAL_KEY, LogicalStreamDataset, delivered_batches, resume_segment, stream_record
+from stacklm.datamodule.resume.logical import (
+    LOGICAL_KEY,
+    LogicalStreamDataset,
+    check_loader_layout,
+    resume_segment,
+    stream_record,
+)
 from stacklm.datamodule.stream import FALLBACK_REASON, SUMMARY_KEY
+from stacklm.datamodule.worker_state import WORKER_KEY
 from stacklm.dist import rank_world
 from stacklm.errors import DataError, ResumeRefused
 from stacklm.once import first_time
@@ -79,8 +88,23 @@ def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
     return per_rank[rank]
 
 
-class StackDataLoader(StatefulDataLoader):
-    """``StatefulDataLoader`` whose checkpoint state is per rank and weights_only-safe.
+class StackDataLoader(DataLoader):
+    """A plain ``DataLoader`` whose checkpoint state is the project's own, per rank and
+    weights_only-safe (``worker_state`` says why the project owns it and what a worker sends).
+
+    The state (``loader`` in each rank's entry) is "after the batches handed out": per role of
+    a loader worker (``roles[r]``) its last snapshot (``state``, taken after ``at`` of its
+    batches; ``None`` before it sent one) and the batches it handed out (``delivered``), plus
+    the batches handed out in all (``handed``), the role the next batch comes from (``next``),
+    the number of roles (``workers``; the main process counts as one) and whether the pass ran
+    to its end (``finished``: the next pass starts afresh). Batches prefetched but not handed
+    out are in no count: a resume produces them again.
+
+    The order rule: a plain ``DataLoader`` deals round-robin from worker 0, so on resume new
+    worker ``i`` plays role ``(i + next) % W``. The rank's batch ``b`` then always comes from
+    role ``b % W`` (its ``b // W``-th batch), across any number of resumes, which is what the
+    re-weighting schedule (``stream.first_local_batch``) counts on. A role whose stream had
+    ended replays to its end and stays dry.
 
     Its dataset has a length, so Lightning's fit loop does not fetch ahead: the state at a
     checkpoint is exactly "after the batches trained on". Under DDP, Lightning writes the
@@ -93,14 +117,11 @@ class StackDataLoader(StatefulDataLoader):
         *args: Any,
         epoch_source: Callable[[], int | None] | None = None,
         vocab_size: int | None = None,
+        snapshot_every_n_steps: int = 1000,
         **kwargs: Any,
     ) -> None:
-        with warnings.catch_warnings():
-            # torchdata's __init__ calls torch.set_vital, which torch >= 2.10 deprecates; the
-            # warning is about torchdata's own code (nothing a caller passes changes it), so it
-            # is silenced for this one call only, not for the process.
-            warnings.filterwarnings("ignore", message=r"'set_vital' is deprecated", category=UserWarning)
-            super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)
+        self.snapshot_every_n_steps = int(snapshot_every_n_steps)
         self.vocab_size = vocab_size
         self.worker_summaries: dict[int, dict[str, Any]] = {}  # worker id -> its latest summary
         self.epoch = 0  # the pass over the data: each pass draws its own order (``StreamDataset.epoch``)
@@ -116,17 +137,21 @@ class StackDataLoader(StatefulDataLoader):
         self.step_log = None  # a ``steplog.StepLogWriter`` (stream mode training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
         self.last_pieces: tuple[list | None, int] | None = None  # (pieces per real row, rows) of the last batch handed out
+        self._track: _Track | None = None  # the current (or last) pass's bookkeeping
+        self._loaded: tuple[dict[str, Any], int] | None = None  # (a loaded state, its epoch) until a pass starts from it
+
+    @property
+    def roles(self) -> int:
+        return max(1, self.num_workers)
 
     @property
     def batches_yielded(self) -> int:
         """Batches this loader has handed out in the current pass (restored on resume), counting
         those trained before a resume on another shape (elastic stream mode)."""
-        if self._iterator is not None:
-            now = int(getattr(self._iterator, "_num_yielded", 0) or 0)
-        else:  # loaded and not iterated yet: the loaded count (its iterator starts only at the next ``__iter__``)
-            now = delivered_batches(self.next_iter_state) if self.next_iter_state else 0
+        # read off the bookkeeping, not ``_loader_state()``: that decodes every snapshot (per batch, with a step log)
+        now = self._loaded[0]["handed"] if self._loaded is not None else (self._track.handed if self._track is not None else 0)
         segment = getattr(self.dataset, "segment", None)
-        return now + (int(segment()["steps_before"]) if segment is not None else 0)
+        return int(now) + (int(segment()["steps_before"]) if segment is not None else 0)
 
     def restart_from_state(self) -> None:
         """Before the next batch, rebuild the workers from the state after the batches handed
@@ -135,31 +160,48 @@ class StackDataLoader(StatefulDataLoader):
         rebuilt workers continue the same stream, replaying from their last snapshot."""
         self._restart_pending = True
 
-    def _restart(self) -> Iterator[Any]:
+    def _open(self, start: dict[str, Any] | None) -> Iterator[Any]:
+        """A ``DataLoader`` iterator whose workers start from ``start`` (a loader state), or afresh."""
+        self._track = _Track(self.roles, start)
+        ds = self.dataset
+        ds.snapshot_every = self.snapshot_every_n_steps
+        ds.worker_start = None if start is None else {"offset": int(start["next"]), "roles": start["roles"]}
+        try:  # the workers take the dataset (pickled) as they start, inside this call
+            self._iterator = super().__iter__()
+        finally:
+            ds.worker_start = None  # not kept: a later pass of this dataset starts afresh
+        return self._iterator
+
+    def _restart(self, old: Iterator[Any]) -> Iterator[Any]:
         self._restart_pending = False
-        old = self._iterator
-        state = StatefulDataLoader.state_dict(self)
-        StatefulDataLoader.load_state_dict(self, state)
-        shutdown = getattr(old, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        state = self._track.state()
+        release_workers(old)
         self.restarts += 1
-        return StatefulDataLoader.__iter__(self)
+        return self._open(state)
+
+    def _start_state(self) -> dict[str, Any] | None:
+        """The loaded state this pass resumes (taken: a later pass starts afresh), if it is this
+        pass's and was not finished."""
+        loaded, self._loaded = self._loaded, None
+        if loaded is None or loaded[1] != self.epoch or loaded[0]["finished"]:
+            return None
+        return loaded[0]
 
     def __iter__(self) -> Iterator[Any]:
         if self.epoch_source is not None and (epoch := self.epoch_source()) is not None:
             self.epoch = int(epoch)
         self.dataset.epoch = self.epoch  # before the workers start: they take the dataset with it
         self.consumed, self._restored_consumed = dict(self._restored_consumed or {}), None
-        workers = [super().__iter__()]  # the current worker iterator (a re-weighting restart replaces it)
+        workers = [self._open(self._start_state())]  # the current worker iterator (a re-weighting restart replaces it)
         try:
             yield from self._counted(workers)
+            self._track.finished = True
         finally:
-            # An iteration closed early (a custom loop stops, or drops it): ``StatefulDataLoader`` keeps
-            # its last iterator for ``state_dict`` and the loader sits in a cycle with its datamodule,
-            # so the workers lived on until whichever garbage collection came next, which then
-            # stalled ~5 s per worker joining them (10 s with 2, measured). Shut them down now; the
-            # state stays readable (tests/datamodule/test_loader_workers.py).
+            # An iteration closed early (a custom loop stops, or drops it): the loader sits in a
+            # cycle with its datamodule and keeps its last iterator (``_iterator``), so the workers
+            # lived on until whichever garbage collection came next, which then stalled ~5 s per
+            # worker joining them (10 s with 2, measured). Shut them down now; the state stays
+            # readable (tests/datamodule/test_loader_workers.py).
             release_workers(workers[0])
 
     def _counted(self, workers: list[Any]) -> Iterator[Any]:
@@ -167,12 +209,13 @@ class StackDataLoader(StatefulDataLoader):
         it = workers[0]
         while True:
             if self._restart_pending:
-                it = workers[0] = self._restart()
+                it = workers[0] = self._restart(it)
             try:
                 batch = next(it)
             except StopIteration:
                 return
             batch = dict(batch)
+            self._track.handed_out(batch.pop(WORKER_KEY))
             ids = batch_input_ids(batch)
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")
             taken = batch.pop(LOGICAL_KEY, None)
@@ -205,7 +248,7 @@ class StackDataLoader(StatefulDataLoader):
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
-        mine = {"loader": super().state_dict(), "delivered": self.delivered.state_dict(),
+        mine = {"loader": self._loader_state(), "delivered": self.delivered.state_dict(),
                 "consumed": {str(l): n for l, n in self.segment_consumed().items()}}
         out = {"per_rank": to_checkpoint_safe(gather_from_ranks(mine)), "epoch": self.epoch}
         if isinstance(self.dataset, LogicalStreamDataset):
@@ -233,7 +276,7 @@ class StackDataLoader(StatefulDataLoader):
             self._load_elastic(state_dict)
             return
         mine = from_checkpoint_safe(pick_rank_state(state_dict["per_rank"], "stream"))
-        super().load_state_dict(mine["loader"])
+        self._load_own(mine["loader"])
         self.delivered.load_state_dict(mine["delivered"])
 
     def _load_elastic(self, state_dict: dict[str, Any]) -> None:
@@ -251,7 +294,7 @@ class StackDataLoader(StatefulDataLoader):
             ds.resume = resume_segment(state_dict["streams"], ds.quota, self._shape())
         if ds.resume is not None and ds.resume.get("native"):  # the checkpoint's shape: its own workers' states
             mine = pick_rank_state(per_rank, "stream")
-            super().load_state_dict(mine["loader"])
+            self._load_own(mine["loader"])
             self.delivered.load_state_dict(mine["delivered"])
             self._restored_consumed = {int(l): int(n) for l, n in mine.get("consumed", {}).items()}
             return
@@ -261,6 +304,49 @@ class StackDataLoader(StatefulDataLoader):
         if ds.resume is not None:
             ds.workers = max(1, self.num_workers)
             ds.restore([s["loader"] for s in per_rank], ds.resume["shape"])
+
+    def _loader_state(self) -> dict[str, Any]:
+        """This rank's own loader state (the class docstring): a loaded one until a pass starts
+        from it, else the current (or last) pass's, else a fresh start's."""
+        if self._loaded is not None:
+            return self._loaded[0]
+        return (self._track or _Track(self.roles, None)).state()
+
+    def _load_own(self, state: dict[str, Any]) -> None:
+        check_loader_layout(state)
+        if int(state["workers"]) != self.roles:
+            raise ResumeRefused(
+                f"refusing to resume: the checkpoint's loader state is from {state['workers']} loader worker role(s) but this "
+                f"loader has {self.roles} (num_workers={self.num_workers}; 0 counts as one). Resume with the checkpoint's "
+                "num_workers."
+            )
+        self._loaded = (state, self.epoch)
+
+
+class _Track:
+    """One pass's bookkeeping in the main process: per role its last snapshot (pickled bytes as
+    a worker sent it, or a loaded state) and the batches it handed out, the batches handed out
+    in all and the role of the next one. ``state()`` decodes a fresh copy every time, so a
+    state taken never aliases what the loader goes on changing."""
+
+    def __init__(self, roles: int, start: dict[str, Any] | None) -> None:
+        if start is None:
+            start = {"handed": 0, "next": 0, "roles": [{"state": None, "at": 0, "delivered": 0} for _ in range(roles)]}
+        self.handed, self.next, self.finished = int(start["handed"]), int(start["next"]), False
+        self.roles = [dict(r) for r in start["roles"]]
+
+    def handed_out(self, tag: dict[str, Any]) -> None:
+        role = self.roles[int(tag["role"])]
+        role["delivered"] += 1
+        if "state" in tag:
+            role["state"], role["at"] = tag["state"], int(tag["at"])
+        self.handed += 1
+        self.next = (int(tag["role"]) + 1) % len(self.roles)
+
+    def state(self) -> dict[str, Any]:
+        roles = [{"state": pickle.loads(r["state"]) if isinstance(r["state"], bytes) else copy.deepcopy(r["state"]),
+                  "at": int(r["at"]), "delivered": int(r["delivered"])} for r in self.roles]
+        return {"workers": len(self.roles), "handed": self.handed, "next": self.next, "finished": self.finished, "roles": roles}
 
 
 def release_workers(iterator: Any) -> None:

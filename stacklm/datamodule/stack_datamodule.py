@@ -16,8 +16,8 @@ the checkpoint state), chosen once from ``mode`` and called with explicit argume
 keeps what they share. How a checkpoint resumes (what is stored, what is refused, how a
 position is re-dealt to another shape) is in ``stacklm.datamodule.resume``.
 
-Loaders are ``torchdata``'s ``StatefulDataLoader`` (or a thin elastic wrapper in shards
-mode): Lightning stores their ``state_dict()`` in the checkpoint and restores it, so a resumed
+Loaders are plain ``DataLoader``s with the project's own state: ``StackDataLoader`` (stream,
+sft, preference; its worker snapshots in ``worker_state``) and ``ShardsLoader``: Lightning stores their ``state_dict()`` in the checkpoint and restores it, so a resumed
 fit sees exactly the batches the uninterrupted run would have.
 
 DDP: every rank must yield the same number of batches or the last collective hangs. Shards
@@ -91,10 +91,10 @@ class StackDataModule(L.LightningDataModule):
             (stream) or a counting pass (sft); ``0`` disables validation.
         train_batches: sft mode: training batches per rank per epoch; ``None`` = a counting pass.
         snapshot_every_n_steps: how often loader workers send their state to the main process.
-            A snapshot copies the shuffle buffer and the dedup indexes (~190 MB per million
-            documents), and ``StatefulDataLoader`` takes ``3 x num_workers + 1`` of them (prefetch 2)
-            around each multiple of this interval, so it must be rare. A resume replays at most
-            this many batches from the last snapshot, deterministically (still exact).
+            A snapshot holds the worker's stream state (buffered documents by position, and
+            in-flight dedup's indexes) and is pickled to the main process: each worker sends one at every multiple of this
+            many loader steps (on its last batch before it), so it must be rare. A resume replays
+            fewer than this many batches from the last snapshot, deterministically (still exact).
             ``None`` (default): the trainer's step checkpoint interval
             (``ModelCheckpoint(every_n_train_steps=N)``), so a resume replays nothing; else
             ``DEFAULT_SNAPSHOT_STEPS``.
@@ -466,7 +466,7 @@ class StackDataModule(L.LightningDataModule):
         change takes effect at the same step boundary everywhere; documents already in the
         shuffle and packing buffers were drawn before it. Loader workers run ahead of the step by
         the prefetch, so registering a change rebuilds them from the loader state at the current
-        batch (exact, like a resume; it replays at most ``snapshot_every_n_steps`` batches, so set
+        batch (exact, like a resume; it replays fewer than ``snapshot_every_n_steps`` batches, so set
         that to the re-weighting interval when re-weighting often). The changes are stored in
         the checkpoint (``state_dict``) and replay exactly on resume. Stream mode, first epoch.
         With gradient accumulation, call it at an optimizer-step boundary (``on_train_batch_end``

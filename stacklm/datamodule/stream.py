@@ -25,6 +25,7 @@ from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
+from stacklm.datamodule.worker_state import SnapshotIterator
 
 if TYPE_CHECKING:  # pragma: no cover
     from stacklm.data.sft import SFTConfig
@@ -42,6 +43,26 @@ _RENDER_DROPS = (DROPPED_TOO_LONG, NOTHING_TO_TRAIN)
 _RENDER_CUTS = (TRUNCATED, TRUNCATED_START, TURNS_CUT)
 FALLBACK_REASON = "fallback_offline"  # stacklm.data.sources.FALLBACK_OFFLINE, without importing the sources here
 HOLDOUT_REASON = "holdout_other_split"
+
+
+def graph_report(graph) -> dict[str, Any]:
+    """What a worker reports of one built graph (its part of a summary): the mixer's counts
+    (``mixed``), the stage counts, the packing, and for the pre-training graph its mixture
+    phases, each stage's own seconds (``StageClock``), the token ledger and decontamination."""
+    out = {"mixed": graph.realized(), "stats": graph.stats(), "packing": graph.packing()}
+    if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.mix.schedule)
+        out["mix_phases"] = graph.phases()
+    if hasattr(graph, "stage_seconds"):  # each stage's own seconds since the worker started
+        out["stage_seconds"] = graph.stage_seconds()
+    if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
+        from stacklm.data.ledger import pipeline_ledger
+        from stacklm.data.quality.decontam import chain_report
+
+        out["ledger"] = pipeline_ledger(graph)
+        report = chain_report(graph.chains)
+        if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
+            out["decontam"] = report
+    return out
 
 
 def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -106,6 +127,9 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
         from stacklm.data.quality.decontam import merge_reports
 
         out["decontamination"] = merge_reports(decontam)
+    clocks = [s["stage_seconds"] for s in summaries if s.get("stage_seconds")]
+    if clocks:  # seconds of each stage's own work, summed over the workers (stacklm.data.stage_clock)
+        out["stage_seconds"] = {stage: sum(c.get(stage, 0.0) for c in clocks) for stage in {k for c in clocks for k in c}}
     ledgers = [s["ledger"] for s in summaries if s.get("ledger")]
     if ledgers:
         # each worker's ledger is exact at its own summary's batch, so the sum is exact too;
@@ -133,8 +157,8 @@ def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torc
 class _StreamIterator:
     """One worker's stream: builds its node graph lazily, yields exactly ``n_batches``.
 
-    Stateful (``state_dict``/``load_state_dict``) so ``StatefulDataLoader`` snapshots it in
-    the worker and restores it there before iteration resumes. Every
+    Stateful (``state_dict``/``load_state_dict``) so its worker sends snapshots of it to the
+    main process and a resume restores it there (``worker_state.SnapshotIterator``). Every
     ``SUMMARY_EVERY_N_BATCHES`` batches (and with the last) a small summary of what the
     worker delivered rides on the batch under ``SUMMARY_KEY``; ``StackDataLoader`` takes it
     off, so logging stays fresh while the heavy state snapshots stay rare.
@@ -209,19 +233,8 @@ class _StreamIterator:
         its drops, its mixer's counts (``mixed``: read ahead of delivery, for drops only) and
         which sources ran dry."""
         graph = self._graph()
-        out = {"worker": self.shard.worker, "rank": self.shard.rank, "mixed": graph.realized(), "stats": graph.stats(),
-               "packing": graph.packing(), "padding_batches": self.padded, "ran_dry": self._dry_sources(graph)}
-        if hasattr(graph, "phases"):  # the pre-training graph's mixture phases (stacklm.data.mix.schedule)
-            out["mix_phases"] = graph.phases()
-        if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
-            from stacklm.data.ledger import pipeline_ledger
-            from stacklm.data.quality.decontam import chain_report
-
-            out["ledger"] = pipeline_ledger(graph)
-            report = chain_report(graph.chains)
-            if report is not None:
-                out["decontam"] = report
-        return out
+        return {"worker": self.shard.worker, "rank": self.shard.rank, **graph_report(graph), "padding_batches": self.padded,
+                "ran_dry": self._dry_sources(graph)}
 
     def state_dict(self) -> dict[str, Any]:
         return {"graph": self._graph().batches.state_dict(), "yielded": self.yielded, "padded": self.padded,
@@ -317,6 +330,10 @@ class StreamDataset(IterableDataset):
         # Online re-weighting, sorted by batch: [{"step", "batch" (per-rank loader index), "weights"}].
         # Workers read it when they start, so a change made later restarts them (StackDataLoader).
         self.mix_changes: list[dict[str, Any]] = []
+        # Set by the loader just before its workers start (``loader.StackDataLoader._open``): loader
+        # steps between snapshots, and where each worker role starts on a resume (None: afresh).
+        self.snapshot_every = 1000
+        self.worker_start: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return self.n_batches_total
@@ -327,6 +344,20 @@ class StreamDataset(IterableDataset):
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        start = self.worker_start or {}
+        # the role this worker plays: a resume continues the round-robin order where it stopped
+        # (``loader.StackDataLoader``'s order rule)
+        role = (worker + int(start.get("offset", 0))) % workers
+        roles = start.get("roles")
+        return SnapshotIterator(self._iterator(role, workers), role, roles[role] if roles else None, workers=workers,
+                                every=self.snapshot_every, offset=self.steps_before())
+
+    def steps_before(self) -> int:
+        """Per-rank batches trained in this epoch before this pass started (0: the pass is the epoch)."""
+        return 0
+
+    def _iterator(self, worker: int, workers: int) -> Iterator[dict[str, torch.Tensor]]:
+        """Reader ``worker`` of ``workers``'s stateful iterator."""
         # each worker yields an equal share; the loader interleaves them round-robin
         self.n_batches = self.n_batches_total // workers
         return _StreamIterator(self, ShardSpec(self.rank, self.world_size, worker, workers))

@@ -34,7 +34,7 @@ START_METHODS = ("forkserver", "spawn", "fork")
 DEFAULT_START_METHOD = "forkserver"
 
 # Imported once by the forkserver; everything a stream worker needs, nothing that starts threads.
-PRELOAD = ["numpy", "torch", "torchdata.stateful_dataloader", "torchdata.nodes", "stacklm.data.pipeline",
+PRELOAD = ["numpy", "torch", "torchdata.nodes", "stacklm.data.pipeline",
            "stacklm.tokenizer.bpe", "stacklm.datamodule.stream", "stacklm.datamodule.resume.logical"]
 
 

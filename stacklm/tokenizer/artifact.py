@@ -35,8 +35,13 @@ def unjoinable_token(merged: Sequence[bytes]) -> int | None:
     """Index of the first merged token that is not the join of two tokens before it (the 256
     bytes or earlier merged tokens), else ``None``: in the id layout id order is merge order."""
     known = {bytes([i]) for i in range(N_BYTES)}
+    # A plain loop, not any() over a generator: half the time (~50 ms at 32k merges), and every
+    # loader worker loads the tokenizer.
     for i, b in enumerate(merged):
-        if len(b) < 2 or not any(b[:k] in known and b[k:] in known for k in range(1, len(b))):
+        for k in range(1, len(b)):
+            if b[:k] in known and b[k:] in known:
+                break
+        else:  # no split joins two known tokens (or b is one byte or empty)
             return i
         known.add(b)
     return None

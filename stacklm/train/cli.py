@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stacklm.errors import ConfigError, StackLMError, is_user_error, user_error_message
+from stacklm.errors import ConfigError, ResumeRefused, StackLMError, is_user_error, user_error_message
 from stacklm.once import one_line_warnings
 
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
@@ -313,7 +313,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         command = next((a for a in args if a in SUBCOMMANDS), "")
         text = user_error_message(e)
         config = _config_paths(_ARGS or [])
-        if isinstance(e, ConfigError) and config and not text.startswith("--") and not any(c in text for c in config):
+        # a refused resume is about the checkpoint and the data, not a value of the config: no config prefix
+        if (isinstance(e, ConfigError) and not isinstance(e, ResumeRefused) and config and not text.startswith("--")
+                and not any(c in text for c in config)):
             text = f"{', '.join(config)}: {text}"  # a value of the config (or of its command-line overrides)
         print(f"stacklm-train{' ' + command if command else ''}: error: {text}", file=sys.stderr)
         sys.exit(2)

@@ -1,7 +1,7 @@
 """Buffers checkpointed by position (``stacklm.data.doc_refs``, issue 34.1).
 
 One graph over every kind of source a run reads -- JSON lines with blank lines (so a record's
-line and its ``doc_id`` row differ), gzip JSON lines, a parquet file of several row groups, a
+line and its ``doc_id`` row differ), gzip and zstd JSON lines, a parquet file of several row groups, a
 folder of .txt files, the synthetic corpus, and a parquet file read through ``datasets`` (a hub
 stream: it cannot seek, so its documents stay content) -- with in-flight exact and near dedup,
 decontamination that cuts texts, a budget that cuts a document, and long documents the packer
@@ -48,7 +48,11 @@ def write_corpus(root: Path) -> dict[str, list[str]]:
         for i, t in enumerate(texts["jsonl"]):
             f.write(json.dumps({"text": t}) + "\n" + ("\n" if i % 7 == 3 else ""))  # blank lines: line != row
     with gzip.open(root / "j" / "b.jsonl.gz", "wt") as f:
-        f.writelines(json.dumps({"text": t}) + "\n" for t in texts["gz"])
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts["gz"][::2])
+    import zstandard  # a zstd file is read forward only: its positions re-read in one pass
+
+    (root / "j" / "e.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts["gz"][1::2]).encode()))
     (root / "p").mkdir()
     pq.write_table(pa.table({"content": texts["parquet"]}), root / "p" / "c.parquet", row_group_size=16)
     (root / "t").mkdir()
@@ -112,6 +116,7 @@ def test_a_resumed_graph_rereads_its_buffers_and_continues_exactly(corpus, token
 
     root, _ = corpus
     cfg = config(root)
+    files: set[tuple[str, int]] = set()  # (source, part) of the documents saved by position
     seen: dict[str, int] = {"states": 0, "by_position": 0, "content": 0, "hub_content": 0, "cut": 0, "edited": 0}
 
     def check_state(record):
@@ -124,6 +129,7 @@ def test_a_resumed_graph_rereads_its_buffers_and_continues_exactly(corpus, token
             seen["content"] += n_content
             refs = unpack_columns(st["refs"])
             seen["cut"] += int((refs[6] > 0).sum())
+            files.update((st["names"][s], f) for s, f in zip(refs[0].tolist(), refs[1].tolist()))
             if n_content and st["tokenized"]:
                 from stacklm.data.doc_refs import decode_docs
 
@@ -139,6 +145,8 @@ def test_a_resumed_graph_rereads_its_buffers_and_continues_exactly(corpus, token
     # what the test covered: most buffered documents by position, the hub's by content, a budget cut
     assert seen["by_position"] > 2 * seen["content"] > 0, seen
     assert seen["hub_content"] > 0, seen
+    # every seekable kind: web's a.jsonl, b.jsonl.gz, e.jsonl.zst (parts 0-2), code's parquet, notes' .txt, synth
+    assert {("web", 0), ("web", 1), ("web", 2), ("code", 0), ("synth", 0)} <= files and any(s == "notes" for s, _ in files), files
 
 
 def test_the_budget_cut_and_edited_documents_round_trip(corpus, tokenizer_1024):
@@ -200,6 +208,14 @@ def test_a_changed_file_refuses_the_resume_naming_the_document(corpus, tokenizer
     lines = path.read_text().split("\n")
     path.write_text("\n".join(json.dumps({"text": json.loads(l)["text"].replace(" the ", " teh ", 1)}) if l else l for l in lines))
     with pytest.raises(ResumeRefused, match=r"refusing to resume: document 'web/.*a\.jsonl/\d+'.*changed"):
+        build_pipeline(cfg, tokenizer_1024).batches.reset(state)
+    # a file added to a source's pattern (it sorts first) or one removed: its positions index the old list
+    (copy / "t" / "000-new.txt").write_text("a new note")
+    with pytest.raises(ResumeRefused, match=r"source 'notes': .* now lists 21 part\(s\), not the 20 the checkpoint read"):
+        build_pipeline(cfg, tokenizer_1024).batches.reset(state)
+    (copy / "t" / "000-new.txt").unlink()
+    (copy / "j" / "b.jsonl.gz").unlink()
+    with pytest.raises(ResumeRefused, match=r"source 'web': .* now lists 2 part\(s\), not the 3"):
         build_pipeline(cfg, tokenizer_1024).batches.reset(state)
 
 

@@ -102,7 +102,9 @@ def test_prebuild_removes_the_same_for_any_workers(corpus, tokenizer_512, tmp_pa
     assert seen[0][:2] == (index.counts()["train"]["exact"], index.counts()["train"]["near"])
 
 
-def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, tmp_path):
+def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, tmp_path, monkeypatch):
+    import stacklm.data.dedup.node as dedup_node
+
     glob, _ = corpus
     index = build_dedup_index(_config(glob), ("train",), 1)
     path = tmp_path / "idx.npz"
@@ -111,6 +113,8 @@ def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, t
     decision = decide([collect_signatures(_iter_filtered(_config(glob), 0, 1), {"std": 0}, MinHasher())])
     removed = set(decision["exact"]) | set(decision["near"])  # what the index lists, as ids
     cfg = _config(glob, exact=False, near=False, index=str(path))
+    normalized = []  # with the index alone nothing reads a normalised text: none is made
+    monkeypatch.setattr(dedup_node, "normalize_text", lambda text: normalized.append(text) or text)
     ids, dropped = [], 0
     for k in range(4):  # 4 readers (2 ranks x 2 workers): the copies sit in other readers' files
         pipe = build_pipeline(cfg, tokenizer_512, "train", ShardSpec(k // 2, 2, k % 2, 2))
@@ -121,6 +125,7 @@ def test_stream_mode_drops_the_index_ids_across_readers(corpus, tokenizer_512, t
         dropped += st.get("exact_dup", 0) + st.get("near_dup", 0)
     assert dropped == sum(index.counts()["train"].values())
     assert not removed & set(ids) and len(ids) == 92 - dropped
+    assert normalized == []
 
 
 def test_dedup_index_writes_where_a_stream_config_reads(corpus, tmp_path):

@@ -78,7 +78,8 @@ def test_worker_snapshots_follow_the_checkpoint_interval(tokenizer_dir, tmp_path
     for step in (3, 6):
         state = torch.load(tmp_path / "ckpt" / f"epoch=0-step={step}.ckpt", weights_only=True)
         (loader,) = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
-        assert loader["per_rank"][0]["loader"]["_steps_since_snapshot"] == 0
+        own = loader["per_rank"][0]["loader"]  # each worker role: its last snapshot, at the batches it had delivered
+        assert own["handed"] == step and [r["delivered"] - r["at"] for r in own["roles"]] == [0, 0]
 
 
 def test_resume_refuses_other_data(tokenizer_dir, tmp_path):

@@ -70,13 +70,17 @@ def test_stream_mode_ddp_disjoint_equal_and_resumable(tokenizer_dir, tmp_path):
 @pytest.mark.slow
 def test_stream_mode_ddp_logged_counts_are_the_sum_of_what_both_ranks_trained_on(tokenizer_dir, tmp_path):
     """Two real gloo ranks, two loader workers each: the logged per-source tokens (summed over
-    ranks by the callback) equal the non-pad tokens both ranks' batches held, at every log step."""
+    ranks by the callback) equal the non-pad tokens both ranks' batches held, at every log step.
+    Rank 1's next batch comes 0.3 s late after every step: the logged wait is the slowest rank's
+    (the maximum over ranks), at least the seconds it slept. (Rank 0 waits as long: Lightning
+    syncs ``should_stop`` over the ranks after every step, so a late batch on one rank holds
+    every rank's next step; ``tests/train/test_logging.py`` pins the reduction itself.)"""
     import csv
 
     pipe = json.dumps(stream_pipeline(total_tokens=16_000))
     out = tmp_path / "stats"
     run_ddp("--mode", "stream", "--tokenizer", str(tokenizer_dir), "--pipeline", pipe, "--out", str(out),
-            "--workers", "2", "--steps", "8", "--stats")
+            "--workers", "2", "--steps", "8", "--stats", "--slow-rank", "1")
     tallies = [{int(k): v for k, v in json.loads((out / f"tally{r}.json").read_text()).items()} for r in (0, 1)]
     (metrics,) = out.glob("csv/version_*/metrics.csv")
     rows = {int(r["step"]): r for r in csv.DictReader(open(metrics)) if r.get("data/tokens/web")}
@@ -85,6 +89,13 @@ def test_stream_mode_ddp_logged_counts_are_the_sum_of_what_both_ranks_trained_on
         both = tallies[0][step][0] + tallies[1][step][0]
         assert float(row["data/tokens/web"]) + float(row["data/tokens/code"]) == both, step
         assert float(row["data/padding_fraction"]) == pytest.approx(1 - both / (2 * step * 2 * 63))
+    slept = {int(k): v for k, v in json.loads((out / "slept1.json").read_text()).items()}
+    for step in (4, 6, 8):  # a window of 2 steps, each followed by a sleep before the next batch
+        row = rows[step]
+        waited = sum(slept[s] for s in (step - 2, step - 1))  # the sleeps after the window's previous steps
+        assert float(row["loader/wait_s"]) >= waited, (step, row["loader/wait_s"], waited)
+        assert float(row["loader/wait_fraction"]) >= float(row["loader/wait_fraction_mean"]) > 0.5, step
+        assert float(row["loader/wait_on_device"]) == 0.0  # CPU: the host clock
 
 
 def _all_rows(shards_dir):

@@ -5,8 +5,9 @@ interrupted run's head plus the resumed run's tail equals the uninterrupted run'
 row twice, and the delivery counts stay true.
 
 The loader-level tests run in this process (one rank; workers and batch size change); the
-``Trainer`` test runs ``tests/runners/elastic_stream_fit.py`` as its own program, with real DDP over
-gloo for world 1 -> 2, 2 -> 1, 2 -> 3 and 3 -> 2.
+``Trainer`` tests run ``tests/runners/elastic_stream_fit.py`` as its own program, with real DDP over
+gloo for world 1 -> 1 (the checkpoint's own shape, 2 workers: the same batches), 1 -> 2 -> 1,
+2 -> 3 and 3 -> 2.
 """
 
 from __future__ import annotations
@@ -119,6 +120,26 @@ def test_a_checkpoint_without_logical_streams_is_refused(tokenizer_dir):  # noqa
         dm2.load_state_dict(state)
 
 
+def test_a_loader_state_of_the_old_loader_is_refused_naming_it(tokenizer_dir):  # noqa: F811
+    """A checkpoint whose loader state is torchdata's ``StatefulDataLoader``'s (before issue 34)
+    is refused in one line, on the checkpoint's shape (the loader's own state) and on another
+    (the replay of each old worker), not read as a fresh start."""
+    import copy
+
+    from stacklm.errors import ResumeRefused
+
+    dm1, loader1 = _loader(tokenizer_dir, logical_streams=2)
+    _take(loader1, 3)
+    state, loader_state = dm1.state_dict(), loader1.state_dict()
+    assert loader_state["per_rank"][0]["loader"]["handed"] == 3
+    old = copy.deepcopy(loader_state)
+    old["per_rank"][0]["loader"] = {"_snapshot": {"_snapshot_step": 0}, "_steps_since_snapshot": 3}
+    for shape in ({}, {"num_workers": 2}):
+        dm2, loader2 = _loader(tokenizer_dir, state=state, logical_streams=2, **shape)
+        with pytest.raises(ResumeRefused, match="StatefulDataLoader's .* start a new run"):
+            loader2.load_state_dict(old)
+
+
 def test_more_readers_than_logical_streams_is_a_warning(tokenizer_dir):  # noqa: F811
     """A resume with more readers than logical streams leaves some readers padding-only: loud."""
     dm1, loader1 = _loader(tokenizer_dir, logical_streams=2)
@@ -172,38 +193,59 @@ def _delivered(run: dict, epoch: int, *, before: int | None = None, after: int |
     return rows, steps
 
 
+def _steps(run: dict, epoch: int) -> list[tuple[int, list]]:
+    """``(global step, rows)`` of every step of ``epoch`` of a one-rank run, in order."""
+    (records,) = run["ranks"]
+    return [(step, ids) for e, step, ids in records if e == epoch]
+
+
 @pytest.mark.slow
 def test_stream_resume_through_a_trainer_on_another_world_size(tokenizer_dir, tmp_path):  # noqa: F811
-    """World 1 -> 2 (workers 1 -> 2) and 2 -> 1 (batch 2 -> 4) inside the first of two epochs:
-    real Lightning ``Trainer``, real DDP over gloo. The rows trained before the checkpoint plus
-    those after are the one-process epoch's, every rank trains every step, the second epoch (a
-    whole one at the new shape) delivers the reference's second epoch, and the delivery counts
-    add up."""
-    # the reference (one process, workers 1, batch 2) is also the 1 -> 2 case's first run: it saves
-    # at step 7 and trains on, so its head is the rows before the checkpoint (one fit fewer)
-    reference = _fit(tokenizer_dir, tmp_path / "ref", save_at=[7], go_on=True)
+    """Resume through Lightning's own loop (``trainer.fit(ckpt_path=...)``) inside the first of
+    two epochs, real DDP over gloo (forked ranks), 2 loader workers:
+
+    - on the checkpoint's own shape (one process, 2 workers): the resumed fit trains the very
+      batches the uninterrupted one did from the checkpoint on, step for step, both epochs
+      (the loader's own worker state: snapshots, replay, the round-robin order);
+    - world 1 -> 2 -> 1: the checkpoint at step 7 resumed on 2 ranks (2 workers each), whose
+      own checkpoint at step 12 is resumed on one process again (no workers, batch 2 -> 4). The
+      rows of the three pieces are the one-process epoch's, every rank trains every step, the
+      second epoch (a whole one at the last shape) delivers the reference's second epoch, and
+      the delivery counts add up."""
+    # the reference (one process, 2 workers, batch 2) is also the first run: it saves at step 7
+    # and trains on, so its head is the rows before the checkpoint (one fit fewer)
+    reference = _fit(tokenizer_dir, tmp_path / "ref", workers=2, save_at=[7], go_on=True)
     want = [_delivered(reference, e)[0] for e in (0, 1)]
     assert sum(want[0].values()) + sum(want[1].values()) == 2 * reference["batches"]  # one rank, batch 2, no padding
-    for name, first, second, k in [("1to2", None, dict(devices=2, workers=2, batch=2), 7),
-                                   ("2to1", dict(devices=2, workers=1, batch=2), dict(devices=1, workers=0, batch=4), 5)]:
-        if first is None:
-            run1, ckpt = reference, tmp_path / "ref" / f"step{k}.ckpt"
-        else:
-            run1 = _fit(tokenizer_dir, tmp_path / f"{name}-a", save_at=[k], **first)
-            ckpt = tmp_path / f"{name}-a" / f"step{k}.ckpt"
-        run2 = _fit(tokenizer_dir, tmp_path / f"{name}-b", resume=ckpt, **second)
-        head, _ = _delivered(run1, 0, before=k)
-        tail, steps = _delivered(run2, 0, after=k)
-        assert all(n == second["devices"] for n in steps.values()), f"{name}: every rank trains every step"
-        got = head + tail
+
+    native = _fit(tokenizer_dir, tmp_path / "native", workers=2, resume=tmp_path / "ref" / "step7.ckpt")
+    for epoch in (0, 1):
+        got, ref = _steps(native, epoch), _steps(reference, epoch)
+        assert got == [s for s in ref if s[0] >= 7], f"epoch {epoch}: the resumed fit's batches differ"
+    assert native["tokens"] == reference["tokens"] and native["batches"] == reference["batches"]
+
+    run2 = _fit(tokenizer_dir, tmp_path / "to2", devices=2, workers=2, resume=tmp_path / "ref" / "step7.ckpt", save_at=[12],
+                go_on=True)
+    run3 = _fit(tokenizer_dir, tmp_path / "to1", devices=1, workers=0, batch=4, resume=tmp_path / "to2" / "step12.ckpt")
+    head, _ = _delivered(reference, 0, before=7)
+    middle, steps2 = _delivered(run2, 0, after=7, before=12)
+    tail, steps3 = _delivered(run3, 0, after=12)
+    assert sorted(steps2) == list(range(7, 12)) and all(n == 2 for n in steps2.values()), "every rank trains every step"
+    assert steps3 and all(n == 1 for n in steps3.values())
+    for name, got in (("1 -> 2", head + _delivered(run2, 0, after=7)[0]), ("1 -> 2 -> 1", head + middle + tail)):
         assert got == want[0], f"{name}: {sum((got - want[0]).values())} rows extra, {sum((want[0] - got).values())} missing"
-        second_epoch, steps = _delivered(run2, 1)
-        assert all(n == second["devices"] for n in steps.values())
+    def padding(run, before=None):  # padding rows a run trained (before global step ``before`` of epoch 0), over the ranks
+        return sum(r is None for records in run["ranks"] for e, step, ids in records for r in ids
+                   if before is None or (e == 0 and step < before))
+
+    for name, run, devices, pads in (("1 -> 2", run2, 2, padding(run2)),
+                                     ("1 -> 2 -> 1", run3, 1, padding(run2, before=12) + padding(run3))):
+        second_epoch, steps = _delivered(run, 1)
+        assert all(n == devices for n in steps.values())
         assert second_epoch == want[1], f"{name}: the second epoch at the new shape differs"
         # the delivery counts at the end (summed over the ranks) are the reference's, padding counted
-        assert run2["tokens"] == reference["tokens"], name
-        padding = sum(r is None for records in run2["ranks"] for _, _, ids in records for r in ids)
-        assert sum(s["padding_rows"] for s in run2["stats"]) == padding, name
+        assert run["tokens"] == reference["tokens"], name
+        assert sum(s["padding_rows"] for s in run["stats"]) == pads, name
 
 
 def _seen_tokens(run: dict, *, before: int | None = None, after: int | None = None) -> int:

@@ -1,8 +1,9 @@
 """The contract a train loader's checkpoint state keeps (issue 34.3), in shards, stream, SFT and preference mode.
 
-Issue 34 replaces ``torchdata``'s ``StatefulDataLoader`` (stream mode's loader today) with a plain
-``torch.utils.data.DataLoader`` and the project's own worker-state path. These tests pin what the
-replacement must keep, on the four failure classes ``StatefulDataLoader``'s users hit:
+Issue 34 replaced ``torchdata``'s ``StatefulDataLoader`` (stream mode's loader until then) with a plain
+``torch.utils.data.DataLoader`` and the project's own worker-state path (``StackDataLoader``,
+``stacklm.datamodule.worker_state``). These tests pin what any train loader must keep, on the four
+failure classes ``StatefulDataLoader``'s users hit:
 
 a. a snapshot that aliases mutable state (the loader goes on and the saved state changes);
 b. ``load_state_dict`` then ``state_dict`` before the first batch (must give the loaded state back);
@@ -214,3 +215,26 @@ def test_d_a_second_resume_in_a_row_is_still_exact(runs):
     got, want = runs.resumed_again_delivered, runs.full_delivered
     assert got["delivered"] == want["delivered"] and got["delivered"]["batches"] == len(runs.full)
     assert got["realized"] == want["realized"]
+
+
+def test_every_worker_snapshots_on_its_last_batch_before_each_checkpoint_step():
+    """The stream loader's snapshot rule (``worker_state.snapshot_due``): with ``W`` workers dealt
+    round-robin (role ``b % W`` serves the loader's batch ``b``, from any pass offset) and a
+    checkpoint every ``N`` loader steps, every role's last batch before each checkpoint carries a
+    snapshot (a resume there replays nothing), and a role sends about one per ``N / W`` of its
+    batches, not one per batch."""
+    from stacklm.datamodule.worker_state import snapshot_due
+
+    for workers in (1, 2, 3, 4):
+        for every in (1, 2, 3, 5, 8):
+            for offset in (0, 1, 7):
+                steps = 12 * every * workers
+                due = {(b % workers, b // workers + 1) for b in range(steps)
+                       if snapshot_due(b // workers + 1, b % workers, workers, every, offset)}
+                for m in range(offset + every - offset % every, offset + steps, every):  # the checkpoint steps in the pass
+                    handed = m - offset
+                    for role in range(min(workers, handed)):
+                        last = (handed - 1 - role) // workers + 1  # the role's batches handed out by then
+                        assert (role, last) in due, (workers, every, offset, m, role)
+                per_role = len(due) / workers
+                assert per_role <= steps / max(1, workers) and per_role <= -(-steps // every) + 1

@@ -1,6 +1,6 @@
 """A stream loader's workers go away when its iteration is closed, not at a later garbage collection.
 
-``StatefulDataLoader`` keeps its last iterator (for ``state_dict``), and the loader is held in
+The stream loader keeps its last ``DataLoader`` iterator (``_iterator``), and it is held in
 a reference cycle with its datamodule, so the workers of an iteration a custom training loop
 (or a benchmark, or a notebook) stops early used to live on until whichever garbage collection
 came next — which then stalled ~5 s per worker while they were joined (10 s with 2 workers,

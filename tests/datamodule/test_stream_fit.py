@@ -131,6 +131,12 @@ def test_stream_fit_with_workers_wandb_and_datasets_sources_resumes_and_logs_tru
         assert float(row["data/offline_fallback"]) == 0
         assert float(row["data/ledger_ok"]) == 1 and float(row["data/ledger_problems"]) == 0  # the token ledger adds up
         assert 0 <= float(row["loader/wait_fraction"]) <= 1
+        # the workers' time per stage of the graph (StageClock), since they started: in the first fit every
+        # stage worked; the resumed one's restored buffers held what its last steps needed (the packer's own work)
+        stages = {k.rsplit("/", 1)[1]: float(v) for k, v in row.items() if k.startswith("loader/stage_seconds/") and v}
+        assert stages and min(stages.values()) > 0
+        if step <= CKPT_EVERY:
+            assert set(stages) >= {"source", "filter", "dedup", "tokenize", "mix", "shuffle", "pack"}, step
     assert float(resumed[STEPS]["data/tokens/web"]) > 0 and float(resumed[STEPS]["data/tokens/code"]) > 0
     assert float(resumed[12]["data/dropped_docs/dedup/web/exact_dup"]) + float(resumed[12].get("data/dropped_docs/dedup/web/near_dup") or 0) > 0
     runs = list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

@@ -155,7 +155,7 @@ def _take(source: Any, limit: int | None) -> list:
 
 
 def _restore(source: Any, state: Any) -> None:
-    # loaders (torchdata's Loader, StatefulDataLoader) load a state; a torchdata node resets to one
+    # loaders (torchdata's Loader, StackDataLoader) load a state; a torchdata node resets to one
     if hasattr(source, "load_state_dict"):
         source.load_state_dict(state)
     else:

@@ -44,6 +44,24 @@ class Record(L.Callback):
         (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(self.seen))
 
 
+class SlowRank(L.Callback):
+    """Rank ``rank`` sleeps ``SECONDS`` after every step: to the data callback, which stamped the
+    step's end before, that is the loader making the step wait. Writes the seconds slept per step."""
+
+    SECONDS = 0.3
+
+    def __init__(self, rank: int, out: Path) -> None:
+        self.rank, self.out, self.slept = rank, out, {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        import time
+
+        if trainer.global_rank == self.rank:
+            time.sleep(self.SECONDS)
+            self.slept[trainer.global_step] = self.SECONDS
+            (self.out / f"slept{self.rank}.json").write_text(json.dumps(self.slept))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", required=True)
@@ -60,6 +78,8 @@ def main() -> None:
     ap.add_argument("--crash-after", type=int)
     ap.add_argument("--resume")
     ap.add_argument("--stats", action="store_true", help="log data stats to a CSV logger and tally the batches' tokens")
+    ap.add_argument("--slow-rank", type=int, help="with --stats: this rank sleeps before fetching each next batch "
+                    "(a slow loader on one rank), and writes the seconds slept to <out>/slept<rank>.json")
     a = ap.parse_args()
     dm = StackDataModule(
         mode=a.mode, tokenizer=a.tokenizer, data_dir=a.data_dir,
@@ -79,6 +99,8 @@ def main() -> None:
         tok = dm.tokenizer
         callbacks += [DataStatsCallback(log_every_n_steps=2),
                       DeliveredTokenTally(str(Path(a.out) / "tally{rank}.json"), tok.pad_id, tok.bos_id)]
+        if a.slow_rank is not None:  # after the stats callback: its sleep falls between a step's end and the next batch
+            callbacks.append(SlowRank(a.slow_rank, Path(a.out)))
     trainer = L.Trainer(
         accelerator="cpu", strategy=ddp_strategy(2), devices=2, max_steps=a.steps, max_epochs=a.epochs, callbacks=callbacks,
         logger=logger, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import lightning.pytorch as L
@@ -290,3 +291,28 @@ def test_collect_gathers_over_a_real_process_group(tmp_path):
         assert stats["realized"]["web"]["tokens"] == 30  # 10 + 20: every rank sees the global sum
         assert stats["dropped_docs"]["filter"]["web"]["short"] == 1
     assert os.environ.get("RANK") is None  # no distributed state leaked into this process
+
+
+def test_the_logged_wait_is_the_slowest_ranks():
+    """``reduce_wait``: the slowest rank's fraction and seconds, and the mean over ranks; the host
+    clock counts the time from a step's end to the next batch, not the step itself."""
+    from stacklm.callbacks import WaitClock, reduce_wait
+
+    out = reduce_wait([(0.1, 1.0), (0.6, 1.2), (0.2, 0.4)])
+    assert out == {"loader/wait_fraction": 0.5, "loader/wait_fraction_mean": pytest.approx((0.1 + 0.5 + 0.5) / 3),
+                   "loader/wait_s": 0.6}
+    assert reduce_wait([(2.0, 1.0)])["loader/wait_fraction"] == 1.0  # capped: a window is never more than all waiting
+    clock, cpu = WaitClock(), torch.device("cpu")
+    clock.batch_ready(cpu)  # the first batch: no step before it, nothing waited
+    time.sleep(0.05)  # the step
+    clock.step_end(cpu)
+    time.sleep(0.1)  # the loader
+    clock.batch_ready(cpu)
+    waited, on_device = clock.take()
+    assert 0.1 <= waited < 0.15 and on_device is False
+    assert clock.take() == (0.0, False)  # a new window
+    clock.step_end(cpu)
+    clock.epoch_start()  # the gap into a new epoch is the workers starting, not a step's wait
+    time.sleep(0.05)
+    clock.batch_ready(cpu)
+    assert clock.take() == (0.0, False)

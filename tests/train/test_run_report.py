@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import html
 import json
 import re
 
@@ -62,7 +63,7 @@ def test_report_draws_a_resumed_run_from_its_own_logs(tokenizer_dir, tmp_path, c
     page = (tmp_path / "report.html").read_text()
     pngs = re.findall(r"src='data:image/png;base64,([^']+)'", page)
     dropped = sum(n for by_src in snapshot["dropped_docs"].values() for per in by_src.values() for n in per.values())
-    expected = {"loss", "mix", "doc_lengths", "padding"} | ({"drops"} if dropped else set())
+    expected = {"loss", "mix", "doc_lengths", "padding", "loader_wait"} | ({"drops"} if dropped else set())
     assert len(pngs) == len(expected) and all(base64.b64decode(p).startswith(b"\x89PNG") for p in pngs)
     assert {p.stem for p in (tmp_path / "report_files").iterdir()} == expected
     # the page's last loss is the last train/loss the CSV holds (read here with csv on its own)
@@ -73,6 +74,12 @@ def test_report_draws_a_resumed_run_from_its_own_logs(tokenizer_dir, tmp_path, c
                 last = (int(row["step"]), float(row["train/loss"]))
     assert f"{last[1]:.4f} at step {last[0]:,}" in page
     assert "<b>last step reached</b></td><td>10<" in page
+    clock = snapshot["stage_seconds"]  # the workers' seconds per stage, as the page states them (largest first)
+    total = sum(clock.values())
+    top = max(clock, key=clock.get)
+    assert html.escape("loader workers' time by stage") + f"</b></td><td>{total:,.1f} s: {top} {100 * clock[top] / total:.0f}%" in page
+    waits = [float(r["loader/wait_fraction"]) for p in data["csv"] for r in csv.DictReader(open(p)) if r.get("loader/wait_fraction")]
+    assert f"{100 * waits[-1]:.1f}% of the last window (slowest rank), {100 * sum(waits) / len(waits):.1f}% averaged" in page
     for src, r in snapshot["realized"].items():
         assert f"{r['tokens']:,} tokens, {r['docs']:,} documents begun" in page
     assert "report: " in capsys.readouterr().out

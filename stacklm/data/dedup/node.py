@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from itertools import islice
 from typing import Any
 
@@ -15,6 +15,8 @@ from stacklm.data.dedup.global_index import DedupIndex, id_keys
 from stacklm.data.dedup.minhash import NearDeduper
 from stacklm.data.quality.normalize import normalize_text
 from stacklm.data.stats import StageStats
+
+_INDEX_REASONS = ("kept", "exact_dup", "near_dup", "cross_split_dup")  # by ``DedupIndex.lookup`` code
 
 
 class DedupNode(BaseNode[dict]):
@@ -87,24 +89,31 @@ class DedupNode(BaseNode[dict]):
         docs = list(islice(self.source, self.batch_docs))
         if not docs:
             return False
-        texts = [normalize_text(d["text"]) for d in docs]  # once, for both indexes
         sources = [d.get("source", "?") for d in docs]
         keep = np.ones(len(docs), dtype=bool)
         if self.removed is not None:
             index, split = self.removed
             code = index.lookup(split, id_keys(d.get("doc_id", "") for d in docs))
-            for i, src in enumerate(sources):
-                self.index_stats.add(src, ("kept", "exact_dup", "near_dup", "cross_split_dup")[code[i]])
+            for (src, c), n in Counter(zip(sources, code.tolist())).items():  # one count per (source, decision), not per document
+                self.index_stats.add(src, _INDEX_REASONS[c], n)
             keep &= code == 0
-        if self.exact is not None and keep.any():
+        if (self.exact is not None or self.near is not None) and keep.any():
+            self._in_flight(docs, sources, keep)
+        self._pending.extend(docs[i] for i in np.flatnonzero(keep))
+        return True
+
+    def _in_flight(self, docs: list[dict], sources: list[str], keep: np.ndarray) -> None:
+        """Clear ``keep`` where this reader's exact, then near index finds a copy. Only here is the
+        text normalised (once, for both indexes, and only the documents they look at): with the
+        global index alone nothing reads it, and it was a quarter of the main thread's time."""
+        texts = {i: normalize_text(docs[i]["text"]) for i in np.flatnonzero(keep)}
+        if self.exact is not None:
             idx = np.flatnonzero(keep)
             keep[idx[self.exact.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)]] = False
         if self.near is not None and keep.any():
             idx = np.flatnonzero(keep)
             near = self.near.is_duplicate_batch([texts[i] for i in idx], [sources[i] for i in idx], normalized=True)
             keep[idx[near]] = False
-        self._pending.extend(docs[i] for i in np.flatnonzero(keep))
-        return True
 
     def next(self) -> dict:
         while not self._pending:

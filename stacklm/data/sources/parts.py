@@ -136,6 +136,13 @@ class PartNode(BaseNode[dict]):
                 self._whole_parts = {part for part, n in count.items() if n == len(pieces[part])}
         self._close()
         st = initial_state or {}
+        if st.get("parts_hash") is not None and st["parts_hash"] != self._parts_hash():
+            # positions (the part index, buffered documents' files) index the listed parts: another list
+            # would read other files at them, or skip some, silently
+            raise ResumeRefused(
+                f"refusing to resume: source {self.name!r}: {self._describe()} now lists {len(self._parts)} part(s), not the "
+                f"{int(st.get('parts', -1))} the checkpoint read (a file was added, removed or renamed since); its positions "
+                "index that list. Restore the files as they were, or start the run afresh")
         self._k = int(st.get("part", 0))
         self._row = int(st.get("row", self._first_row(0)))
         # input bytes this reader has read (``bytes_in``): the read volume per pass
@@ -146,8 +153,15 @@ class PartNode(BaseNode[dict]):
         self._pos = st.get("pos")
         self.stats.load_dict(st.get("stats", {}))
 
+    def _parts_hash(self) -> str:
+        """A digest of the part list (names in order): what the state's positions index."""
+        import hashlib
+
+        return hashlib.sha256("\n".join(map(str, self._parts)).encode()).hexdigest()[:16]
+
     def get_state(self) -> dict:
         return {
+            **({"parts_hash": self._parts_hash(), "parts": len(self._parts)} if self._parts is not None else {}),
             "part": self._k,
             "row": self._row,
             "global_row": self._global_row,
@@ -444,6 +458,11 @@ class TextPartSource(PartNode):
         bounds = np.flatnonzero(np.diff(files[order])) + 1
         for idx in np.split(order, bounds) if len(order) else []:
             part = int(files[idx[0]])
+            if not 0 <= part < len(self._parts):
+                raise ResumeRefused(
+                    f"refusing to resume: source {self.name!r}: the checkpoint buffered documents of its part #{part}, but "
+                    f"{self._describe()} now lists {len(self._parts)} part(s): a file was removed since. Restore it, or start "
+                    "the run afresh")
             reader = self._open_part(part, None, None)
             try:
                 for i, raw in zip(idx.tolist(), reader.rows_at(seeks[idx])):

@@ -19,10 +19,10 @@ logical stream (``StackDataModule.state_dict``), from which a resume plans its b
 the loader exists (Lightning takes the epoch's length first).
 
 The exact state of each logical stream at the delivered position is computed at load time in
-the main process (``replay_logical_states``): ``StatefulDataLoader`` saves each worker's last
-snapshot plus the batches it delivered since, so each old worker's iterator is rebuilt from its
-snapshot, fast-forwarded by those batches, and its logical streams' states are read off. The
-new workers start from them (``LogicalStreamDataset.initial``).
+the main process (``replay_logical_states``): the loader's state holds each worker role's last
+snapshot plus the batches it delivered since (``loader.StackDataLoader``), so each old worker's
+iterator is rebuilt from its snapshot, fast-forwarded by those batches, and its logical streams'
+states are read off. The new workers start from them (``LogicalStreamDataset.initial``).
 """
 
 from __future__ import annotations
@@ -40,11 +40,13 @@ from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.packing.origins import delivery_counts
 from stacklm.data.packing.pack import Collate
 from stacklm.data.sources import ShardSpec
+from stacklm.datamodule.worker_state import SnapshotIterator
 from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
     SUMMARY_KEY,
     StreamDataset,
     first_local_batch,
+    graph_report,
 )
 from stacklm.errors import ResumeRefused
 
@@ -193,19 +195,9 @@ class _LogicalIterator:
             if l not in self.graphs and l not in self._pending and self.streams[l]["left"] == 0:
                 continue  # an untouched finished stream (after a reshape): another reader reported it
             graph = self._graph(l)
-            s = {"stream": l, "worker": self.worker, "rank": self.rank, "mixed": graph.realized(), "stats": graph.stats(),
-                 "packing": graph.packing(), "ran_dry": sorted(src for src, row in graph.realized().items() if row.get("status") == "ran_dry")}
-            if hasattr(graph, "phases"):
-                s["mix_phases"] = graph.phases()
-            if hasattr(graph, "mix"):  # the token ledger at this batch: delivered = what left the packer
-                from stacklm.data.ledger import pipeline_ledger
-                from stacklm.data.quality.decontam import chain_report
-
-                s["ledger"] = pipeline_ledger(graph)
-                report = chain_report(graph.chains)
-                if report is not None:  # per evaluation set (stacklm.data.quality.decontam)
-                    s["decontam"] = report
-            streams.append(s)
+            report = graph_report(graph)
+            streams.append({"stream": l, "worker": self.worker, "rank": self.rank, **report,
+                            "ran_dry": sorted(src for src, row in report["mixed"].items() if row.get("status") == "ran_dry")})
         return {"worker": self.worker, "rank": self.rank, "streams": streams, "padding_rows": self.padded_rows}
 
     # -- state -----------------------------------------------------------------------------
@@ -272,11 +264,10 @@ class LogicalStreamDataset(StreamDataset):
         left = dict.fromkeys(range(self.logical_streams), self.quota)
         return batches_per_reader(left, self.logical_streams, self.world_size * self.workers, self.batch_size) * self.workers
 
-    def __iter__(self) -> _LogicalIterator:
-        from torch.utils.data import get_worker_info
+    def steps_before(self) -> int:
+        return int(self.segment()["steps_before"])
 
-        info = get_worker_info()
-        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+    def _iterator(self, worker: int, workers: int) -> _LogicalIterator:
         return _LogicalIterator(self, self.rank, worker, workers)
 
     # -- resume ----------------------------------------------------------------------------
@@ -338,32 +329,20 @@ def resume_segment(record: Mapping[str, Any] | None, quota: int, shape: Mapping[
     return out
 
 
-def _worker_iter_state(loader_state: Mapping[str, Any], worker: int, workers: int) -> tuple[dict | None, int]:
-    """``(the iterator state of a worker's last snapshot, the batches that worker delivered)``
-    from one rank's ``StatefulDataLoader`` state (``workers == 0``: the main-process loader,
-    whose state is exact)."""
-    if workers == 0:
-        fetcher = loader_state.get("fetcher_state") or {}
-        it = fetcher.get("dataset_iter_state")
-        return it, (int(it["yielded"]) if it else 0)
-    snap = loader_state.get("_snapshot")
-    if not snap:
-        return None, 0
-    ws = (snap.get("_worker_snapshots") or {}).get(f"worker_{worker}")
-    it = ((ws or {}).get("fetcher_state") or {}).get("dataset_iter_state")
-    return it, first_local_batch(delivered_batches(loader_state), worker, workers)
+def check_loader_layout(loader_state: Mapping[str, Any]) -> None:
+    """Refuse a rank's loader state that is not ``loader.StackDataLoader``'s own layout."""
+    if "roles" not in loader_state:
+        raise ResumeRefused(
+            "refusing to resume: the checkpoint's stream loader state is torchdata's StatefulDataLoader's (a stacklm "
+            "before issue 34), which this loader does not read. Resume it with that stacklm, or start a new run."
+        )
 
 
-def delivered_batches(loader_state: Mapping[str, Any]) -> int:
-    """The batches one rank's ``StatefulDataLoader`` state says were handed out: the
-    main-process loader counts them itself; with workers, the last snapshot's step plus the
-    batches handed out since."""
-    if "_num_yielded" in loader_state:
-        return int(loader_state["_num_yielded"])
-    snap = loader_state.get("_snapshot")
-    if not snap:
-        return 0
-    return int(snap["_snapshot_step"]) + int(loader_state.get("_steps_since_snapshot", 0))
+def role_start(loader_state: Mapping[str, Any], role: int) -> dict[str, Any]:
+    """Role ``role``'s entry of one rank's loader state (``loader.StackDataLoader``): its last
+    snapshot (``state``), the batches it had produced at it (``at``) and handed out (``delivered``)."""
+    check_loader_layout(loader_state)
+    return loader_state["roles"][role]
 
 
 def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], old_shape: Mapping[str, int],
@@ -384,20 +363,16 @@ def replay_logical_states(ds: LogicalStreamDataset, per_rank_loader: list[Any], 
             old.world_size, old.rank, old.batch_size, old.initial = old_world, rank, int(old_shape["batch_size"]), {}
             old.resume = None  # the snapshot carries the old segment's plan
             it = _LogicalIterator(old, rank, w, max(1, old_workers))
-            state, delivered = _worker_iter_state(loader_state, w, old_workers)
-            if state is None and delivered == 0:
+            start = role_start(loader_state, w)
+            if start["state"] is None and int(start["delivered"]) == 0:
                 continue  # never started: its logical streams start from their top
-            if state is None:
+            if start["state"] is None or int(start["delivered"]) < int(start["at"]):
                 raise ResumeRefused(
-                    f"refusing to resume: the checkpoint holds no stream state for rank {rank} worker {w}; it was written "
-                    "before that worker started. Resume from a later checkpoint."
+                    f"refusing to resume: rank {rank} worker {w}'s loader state has no snapshot at or before its "
+                    f"{start['delivered']} delivered batches (snapshot at {start['at']}); the checkpoint's loader state is "
+                    "inconsistent. Resume from another checkpoint."
                 )
-            it.load_state_dict(state)
-            if delivered < it.yielded:
-                raise ResumeRefused(f"refusing to resume: rank {rank} worker {w}'s snapshot is ahead of its delivered batches "
-                                      f"({it.yielded} > {delivered}); the checkpoint's loader state is inconsistent")
-            for _ in range(delivered - it.yielded):
-                next(it)
+            SnapshotIterator(it, w, start)  # restores the snapshot and replays the batches delivered since
             for l in mine:
                 if l in needed:
                     out[l] = _plain(it.logical_state(l))
