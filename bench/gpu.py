@@ -4,6 +4,7 @@ from shards and from stream mode, in one run.
     python bench/gpu.py                              # CUDA: the Stack-100M model at seq_len 2048
     python bench/gpu.py --compile --json gpu.json    # also torch.compile the model; write the numbers
     python bench/gpu.py --device cpu --quick         # toy scale on CPU (what tests/train/test_gpu_bench.py runs)
+    python bench/gpu.py --sync-check [--compile]     # CUDA only: part C, lean batches with no host sync
 
 Part A — kernels. Real text (``stacklm.corpus``), tokenized by a BPE trained here (or
 ``--tokenizer``), is packed best-fit into ``seq_len`` windows; the windows holding the most
@@ -25,6 +26,14 @@ Verdicts: fp32 differences within ``--tol`` (1e-4 on CPU, 1e-3 on CUDA); a bf16 
 within ``BF16_SLACK`` times SDPA's own bf16 error against fp32, plus ``--tol`` (its loss within
 twice that logits bound: a mean of log-probabilities cannot move more); each control
 moves the logits by more than 100 x ``--tol``. The exit status is 1 if any verdict fails.
+
+Part C — no host sync (``--sync-check``, CUDA only, instead of A and B; without CUDA it exits 2
+naming why). ``StackDataModule`` shards batches in the lean planes (``stacklm.data.contract``:
+int32 ids, padded ``cu_seqlens``, host ``max_seqlen``) go through the module's own transfer
+hooks (pinned, non-blocking, planes derived on the device) into training steps with the
+varlen/flex mask built from ``cu_seqlens``; after ``--warmup`` steps, ``--steps`` more run under
+``torch.cuda.set_sync_debug_mode("error")``, so any host sync raises with its stack. Prints
+ms/step and tokens/s.
 
 Part B — throughput. The demo mix (``stacklm/configs/demo.yaml``: offline synthetic sources, best-fit
 packing, exact and near dedup), scaled to the steps measured, trains the model with AdamW
@@ -109,6 +118,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prebuild-workers", type=int)
     p.add_argument("--skip-kernels", action="store_true")
     p.add_argument("--skip-throughput", action="store_true")
+    p.add_argument("--sync-check", action="store_true",
+                   help="part C only: training steps on lean loader batches under torch.cuda.set_sync_debug_mode('error'); CUDA only")
     p.add_argument("--json", help="also write every number here")
     args = p.parse_args(argv)
     if args.data_dir and not args.tokenizer:
@@ -470,35 +481,31 @@ def train(args, config: GPTConfig, loader, device: torch.device, pad_id: int) ->
     optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
     precision = "bf16" if args.precision == "bf16-mixed" else "fp32"
     it = iter(loader)
-    wait = tokens = nonpad = masked = 0
+    wait = tokens = nonpad = 0
+    masked = torch.zeros((), dtype=torch.long, device=device)  # read once at the end: no per-step sync for it
     losses = []
     t0 = first_batch_s = None
     for step in range(total):
         if step == args.warmup:
             sync(device)
-            t0, wait, tokens, nonpad, masked = time.perf_counter(), 0.0, 0, 0, 0
+            t0, wait, tokens, nonpad = time.perf_counter(), 0.0, 0, 0
+            masked.zero_()
         tw = time.perf_counter()
         try:
             batch = next(it)
         except StopIteration:
             raise RuntimeError(f"the loader ran out after {step} batches; the data budget is too small for --warmup + --steps") from None
         waited = time.perf_counter() - tw
-        if step == 0:
-            first_batch_s = waited
-            check_batch(batch, config)
         wait += waited
         ids = batch["input_ids"]
         tokens += ids.numel()
-        nonpad += int((ids != pad_id).sum())
-        masked += int(bool((batch["targets"] == -100).all()))
-        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-        with autocast(device, precision):
-            loss, _ = lm_loss(module(batch), batch["targets"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        nonpad += int((ids != pad_id).sum())  # on the host copy
+        batch = to_device_batch(batch, device)  # as StackDataModule's transfer hooks do: pinned, lean planes derived
+        if step == 0:
+            first_batch_s = waited
+            check_batch(batch, config)
+        masked += (batch["targets"] == -100).all()
+        loss = train_step(module, optimizer, scheduler, batch, device, precision)
         losses.append(loss.item())  # the per-step host sync a loss log does
     wall = time.perf_counter() - t0
     close = getattr(it, "close", None)
@@ -510,8 +517,32 @@ def train(args, config: GPTConfig, loader, device: torch.device, pad_id: int) ->
         torch.cuda.empty_cache()
     return {"steps": args.steps, "wall_s": wall, "step_ms": 1e3 * wall / args.steps, "tokens_per_s": tokens / wall,
             "nonpad_tokens_per_s": nonpad / wall, "wait_fraction": min(1.0, wait / wall), "first_batch_s": first_batch_s,
-            "model_tflops": 6 * config.num_params() * tokens / wall / 1e12, "masked_batches": masked,
+            "model_tflops": 6 * config.num_params() * tokens / wall / 1e12, "masked_batches": int(masked),
             "loss_first": losses[0], "loss_last": losses[-1]}
+
+
+def train_step(module, optimizer, scheduler, batch: dict, device: torch.device, precision: str) -> torch.Tensor:
+    """One AdamW step on a device batch (grad-clip 1.0); the loss, detached, still on the device."""
+    with autocast(device, precision):
+        loss, _ = lm_loss(module(batch), batch["targets"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def to_device_batch(batch: dict, device: torch.device) -> dict:
+    """``batch`` on ``device`` the way ``StackDataModule``'s Lightning hooks move it: pinned,
+    non-blocking, one copy per buffer on CUDA (``stacklm.datamodule.transfer``), then a lean
+    batch's planes derived there."""
+    from stacklm.datamodule.transfer import after_transfer, to_device
+
+    moved = to_device(batch, device)
+    if moved is None:
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return after_transfer(moved)
 
 
 class RepeatBatch:
@@ -564,6 +595,70 @@ def run_throughput(args, tok, tok_dir: Path, device: torch.device, workdir: Path
     return {"rows": rows, "attention": backend, "data_dir": str(data_dir), "pipeline": pipeline}
 
 
+def run_sync_check(args, tok, tok_dir: Path, device: torch.device, workdir: Path) -> dict:
+    """Part C: ``--warmup`` steps (compile, allocator, workers: syncs allowed), then ``--steps``
+    training steps of the model on ``StackDataModule`` shards batches in the lean planes, moved and
+    derived by its own transfer hooks, with the varlen/flex mask from the loader's ``cu_seqlens``,
+    under ``torch.cuda.set_sync_debug_mode("error")``: any host sync in the transfer, the planes'
+    derivation, the mask, forward, backward or the optimizer raises with its stack. The loss stays
+    on the device until the clock stops. Prints the step throughput."""
+    from stacklm.datamodule import StackDataModule
+    from stacklm.train.gpt_module import GPTModule, OptimConfig
+
+    needed = (args.warmup + args.steps + 2) * args.batch_size * args.seq_len
+    pipeline = pipeline_dict(args, int(needed * 1.3))
+    data_dir = Path(args.data_dir) if args.data_dir else prebuild_shards(args, pipeline, tok_dir, workdir)
+    config = model_config(args, tok.vocab_size if args.quick else GPTConfig().vocab_size, attention=args.train_attention)
+    backend = resolve_backend(args.train_attention, device)
+    if backend == "sdpa":
+        raise SystemExit("bench/gpu.py --sync-check checks the varlen/flex path; --train-attention sdpa builds a dense mask")
+    dm = StackDataModule(mode="shards", tokenizer=str(tok_dir), data_dir=str(data_dir), seq_len=args.seq_len,
+                         batch_size=args.batch_size, num_workers=args.workers[0], seed=0, val_batches=0, planes="lean")
+    dm.setup("fit")
+    torch.manual_seed(0)
+    module = GPTModule(config, OptimConfig(warmup_steps=1, total_steps=args.warmup + args.steps)).to(device)
+    if args.compile:
+        module.model.compile()
+    opt = module.configure_optimizers()
+    optimizer, scheduler = opt["optimizer"], opt["lr_scheduler"]["scheduler"]
+    precision = "bf16" if args.precision == "bf16-mixed" else "fp32"
+
+    def step(batch) -> torch.Tensor:
+        batch = dm.on_after_batch_transfer(dm.transfer_batch_to_device(batch, device, 0), 0)
+        return train_step(module, optimizer, scheduler, batch, device, precision)
+
+    it = iter(dm.train_dataloader())
+    first = next(it)
+    if "cu_seqlens" not in first or first["input_ids"].dtype != torch.int32:
+        raise SystemExit(f"bench/gpu.py --sync-check: the loader's batch is not lean (keys {sorted(first)})")
+    losses = [step(first)]
+    for _ in range(args.warmup - 1):
+        losses.append(step(next(it)))
+    sync(device)
+    tokens, t0 = 0, time.perf_counter()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(args.steps):
+            batch = next(it)
+            tokens += batch["input_ids"].numel()
+            losses.append(step(batch))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sync(device)
+    wall = time.perf_counter() - t0
+    loss_last = float(losses[-1])
+    close = getattr(it, "close", None)
+    if close is not None:
+        close()
+    out = {"steps": args.steps, "attention": backend, "compile": bool(args.compile), "step_ms": 1e3 * wall / args.steps,
+           "tokens_per_s": tokens / wall, "loss_first": float(losses[0]), "loss_last": loss_last, "syncs": 0}
+    print(f"\nC. no host sync: {args.steps} steps of the {'tiny' if args.quick else 'Stack-100M'} model on lean shards batches "
+          f"(attention={backend}, compile={'on' if args.compile else 'off'}, B={args.batch_size} x T={args.seq_len - 1}) under "
+          f"set_sync_debug_mode('error'): no sync; {out['step_ms']:.1f} ms/step, {out['tokens_per_s']:,.0f} tok/s, "
+          f"loss {out['loss_first']:.3f} -> {loss_last:.3f}")
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 def environment(device: torch.device) -> dict:
     env = {"torch": torch.__version__, "device": str(device), "cpu_count": os.cpu_count()}
@@ -585,6 +680,11 @@ def main(argv=None) -> int:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     started = time.perf_counter()
     device = torch.device(args.device)
+    if args.sync_check and (device.type != "cuda" or not torch.cuda.is_available()):
+        # loud, not skipped: the check is what a lent GPU is for, and CPU has no device syncs to find
+        print("bench/gpu.py --sync-check needs a CUDA device (torch.cuda.set_sync_debug_mode); none here "
+              f"(device={args.device}, cuda available: {torch.cuda.is_available()})", file=sys.stderr)
+        return 2
     if device.type == "cpu":
         torch.set_num_threads(1)  # steadier on a shared CPU; a CPU run is a smoke test, not a benchmark
     report = {"environment": environment(device), "settings": {k: v for k, v in vars(args).items() if k != "json"}}
@@ -593,9 +693,11 @@ def main(argv=None) -> int:
         warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
         workdir = Path(tmp)
         tok, tok_dir = load_or_train_tokenizer(args, workdir)
-        if not args.skip_kernels:
+        if args.sync_check:
+            report["sync_check"] = run_sync_check(args, tok, tok_dir, device, workdir)
+        if not args.skip_kernels and not args.sync_check:
             report["kernels"] = run_kernels(args, tok, device)
-        if not args.skip_throughput:
+        if not args.skip_throughput and not args.sync_check:
             report["throughput"] = run_throughput(args, tok, tok_dir, device, workdir)
     print(f"\ndone in {time.perf_counter() - started:.0f}s")
     if args.json:

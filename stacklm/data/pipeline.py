@@ -20,9 +20,11 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+import numpy as np
 from torchdata.nodes import BaseNode
 
 from stacklm.config import Config
+from stacklm.data.contract import PLANES
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.dedup.config import DedupConfig
 from stacklm.data.dedup.shingles import SHINGLES, default_shingle_size
@@ -33,6 +35,7 @@ from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.mix.mix import MixNode
 from stacklm.data.packing.nodes import PackNode, batch_node
+from stacklm.data.packing.pack import Collate
 from stacklm.data.registry import DataMix
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.stage_clock import StageClock, install
@@ -47,9 +50,10 @@ READ_ORDERS = ("spread", "sequential")
 @dataclass(frozen=True)
 class PipelineConfig(Config):
     """Everything that decides the stream's content. ``config_hash`` guards resumes/prebuilds
-    (``num_threads`` is left out of it: it changes speed, not the stream)."""
+    (``num_threads`` and ``planes`` are left out of it: they change speed and the batch's layout,
+    not the stream)."""
 
-    hash_exclude: ClassVar[tuple[str, ...]] = ("num_threads",)
+    hash_exclude: ClassVar[tuple[str, ...]] = ("num_threads", "planes")
 
     mix: DataMix = field(metadata={"help": "a registered mix name such as 'stack-100m', or a mapping with name, total_tokens, entries"})
     seq_len: int = 2048
@@ -66,6 +70,8 @@ class PipelineConfig(Config):
     num_threads: int = 2
     fallback_offline: bool = False
     drop_last: bool = False
+    planes: str = field(default="full", metadata={"help": "'full': batches carry the four contract planes; 'lean': int32 "
+                                                  "input_ids, cu_seqlens, max_seqlen, last_targets (stacklm.data.contract)"})
     read_order: str = field(default="spread", metadata={"help": "'spread': local files are read in a seeded order of pieces "
                                                         "spread over every file, so a budget below the source takes a sample of all of "
                                                         "it; 'sequential': file by file from the start, as before"})
@@ -77,6 +83,8 @@ class PipelineConfig(Config):
             raise ConfigError(f"pipeline config: field 'batch_size' must be >= 1, got {self.batch_size}")
         if self.strategy not in ("greedy", "best_fit"):
             raise ConfigError(f"pipeline config: field 'strategy' must be 'greedy' or 'best_fit', got {self.strategy!r}")
+        if self.planes not in PLANES:
+            raise ConfigError(f"pipeline config: field 'planes' must be one of {PLANES}, got {self.planes!r}")
         if self.read_order not in READ_ORDERS:
             raise ConfigError(f"pipeline config: field 'read_order' must be one of {READ_ORDERS}, got {self.read_order!r}")
         if not 0.0 <= self.holdout_fraction < 1.0:
@@ -126,6 +134,12 @@ class Pipeline(BuiltPipeline):
 
     def realized(self) -> dict[str, dict[str, Any]]:
         return self.mix.realized()
+
+    def padding_batch(self, batch_size: int, seq_len: int, pad_id: int) -> dict[str, Any]:
+        """A batch of padding rows (no loss) in this graph's planes, for a loader worker that ran
+        dry (``datamodule.stream``): rows of pad ids collated like any rows."""
+        p = self.windows.packer
+        return Collate(p.bos_id, p.eos_id, pad_id, self.config.planes)(np.full((batch_size, seq_len), pad_id, dtype=np.int64))
 
     def phases(self) -> list[dict[str, Any]]:
         """Per mixture phase: planned vs mixed tokens per source (``TokenBudgetMixer.phases``)."""
@@ -234,7 +248,7 @@ def build_pipeline(
         provenance=provenance,
         refs=refs,
     )
-    batches = batch_node(windows, config.batch_size, drop_last=config.drop_last)
+    batches = batch_node(windows, config.batch_size, drop_last=config.drop_last, planes=config.planes)
     clock = install(StageClock(), chains, {"mix": mix, "shuffle": shuffle, "pack": windows}, batches)
     return Pipeline(config=config, split=split, shard=shard, sources=sources, chains=chains, windows=windows, batches=batches,
                     mix=mix, shuffle=shuffle, clock=clock)

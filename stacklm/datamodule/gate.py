@@ -87,8 +87,9 @@ class GateRules:
 def _rows(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The contract tensors of a batch; a preference batch's real pairs as chosen rows then
     rejected rows (filler rows, ``pair_ids`` -1, hold no pair)."""
-    from stacklm.data.contract import BATCH_KEYS
+    from stacklm.data.contract import BATCH_KEYS, full_batch
 
+    batch = full_batch(batch)  # a lean batch's planes derived here (on the host: the gate's few batches)
     if "chosen_input_ids" in batch:
         real = batch["pair_ids"] >= 0 if "pair_ids" in batch else slice(None)
         return {k: torch.cat([batch[f"{side}_{k}"][real] for side in ("chosen", "rejected")])

@@ -78,7 +78,7 @@ def shards_dataset(args: ModeArgs, split: str, tokenizer):
 
     seq_len = args.config.seq_len
     ds = PackedMemmapDataset(args.data_dir, split, tokenizer=tokenizer, verify_content=args.config.verify_shards,
-                             cache=args.shard_cache if split == "train" else None)
+                             cache=args.shard_cache if split == "train" else None, planes=args.config.planes)
     if ds.seq_len != seq_len:
         raise DataConfigError(
             f"StackDataModule: {ds.path} was built with seq_len {ds.seq_len} but the module has seq_len {seq_len}; "
@@ -480,6 +480,7 @@ class StreamMode(_WorkerStreamMode):
             sources=[entry.name for entry in cfg.mix.entries], target_weights=dict(cfg.mix.weights),
         )
         ds.workers = workers
+        ds.planes = cfg.planes  # the batch layout its readers collate to (``logical._LogicalIterator._collate``)
         if split == "train":
             ds.mix_changes = [dict(c) for c in run.mix_changes]
             epoch = run.current_epoch()

@@ -160,6 +160,7 @@ class DataConfig(Config):
     skip_steps: tuple[tuple[int, int], ...] | None = None  # sorted and disjoint after __post_init__ (``()``: none)
     shard_window: int | None = None
     cache_max_bytes: int | None = None
+    planes: Literal["lean", "full"] = "lean"
 
     def __post_init__(self) -> None:
         _at_least("seq_len", self.seq_len, 2, "a window needs at least 2 tokens (one input, one target)")
@@ -178,7 +179,10 @@ class DataConfig(Config):
             from stacklm.data.storage.remote import file_url_path
 
             object.__setattr__(self, "data_dir", file_url_path(self.data_dir))
-        object.__setattr__(self, "pipeline", parse_pipeline(self.pipeline, self.mode, self.seq_len, self.batch_size, self.seed))
+        pipeline = parse_pipeline(self.pipeline, self.mode, self.seq_len, self.batch_size, self.seed)
+        if self.mode == "stream" and pipeline is not None:  # one knob: the module's planes are the stream's
+            pipeline = dataclasses.replace(pipeline, planes=self.planes)
+        object.__setattr__(self, "pipeline", pipeline)
 
     @classmethod
     def label(cls, data: Mapping[str, Any] | None) -> str:

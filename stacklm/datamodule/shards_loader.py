@@ -17,7 +17,6 @@ import numpy as np
 import torch
 
 from stacklm.datamodule.resume.shards import available_positions, start_position
-from stacklm.datamodule.stream import _padding_batch
 from stacklm.parent_death import WorkerInit
 
 TAILS = ("pad", "drop")
@@ -45,14 +44,7 @@ class _BatchFetch:
 
     def __getitem__(self, item):
         indices, n_pad = item
-        ds = self.dataset
-        if n_pad == 0:
-            return ds.get_batch(indices)
-        pad = _padding_batch(n_pad, ds.seq_len, ds.pad_id)
-        if len(indices) == 0:
-            return pad
-        real = ds.get_batch(indices)
-        return {k: torch.cat([real[k], pad[k]]) for k in real}
+        return self.dataset.get_batch(indices, n_pad)
 
 
 class ShardsLoader:

@@ -44,6 +44,7 @@ from stacklm.data.sft import SFTConfig
 from stacklm.datamodule.modes import MODE_CLASSES, ModeArgs, Run
 from stacklm.datamodule.resume.state import EpochReload
 from stacklm.datamodule.section import DataConfig, check_pipeline
+from stacklm.datamodule.transfer import after_transfer, to_device
 from stacklm.errors import DataConfigError
 from stacklm.once import first_time
 
@@ -139,6 +140,8 @@ class StackDataModule(L.LightningDataModule):
             ``None`` (default): the global permutation.
         cache_max_bytes: the local cache limit for a remote ``data_dir`` (default the
             ``STACKLM_CACHE_MAX_BYTES`` environment variable; none: unbounded).
+        planes: shards/stream modes: the loader's batch layout (``stacklm.data.contract``): ``"lean"`` (default;
+            the four planes derived on the device, ``transfer``) or ``"full"`` (always so in sft/preference).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class StackDataModule(L.LightningDataModule):
         skip_steps: list[tuple[int, int]] | None = None,
         shard_window: int | None = None,
         cache_max_bytes: int | None = None,
+        planes: Literal["lean", "full"] = "lean",
     ) -> None:
         super().__init__()
         # parsed once: the one schema of ``data:`` (also the prebuild's), the pipeline as its mode's config
@@ -236,6 +240,13 @@ class StackDataModule(L.LightningDataModule):
         return self._mode.data_config_hash()
 
     # ------------------------------------------------------------------ lightning hooks
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        moved = to_device(batch, device)  # pinned, one non-blocking copy per buffer (``transfer``); CPU: the default
+        return super().transfer_batch_to_device(batch, device, dataloader_idx) if moved is None else moved
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return after_transfer(batch)  # lean planes -> the four, on the device
+
     def setup(self, stage: str | None = None) -> None:
         trainer = getattr(self, "trainer", None)
         _quiet_len_warning()

@@ -15,13 +15,12 @@ import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from stacklm.chat import INVALID_REASONS as CHAT_INVALID_REASONS
 from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
-from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.contract import padding_batch
 from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
@@ -151,14 +150,8 @@ def first_local_batch(batch: int, worker: int, workers: int) -> int:
 
 
 def _padding_batch(batch_size: int, seq_len: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """A batch of padding rows that carries no loss (every target ``IGNORE_INDEX``)."""
-    out = contract_buffer(batch_size, seq_len - 1)
-    planes = contract_planes(out)
-    planes.input_ids.fill(pad_id)
-    planes.position_ids[:] = np.arange(seq_len - 1)
-    planes.seq_ids.fill(0)
-    planes.targets.fill(IGNORE_INDEX)
-    return contract_batch(out)
+    """A batch of padding rows that carries no loss, in the four planes (``contract.padding_batch``)."""
+    return padding_batch(batch_size, seq_len, pad_id)
 
 
 class _StreamIterator:

@@ -37,7 +37,10 @@ def _np(x: Any) -> np.ndarray:
 
 
 def view_batch(batch: Mapping[str, Any], pad_id: int | None, where: str = "batch") -> BatchView:
-    """Normalise a batch dict (stacklm contract or HF ``labels`` style) into a ``BatchView``."""
+    """Normalise a batch dict (stacklm contract, lean or full, or HF ``labels`` style) into a ``BatchView``."""
+    from stacklm.data.contract import full_batch
+
+    batch = full_batch(batch)  # lean planes (stacklm.data.contract) -> the four
     if "input_ids" not in batch:
         raise UserError(f"{where}: no 'input_ids' in the batch; keys: {sorted(batch)}")
     x = _np(batch["input_ids"]).astype(np.int64)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from stacklm.data.packing.masks import block_mask, cu_seqlens, dense_mask
+from stacklm.data.packing.masks import block_mask, block_mask_from_cu, cu_seqlens, dense_mask
 
 BACKENDS = ("auto", "sdpa", "flex", "flash_varlen")
 
@@ -68,19 +68,26 @@ class AttentionMask:
 
 
 @torch.compiler.disable
-def build_attention_mask(seq_ids: torch.Tensor, backend: str = "auto") -> AttentionMask:
+def build_attention_mask(seq_ids: torch.Tensor, backend: str = "auto", cu: torch.Tensor | None = None,
+                         max_seqlen: int | None = None) -> AttentionMask:
     """Turn ``seq_ids`` (B, T) into the mask object of ``backend`` (``'auto'`` is resolved for
     ``seq_ids``' device).
 
-    Kept out of ``torch.compile`` graphs: the masks are built from data-dependent shapes
-    (segment counts) and cost little next to the layers.
+    With the loader's padded ``cu`` and host ``max_seqlen`` (lean batches, ``stacklm.data.contract``)
+    the flex and flash-attn masks are built from them with no host sync (``block_mask_from_cu``;
+    flash-attn takes them as they are, the padded segments being empty); without, from ``seq_ids``
+    (``cu_seqlens`` then syncs once to count segments). Kept out of ``torch.compile`` graphs: the
+    masks cost little next to the layers.
     """
     backend = resolve_backend(backend, seq_ids.device)
     if backend == "sdpa":
         return AttentionMask(backend, dense=dense_mask(seq_ids)[:, None])
     if backend == "flex":
-        return AttentionMask(backend, block=block_mask(seq_ids))
+        B, T = seq_ids.shape
+        return AttentionMask(backend, block=block_mask_from_cu(cu, B, T) if cu is not None else block_mask(seq_ids))
     if backend == "flash_varlen":
+        if cu is not None and max_seqlen is not None:
+            return AttentionMask(backend, cu_seqlens=cu.to(torch.int32), max_seqlen=int(max_seqlen))
         cu, max_len = cu_seqlens(seq_ids)
         return AttentionMask(backend, cu_seqlens=cu, max_seqlen=max_len)
     raise AssertionError(f"unreachable: backend {backend!r}")

@@ -30,6 +30,7 @@ import lightning.pytorch as L
 import torch
 
 from stacklm.config import Config
+from stacklm.data.contract import full_batch
 from stacklm.errors import ConfigError
 from stacklm.train.model import GPT, GPTConfig, check_batch, lm_token_loss
 
@@ -91,6 +92,11 @@ class GPTModule(L.LightningModule):
         if self.compile_model and stage == "fit":
             self.model.compile()
 
+    def on_after_batch_transfer(self, batch, dataloader_idx: int):
+        # a lean batch from a loader other than StackDataModule's (which derives them itself): the
+        # four planes on the device (``stacklm.data.contract.full_batch``; a full batch as it is)
+        return full_batch(batch) if isinstance(batch, Mapping) else batch
+
     def _check_first_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if not self._batch_checked:
             check_batch(batch, self.config)
@@ -98,7 +104,10 @@ class GPTModule(L.LightningModule):
 
     # ---------------------------------------------------------------- steps
     def forward(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return self.model(batch["input_ids"], batch["position_ids"], batch["seq_ids"])
+        # a lean batch (``StackDataModule`` derived its planes after the transfer) also brings its
+        # padded cu_seqlens and host max_seqlen: the varlen/flex masks need no host sync then
+        return self.model(batch["input_ids"], batch["position_ids"], batch["seq_ids"],
+                          batch.get("cu_seqlens"), batch.get("max_seqlen"))
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
         self._check_first_batch(batch)

@@ -169,8 +169,11 @@ class GPT(nn.Module):
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields the tied matrix once
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor) -> torch.Tensor:
-        mask = build_attention_mask(seq_ids, self.config.attention)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, seq_ids: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+        """Logits ``(B, T, vocab)``; ``cu_seqlens``/``max_seqlen``: a lean batch's, so the
+        flex/flash-attn mask is built without a host sync (``build_attention_mask``)."""
+        mask = build_attention_mask(seq_ids, self.config.attention, cu_seqlens, max_seqlen)
         rope = self.rope(position_ids)
         x = self.embed(input_ids)
         for block in self.blocks:

@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 
+from stacklm.data.contract import full_batch
 from stacklm.data.sft.sft_pack import CollateSFT
 from stacklm.datamodule import StackDataModule
 from stacklm.errors import DataGateError
@@ -149,13 +150,13 @@ def test_pretraining_gate_checks_the_first_batches_in_flight(tokenizer_dir, shar
     assert not [w for w in caught if "data gate" in str(w.message)]
     probe = dm()
     probe.setup("fit")
-    two_docs = next(i for i, b in enumerate(probe.train_dataloader()) if int(b["seq_ids"].max()) > 0)
+    two_docs = next(i for i, b in enumerate(probe.train_dataloader()) if int(full_batch(b)["seq_ids"].max()) > 0)
     assert 0 < two_docs < 4, two_docs  # within the gate's first GATE_BATCHES batches
     real = _BatchFetch.__getitem__
 
     def bugged(bug):
         def get(self, item):
-            batch = real(self, item)
+            batch = dict(full_batch(real(self, item)))  # the bug in the four planes, as a collate would make it
             if bug == "unshifted":  # labels = input_ids, as for a model that shifts inside
                 batch["targets"] = batch["input_ids"].clone()
             else:  # the documents of a window share one segment

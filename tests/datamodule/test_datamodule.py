@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from stacklm.configs import CONFIG_DIR
+from stacklm.data.contract import BATCH_KEYS, LEAN_KEYS, full_batch
 from stacklm.datamodule import DEFAULT_SNAPSHOT_STEPS, StackDataModule
 from stacklm.errors import DataConfigError
 from tests.helpers.lightning import TinyLM
@@ -20,10 +21,17 @@ def test_stream_batches_follow_the_contract(tokenizer_dir):
     dm.setup("fit")
     batches = list(dm.train_dataloader())
     assert len(batches) == 12_000 // (BATCH * SEQ_LEN)
-    for b in batches:
-        assert set(b) == {"input_ids", "position_ids", "seq_ids", "targets"}
-        assert all(v.shape == (BATCH, SEQ_LEN - 1) and v.dtype == torch.long for v in b.values())
+    for b in batches:  # the lean planes (data.planes' default); the module derives the four on the device
+        assert set(b) == set(LEAN_KEYS) and b["input_ids"].dtype == b["cu_seqlens"].dtype == torch.int32
+        full = dm.on_after_batch_transfer(b, 0)
+        assert all(full[k].shape == (BATCH, SEQ_LEN - 1) and full[k].dtype == torch.long for k in BATCH_KEYS)
     assert len(list(dm.val_dataloader())) == 2
+    full_dm = stream_dm(tokenizer_dir, planes="full")
+    full_dm.setup("fit")
+    for lean, full in zip(batches, full_dm.train_dataloader()):  # the same stream in the four planes
+        assert set(full) == set(BATCH_KEYS)
+        derived = dm.on_after_batch_transfer(lean, 0)
+        assert all(torch.equal(derived[k], full[k]) for k in BATCH_KEYS)
 
 
 def test_stream_workers_start_clean_and_fast(tokenizer_dir, tmp_path, monkeypatch):
@@ -105,7 +113,7 @@ def test_data_stats_count_what_the_batches_delivered(tokenizer_dir, num_workers,
     pad, bos = dm.tokenizer.pad_id, dm.tokenizer.bos_id
     tokens = positions = docs_at_least = 0
     for n, batch in enumerate(loader, 1):
-        assert set(batch) == {"input_ids", "position_ids", "seq_ids", "targets"}  # counts and summaries taken off
+        assert set(batch) == set(LEAN_KEYS)  # counts and summaries taken off
         tokens += int((batch["input_ids"] != pad).sum())
         positions += batch["input_ids"].numel()
         docs_at_least += int((batch["input_ids"] == bos).sum())
@@ -243,7 +251,7 @@ def test_shards_mode_data_stats_count_the_rows_taken(tokenizer_dir, shards_dir, 
         if n == 3:
             saved = dm.state_dict()
     assert "realized_estimated" not in stats and abs(stats["padding_fraction"] - (1 - tokens / positions)) < 1e-12
-    padding_rows = sum(int((b["targets"] == -100).all(dim=1).sum()) for b in [batch])  # only the last step pads
+    padding_rows = sum(int((full_batch(b)["targets"] == -100).all(dim=1).sum()) for b in [batch])  # only the last step pads
     assert stats["delivered"]["padding_rows"] == padding_rows
     manifest = json.loads((shards_dir / "manifest.json").read_text())
     assert {s: r["docs"] for s, r in stats["realized"].items()} == {s["name"]: s["docs"] for s in manifest["sources"]}

@@ -11,7 +11,7 @@ import tempfile
 import lightning as L
 import torch
 
-from stacklm.data.contract import IGNORE_INDEX
+from stacklm.data.contract import IGNORE_INDEX, full_batch
 
 
 class TinyLM(L.LightningModule):
@@ -63,9 +63,11 @@ class TinyDPO(L.LightningModule):
 
 def batch_hash(batch: dict[str, torch.Tensor]) -> str:
     h = hashlib.sha256()
+    batch = full_batch(batch)  # a lean batch from the loader hashes as the planes the model saw
     for key in sorted(batch):
         h.update(key.encode())
-        h.update(batch[key].numpy().tobytes())
+        value = batch[key]  # a lean batch also holds host ints (max_seqlen, pad_id)
+        h.update(value.numpy().tobytes() if isinstance(value, torch.Tensor) else repr(value).encode())
     return h.hexdigest()[:16]
 
 
@@ -151,7 +153,9 @@ def tiny_llama(vocab: int):
 
 
 def row_ids(batch) -> list[str | None]:
-    """A short content hash per row, ``None`` for a padding row (its targets all ignored)."""
+    """A short content hash per row, ``None`` for a padding row (its targets all ignored); a lean
+    batch's planes derived first (``contract.full_batch``), so a row hashes the same either way."""
+    batch = full_batch(batch)
     return [None if bool((t == IGNORE_INDEX).all()) else hashlib.sha256(r.numpy().tobytes()).hexdigest()[:16]
             for r, t in zip(batch["input_ids"], batch["targets"])]
 

@@ -18,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import lightning  # noqa: E402,F401  (a training script's top)
+import torch  # noqa: E402
 
 from stacklm.datamodule import StackDataModule  # noqa: E402
 from tests.helpers.datamodule import SEQ_LEN, stream_pipeline  # noqa: E402
@@ -46,7 +47,9 @@ def main() -> None:
     loader = dm.train_dataloader()
     loader.worker_init_fn = FromMain(loader.worker_init_fn, str(out / "main"))
     again = next(iter(loader))
-    assert all(bool((first[k] == again[k]).all()) for k in first), "the same first batch either way"
+    assert first.keys() == again.keys() and all(  # tensors, and a lean batch's host ints
+        torch.equal(first[k], again[k]) if isinstance(first[k], torch.Tensor) else first[k] == again[k] for k in first
+    ), "the same first batch either way"
     print("ok")
 
 

@@ -128,3 +128,13 @@ def test_compiled_flex_on_cpu_matches_sdpa():
         unmasked = reference(input_ids, position_ids, torch.zeros_like(seq_ids))
     assert (unmasked - expected).abs().max() > 1e-2
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_sync_check_fails_loudly_without_cuda():
+    """Part C (``--sync-check``: no host sync on lean batches) needs CUDA; on a CPU device it
+    exits 2 naming why, before any work, instead of passing without having checked anything."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--sync-check"],
+                          check=False, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--sync-check needs a CUDA device" in proc.stderr and "set_sync_debug_mode" in proc.stderr

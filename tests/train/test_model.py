@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import yaml
 
 from stacklm.configs import CONFIG_DIR
+from stacklm.data.contract import BATCH_KEYS, lean_batch
 from stacklm.data.packing.pack import collate
 from stacklm.train.attention import attend, build_attention_mask, reference_attention
 from stacklm.train.model import GPT, GPTConfig, RotaryEmbedding, apply_rotary, check_batch, lm_loss
@@ -48,6 +49,31 @@ def test_sdpa_and_flex_match_naive_reference_on_packed_rows():
     # And the mask does something: plain causal attention over the same row differs.
     causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert (causal - expected).abs().max() > 1e-2
+
+
+def test_model_on_a_lean_batch_equals_the_full_planes():
+    """A lean batch (``stacklm.data.contract``) through the module's transfer hook gives the four
+    planes exactly, and the model's flex mask built from its ``cu_seqlens`` (no host sync) gives
+    the logits the sdpa mask from ``seq_ids`` gives."""
+    torch.manual_seed(0)
+    windows = packed_windows(12, seq_len=65, max_len=40)  # several docs per row, a padded tail
+    full = collate(windows, BOS, EOS, PAD)
+    lean = lean_batch(windows, BOS, EOS, PAD)
+    module = GPTModule(tiny_config())
+    derived = module.on_after_batch_transfer(lean, 0)
+    for key in BATCH_KEYS:
+        assert derived[key].dtype == torch.long and torch.equal(derived[key], full[key]), key
+    assert module.on_after_batch_transfer(full, 0) is full
+    check_batch(derived, module.config)
+    flex = GPT(tiny_config(attention="flex"))
+    flex.load_state_dict(module.model.state_dict())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+        want = module.model(full["input_ids"], full["position_ids"], full["seq_ids"])
+        got = module.model(derived["input_ids"], derived["position_ids"], derived["seq_ids"], lean["cu_seqlens"], lean["max_seqlen"])
+        got_flex = flex(derived["input_ids"], derived["position_ids"], derived["seq_ids"], lean["cu_seqlens"], lean["max_seqlen"])
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_flex, want, atol=1e-4, rtol=1e-4)
 
 
 def test_cuda_only_backends_fail_clearly_on_cpu():

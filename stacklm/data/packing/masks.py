@@ -1,5 +1,6 @@
 """Attention masks from a packed batch: dense (tests, CPU), ``cu_seqlens`` (flash-attn varlen),
-FlexAttention ``BlockMask``.
+FlexAttention ``BlockMask`` -- from ``seq_ids``, or from the loader's padded ``cu_seqlens``
+(``segments_from_cu``, ``block_mask_from_cu``: no host sync, for the GPU path).
 
 All three encode the same rule (docs/architecture.md, "Batch contract"): token ``i`` may
 attend to token ``j`` only when ``seq_ids[b, i] == seq_ids[b, j]`` and ``j <= i``. Packed rows
@@ -48,11 +49,9 @@ def cu_seqlens(batch_or_seq_ids: Mapping[str, torch.Tensor] | torch.Tensor) -> t
 
 
 def dense_mask_from_cu_seqlens(cu: torch.Tensor, batch: int, T: int) -> torch.Tensor:
-    """The (B, T, T) mask that ``cu_seqlens`` describes (to check one helper against another)."""
-    seg = torch.zeros(batch * T, dtype=torch.long, device=cu.device)
-    seg[cu[1:-1].long()] = 1
-    seg = seg.cumsum(0).view(batch, T)
-    return dense_mask(seg)
+    """The (B, T, T) mask that ``cu_seqlens`` describes, padded or not (to check one helper
+    against another)."""
+    return dense_mask(segments_from_cu(cu, batch, T))
 
 
 def block_mask(
@@ -84,3 +83,52 @@ def block_mask(
             f"could not build a FlexAttention BlockMask on device {device} with torch {torch.__version__}: {err}; "
             "pass device='cuda' or use dense_mask / cu_seqlens"
         ) from err
+
+
+def segments_from_cu(cu: torch.Tensor, batch: int, T: int) -> torch.Tensor:
+    """``(B, T)`` segment index of every token, flat over the batch, from a (padded) ``cu_seqlens``:
+    one ``searchsorted``, no host sync (``stacklm.data.contract.derive_planes`` does the same)."""
+    flat = torch.arange(batch * T, device=cu.device, dtype=cu.dtype)
+    return (torch.searchsorted(cu, flat, right=True) - 1).view(batch, T)
+
+
+def block_mask_from_cu(cu: torch.Tensor, batch: int, T: int, block_size: int = 128):
+    """FlexAttention ``BlockMask`` from the loader's padded ``cu_seqlens``, without a host sync.
+
+    Why not ``create_block_mask``: it evaluates the mask over every (query, key) pair to find
+    which tiles are empty, partial or full. Packed rows make that a closed form on the tiles
+    (segments are contiguous, so a tile's documents are the range between its first and last
+    token's): a key tile ``j`` below the diagonal of query tile ``i`` is empty unless the key
+    tile's last document reaches the query tile's first; it is full when both tiles hold one
+    and the same document (and are whole tiles); diagonal tiles are partial. All tensor ops on
+    ``cu``'s device, then ``BlockMask.from_kv_blocks``; tested equal to ``create_block_mask``
+    and to ``dense_mask`` on CPU (tests/data/test_lean_planes.py).
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    seg = segments_from_cu(cu, batch, T)
+    n = -(-T // block_size)
+    firsts = torch.arange(n, device=cu.device) * block_size
+    lasts = torch.clamp(firsts + block_size, max=T) - 1
+    first, last = seg[:, firsts], seg[:, lasts]  # (B, n): each tile's first and last document
+    q, k = torch.arange(n, device=cu.device)[:, None], torch.arange(n, device=cu.device)[None, :]
+    below = k < q
+    touches = last[:, None, :] >= first[:, :, None]  # [b, q tile, k tile]
+    one_doc = first == last
+    whole = (lasts - firsts + 1 == block_size)
+    full = below & touches & (one_doc & whole)[:, :, None] & (one_doc & whole)[:, None, :] \
+        & (first[:, :, None] == first[:, None, :])
+    partial = ((below & touches) | (k == q)) & ~full
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        blocks = blocks[:, None].to(torch.int32)  # heads broadcast
+        idx = torch.argsort(blocks, dim=-1, descending=True, stable=True)
+        return blocks.sum(-1).to(torch.int32), idx.to(torch.int32)
+
+    def document_causal(b, h, q_idx, kv_idx):
+        return (seg[b, q_idx] == seg[b, kv_idx]) & (kv_idx <= q_idx)
+
+    kv_num, kv_idx = ordered(partial)
+    full_num, full_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=document_causal, seq_lengths=(T, T))

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
 from torchdata.nodes import BaseNode, Batcher, Mapper
 
 from stacklm.data.packing.origins import (
@@ -170,14 +169,14 @@ class PackBatchNode(BaseNode[dict]):
 
     PACK_KEY = "pack"
 
-    def __init__(self, pack_node: PackNode, batch_size: int, drop_last: bool = True, collate=None) -> None:
+    def __init__(self, pack_node: PackNode, batch_size: int, drop_last: bool = True, collate=None, planes: str = "full") -> None:
         super().__init__()
         if not pack_node.packer.track_sources:
             raise ValueError("PackBatchNode needs a PackNode built with sources=[...] (it counts tokens per source)")
         self.pack, self.batch_size, self.drop_last = pack_node, int(batch_size), bool(drop_last)
         p = pack_node.packer
-        # ``collate``: windows -> batch contract (the SFT graph passes its loss-aware one)
-        self.collate = collate if collate is not None else Collate(p.bos_id, p.eos_id, p.pad_id)
+        # ``collate``: windows -> batch contract (the SFT graph passes its loss-aware one), in ``planes``
+        self.collate = collate if collate is not None else Collate(p.bos_id, p.eos_id, p.pad_id, planes)
 
     def reset(self, initial_state: dict | None = None) -> None:
         super().reset(initial_state)
@@ -204,10 +203,11 @@ class PackBatchNode(BaseNode[dict]):
         return {self.PACK_KEY: self.pack.state_dict()}
 
 
-def batch_node(pack_node: PackNode, batch_size: int, drop_last: bool = True) -> BaseNode[dict[str, torch.Tensor]]:
-    """A node of batch-contract dicts: ``PackBatchNode`` (with delivery counts) over a
-    source-tracking pack node, else ``Batcher`` + ``collate`` (state handled by the torchdata nodes)."""
+def batch_node(pack_node: PackNode, batch_size: int, drop_last: bool = True, planes: str = "full") -> BaseNode[dict[str, Any]]:
+    """A node of batch-contract dicts (the four planes or the lean ones, ``planes``):
+    ``PackBatchNode`` (with delivery counts) over a source-tracking pack node, else ``Batcher`` +
+    ``Collate`` (state handled by the torchdata nodes)."""
     if pack_node.packer.track_sources:
-        return PackBatchNode(pack_node, batch_size, drop_last)
+        return PackBatchNode(pack_node, batch_size, drop_last, planes=planes)
     p = pack_node.packer
-    return Mapper(Batcher(pack_node, batch_size, drop_last=drop_last), Collate(p.bos_id, p.eos_id, p.pad_id))
+    return Mapper(Batcher(pack_node, batch_size, drop_last=drop_last), Collate(p.bos_id, p.eos_id, p.pad_id, planes))

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.contract import PLANES, IGNORE_INDEX, contract_batch, contract_buffer, contract_planes, lean_batch
 from stacklm.data.packing.origins import (  # WindowOrigin: also imported from here
     PIECE_FIELDS,
     WindowOrigin,
@@ -542,10 +542,15 @@ def window_to_example(window: np.ndarray, bos_id: int, eos_id: int, pad_id: int)
 
 
 class Collate:
-    """Picklable ``collate`` bound to the special ids (for ``Mapper``/``ParallelMapper``)."""
+    """Picklable ``collate`` bound to the special ids (for ``Mapper``/``ParallelMapper``);
+    ``planes="lean"`` ships the lean planes instead (``stacklm.data.contract.lean_batch``)."""
 
-    def __init__(self, bos_id: int, eos_id: int, pad_id: int) -> None:
-        self.bos_id, self.eos_id, self.pad_id = bos_id, eos_id, pad_id
+    def __init__(self, bos_id: int, eos_id: int, pad_id: int, planes: str = "full") -> None:
+        if planes not in PLANES:
+            raise ValueError(f"Collate: planes must be one of {PLANES}, got {planes!r}")
+        self.bos_id, self.eos_id, self.pad_id, self.planes = bos_id, eos_id, pad_id, planes
 
-    def __call__(self, windows: Sequence[np.ndarray]) -> dict[str, torch.Tensor]:
+    def __call__(self, windows: Sequence[np.ndarray]) -> dict[str, Any]:
+        if self.planes == "lean":
+            return lean_batch(np.stack(windows), self.bos_id, self.eos_id, self.pad_id)
         return collate(windows, self.bos_id, self.eos_id, self.pad_id)

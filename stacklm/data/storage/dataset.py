@@ -25,7 +25,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from stacklm.data.contract import IGNORE_INDEX, contract_batch, contract_buffer, contract_planes
+from stacklm.data.contract import (
+    IGNORE_INDEX, PLANES, contract_batch, contract_buffer, contract_planes, lean_batch, segment_starts,
+)
 from stacklm.data.storage.datafiles import check_data_dir
 from stacklm.data.storage.manifest import REQUIRED, check_split, read_manifest, split_directory, tokenizer_hash
 from stacklm.data.storage.shards import check_content_hash, open_tokens, tokens_path
@@ -62,17 +64,7 @@ def derive_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dic
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {rows.shape}")
     B, L = rows.shape
     T = L - 1
-    start = rows == bos_id
-    flat = start.reshape(-1)
-    flat[1:] |= rows.reshape(-1)[:-1] == eos_id  # entries crossing into the next row hit column 0: set below
-    is_pad = rows == pad_id
-    pad_rows = np.flatnonzero(is_pad.any(axis=1)).tolist() if is_pad.any() else []
-    for r in pad_rows:  # a segment starts where padding starts or stops
-        start[r, 1:] |= is_pad[r, 1:] != is_pad[r, :-1]
-    start[:, 0] = True
-    where = np.flatnonzero(flat)  # every segment start, flat in (B, L)
-    row, col = np.divmod(where, L)
-    starts = (where - row)[col < T]  # the same starts, flat in (B, T): b*T + c == b*L + c - b
+    _, is_pad, pad_rows, where, row, col, starts = segment_starts(rows, bos_id, eos_id, pad_id)
     n = len(starts)
     lengths = np.empty(n, dtype=np.int64)
     np.subtract(starts[1:], starts[:-1], out=lengths[:-1])
@@ -139,7 +131,11 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         seed: int = 0,
         verify_content: bool = True,
         cache=None,
+        planes: str = "full",
     ) -> None:
+        if planes not in PLANES:
+            raise ArgumentTypeError(f"PackedMemmapDataset: planes must be one of {PLANES}, got {planes!r}")
+        self.planes = planes  # what ``get_batch`` derives: all four planes, or the lean ones (``contract.lean_batch``)
         if not isinstance(verify_content, bool):
             raise TypeError(f"PackedMemmapDataset: verify_content must be True or False, got {verify_content!r}")
         self.verify_content = verify_content
@@ -254,8 +250,10 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
             out[j] = maps[s][r]
         return out
 
-    def get_batch(self, indices: Sequence[int] | np.ndarray) -> dict[str, torch.Tensor]:
-        """The batch contract for ``indices`` (tensors ``(len(indices), seq_len - 1)``).
+    def get_batch(self, indices: Sequence[int] | np.ndarray, n_pad: int = 0, planes: str | None = None) -> dict[str, Any]:
+        """The batch contract for ``indices`` then ``n_pad`` padding rows (no loss): tensors
+        ``(len(indices) + n_pad, seq_len - 1)``, the four planes or the lean ones (``planes``,
+        default the dataset's).
 
         Every batch's ids are checked against the vocabulary (one max over the rows, cheap next
         to deriving the batch): a corrupt row never reaches the model, and the error names the
@@ -264,6 +262,10 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         rows = self.rows(idx)
         if rows.size and int(rows.max()) >= self.vocab_size:
             self._raise_out_of_vocab(idx, rows)
+        if n_pad:  # padding rows derive like any row of pad ids: one segment, every target ignored
+            rows = np.concatenate([rows, np.full((n_pad, self.seq_len), self.pad_id, dtype=rows.dtype)])
+        if (planes or self.planes) == "lean":
+            return lean_batch(rows, self.bos_id, self.eos_id, self.pad_id)
         return derive_batch(rows, self.bos_id, self.eos_id, self.pad_id)
 
     def _raise_out_of_vocab(self, idx: np.ndarray, rows: np.ndarray) -> None:
@@ -283,7 +285,8 @@ class PackedMemmapDataset(torch.utils.data.Dataset):
         float, a bool, a 2-D array) is an ``ArgumentTypeError``: ``np.asarray(1.5)`` used to read
         a 2-D batch of row 1."""
         if isinstance(index, (int, np.integer)) and not isinstance(index, (bool, np.bool_)):
-            return {k: v[0] for k, v in self.get_batch([int(index)]).items()}
+            # one row for the default collate: always the four planes (the lean ones are a batch's)
+            return {k: v[0] for k, v in self.get_batch([int(index)], planes="full").items()}
         if isinstance(index, slice):
             index = range(*index.indices(self.num_rows))
         rows = np.asarray(index)

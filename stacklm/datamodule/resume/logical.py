@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.data.contract import padding_batch
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.data.packing.origins import delivery_counts
 from stacklm.data.packing.pack import Collate
@@ -44,7 +45,6 @@ from stacklm.datamodule.stream import (
     SUMMARY_EVERY_N_BATCHES,
     SUMMARY_KEY,
     StreamDataset,
-    _padding_batch,
     first_local_batch,
     graph_report,
 )
@@ -176,13 +176,13 @@ class _LogicalIterator:
         """The real windows collated to the batch contract with their delivery counts, then
         ``n_pad`` padding rows (no loss)."""
         ds = self.ds
-        pad = _padding_batch(n_pad, ds.seq_len, ds.pad_id) if n_pad else None
+        planes = getattr(ds, "planes", "full")  # the batch layout (stacklm.data.contract), set by the stream mode
         if not windows:
-            return dict(pad)
+            return padding_batch(n_pad, ds.seq_len, ds.pad_id, planes)
         p = graph.windows.packer
-        batch = Collate(p.bos_id, p.eos_id, p.pad_id)(windows)
-        if pad is not None:
-            batch = {k: torch.cat([batch[k], pad[k]]) for k in batch}
+        # the padding rows collated with the real ones: a lean batch's cu_seqlens do not concatenate row-wise
+        pad_rows = [np.full(ds.seq_len, ds.pad_id, dtype=np.int64)] * n_pad
+        batch = Collate(p.bos_id, p.eos_id, p.pad_id, planes)(list(windows) + pad_rows)
         batch[DELIVERY_KEY] = delivery_counts(origins, len(ds.sources), windows if p.provenance else None)
         return batch
 
