@@ -92,9 +92,13 @@ class GPTModule(L.LightningModule):
         if self.compile_model and stage == "fit":
             self.model.compile()
 
-    def on_after_batch_transfer(self, batch, dataloader_idx: int):
-        # a lean batch from a loader other than StackDataModule's (which derives them itself): the
-        # four planes on the device (``stacklm.data.contract.full_batch``; a full batch as it is)
+    @staticmethod
+    def with_planes(batch):
+        """A lean batch from a loader other than ``StackDataModule``'s (whose own
+        ``on_after_batch_transfer`` derives them): the four planes on its device
+        (``stacklm.data.contract.full_batch``); a full batch as it is. Called by the steps, not
+        as this module's ``on_after_batch_transfer``: with a datamodule that also defines the
+        hook, Lightning uses the datamodule's and warns about the module's in every fit."""
         return full_batch(batch) if isinstance(batch, Mapping) else batch
 
     def _check_first_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
@@ -110,6 +114,7 @@ class GPTModule(L.LightningModule):
                           batch.get("cu_seqlens"), batch.get("max_seqlen"))
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        batch = self.with_planes(batch)
         self._check_first_batch(batch)
         loss, n_tokens, token_loss = lm_token_loss(self(batch), batch["targets"])
         self.tokens_seen += sum_across_ranks(n_tokens.detach().to(torch.long))
@@ -143,6 +148,7 @@ class GPTModule(L.LightningModule):
         self._last_log_time, self._last_log_tokens = now, tokens
 
     def validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> dict[str, torch.Tensor]:
+        batch = self.with_planes(batch)
         self._check_first_batch(batch)
         loss, n_tokens, token_loss = lm_token_loss(self(batch), batch["targets"])
         # batch_size=n_tokens makes the epoch value a token-weighted mean, not a mean of batch means.

@@ -85,7 +85,7 @@ def run_fit(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 # "IterableDataset has __len__ ... duplicate data", its pytree deprecation, tensorboardX notice,
 # "No seed found" and hosted-service tips).
 NOISE = ("JsonargparseWarning", "does not round-trip", "set_vital", "IterableDataset` has `__len__`",
-         "LeafSpec", "tensorboardX", "No seed found", "Tip:", "Warning:", "deprecated")
+         "LeafSpec", "tensorboardX", "No seed found", "Tip:", "Warning:", "deprecated", "You have overridden")
 
 
 def assert_quiet(out: subprocess.CompletedProcess) -> None:

@@ -60,10 +60,10 @@ def test_model_on_a_lean_batch_equals_the_full_planes():
     full = collate(windows, BOS, EOS, PAD)
     lean = lean_batch(windows, BOS, EOS, PAD)
     module = GPTModule(tiny_config())
-    derived = module.on_after_batch_transfer(lean, 0)
+    derived = module.with_planes(lean)
     for key in BATCH_KEYS:
         assert derived[key].dtype == torch.long and torch.equal(derived[key], full[key]), key
-    assert module.on_after_batch_transfer(full, 0) is full
+    assert module.with_planes(full) is full
     check_batch(derived, module.config)
     flex = GPT(tiny_config(attention="flex"))
     flex.load_state_dict(module.model.state_dict())
