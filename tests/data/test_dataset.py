@@ -16,8 +16,9 @@ from stacklm.data.storage import manifest as mf
 from stacklm.data.storage.dataset import PackedMemmapDataset, derive_batch, verify_shard_set
 from stacklm.datamodule.resume.sampler import ElasticBatchNode, ElasticSampler
 from stacklm.data.packing.pack import collate, pack_best_fit, pack_greedy, window_to_example
-from stacklm.data.storage.shards import dtype_name, token_dtype, tokens_path, write_shard
+from stacklm.data.storage.shards import token_dtype, tokens_path, write_shard
 from stacklm.errors import DataError
+from tests.helpers.prebuild import write_shard_set
 from tests.helpers.resume import check_save_load_state
 
 SEQ_LEN = 64
@@ -38,19 +39,6 @@ def windows(tok):
     best = np.stack(list(pack_best_fit(docs, SEQ_LEN, *specials, buffer_docs=16)))
     greedy = np.stack(list(pack_greedy(docs[:50], SEQ_LEN, *specials)))
     return {"best_fit": best, "greedy": greedy}
-
-
-def write_shard_set(directory, tok, shards: list[np.ndarray], split: str = "train") -> None:
-    """A split directory as prebuild lays it out (shards + manifest), from given windows."""
-    directory.mkdir(parents=True, exist_ok=True)
-    dtype = token_dtype(tok.vocab_size)
-    infos = [write_shard(directory, i, w, dtype).to_dict() for i, w in enumerate(shards)]
-    mf.write_manifest(directory, {
-        "format": mf.FORMAT, "version": mf.VERSION, "split": split, "seq_len": shards[0].shape[1],
-        "dtype": dtype_name(dtype), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
-        "pad_id": tok.pad_id, "tokenizer_hash": mf.tokenizer_hash(tok), "shards": infos,
-        "n_seq": sum(len(w) for w in shards),
-    })
 
 
 def _same(a: dict, b: dict) -> None:

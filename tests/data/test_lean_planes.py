@@ -23,7 +23,7 @@ from stacklm.data.packing.masks import (
 )
 from stacklm.data.packing.pack import Collate, collate, pack_best_fit, pack_greedy
 from stacklm.data.storage.dataset import PackedMemmapDataset
-from tests.data.test_dataset import write_shard_set
+from tests.helpers.prebuild import write_shard_set
 
 SEQ_LEN = 257  # T = 256: two 128-token FlexAttention tiles per row
 

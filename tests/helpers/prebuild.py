@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 from stacklm.data.pipeline import PipelineConfig
+from stacklm.data.storage import manifest as mf
+from stacklm.data.storage.shards import dtype_name, token_dtype, write_shard
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -40,3 +44,16 @@ def own_config(tmp_path: Path, tokenizer, total=TOTAL, **pipeline) -> Path:
     data = {"tokenizer": str(tokenizer), "pipeline": {**data_section(total=total), **pipeline}}
     path.write_text(json.dumps({"data": data}))  # JSON is YAML
     return path
+
+
+def write_shard_set(directory, tok, shards: list[np.ndarray], split: str = "train") -> None:
+    """A split directory as prebuild lays it out (shards + manifest), from given windows."""
+    directory.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(tok.vocab_size)
+    infos = [write_shard(directory, i, w, dtype).to_dict() for i, w in enumerate(shards)]
+    mf.write_manifest(directory, {
+        "format": mf.FORMAT, "version": mf.VERSION, "split": split, "seq_len": shards[0].shape[1],
+        "dtype": dtype_name(dtype), "vocab_size": tok.vocab_size, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
+        "pad_id": tok.pad_id, "tokenizer_hash": mf.tokenizer_hash(tok), "shards": infos,
+        "n_seq": sum(len(w) for w in shards),
+    })
