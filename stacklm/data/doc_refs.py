@@ -192,7 +192,7 @@ class DocRefs:
                 self.bytes_by_content = int(out["content"]["ids"].nbytes)
             else:
                 out["content"] = [dict(docs[i]) for i in rest]
-                self.bytes_by_content = sum(len(str(docs[i].get("text", ""))) for i in rest)
+                self.bytes_by_content = sum(len(str(docs[i].get("text", "")).encode("utf-8", "surrogatepass")) for i in rest)
             if extra is not None:
                 out["content_extra"] = np.array([int(extra[i]) for i in rest], dtype=np.int64)
         else:
