@@ -110,10 +110,7 @@ class _Packer:
                 f"doc {doc.get('doc_id')!r} of source {doc.get('source')!r} already contains the bos/eos/pad id "
                 f"{int(ids[np.argmax(specials)])}; the packer adds those itself — encode untrusted text without special ids"
             )
-        piece = np.empty(len(ids) + 2, dtype=np.int32)
-        piece[0] = self.bos_id
-        piece[1:-1] = ids
-        piece[-1] = self.eos_id
+        piece = self._wrapped(ids)
         self.docs += 1
         self.doc_tokens += len(piece)
         self.stats.add(doc.get("source", "?"), "kept")
