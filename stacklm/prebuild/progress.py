@@ -16,24 +16,27 @@ class BuildProgress:
     few seconds (``jobs.PROGRESS_INTERVAL``), not only per shard.
 
     Where stderr is not a terminal (``nohup``, Slurm) the same numbers go out as a plain line
-    every ``line_seconds`` (default 30, ``STACKLM_PROGRESS_SECONDS``) instead of tqdm's frames::
+    every 30 s (``STACKLM_PROGRESS_SECONDS``) instead of tqdm's frames::
 
-        2026-12-07 04:30:12 prebuild shards: tokens 1,204,224/2,000,000 (60%)  docs 3,101  shards 4  MB/s 1.21  elapsed 0:00:02  ETA 0:00:01
+        2026-12-07 04:22:58 prebuild pb4: tokens 482,454/1,020,000 (47%)  docs 1,371  shards 3  MB/s 0.817  elapsed 0:00:18  ETA 0:00:01  mix web=0.594 code=0.312 math=0.094
+
+    (``STACKLM_PROGRESS_SECONDS=1 stacklm prebuild --config demo``; docs/prebuild.md).
     """
 
-    def __init__(self, plan: PrebuildPlan, enabled: bool, line_seconds: float | None = None) -> None:
+    def __init__(self, plan: PrebuildPlan, enabled: bool) -> None:
         self.budget = sum(job_budget(plan, s, w) for s in plan.splits for w in range(plan.workers))
         self.per_job: dict[str, dict[str, int]] = {}
         self.shards: dict[str, int] = {}
         self.docs: dict[str, int] = {}
         self.itemsize = plan.dtype.itemsize
         self.started = time.perf_counter()
+        self.mixing_since: float | None = None  # the first job report: rates count from there, not the dedup pass
         self.updates = 0
         self.bar = None
         self.lines: ProgressLines | None = None
         self.resumed_tokens = 0
         if enabled and wants_lines():
-            self.lines = ProgressLines(f"prebuild {plan.out.name}", seconds=line_seconds)
+            self.lines = ProgressLines(f"prebuild {plan.out.name}")
         elif enabled:
             from tqdm.auto import tqdm
 
@@ -46,6 +49,8 @@ class BuildProgress:
     def __call__(self, job: str, shards: int, realized: dict[str, int], docs: int = 0) -> None:
         before = self.tokens
         resumed = job not in self.per_job
+        if self.mixing_since is None:
+            self.mixing_since = time.perf_counter()
         self.per_job[job] = realized
         self.shards[job] = shards
         self.docs[job] = docs
@@ -80,8 +85,9 @@ class BuildProgress:
         return {src: n / total for src, n in mix.items()}
 
     def mb_per_s(self) -> float:
-        """MB/s of shard data mixed by this run (tokens restored from checkpoints left out)."""
-        secs = max(time.perf_counter() - self.started, 1e-9)
+        """MB/s of shard data mixed by this run (tokens restored from checkpoints left out), since
+        the jobs began."""
+        secs = max(time.perf_counter() - (self.mixing_since or self.started), 1e-9)
         return (self.tokens - self.resumed_tokens) * self.itemsize / secs / 1e6
 
     def line(self) -> str | None:
@@ -90,15 +96,21 @@ class BuildProgress:
         if self.lines is None:
             return None
         done = self.tokens
-        secs = max(time.perf_counter() - self.started, 1e-9)
+        now = time.perf_counter()
+        secs = max(now - (self.mixing_since or self.started), 1e-9)
         fields = [("tokens", f"{count(done)}/{count(self.budget)} ({percent(done, self.budget)})"),
                    ("docs", count(sum(self.docs.values()))), ("shards", str(sum(self.shards.values()))),
-                   ("MB/s", f"{self.mb_per_s():.3g}"), ("elapsed", duration(secs))]
+                   ("MB/s", f"{self.mb_per_s():.3g}"), ("elapsed", duration(now - self.started))]
         fields.append(("ETA", eta(self.budget - done, (done - self.resumed_tokens) / secs)))
         mix = self.mix()
         if mix:
             fields.append(("mix", " ".join(f"{src}={share:.3f}" for src, share in mix.items())))
         return self.lines.write(fields)
+
+    def say(self, text: str) -> None:
+        """A phase without progress of its own (the global dedup pass), as a line of its own."""
+        if self.lines is not None:
+            self.lines.write([("", text)])
 
     def close(self) -> None:
         if self.bar is not None:

@@ -70,14 +70,16 @@ class LineProgressBar(ProgressBar):
     ``every_seconds`` (default 30, ``STACKLM_PROGRESS_SECONDS``) or ``every_n_steps`` optimizer
     steps, whichever comes first, plus one after the first step and one at the end::
 
-        2026-12-07 04:21:07 fit: step 8/10 (80%)  tokens 2,016  tok/s 1.23k  train/loss 5.812  elapsed 0:00:03  ETA 0:00:01
+        2026-12-07 04:20:11 fit: step 22/40 (55%)  tokens 22,236  tok/s 101  train/loss 8.002  val/loss 7.565  elapsed 0:02:45  ETA 0:02:15
+
+    (the demo config on a loaded 2-core CPU; docs/trainer.md, "Progress in a log file").
 
     ``tokens``: the tokens the training step received, from the datamodule's ``data_stats()``
     (``stacklm.datamodule.delivery``: summed over ranks; a resume continues the count); absent
     for a datamodule without it. ``tok/s``: tokens since the previous line over its wall time (the
     last line: over the whole fit). The metrics are those the module logs with ``prog_bar=True``.
     Under DDP only rank 0 writes; every rank takes part in the count at the same steps: there the
-    interval is in steps, re-derived at each line from rank 0's pace so the lines stay
+    interval is in steps, re-derived at each line from rank 0's pace so that the lines come about
     ``every_seconds`` apart (a time check on each rank's own clock could disagree and hang the sum).
     """
 
@@ -128,7 +130,7 @@ class LineProgressBar(ProgressBar):
         return (None if any(v is None for v in values) else sum(values)), per_rank[0][1]
 
     def _metrics(self, trainer, outputs: Any) -> list[tuple[str, str]]:
-        metrics = {k: v for k, v in trainer.progress_bar_metrics.items() if not k.startswith("v_num")}
+        metrics = dict(trainer.progress_bar_metrics)
         if not metrics and isinstance(outputs, dict) and outputs.get("loss") is not None:
             # Lightning divides the step's loss by the accumulation before handing it here
             metrics = {"loss": float(outputs["loss"]) * trainer.accumulate_grad_batches}
@@ -136,8 +138,8 @@ class LineProgressBar(ProgressBar):
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module) -> None:
-        self._lines = ProgressLines("fit", seconds=self.every_seconds)
-        self._start_step = self._seen_step = trainer.global_step
+        self._lines = ProgressLines("fit", seconds=self.every_seconds, every=self.every_n_steps)
+        self._start_step = self._seen_step = self._lines.last_n = trainer.global_step
         self._total: float = trainer.max_steps if counts_steps(trainer) else trainer.estimated_stepping_batches
         self._start_tokens = self._last_tokens = self._gather(trainer, self._my_tokens(trainer))[0]
         self._next_step = self._start_step + 1  # a first line after the first step: the run is alive, and its pace
@@ -148,10 +150,12 @@ class LineProgressBar(ProgressBar):
         if self._lines is None or step == self._seen_step:
             return  # a micro-batch of an accumulating step, or no optimizer step taken
         self._seen_step = step
-        single = trainer.world_size == 1
-        if step < self._next_step and not (single and self._lines.due()):
-            return
-        self._line(trainer, step, outputs)
+        if trainer.world_size == 1:  # seconds on this clock, or every_n_steps, whichever first
+            due = step == self._start_step + 1 or self._lines.due(step)
+        else:  # the same step on every rank: rank 0's pace, shared at the last line
+            due = step >= self._next_step
+        if due:
+            self._line(trainer, step, outputs)
 
     def on_train_end(self, trainer, pl_module) -> None:
         if self._lines is not None and trainer.global_step > self._start_step:
@@ -182,8 +186,8 @@ class LineProgressBar(ProgressBar):
             fields += [("elapsed", duration(now - lines.started))]
             if not final:
                 fields += [("ETA", "?" if total is None else eta(total - step, pace))]
-            lines.write(fields)
+            lines.write(fields, n=step)
         else:
-            lines.last_time = now
+            lines.last_time, lines.last_n = now, step
         self._last_tokens = tokens
 

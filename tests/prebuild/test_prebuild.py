@@ -109,6 +109,10 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(tmp_path, tok_
     err = capsys.readouterr().err
     assert "\r" not in err and "\x1b" not in err, repr(err)
     lines = [line for line in err.splitlines() if " prebuild p: " in line]
+    phases = [line.split(": ", 1)[1] for line in lines if ": global dedup pass" in line]  # no progress of its own
+    assert [p.split(" in ")[0] for p in phases] == ["global dedup pass: signing and deciding (no progress lines until it ends)",
+                                                     "global dedup pass done"], lines
+    lines = [line for line in lines if ": global dedup pass" not in line]
     assert len(lines) >= 3, err  # the job's first report, one per shard, the last
     fields = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d prebuild p: tokens ([\d,]+)/([\d,]+) \(\d+%\)  docs [\d,]+  "
                         r"shards (\d+)  MB/s [\d.e+-]+  elapsed \d+:\d\d:\d\d  ETA \S+(  mix web=0\.\d+ code=0\.\d+ math=0\.\d+)?$")
