@@ -122,7 +122,7 @@ def test_config_samples_every_source_by_the_mix_weights(mix, capsys, monkeypatch
     assert str(root / "kernel.jsonl.gz") in tok.metadata["inputs"]
     lines = out.splitlines()
     assert lines[0].startswith(f"sample: {BUDGET:,} B of text from 5 of 5 input(s) in 4 sources (") and "budget reached" in lines[0]
-    assert f"  source 'kernel': {per_source['kernel']:,} B (40.0% of the sample; weights: 40.0%)" in out
+    assert f"  source 'kernel': {per_source['kernel']:,} B (40.0% of the sample; weight 40.0%)" in out
     # none of the JSON or parquet scaffolding is learned: every token is text of the sources
     learned = b"".join(tok.merged_tokens)
     assert b'"' not in learned and b"{" not in learned and b"body" not in learned

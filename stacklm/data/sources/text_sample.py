@@ -170,11 +170,11 @@ class SampleAudit:
             return f"{n / total if total else 0:.1%}"
 
         if n_sources > 1:
-            by = "weights" if self.weight_by == "mix" else "size"
+            by = "weight" if self.weight_by == "mix" else "share of the text"
             for src, info in sorted(self.sources.items(), key=lambda kv: -sum(gave[n] for n in kv[1]["inputs"])):
                 got = sum(gave[n] for n in info["inputs"])
                 est = info.get("text")
-                lines.append(f"  source {src!r}: {got:,} B ({pct(got)} of the sample; {by}: {info['share']:.1%}) from "
+                lines.append(f"  source {src!r}: {got:,} B ({pct(got)} of the sample; {by} {info['share']:.1%}) from "
                              f"{len(info['inputs']):,} input(s)" + (f", ~{est:,} B of text" if est is not None else ""))
         ranked = sorted(names, key=lambda n: -gave[n])
         for name in ranked[:max_inputs]:
