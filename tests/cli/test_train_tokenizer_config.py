@@ -161,6 +161,13 @@ def test_weight_by_size_counts_compressed_text_uncompressed_and_refuses_a_stream
     assert {g["name"]: g["text_column"] for g in tok.metadata["training_sample"]["groups"]} == {
         "input:content": "content", "input:body": "body", "input:text": "text"}
     assert tok.metadata["inputs"] == ["code/*.parquet", "prose.jsonl", "kernel.jsonl.gz"]
+    # read again from the same PATH:COLUMN inputs (tok-eval's --overlap-sizes: the smaller budget shared the same way)
+    rc = main(["tok-eval", "--tokenizer", str(root / "tok_size"), "--input", "prose.jsonl:body", "--overlap-sizes",
+               "30000,60000", "--train-input", "code/*.parquet:content", "prose.jsonl:body", "kernel.jsonl.gz", "--no-progress"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "overlap: trained on 30,000 bytes" in captured.out and "overlap: trained on 60,000 bytes" in captured.out
+    assert "overlaps" in captured.err  # prose.jsonl (its column left off) is in the training sample
 
     rc, out, err = _train(capsys, "--config", "run.yaml", "--weight-by", "size", "--out", root / "refused")
     assert rc == 2 and len(err.strip().splitlines()) == 1, err
