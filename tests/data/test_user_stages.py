@@ -1,8 +1,8 @@
 """User stages (``pipeline.stages``, ``stacklm.data.quality.user_stages``): a filter function of
 one's own, a map, and two of datatrove's filters as they are (``GopherRepetitionFilter`` on one
 source, ``FineWebQualityFilter`` on both), run on ~200 documents of real text in each surface
--- a stream fit with a loader worker (logs, ``stacklm report``), ``stacklm prebuild`` on its
-local pool, and datatrove's local executor -- with every drop count checked against a count
+-- a stream fit with a loader worker (logs, ``stacklm report``), ``stacklm prebuild`` (its
+global dedup pass reads the stages too), and datatrove's local executor (two processes) -- with every drop count checked against a count
 this test makes by calling the same functions and datatrove filters on the input files itself,
 and the ledger adding up. Then: a stateful stage resumes exactly through a weights-only
 checkpoint; a stage that raises ends the run in one line naming the document; a stage that
@@ -157,7 +157,7 @@ def test_stream_fit_counts_each_stage_as_the_test_does(stream_run, expected):
 
 
 # ---------------------------------------------------------------------------------------
-# Surface 2: `stacklm prebuild` on its local pool
+# Surface 2: `stacklm prebuild` (its jobs and its global dedup pass)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def prebuilt(corpus, tokenizer_dir, tmp_path_factory):
     return work
 
 
-def test_prebuild_pool_counts_each_stage_as_the_test_does(prebuilt, expected, capsys):
+def test_stacklm_prebuild_counts_each_stage_as_the_test_does(prebuilt, expected, capsys):
     top = json.loads((prebuilt / "out" / "manifest.json").read_text())
     train = top["ledger"]["train"]
     assert train["ok"], train["problems"]
@@ -280,6 +280,35 @@ def test_a_stage_that_raises_ends_the_run_in_one_line_naming_the_document(corpus
     assert err.startswith("stacklm prebuild: error: pipeline stage 'explode' (tests.helpers.user_stages:explode, "
                           "pipeline.stages[0]) raised KeyError: \"cannot handle 'FORBIDDEN'\"")
     assert err.endswith(f"on source 'web', file 'a.jsonl', record {first}; fix the stage or take it out of pipeline.stages[0]")
+
+
+def test_what_a_stage_returns_decides_and_an_edited_text_loses_its_position():
+    """True keeps, a dict keeps it changed (the input's other fields kept), an edit in place
+    counts as a new text; either way the read position goes (the buffers then checkpoint the
+    content); a return value of another type stops the run naming the stage and the document."""
+    from torchdata.nodes import IterableWrapper
+
+    from stacklm.data.quality.user_stages import StageConfig, UserStageNode
+    from stacklm.errors import UserError
+
+    docs = [{"text": t, "source": "web", "doc_id": f"web/a.jsonl/{i}", "file": 0, "record": i, "seek": 10 * i}
+            for i, t in enumerate(["abc 1", "def", f"x {us.MARKER}"])]
+
+    def run(fn: str) -> list[dict]:
+        node = UserStageNode(IterableWrapper([dict(d) for d in docs]), StageConfig(fn=fn), "pipeline.stages[0]")
+        node.reset(None)
+        out = list(node)
+        assert sum(node.stats.to_dict()["web"].values()) == len(docs)
+        return out
+
+    assert run("tests.helpers.user_stages:drop_marked") == docs[:2]  # untouched, positions kept
+    mapped = run("tests.helpers.user_stages:redact_digits")
+    assert mapped[0] == {**{k: v for k, v in docs[0].items() if k != "seek"}, "text": "abc #"} and mapped[1] == docs[1]
+    assert [d["text"] for d in run("tests.helpers.user_stages:shout_in_place")] == ["ABC 1", "DEF", f"X {us.MARKER}"]
+    assert not any("seek" in d for d in run("tests.helpers.user_stages:shout_in_place"))
+    with pytest.raises(UserError, match=r"stage 'count_words' .* returned int; a stage returns True .* on source 'web', "
+                                        r"file 'a.jsonl', record 0"):
+        run("tests.helpers.user_stages:count_words")
 
 
 @pytest.mark.parametrize("stage, field, words", [

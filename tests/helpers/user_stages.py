@@ -46,3 +46,14 @@ def explode(doc: dict) -> bool:
 
 
 keep_all = lambda doc: True  # noqa: E731 -- not importable by name: refused before any work
+
+
+def shout_in_place(doc: dict) -> bool:
+    """A map that edits the document it got and keeps it (``True``)."""
+    doc["text"] = doc["text"].upper()
+    return True
+
+
+def count_words(doc: dict) -> int:
+    """Returns what no stage may return (an int): the run stops naming the stage."""
+    return len(doc["text"].split())

@@ -217,20 +217,20 @@ class UserStageNode(BaseNode[dict]):
         stage, stats = self.stage, self.stats
         while True:
             doc = next(self.source)
+            text = doc["text"]
             try:
                 out = stage(doc)
             except Exception as e:
                 raise self._failed(doc, f"raised {type(e).__name__}: {' '.join(str(e).split())}") from e
-            if out is True:
-                stats.add(doc["source"], KEPT)
-                return doc
-            if isinstance(out, dict):
-                if out is not doc:
+            if out is True or isinstance(out, dict):
+                if out is True:
+                    out = doc
+                elif out is not doc:
                     out = {**doc, **out}
-                    if out["text"] is not doc["text"]:
-                        out.pop("seek", None)  # its position reads the old text: checkpointed by content (doc_refs)
-                if not isinstance(out.get("text"), str):
-                    raise self._failed(doc, f"returned a document whose 'text' is {type(out.get('text')).__name__}, not a string")
+                if out["text"] is not text:  # a new text (returned, or set on the input in place)
+                    if not isinstance(out["text"], str):
+                        raise self._failed(doc, f"returned a document whose 'text' is {type(out['text']).__name__}, not a string")
+                    out.pop("seek", None)  # its position reads the old text: checkpointed by content (doc_refs)
                 stats.add(doc["source"], KEPT)
                 return out
             if out is False or out is None:
