@@ -2,9 +2,10 @@
 one's own, a map, and two of datatrove's filters as they are (``GopherRepetitionFilter`` on one
 source, ``FineWebQualityFilter`` on both), run on ~200 documents of real text in each surface
 -- a stream fit with a loader worker (logs, ``stacklm report``), ``stacklm prebuild`` (its
-global dedup pass reads the stages too), and datatrove's local executor (two processes) -- with every drop count checked against a count
-this test makes by calling the same functions and datatrove filters on the input files itself,
-and the ledger adding up. Then: a stateful stage resumes exactly through a weights-only
+global dedup pass reads the stages too) and datatrove's local executor (tasks in their own
+processes) -- with every drop count checked against a count this test makes by calling the
+same functions and datatrove filters on the input files itself, and the ledger adding up.
+Then: what a stage returns; a stateful stage resumes exactly through a weights-only
 checkpoint; a stage that raises ends the run in one line naming the document; a stage that
 cannot reach a worker is refused before any work; the stage set is part of the config hash."""
 
