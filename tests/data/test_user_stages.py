@@ -281,6 +281,19 @@ def test_a_stage_that_raises_ends_the_run_in_one_line_naming_the_document(corpus
     assert err.startswith("stacklm prebuild: error: pipeline stage 'explode' (tests.helpers.user_stages:explode, "
                           "pipeline.stages[0]) raised KeyError: \"cannot handle 'FORBIDDEN'\"")
     assert err.endswith(f"on source 'web', file 'a.jsonl', record {first}; fix the stage or take it out of pipeline.stages[0]")
+    # the same from a stream loader worker: the worker's error, one line, the worker named
+    from stacklm.errors import UserError, user_error_message
+
+    dm = StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), seq_len=SEQ_LEN, batch_size=BATCH, num_workers=1,
+                         val_batches=0, step_log=False, pipeline=pipeline(
+                             root, total=20_000, stages=[{"fn": "tests.helpers.user_stages:explode"}], filters=False))
+    dm.setup("fit")
+    with pytest.raises(UserError) as e:
+        for _ in dm.train_dataloader():
+            pass
+    line = user_error_message(e.value)
+    assert "\n" not in line and line.startswith("pipeline stage 'explode' (") and line.endswith("(in DataLoader worker 0)")
+    assert " on source 'web', file 'a.jsonl', record " in line or " on source 'notes', file 'c.parquet', record " in line
 
 
 def test_what_a_stage_returns_decides_and_an_edited_text_loses_its_position():
