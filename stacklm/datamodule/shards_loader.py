@@ -177,12 +177,20 @@ class ShardsLoader:
                 self.prefetcher.close()
                 self.prefetcher = None
 
-    def _serve(self, plan):
-        loader = torch.utils.data.DataLoader(
+    def _batches(self, plan):
+        if self.num_workers == 0:
+            # Why not a DataLoader here: in the main process it adds a profiler ``record_function``
+            # and ``default_convert`` per batch, ~50 us, a third of a lean batch's own cost
+            # (bench/loader.py, "ShardsLoader" rows), and gives nothing in return.
+            fetch = _BatchFetch(self.dataset)
+            return (fetch[item] for item in plan)
+        return torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
-            worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
+            worker_init_fn=WorkerInit(),  # workers die with this process
         )
-        for t, batch in enumerate(loader, start=1):
+
+    def _serve(self, plan):
+        for t, batch in enumerate(self._batches(plan), start=1):
             if self.prefetcher is not None:  # steps < t are done: their shards may go
                 self.prefetcher.advance(t)
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead
