@@ -10,13 +10,12 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data._utils.collate import default_convert
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
+from stacklm.datamodule.handoff import MainBlocks, worker_pack
 from stacklm.datamodule.resume.logical import (
     LOGICAL_KEY,
     LogicalStreamDataset,
@@ -90,16 +89,6 @@ def pick_rank_state(per_rank: list[Any], mode: str) -> Any:
     return per_rank[rank]
 
 
-def hand_over(batch: Any) -> Any:
-    """A worker's batch as the main process takes it: a dict's numpy planes as tensors, the rest
-    (tensors, the delivery lists, the summary) as it is. Why not torch's ``default_convert``: it
-    recurses into every element of the delivery's per-row piece lists and the summary, ~200 calls
-    a batch, ~5 % of a stream reader's CPU (bench/pipeline.py), to change nothing."""
-    if isinstance(batch, dict):
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
-    return default_convert(batch)
-
-
 class StackDataLoader(DataLoader):
     """A plain ``DataLoader`` whose checkpoint state is the project's own, per rank and
     weights_only-safe (``worker_state`` says why the project owns it and what a worker sends).
@@ -132,8 +121,8 @@ class StackDataLoader(DataLoader):
         snapshot_every_n_steps: int = 1000,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("batch_size", 1) is None:  # each item is a whole batch: hand it over as it is
-            kwargs.setdefault("collate_fn", hand_over)
+        if kwargs.get("batch_size", 1) is None:  # each item is a whole batch: by reused shared-memory blocks
+            kwargs.setdefault("collate_fn", worker_pack)
         super().__init__(*args, **kwargs)
         self.snapshot_every_n_steps = int(snapshot_every_n_steps)
         self.vocab_size = vocab_size
@@ -177,6 +166,7 @@ class StackDataLoader(DataLoader):
     def _open(self, start: dict[str, Any] | None) -> Iterator[Any]:
         """A ``DataLoader`` iterator whose workers start from ``start`` (a loader state), or afresh."""
         self._track = _Track(self.roles, start)
+        self._blocks = MainBlocks()  # this pass's workers' shared-memory blocks (``handoff``)
         ds = self.dataset
         ds.snapshot_every = self.snapshot_every_n_steps
         ds.worker_start = None if start is None else {"offset": int(start["next"]), "roles": start["roles"]}
@@ -228,7 +218,7 @@ class StackDataLoader(DataLoader):
                 batch = next(it)
             except StopIteration:
                 return
-            batch = dict(batch)
+            batch = dict(self._blocks.unpack(batch))
             self._track.handed_out(batch.pop(WORKER_KEY))
             ids = batch_input_ids(batch)
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")

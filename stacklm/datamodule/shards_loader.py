@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.datamodule.handoff import MainBlocks, worker_pack
 from stacklm.datamodule.resume.shards import available_positions, start_position
 from stacklm.parent_death import WorkerInit
 
@@ -84,6 +85,7 @@ class ShardsLoader:
         self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
         self.last_rows: tuple[np.ndarray, int] | None = None  # (global rows, padding rows) of the last batch handed out
+        self.blocks = None  # a pass with workers: their shared-memory blocks (``handoff.MainBlocks``)
         # Stream positions never served (``skip_steps``): global ``[lo, hi)``, position = epoch x rows + row.
         self.skips = sorted((int(lo), int(hi)) for lo, hi in (skips or ()))
         self._set_position(position or start_position())
@@ -184,10 +186,13 @@ class ShardsLoader:
             # (bench/loader.py, "ShardsLoader" rows), and gives nothing in return.
             fetch = _BatchFetch(self.dataset)
             return (fetch[item] for item in plan)
-        return torch.utils.data.DataLoader(
+        blocks = self.blocks = MainBlocks()  # the workers' shared-memory blocks, for this pass (``handoff``)
+        loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
             worker_init_fn=WorkerInit(),  # workers die with this process
+            collate_fn=worker_pack,
         )
+        return (blocks.unpack(batch) for batch in loader)
 
     def _serve(self, plan):
         for t, batch in enumerate(self._batches(plan), start=1):
