@@ -359,8 +359,11 @@ def test_progress_moves_within_a_shard(tmp_path, tok_dir):
     assert tokens[-1] == sum(r["tokens"] for r in summary["realized"].values())
 
 
-def test_progress_bar_shows_docs_and_rate(tmp_path, tok_dir, capsys):
+def test_progress_bar_shows_docs_and_rate(tmp_path, tok_dir, capsys, monkeypatch):
+    """The terminal's bar (pytest's captured stderr is not a terminal: asked for by name)."""
     from stacklm.prebuild import prebuild
+
+    monkeypatch.setenv("STACKLM_PROGRESS", "bar")
 
     cfg = write_config(tmp_path, tok_dir)
     from stacklm.prebuild import load_config
