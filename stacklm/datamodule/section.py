@@ -30,6 +30,7 @@ from stacklm.config import PIPELINE_PATH, Config
 from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.errors import ConfigError, DataConfigError
+from stacklm.once import unsaid
 
 DATA_PATH = "data"
 MODE_NAMES = ("shards", "stream", "sft", "preference")  # == stacklm.datamodule.modes.MODES (a test checks)
@@ -71,7 +72,9 @@ def check_pipeline(value: Any) -> dict[str, Any]:
     except (TypeError, ValueError):  # not plain JSON (not from a YAML file): checked every time
         key = None
     if key is None or key not in _last_checked:
-        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
+        # unsaid: a later --config may replace this pipeline; the one the run builds (DataConfig) speaks
+        with unsaid():
+            (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
         _last_checked[:] = [key] if key is not None else []
     return d
 
