@@ -152,7 +152,7 @@ def _inspect_step(args: argparse.Namespace) -> int:
         return 1 if unverified else 0
     if not args.tokenizer and Path(out["tokenizer"]).exists():  # the run's own tokenizer shows each piece's text
         args.tokenizer = out["tokenizer"]
-    check = ("" if out["mode"] != "stream" else
+    check = ("" if out["mode"] == "shards" else
              f"; {len(real) - unverified} of {len(real)} rebuilt from the source files and verified against the logged CRC")
     print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
           f"{len(real)} rows, {len(out['rows']) - len(real) - len(skipped)} padding rows{check}")

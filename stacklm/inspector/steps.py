@@ -7,6 +7,10 @@ CRC-32 of its window: the tokens are rebuilt here from the source records, throu
 source nodes and tokenizer the run used (a record's text as the source yields it, encoded on
 the same fast path, wrapped ``<bos> ids <eos>``), and checked against the CRC, so a source
 file changed since the run shows up as ``"verified": false`` rather than as wrong tokens.
+SFT and preference modes logged the same: per row its conversations (sft: those packed in the
+row) or its pair (preference: one piece, the chosen side's range), each named by source, file and
+record; they are read back and rendered as the run rendered them (the source's loss policy and
+overlong rule) and checked against the logged CRC the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
         fill = _shard_rows(meta)
     elif meta["mode"] == "stream":
         fill = _StreamRows(meta)
+    elif meta["mode"] in ("sft", "preference"):
+        fill = _ConversationRows(meta)
     else:
         raise DataError(f"{generation}: mode {meta['mode']!r} has no step log reader")
     for rec in records:
@@ -199,3 +205,107 @@ class _StreamRows:
                 return cut, True
         return window, False
 
+
+
+class _ConversationRows:
+    """Rebuilds sft- and preference-mode rows from their pieces: each named record read back from
+    its file (``sources.entry.part_documents`` over the run's reader) and rendered with the
+    run's tokenizer, seq_len, loss policy and overlong rule. An sft window is its conversations'
+    loss-tagged ids at their ranges (padding elsewhere), ``input_ids`` without the tags; a
+    preference row's CRC is that of its pair's tagged ids (both sides), ``input_ids`` its chosen
+    side."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        from stacklm.data.sft import SFTConfig
+        from stacklm.data.storage.manifest import tokenizer_hash
+        from stacklm.tokenizer.bpe import StackTokenizer
+
+        stream = meta["stream"]
+        self.preference = meta["mode"] == "preference"
+        self.config = SFTConfig.from_dict(stream["pipeline"])
+        self.cwd = stream["cwd"]
+        self.seq_len = int(meta["seq_len"])
+        self.tok = StackTokenizer.load(meta["tokenizer"])
+        if tokenizer_hash(self.tok) != meta["tokenizer_hash"]:
+            raise DataError(f"the tokenizer at {meta['tokenizer']} changed since the run; the rows cannot be rebuilt")
+        self.specs = list(self.config.sources)
+        self._labels: dict[int, list[str]] = {}
+        self._rendered: dict[tuple[int, int, int], np.ndarray | None] = {}  # loss-tagged; None: no longer renders
+
+    def _node(self, src: int):
+        from stacklm.data.sft.reader import ConversationSource
+        from stacklm.data.sources import ShardSpec
+
+        if self.preference:
+            from stacklm.data.sft.preference_pipeline import PreferenceSource as cls
+        else:
+            cls = ConversationSource
+        node = cls(self.specs[src], shard=ShardSpec(), role_aliases=self.config.role_aliases, on_invalid="skip")
+        node.log_rows = False  # the run reported its rejected records; a read-back does not again
+        return node
+
+    def labels(self, src: int) -> list[str]:
+        if src not in self._labels:
+            from stacklm.data.storage.provenance import source_files
+
+            node = self._node(src)
+            with _cwd(self.cwd):
+                node.reset()
+            self._labels[src] = source_files(node)
+        return self._labels[src]
+
+    def _render(self, src: int, doc: dict) -> np.ndarray | None:
+        spec = self.specs[src]
+        overlong = spec.overlong or self.config.overlong
+        if self.preference:
+            from stacklm.data.sft.preference import render_pair
+
+            out = render_pair(doc["prompt"], doc["chosen"], doc["rejected"], self.tok, self.seq_len, overlong, spec.loss_policy())[0]
+            return None if out is None else out.tagged()
+        from stacklm.chat.render import render_for_sft
+
+        return render_for_sft(doc["turns"], self.tok, self.seq_len, overlong, spec.loss_policy())[0]
+
+    def _load(self, needed: set[tuple[int, int, int]]) -> None:
+        from stacklm.data.sources.entry import part_documents
+
+        by_part: dict[tuple[int, int], set[int]] = {}
+        for src, fid, rec in sorted(needed - set(self._rendered)):
+            by_part.setdefault((src, fid), set()).add(rec)
+        for (src, fid), records in by_part.items():
+            with _cwd(self.cwd):
+                for doc in part_documents(self._node(src), fid):
+                    r = int(doc.get("record", -1))
+                    if r > max(records):
+                        break
+                    if r in records:
+                        self._rendered[(src, fid, r)] = self._render(src, doc)
+            for r in records:
+                self._rendered.setdefault((src, fid, r), None)  # gone from the file
+
+    def __call__(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
+        from stacklm.chat.render import untag_loss
+        from stacklm.data.packing.origins import window_crc
+
+        self._load({(int(p[0]), int(p[1]), int(p[2])) for row in rec["pieces"] if row for p in row if None not in p[:3]})
+        out = []
+        for pieces, crc in zip(rec["pieces"], rec["crc"]):
+            if pieces is None:  # a row restored from a checkpoint written before the packer kept pieces
+                out.append({"input_ids": None, "verified": False, "segments": None})
+                continue
+            segments = [{"source": self.specs[s].name, "file": self.labels(s)[f] if f is not None and f < len(self.labels(s)) else None,
+                         "record": r, "row_start": a, "row_end": b, "doc_offset": off} for s, f, r, a, b, off in pieces]
+            parts = [self._rendered.get((s, f, r)) for s, f, r, *_ in pieces]
+            if any(p is None for p in parts):
+                out.append({"input_ids": None, "verified": False, "segments": segments})
+                continue
+            if self.preference:  # one pair: its tagged ids are what the CRC covers; the chosen side is the row shown
+                tagged = parts[0]
+                ids = untag_loss(tagged[: pieces[0][4]])[0]
+            else:
+                tagged = np.full(self.seq_len, self.tok.pad_id, dtype=np.int32)
+                for (_, _, _, a, b, off), part in zip(pieces, parts):
+                    tagged[a:b] = part[off : off + b - a] if off + (b - a) <= len(part) else self.tok.pad_id
+                ids = untag_loss(tagged)[0]
+            out.append({"input_ids": ids.tolist(), "verified": window_crc(tagged) == int(crc), "segments": segments})
+        return out
