@@ -201,7 +201,8 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
                     else "holds no dedup evidence (dedup-evidence/ deleted, or its index was decided before stacklm kept it); rebuild it to ask why "
                     f"(`stacklm prebuild --config CONFIG --out NEW_DIR`)")
             raise UserError(f"{where} {said}")
-        return files, PipelineConfig.from_dict(top["build"]["config"])
+        # a build's content config leaves batch_size out (it does not change the tokens), nor does --why read it
+        return files, PipelineConfig.from_dict({"batch_size": 1, **top["build"]["config"]})
     from stacklm.prebuild import load_config
 
     config, _ = load_config(args.input)
