@@ -223,7 +223,8 @@ def test_the_command_line_loads_no_torch_until_a_command_runs():
 # package's public face (``stacklm/__init__.py``), which re-exports from the layers below.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("core", ("stacklm.errors", "stacklm.constants", "stacklm.atomic", "stacklm.once", "stacklm.optional",
-              "stacklm.dist", "stacklm.config", "stacklm.parent_death", "stacklm.corpus", "stacklm.configs")),
+              "stacklm.progress_lines", "stacklm.dist", "stacklm.config", "stacklm.parent_death", "stacklm.corpus",
+              "stacklm.configs")),
     ("tokenizer", ("stacklm.tokenizer",)),
     ("chat", ("stacklm.chat",)),
     ("data", ("stacklm.data",)),

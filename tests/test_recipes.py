@@ -46,6 +46,7 @@ TEXT: dict[str, list[tuple[str, str]]] = {
     "g": [("--seq-len 1024", "--seq-len 64"), ("--trainer.max_steps 500", "--trainer.max_steps 2")],
     "h": [("seq_len=1024", "seq_len=64"), ("batch_size=8", "batch_size=4")],
     "i": [],
+    "j": [],
 }
 # YAML values set in the recipes' files: {file: {dotted.key: value}}; every key must exist.
 TINY_MODEL = {"model.config.vocab_size": 512, "model.config.seq_len": 64, "model.config.n_layer": 1,
@@ -69,6 +70,8 @@ YAML: dict[str, dict[str, Any]] = {
                     "trainer.callbacks.1.init_args.every_n_train_steps": 2},
     "clean.yaml": {"data.seq_len": 64, "data.batch_size": 4, "data.pipeline.holdout_fraction": 0.1,
                    "data.pipeline.mix.total_tokens": 20_000},
+    "stages.yaml": {"data.seq_len": 64, "data.batch_size": 4, "data.pipeline.holdout_fraction": 0.1,
+                    "data.pipeline.mix.total_tokens": 10**6},  # more than the notes hold: every document is read
     "sft.yaml": {"data.seq_len": 64, "data.batch_size": 4, "data.pipeline.shuffle_buffer": 50,
                  "data.pipeline.pack_buffer_docs": 8, "data.pipeline.holdout_fraction": 0.1},
 }
@@ -326,16 +329,58 @@ def test_recipe_i_decontaminate_against_an_evaluation_set(workdir, docs, monkeyp
     assert len(list((workdir / "cache" / "decontam").iterdir())) == 1
 
 
-def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid():
-    """Fast (not slow): the drift guard without running anything. Every recipe a-h has blocks;
+@pytest.mark.slow
+def test_recipe_j_user_stages_and_datatroves_filters(workdir, docs):
+    """Recipe j's drops, stage by stage, against the recipe's own functions and datatrove's
+    filters called here on the notes file's training documents."""
+    from datatrove.data import Document
+    from datatrove.pipeline.filters import FineWebQualityFilter, GopherRepetitionFilter
+
+    from stacklm.data.quality.filters import FilterConfig, filter_reason
+    from stacklm.data.quality.holdout import holdout_split
+
+    pool = docs[340:440]
+    rows = pool[8:] + [t.upper() for t in pool[:8]]  # eight documents in capitals, for no_shouting
+    write_jsonl(workdir / "notes" / "a.jsonl", [{"body": t} for t in rows])  # where recipe b writes it
+    (printed,) = run_recipe("j", workdir)
+    mine: dict[str, Any] = {}
+    exec(next(t for _, name, t in blocks("j") if name == "my_stages.py"), mine)
+    gopher, fineweb = GopherRepetitionFilter(), FineWebQualityFilter(line_punct_thr=0.12)
+    want: dict[str, int] = {}
+    for t in rows:
+        if holdout_split(t, 0.1, 0) != "train" or filter_reason({"text": t}, FilterConfig(), "prose") is not None:
+            continue
+        for stage, verdict in (("no_shouting", lambda: mine["no_shouting"]({"text": t}, max_upper=0.3)),
+                               ("gopher_repetition_filter", lambda: gopher.filter(Document(text=t, id=""))),
+                               ("fineweb", lambda: fineweb.filter(Document(text=t, id="")))):
+            v = verdict()
+            if v is not True:
+                key = f"{stage}/{v if isinstance(v, str) else v[1]}"
+                want[key] = want.get(key, 0) + 1
+                break
+    assert want.get("no_shouting/shouting", 0) >= 1 and any(k.startswith("fineweb/") for k in want)
+    top = json.loads((workdir / "staged_shards" / "manifest.json").read_text())
+    dropped = top["ledger"]["train"]["sources"]["notes"]["docs"]["dropped"]
+    assert {k: n for k, n in dropped.items() if k.split("/")[0] in ("no_shouting", "gopher_repetition_filter", "fineweb")} == want
+    assert top["ledger"]["train"]["ok"] and "dropped no_shouting/shouting" in printed.stdout
+    assert "identities: OK" in printed.stdout and "FAIL" not in printed.stdout
+
+
+def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid(tmp_path, monkeypatch):
+    """Fast (not slow): the drift guard without running anything. Every recipe a-j has blocks;
     every shrink still matches the markdown; every config's ``data:`` section is accepted by
-    ``StackDataModule`` (an unknown key under ``data.pipeline`` is refused at construction);
-    the SFT recipe keeps the packaged ``sft.yaml``'s pipeline settings."""
+    ``StackDataModule`` (an unknown key under ``data.pipeline`` is refused at construction, a
+    stage it cannot import too: the recipes' Python files are put on the path, as the recipe's
+    ``export PYTHONPATH`` does); the SFT recipe keeps the packaged ``sft.yaml``'s pipeline settings."""
     from stacklm.configs import resolve_config
     from stacklm.datamodule import StackDataModule
 
-    for recipe in "abcdefghi":
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for recipe in "abcdefghij":
         found = blocks(recipe)
+        for _, name, body in found:
+            if name is not None and name.endswith(".py"):
+                (tmp_path / name).write_text(body)
         text = "\n".join(t for _, name, t in found if name is None or not name.endswith(".yaml"))
         missing = [old for old, _ in TEXT[recipe] if old not in text]
         assert not missing, f"recipe {recipe}: the test's substitutions {missing} no longer match docs/recipes.md"

@@ -1,8 +1,10 @@
 """``stacklm train-tokenizer`` and ``stacklm tok-eval``: train, export and evaluate the BPE tokenizer.
 
-Both read text the same way (``stacklm.data.sources.text_input.open_text_input``): text files, JSON
-lines or parquet with ``--text-column``, or a ``datasets`` dataset (``--dataset``); with no
-input they use the embedded corpus. ``tok-eval``'s baselines train on the tokenizer's own training
+Both read text the same way (``stacklm.data.sources.text_input.open_text_input``/``open_text_mix``):
+text files, JSON lines or parquet with ``--text-column`` (or each ``--input PATH:COLUMN`` its own),
+or a ``datasets`` dataset (``--dataset``); with no input they use the embedded corpus.
+``train-tokenizer --config run.yaml`` samples a run config's training mix
+(``stacklm.cli.tokenizer_inputs``). ``tok-eval``'s baselines train on the tokenizer's own training
 sample (``metadata.training_sample``, recorded by ``train-tokenizer``), never on the text it evaluates.
 """
 
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,42 +26,86 @@ MIN_VOCAB = N_BYTES + len(SPECIAL_TOKENS) + 1  # the bytes, the specials and one
 
 
 # ---------------------------------------------------------------------- reading text
+def _column(args: argparse.Namespace) -> str:
+    return args.text_column or "text"
+
+
+def _fmt(args: argparse.Namespace) -> str:
+    return "txt" if args.raw_text else "auto"
+
+
 def _read_options(args: argparse.Namespace, dataset: str | None = None) -> dict:
     """``open_text_input``'s keyword arguments for the command's reading options (column, raw text, dataset)."""
-    return dict(text_column=args.text_column, fmt="txt" if args.raw_text else "auto", dataset=dataset,
+    return dict(text_column=_column(args), fmt=_fmt(args), dataset=dataset,
                 dataset_config=args.dataset_config if dataset else None, split=args.split,
                 data_files=args.data_files if dataset else None)
 
 
 def _open(args: argparse.Namespace, max_bytes: int | None, inputs=None, dataset: str | None = None):
-    """``open_text_input`` with the command's reading options."""
-    from stacklm.data.sources.text_input import open_text_input
+    """``open_text_input`` with the command's reading options; ``inputs`` may give each path its
+    own column (``PATH:COLUMN``), each file then taking its share by the text it holds."""
+    from stacklm.cli.tokenizer_inputs import input_groups
+    from stacklm.data.sources.text_input import open_text_input, open_text_mix
 
-    return open_text_input(inputs, max_bytes, **_read_options(args, dataset))
+    read = _read_options(args, dataset)
+    if inputs is not None:
+        groups = input_groups(inputs, _column(args), _fmt(args))
+        if len(groups) > 1:
+            return open_text_mix(groups, max_bytes, weight_by="size")
+        inputs, read["text_column"] = list(groups[0].inputs), groups[0].text_column
+    return open_text_input(inputs, max_bytes, **read)
 
 
-def _training_texts(args: argparse.Namespace, max_bytes: int | None):
-    from stacklm.data.sources.text_sample import sample_texts
+def _training_sample(args: argparse.Namespace):
+    """``(sample, metadata.inputs, metadata.training_sample without bytes/sha256)`` for the
+    command's input: a run config's mix (``--config``), files (``--input``), a dataset, or the
+    embedded corpus."""
+    from stacklm.cli.tokenizer_inputs import config_groups, groups_record, input_groups, input_paths
+    from stacklm.data.sources.text_input import EMBEDDED_CORPUS, open_text_input, open_text_mix, sample_spec
+    from stacklm.data.sources.text_sample import resolve_inputs, sample_texts
 
-    if args.input and args.dataset:
-        raise UserError("pass --input or --dataset, not both (train on one input; concatenate files with globs)")
+    given = [f for f, v in (("--config", args.config), ("--input", args.input), ("--dataset", args.dataset)) if v]
+    if len(given) > 1:
+        raise UserError(f"pass one of --config, --input and --dataset, not {' and '.join(given)} (train on one input; "
+                        "list several files with --input, or sources in the config)")
+    if args.config and args.text_column:
+        raise UserError("--text-column: the sources of a --config name their own column (field 'text_column' of each "
+                        "source); leave --text-column out, or use --input PATH:COLUMN")
+    if args.weight_by and not (args.config or args.input):
+        raise UserError("--weight-by: only with --config or --input (shares between several inputs)")
+    max_bytes = args.max_bytes
+    if args.config:
+        groups, config = config_groups(args.config, _fmt(args))
+        weight_by = args.weight_by or "mix"
+        sample = open_text_mix(groups, max_bytes, weight_by=weight_by)
+        files = [os.path.abspath(p) for g in groups if g.node is None for p in resolve_inputs(g.inputs)[0]]
+        streams = [f"dataset:{g.label}" for g in groups if g.node is not None]
+        return sample, files + streams, groups_record(groups, weight_by, max_bytes, config)
     if args.input:
-        return _open(args, max_bytes, inputs=args.input)
+        groups = input_groups(args.input, _column(args), _fmt(args))
+        weight_by = args.weight_by or "size"
+        paths = input_paths(args.input, _column(args))
+        if len(groups) > 1 or weight_by != "size":
+            return open_text_mix(groups, max_bytes, weight_by=weight_by), paths, groups_record(groups, weight_by, max_bytes, None)
+        read = {**_read_options(args), "text_column": groups[0].text_column}  # PATH:COLUMN or --text-column
+        return open_text_input(paths, max_bytes, **read), paths, sample_spec(paths, max_bytes, **read)
     if args.dataset:
-        return _open(args, max_bytes, dataset=args.dataset)
+        return (_open(args, max_bytes, dataset=args.dataset), [f"dataset:{args.dataset}"],
+                sample_spec(None, max_bytes, **_read_options(args, args.dataset)))
     from stacklm.corpus import iter_default_corpus
 
-    return sample_texts(iter_default_corpus(), max_bytes, source="embedded default corpus (Python stdlib)")
+    sample = sample_texts(iter_default_corpus(), max_bytes, source="embedded default corpus (Python stdlib)")
+    return sample, [EMBEDDED_CORPUS], sample_spec(None, max_bytes)
 
 
 def cmd_train_tokenizer(args: argparse.Namespace) -> int:
     from stacklm.tokenizer.training import train_from_iterable
     from stacklm.chat.template_export import export_all
 
-    from stacklm.data.sources.text_input import EMBEDDED_CORPUS, TRAINING_SAMPLE, SampleDigest, sample_spec
+    from stacklm.data.sources.text_input import TRAINING_SAMPLE, SampleDigest
 
     out = Path(args.out)
-    sample = _training_texts(args, args.max_bytes)
+    sample, inputs, spec = _training_sample(args)
     digest = SampleDigest(sample)
     try:
         res = train_from_iterable(
@@ -78,10 +125,9 @@ def cmd_train_tokenizer(args: argparse.Namespace) -> int:
         raise
     audit = sample.audit
     res.tokenizer.metadata["sample_audit"] = audit.to_dict()
-    res.tokenizer.metadata["inputs"] = args.input or ([f"dataset:{args.dataset}"] if args.dataset else [EMBEDDED_CORPUS])
+    res.tokenizer.metadata["inputs"] = inputs
     # what tok-eval's baselines train on (the same text, checked by the hash), never the evaluation text
-    res.tokenizer.metadata[TRAINING_SAMPLE] = {**sample_spec(args.input, args.max_bytes, **_read_options(args, args.dataset)),
-                                               "bytes": digest.bytes, "sha256": digest.sha256}
+    res.tokenizer.metadata[TRAINING_SAMPLE] = {**spec, "bytes": digest.bytes, "sha256": digest.sha256}
     path = res.tokenizer.save(out / ARTIFACT_NAME)
     exports = export_all(res.tokenizer, out)
     print("\n".join(audit.summary()))
@@ -209,13 +255,14 @@ def _check_sample(record: dict, digest, spec: str) -> None:
     if digest.sha256 != record["sha256"] or digest.bytes != record.get("bytes"):
         raise TokenizerArtifactError(
             f"{spec}: field 'metadata.{TRAINING_SAMPLE}.sha256': the training sample read again from "
-            f"{', '.join(map(str, record.get('inputs') or [record.get('dataset')]))[:200]} is {digest.bytes:,} bytes with "
+            f"{_described(record)[:200]} is {digest.bytes:,} bytes with "
             f"sha256 {digest.sha256[:12]}, the tokenizer was trained on {record.get('bytes') or 0:,} bytes with sha256 "
             f"{record['sha256'][:12]}: the files changed or moved; restore them, or leave out --hf-baseline/--overlap-sizes")
 
 
 def _described(record: dict) -> str:
-    inputs = record.get("inputs") or [f"dataset {record.get('dataset')}"]
+    inputs = (record.get("inputs") or [f"source {g.get('name')}" for g in record.get("groups") or []]
+              or [f"dataset {record.get('dataset')}"])
     return f"{', '.join(map(str, inputs[:3]))}{', ...' if len(inputs) > 3 else ''}"
 
 
@@ -242,15 +289,17 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         texts = evaluate.domain_texts_from_corpus(max_bytes=args.max_bytes_per_domain)
     baselines: dict[str, dict] = {}  # what each trained baseline trained on (--json)
     if args.hf_baseline or args.overlap_sizes:
+        from stacklm.cli.tokenizer_inputs import recorded_groups
         from stacklm.data.sources.text_input import SampleDigest, open_recorded_sample
 
         from stacklm.errors import TextInputError, TokenizerArtifactError
 
         record = _recorded_sample(main_tok, args.tokenizer)
+        groups = recorded_groups(record, args.train_input, args) if "groups" in record else None
 
         def recorded(max_bytes=None):
             try:
-                return open_recorded_sample(record, args.tokenizer, max_bytes=max_bytes, files=args.train_input)
+                return open_recorded_sample(record, args.tokenizer, max_bytes=max_bytes, files=args.train_input, groups=groups)
             except TextInputError as e:
                 raise TokenizerArtifactError(f"{args.tokenizer}: field 'metadata.training_sample': its training sample cannot "
                                              f"be read again ({e}); restore it, or leave out --hf-baseline/--overlap-sizes") from None
@@ -272,7 +321,9 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
                            "bytes": metered.bytes, "sha256": metered.sha256}
         print(f"trained the HF BpeTrainer baseline on {metered.bytes:,} bytes of {args.tokenizer}'s training sample "
               f"({_described(record)}; {digest.bytes:,} bytes in all) in {time.perf_counter() - t:.1f}s")
-    eval_globs = None if not sources else [g for _, kw in sources for g in (kw.get("inputs") or [])]
+    from stacklm.cli.tokenizer_inputs import input_paths
+
+    eval_globs = None if not sources else [g for _, kw in sources for g in input_paths(kw.get("inputs") or [], _column(args))]
     overlap = training_overlap(main_tok, eval_globs)
     if overlap:
         print(f"warning: the evaluation text overlaps {args.tokenizer}'s training sample ({', '.join(overlap[:5])}"
@@ -288,7 +339,7 @@ def cmd_tok_eval(args: argparse.Namespace) -> int:
         small, large = args.overlap_sizes
         merges, seen = {}, {}
         for size in (small, large):
-            sample = open_recorded_sample(record, args.tokenizer, max_bytes=size, files=args.train_input)
+            sample = open_recorded_sample(record, args.tokenizer, max_bytes=size, files=args.train_input, groups=groups)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 res = train_from_iterable(sample, main_tok.vocab_size, pattern=main_tok.pattern)
@@ -311,6 +362,9 @@ TRAIN_EXAMPLES = """examples:
   stacklm train-tokenizer --input 'books/**/*.txt' --vocab-size 16384 --out tok/
   stacklm train-tokenizer --input data.jsonl.zst --text-column text --out tok/
   stacklm train-tokenizer --input shards/*.parquet --text-column content --max-bytes 500000000 --out tok/
+  stacklm train-tokenizer --input a.parquet:content --input b.jsonl:body --input 'c/*.txt' --out tok/
+  stacklm train-tokenizer --config run.yaml --vocab-size 32768 --out tok/          # the run's mix, by its weights
+  stacklm train-tokenizer --config run.yaml --weight-by size --out tok/            # ... by the text each source holds
   stacklm train-tokenizer --dataset json --data-files a.jsonl b.jsonl --out tok/   # a datasets builder
   stacklm train-tokenizer --dataset HuggingFaceFW/fineweb-edu --dataset-config sample-10BT --out tok/
 """
@@ -326,8 +380,9 @@ EVAL_EXAMPLES = """examples:
 
 def _add_reading_options(p: argparse.ArgumentParser, what: str) -> None:
     """The text-reading options shared by ``train-tokenizer`` and ``tok-eval``."""
-    p.add_argument("--text-column", default="text", metavar="NAME",
-                   help="the text field of .jsonl/.parquet inputs and --dataset rows (default: text)")
+    p.add_argument("--text-column", default=None, metavar="NAME",
+                   help="the text field of .jsonl/.parquet inputs (those without their own :COLUMN) and --dataset rows "
+                   "(default: text)")
     p.add_argument("--raw-text", action="store_true",
                    help="read every --input file as plain text, even JSON (otherwise refused as a likely mistake)")
     p.add_argument("--dataset", metavar="PATH_OR_ID",
@@ -347,9 +402,17 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
         "a tiktoken ranks file and a Hugging Face tokenizer directory.",
         epilog=TRAIN_EXAMPLES, formatter_class=fmt,
     )
-    t.add_argument("--input", nargs="+", metavar="GLOB",
-                   help="files/globs: text (.txt, code, ...), JSON lines (.jsonl, .gz/.zst too) or .parquet "
+    t.add_argument("--config", metavar="RUN_YAML",
+                   help="sample the training mix of a run config (the YAML of `stacklm prebuild`/`stacklm-train fit`, or a "
+                   "packaged config by name): each source's files, format and text_column, by the mix's weights")
+    t.add_argument("--input", nargs="+", action="extend", metavar="GLOB[:COLUMN]",
+                   help="files/globs: text (.txt, code, ...), JSON lines (.jsonl, .gz/.zst too) or .parquet; "
+                   "PATH:COLUMN reads that input's records with its own column (else --text-column); repeatable "
                    "(default: the embedded corpus)")
+    t.add_argument("--weight-by", choices=("mix", "size"), default=None,
+                   help="how the budget is shared between inputs: mix (the config's weights; each --input spec "
+                   "equally) or size (the text each holds; compressed files by their uncompressed size). "
+                   "Default: mix with --config, size with --input")
     _add_reading_options(t, "train on")
     t.add_argument("--max-bytes", type=positive_int, default=100_000_000,
                    help="training sample size in UTF-8 bytes (default: 100,000,000)")
@@ -372,7 +435,8 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="other tokenizers: our artifacts, HF tokenizer dirs or tokenizer.json, tiktoken ranks files, or a tiktoken encoding name (gpt2, r50k_base, p50k_base, cl100k_base, o200k_base; from tiktoken's cache)")
     e.add_argument("--pattern", metavar="NAME_OR_REGEX",
                    help="pre-tokenizer of plain tiktoken ranks files (--tokenizer, --compare): gpt2, cl100k, o200k or a regex")
-    e.add_argument("--input", nargs="+", metavar="GLOB", help="evaluate on these files as one domain, 'input'")
+    e.add_argument("--input", nargs="+", action="extend", metavar="GLOB[:COLUMN]",
+                   help="evaluate on these files as one domain, 'input' (PATH:COLUMN: that file's own column)")
     e.add_argument("--domain-file", nargs="+", metavar="DOMAIN=GLOB", help="evaluate on your files per domain")
     _add_reading_options(e, "evaluate on")
     e.add_argument("--dataset-domain", metavar="NAME", help="the domain name of --dataset in the report (default: its name)")
@@ -387,8 +451,9 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--overlap-sizes", type=int_pair, metavar="SMALL,LARGE",
                    help="train ours on SMALL and LARGE bytes of the tokenizer's training input; report how many merges both learn")
     e.add_argument("--train-input", nargs="+", metavar="PATH",
-                   help="the files the tokenizer was trained on, for --hf-baseline/--overlap-sizes (checked against the sha256 "
-                   "its artifact records; the paths it records are shown, never opened)")
+                   help="what the tokenizer was trained on, for --hf-baseline/--overlap-sizes: its files (PATH[:COLUMN]), or "
+                   "the run config it was trained from with --config (checked against the sha256 its artifact records; the "
+                   "paths it records are shown, never opened)")
     e.add_argument("--json", metavar="PATH", help="also write the rows as JSON here")
     e.add_argument("--no-progress", action="store_true", help="no progress bar")
     e.set_defaults(func=cmd_tok_eval)

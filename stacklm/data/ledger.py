@@ -11,7 +11,7 @@ incomplete last batch, which the mix kept and the batcher dropped (``drop_last``
 
 Each term is counted where it happens, independently: ``read`` by the source reader (rows it
 owns: ``records_read``), drops by the stage that dropped (source audit and invalid records,
-filter, decontamination (reason: the evaluation set), dedup, empty after tokenizing; in tokens, what the mix budget cut), ``holdout`` by the
+filter, user stages (``pipeline.stages``), decontamination (reason: the evaluation set), dedup, empty after tokenizing; in tokens, what the mix budget cut), ``holdout`` by the
 holdout split, ``buffered``/``remainder`` by looking into each node's buffer, ``kept`` by the
 mixer and ``delivered`` by the shard writer (prebuild) or the packer's output (stream). So a
 stage that lost or repeated a document breaks an identity instead of vanishing in a total.
@@ -33,6 +33,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from stacklm.data.audit import DROPPED_BINARY, DROPPED_EMPTY, INVALID_RECORDS
+from stacklm.data.stats import drops_by_reason
 from stacklm.errors import LedgerError
 
 STRICT_ENV = "STACKLM_LEDGER_STRICT"
@@ -70,12 +71,11 @@ def pipeline_ledger(pipe, delivered: Mapping[str, Iterable[int]] | None = None) 
         for reason in SOURCE_DROPS:
             _add(docs["dropped"], f"source/{reason}", src.get(reason, 0))
         docs["holdout"] = int(stats.get("holdout", {}).get(name, {}).get("holdout_other_split", 0))
-        for reason, n in stats.get("filter", {}).get(name, {}).items():
-            if reason != "kept":
-                _add(docs["dropped"], f"filter/{reason}", n)
-        for reason, n in stats.get("decontam", {}).get(name, {}).items():  # reason: the evaluation set overlapped
-            if reason != "kept":
-                _add(docs["dropped"], f"decontam/{reason}", n)
+        for stage in chain:  # the filter, each user stage, decontamination (reason: the evaluation set overlapped)
+            if drops_by_reason(stage):
+                for reason, n in stats.get(stage, {}).get(name, {}).items():
+                    if reason != "kept":
+                        _add(docs["dropped"], f"{stage}/{reason}", n)
         for reason in DEDUP_DROPS:
             _add(docs["dropped"], f"dedup/{reason}", stats.get("dedup", {}).get(name, {}).get(reason, 0))
         if "dedup" in chain:

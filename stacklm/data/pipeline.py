@@ -1,6 +1,6 @@
 """The node graph: one builder wires the stateful stages into a pipeline.
 
-Per source:   source -> holdout split -> quality filter -> [decontaminate] -> exact dedup -> near dedup -> tokenize
+Per source:   source -> holdout split -> quality filter -> [user stages] -> [decontaminate] -> exact dedup -> near dedup -> tokenize
 Then:         budgeted mix (over the sources) -> shuffle buffer -> pack -> batch
 
 Each source gets its own filter/dedup/tokenize chain, so the mixer can pull tokens from
@@ -33,6 +33,7 @@ from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_i
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
+from stacklm.data.quality.user_stages import StageConfig, UserStageNode, check_stages
 from stacklm.data.mix.mix import MixNode
 from stacklm.data.packing.nodes import PackNode, batch_node
 from stacklm.data.packing.pack import Collate
@@ -67,6 +68,8 @@ class PipelineConfig(PipelineSection):
     filters: FilterConfig = field(default_factory=FilterConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     decontaminate: DecontamConfig | None = None  # evaluation sets whose n-grams leave training
+    stages: tuple[StageConfig, ...] = field(default=(), metadata={"help": "user stages after the quality filter: "
+                                            "[{fn: 'package.module:name', kwargs: {...}, sources: [...], name: ...}]"})
     tokenize_batch_docs: int = 256
     num_threads: int = 2
     fallback_offline: bool = False
@@ -108,12 +111,16 @@ class PipelineConfig(PipelineSection):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"pipeline config: field 'dedup.shingle_size' must be an integer >= 1 or null (the {self.dedup.shingle} n-gram's "
                               f"length; null: {default_shingle_size(self.dedup.shingle)}), got {size!r}")
+        # imported here, at parse, so a stage that cannot reach a loader worker or an engine task
+        # is refused before any work (user_stages.check_stages)
+        check_stages(self.stages, [e.name for e in self.mix.entries])
 
     def config_hash(self, exclude=None) -> str:
-        # without decontamination the hash is what it was before the section existed, so
-        # earlier prebuilds and checkpoints still resume
+        # without decontamination (or user stages) the hash is what it was before the section
+        # existed, so earlier prebuilds and checkpoints still resume
         skip = tuple(self.hash_exclude if exclude is None else exclude)
-        return super().config_hash(skip + (("decontaminate",) if self.decontaminate is None else ()))
+        return super().config_hash(skip + (("decontaminate",) if self.decontaminate is None else ())
+                                   + (("stages",) if not self.stages else ()))
 
     def build(self, tokenizer, split: str = "train", shard: ShardSpec | None = None, epoch: int = 0,
               provenance: bool = False) -> Pipeline:
@@ -172,7 +179,7 @@ def read_order_seed(config: PipelineConfig, name: str, epoch: int = 0) -> int | 
 
 
 def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec, count_tokens=None, epoch: int = 0) -> dict[str, BaseNode]:
-    """One source's chain up to dedup (source -> holdout -> filter -> decontaminate): the documents
+    """One source's chain up to dedup (source -> holdout -> filter -> user stages -> decontaminate): the documents
     a deduper sees. The global dedup pass (``stacklm.data.dedup.global_index``) reads the same,
     so a copy of a contaminated document is never kept in its place. ``count_tokens``: how the
     decontamination report counts the tokens it removed (the tokenizer's encode). ``epoch``:
@@ -184,14 +191,18 @@ def document_chain(config: PipelineConfig, entry, split: str, shard: ShardSpec, 
     if config.holdout_fraction > 0 or split == "val":
         node = chain["holdout"] = HoldoutNode(node, split, config.holdout_fraction, seed=config.seed)
     node = chain["filter"] = FilterNode(node, config.filters, entry.filter_rules())
+    for i, stage in enumerate(config.stages):  # after the filter, before decontamination: dedup sees what they keep
+        if stage.sources is None or entry.name in stage.sources:
+            node = chain[stage.stage_name] = UserStageNode(node, stage, f"pipeline.stages[{i}]")
     if config.decontaminate is not None:
         chain["decontam"] = DecontamNode(node, config.decontaminate, ensure_index(config.decontaminate), count_tokens)
     return chain
 
 
 def last_document_node(chain: dict[str, BaseNode]) -> BaseNode:
-    """The end of a ``document_chain``: what dedup reads."""
-    return chain.get("decontam", chain["filter"])
+    """The end of a ``document_chain``: what dedup reads. A chain holds its stages in the order
+    they run (``build_pipeline`` adds dedup and tokenize after it), so it is the last of the rest."""
+    return next(node for stage, node in reversed(chain.items()) if stage not in ("dedup", "tokenize"))
 
 
 def build_pipeline(

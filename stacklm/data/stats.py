@@ -10,6 +10,19 @@ from collections.abc import Mapping
 from typing import Any
 
 
+# The stage names of the built graphs (chain keys, the shared tail, the prebuild's summary
+# stage): a user stage (``stacklm.data.quality.user_stages``) may take none of them.
+BUILT_IN_STAGES = frozenset({"source", "holdout", "filter", "decontam", "dedup", "tokenize", "mix", "shuffle", "pack",
+                             "batch", "render", "prebuild"})
+
+
+def drops_by_reason(stage: str) -> bool:
+    """Whether every reason of ``stage`` but ``kept`` is a dropped document: the quality filter,
+    decontamination (reason: the evaluation set) and every user stage (a name not built in).
+    The one rule the ledger, the manifest's drop summary and the workers' summaries read."""
+    return stage in ("filter", "decontam") or stage not in BUILT_IN_STAGES
+
+
 class StageStats:
     """Counters keyed by (source, reason). ``kept`` is a reason like any other.
 

@@ -25,6 +25,7 @@ from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.mix.schedule import merge_phase_reports
 from stacklm.chat.render import DROPPED_TOO_LONG, NOTHING_TO_TRAIN, TRUNCATED, TRUNCATED_START, TURNS_CUT
 from stacklm.data.sources import ShardSpec
+from stacklm.data.stats import drops_by_reason
 from stacklm.datamodule.worker_state import SnapshotIterator
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,7 +99,7 @@ def merge_worker_summaries(summaries: list[dict[str, Any]]) -> dict[str, Any]:
                     elif stage == "holdout":
                         if reason == HOLDOUT_REASON:
                             holdout[src] = holdout.get(src, 0) + int(n)
-                    elif stage in ("filter", "decontam", "dedup") and reason != "kept":
+                    elif (stage == "dedup" or drops_by_reason(stage)) and reason != "kept":  # filter, user stages, decontam
                         add(stage, src, reason, n)
                     elif stage == "render":
                         if reason in _RENDER_DROPS:

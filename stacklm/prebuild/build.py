@@ -27,6 +27,7 @@ from stacklm.prebuild.manifests import finalize, prepare
 from stacklm.prebuild.plan import DEFAULT_TOKENS_PER_SHARD, SPLITS, PrebuildPlan, state_dir_of
 from stacklm.prebuild.signing import SIGN_MARGIN
 from stacklm.prebuild.progress import BuildProgress
+from stacklm.progress_lines import duration
 
 
 def prebuild(
@@ -109,8 +110,10 @@ def prebuild(
         t = timed("index", t)
         with worker_pool(plan.workers) as (pool, progress_queue):  # one pool for the dedup pass and the jobs
             if uses_global_dedup(plan.config):
+                bar.say("global dedup pass: signing and deciding (no progress lines until it ends)")
                 load_or_build(plan, None if pool is None else pool_starmap(pool))
                 t = timed("dedup", t)
+                bar.say(f"global dedup pass done in {duration(phases['dedup'])}; packing")
             if pool is None:
                 summaries = [run_job(plan, s, w, bar, interval=progress_interval) for s, w in jobs]
             else:

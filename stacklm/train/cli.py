@@ -237,19 +237,34 @@ def _remove_start_only(dirs: list[Path]) -> None:
                 pass  # another process wrote there meanwhile: keep it
 
 
-def _progress_bar(config, callbacks) -> list:
-    """The default bar, when the trainer would add Lightning's: ``StepProgressBar`` (no
-    ``Epoch 0/-2`` in a ``max_steps`` run). A bar the config names is kept as it is."""
+def _progress_bar(config, callbacks, terminal: bool | None = None) -> list:
+    """The default bar, when the trainer would add Lightning's: on a terminal ``StepProgressBar``
+    (no ``Epoch 0/-2``, ``global_step`` of ``max_steps`` after a resume too); where stderr is not
+    one (``nohup``, Slurm, ``2> log``) ``LineProgressBar``'s plain lines (``STACKLM_PROGRESS``
+    chooses either: ``stacklm.progress_lines.wants_lines``). ``terminal``: whether stderr is one
+    (None: ask). A bar the config names is kept as it is.
+
+    The choice is put in ``STACKLM_PROGRESS``, so the ranks Lightning starts for DDP make the
+    same one: the line bar's counts are collectives, which every rank must join."""
     import importlib.util
 
     from lightning.pytorch.callbacks import ProgressBar
 
-    if config.get("enable_progress_bar") is False or importlib.util.find_spec("rich") is None:
-        return []  # no bar, or Lightning's default is the tqdm bar (which prints no epoch bound)
+    from stacklm.progress_lines import STYLE_ENV, wants_lines
+
+    if config.get("enable_progress_bar") is False:
+        return []
     if any(isinstance(cb, ProgressBar) for cb in [*(config.get("callbacks") or []), *callbacks]):
         return []
-    from stacklm.train.progress import StepProgressBar
+    from stacklm.train.progress import LineProgressBar, StepProgressBar
 
+    lines = wants_lines() if terminal is None else not terminal
+    if terminal is None:
+        os.environ[STYLE_ENV] = "lines" if lines else "bar"
+    if lines:
+        return [LineProgressBar()]
+    if importlib.util.find_spec("rich") is None:
+        return []  # Lightning's default is the tqdm bar (which prints no epoch bound)
     return [StepProgressBar()]
 
 

@@ -314,26 +314,39 @@ def _four_inputs(tmp_path):
     return [str(kernel), str(pydocs), str(code), str(zh)]
 
 
-def test_budget_takes_every_input_in_proportion_to_its_size(tmp_path):
+def _text_bytes(path: str) -> int:
+    """The text a file holds, counted here: a text file's bytes, a JSON-lines file's `text` fields."""
+    if not path.endswith(".jsonl"):
+        return os.path.getsize(path)
+    with open(path, encoding="utf-8") as f:
+        return sum(len(json.loads(line)["text"].encode()) for line in f)
+
+
+def test_budget_takes_every_input_in_proportion_to_its_text(tmp_path):
+    """Shares follow the text each file holds (the JSON file's keys and quotes are not text),
+    exactly as recorded: each file's share of what is left by its estimate."""
     files = _four_inputs(tmp_path)
     budget = 100_000
     sample = open_text_input(files, budget)
     assert sum(len(c.encode()) for c in sample) == budget
     audit = sample.audit
-    sizes = [os.path.getsize(p) for p in files]
-    left, expected = budget, []  # each file's share of what is left, counted here independently
+    texts = [_text_bytes(p) for p in files]
+    estimates = [audit.estimates[p]["text"] for p in files]
+    assert estimates[:3] == texts[:3] and abs(estimates[3] / texts[3] - 1) < 0.02  # the JSON file's by its first MiB
+    left, expected = budget, []  # each file's share of what is left, by the recorded estimates
     for i in range(len(files)):
-        share = left if i == len(files) - 1 else left * sizes[i] // sum(sizes[i:])
+        share = left if i == len(files) - 1 else int(left * (estimates[i] / sum(estimates[i:])))
         expected.append(share)
         left -= share
     got = [audit.per_file[p]["bytes_yielded"] for p in files]
     assert got == expected and all(g > 0 for g in got)
-    for g, size in zip(got, sizes):  # every input in proportion to its size, to within 1%
-        assert abs(g / budget - size / sum(sizes)) < 0.01
+    for g, t in zip(got, texts):  # every input in proportion to its text, to within 1%
+        assert abs(g / budget - t / sum(texts)) < 0.01
     lines = audit.summary()
     for p, g in zip(files, got):
         assert any(line.strip().startswith(f"{p}: {g:,} B") for line in lines), lines
-    assert audit.to_dict()["file_sizes"] == dict(zip(files, sizes))
+    assert audit.to_dict()["file_sizes"] == {p: os.path.getsize(p) for p in files}
+    assert "budget reached" in lines[0] and "from 4 of 4 input(s)" in lines[0]
 
 
 def test_tok_eval_against_references_with_vocab_sizes_and_a_training_overlap_warning(tmp_path, capsys, tok_dir, monkeypatch):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -94,10 +95,34 @@ def test_shards_replay_the_stream_batch_for_batch(ref, tok, split):
     assert n == -(-len(ds) // 4) > 0
 
 
-def test_progress_bar_shows_rate_and_mix(tmp_path, tok_dir, capsys):
+def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(tmp_path, tok_dir, capsys, monkeypatch):
+    from stacklm.progress_lines import SECONDS_ENV, STYLE_ENV
+
+    monkeypatch.setenv(STYLE_ENV, "bar")  # as on a terminal
     prebuild(config(total=4000), tok_dir, tmp_path / "o", tokens_per_shard=TOKENS_PER_SHARD, splits=("train",), progress=True)
     err = capsys.readouterr().err
-    assert "tok/s" in err and "web=0.6" in err and "prebuild:" in err
+    assert "tok/s" in err and "web=0.6" in err and "prebuild:" in err and "\r" in err
+    # stderr redirected (capsys: not a terminal): a line at every job report (STACKLM_PROGRESS_SECONDS=0)
+    monkeypatch.delenv(STYLE_ENV)
+    monkeypatch.setenv(SECONDS_ENV, "0")
+    top = prebuild(config(total=4000), tok_dir, tmp_path / "p", tokens_per_shard=TOKENS_PER_SHARD, splits=("train",), progress=True)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    lines = [line for line in err.splitlines() if " prebuild p: " in line]
+    phases = [line.split(": ", 1)[1] for line in lines if ": global dedup pass" in line]  # no progress of its own
+    assert [p.split(" in ")[0] for p in phases] == ["global dedup pass: signing and deciding (no progress lines until it ends)",
+                                                     "global dedup pass done"], lines
+    lines = [line for line in lines if ": global dedup pass" not in line]
+    assert len(lines) >= 3, err  # the job's first report, one per shard, the last
+    fields = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d prebuild p: tokens ([\d,]+)/([\d,]+) \(\d+%\)  docs [\d,]+  "
+                        r"shards (\d+)  MB/s [\d.e+-]+  elapsed \d+:\d\d:\d\d  ETA \S+(  mix web=0\.\d+ code=0\.\d+ math=0\.\d+)?$")
+    parsed = [fields.match(line) for line in lines]
+    assert all(parsed), lines
+    # the last line: the tokens the shards hold (the ledger's delivered, per source), of a budget of 4,000
+    delivered = sum(s["tokens"]["delivered"] for s in top["ledger"]["train"]["sources"].values())
+    assert int(parsed[-1][1].replace(",", "")) == delivered and parsed[-1][2] == "4,000", lines[-1]
+    assert int(parsed[-1][3]) == top["splits"]["train"]["shards"]
+    assert err.splitlines()[-1].startswith("prebuild: ")  # then the summary
 
 
 def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):

@@ -122,3 +122,30 @@ def test_lone_surrogates_are_replaced_and_counted():
     res = train_from_iterable(["abc \ud800 abc " * 20], vocab_size=300, backend="fast")
     assert res.surrogates_replaced == 20
     assert res.tokenizer.metadata["surrogates_replaced"] == 20
+
+
+@pytest.mark.parametrize("backend", ["python", "fast"])
+def test_training_with_stderr_redirected_writes_plain_lines(backend, capsys, monkeypatch):
+    """Not a terminal (capsys): reading and merging as plain lines, the bytes and merges true."""
+    import re
+
+    from stacklm.progress_lines import SECONDS_ENV
+
+    monkeypatch.setenv(SECONDS_ENV, "0")  # a line at every chance
+    docs = list(iter_default_corpus(60_000))
+    size = sum(len(d.encode("utf-8")) for d in docs)
+    res = train_from_iterable(iter(docs), 400, backend=backend, progress=True, total_bytes=size)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err[-500:])
+    head = rf"^\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d train-tokenizer\[{backend}\]: "
+    lines = err.splitlines()
+    assert all(re.match(head, line) for line in lines), err
+    reading = [line for line in lines if re.match(head + "reading", line)]
+    assert reading and all(re.search(rf"  bytes [\d,]+/{size:,} \(\d+%\)  MB/s [\d.]+  elapsed \S+  ETA \S+$", r) for r in reading), reading
+    (read,) = [line for line in lines if re.match(head + "input read", line)]
+    assert f"  bytes {res.bytes_seen:,}/{size:,} (100%)" in read and res.bytes_seen == size  # every byte, counted apart
+    assert f"now merging {400 - 256 - len(SPECIAL_TOKENS)} merges" in read
+    merges = [line for line in lines if re.match(head + "merg", line)]
+    assert merges[-1].split(": ", 1)[1].startswith(f"merged  merges {res.n_merges:,}/{res.n_merges:,} (100%)"), merges
+    if backend == "python":  # each merge is seen: lines on the way
+        assert len(merges) > 2 and "ETA" in merges[0]

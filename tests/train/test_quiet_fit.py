@@ -24,13 +24,13 @@ def test_stacklm_warnings_are_one_line_on_the_command_line():
 
 
 def test_a_max_steps_run_has_no_negative_epoch_bound(tmp_path):
-    bars = _progress_bar({"enable_progress_bar": None, "callbacks": []}, [])
+    bars = _progress_bar({"enable_progress_bar": None, "callbacks": []}, [], terminal=True)
     assert [type(b) for b in bars] == [StepProgressBar]
     trainer = L.Trainer(max_steps=3, callbacks=bars, logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.progress_bar_callback.setup(trainer, None, "fit")  # as fit() does: the bar learns its trainer
     trainer.fit_loop.max_epochs = -1  # what fit() sets for max_steps alone: "no epoch limit" (its bar: "Epoch 0/-2")
     assert trainer.progress_bar_callback._get_train_description(0).strip() == "Epoch 0"
-    trainer = L.Trainer(max_epochs=2, callbacks=_progress_bar({}, []), logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(max_epochs=2, callbacks=_progress_bar({}, [], terminal=True), logger=False, enable_checkpointing=False,
                         default_root_dir=tmp_path)
     trainer.progress_bar_callback.setup(trainer, None, "fit")
     assert trainer.progress_bar_callback._get_train_description(1).strip() == "Epoch 1/1"

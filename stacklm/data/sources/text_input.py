@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from stacklm.data.audit import BINARY_INVALID_FRACTION, INVALID_RECORDS
@@ -161,18 +162,9 @@ def _records(node, name: str, audit: SampleAudit, budget: _Budget, chunk_bytes: 
                 if reason in _NODE_COUNTERS:
                     key = _NODE_COUNTERS[reason]
                     counts[key] = counts.get(key, 0) + n
-        node._close()
-
-
-def share_of(left: int | None, sizes: Sequence[int]) -> int | None:
-    """The first file's share of ``left`` bytes among files of ``sizes`` (its size over their
-    sum; the last file takes all of ``left``); ``None`` (no budget) stays ``None``."""
-    if left is None:
-        return None
-    total = sum(sizes)
-    if len(sizes) == 1 or total == 0:
-        return left if len(sizes) == 1 else left // len(sizes)
-    return left * sizes[0] // total
+        close = getattr(node, "_close", None)  # a part source's open reader (the synthetic corpus has none)
+        if close is not None:
+            close()
 
 
 def open_text_input(
@@ -190,10 +182,11 @@ def open_text_input(
     """Text chunks (each <= ``chunk_bytes``) from files/globs ``inputs`` or a ``datasets``
     ``dataset``, ``max_bytes`` UTF-8 bytes of them (``None``: all), with an audit.
 
-    Under a budget every file gets a share in proportion to its size on disk (``share_of``;
-    compressed files count their compressed size), taken from its start, so a sample of four
-    inputs holds all four in proportion rather than the first ones whole; the audit records
-    each file's ``quota`` and what it gave (``bytes_yielded``), and ``summary()`` prints it.
+    Under a budget every file gets a share in proportion to the text it holds (``open_text_mix``
+    with ``weight_by="size"``; compressed files by their uncompressed size), taken from its
+    start, so a sample of four inputs holds all four in proportion rather than the first ones
+    whole; the audit records each file's ``quota`` and what it gave (``bytes_yielded``), and
+    ``summary()`` prints it.
 
     Files are resolved and every text file sniffed up front, so a missing file, a binary file
     or JSON read as text fails here, naming the file, before any training starts.
@@ -210,50 +203,135 @@ def open_text_input(
             yield from _records(node, label, audit, _Budget(max_bytes), chunk_bytes)
 
         return TextSample(gen_dataset(), audit)
-    try:
-        files, duplicates = resolve_inputs(inputs)
-    except FileNotFoundError as e:
-        raise TextInputNotFoundError(f"{e}; check the path (cwd {os.getcwd()})") from None
-    except (IsADirectoryError, ValueError) as e:
-        raise TextInputError(str(e)) from None
-    formats = {path: input_format(path, fmt) for path in files}
-    for path, f in formats.items():
-        if f == "txt":
-            _sniff(path, fmt)
     specs = [os.fspath(inputs)] if isinstance(inputs, (str, os.PathLike)) else [os.fspath(p) for p in inputs]
-    audit = SampleAudit(specs, max_bytes, chunk_bytes)
-    audit.duplicate_paths = duplicates
+    return open_text_mix([TextGroup("input", tuple(specs), text_column=text_column, fmt=fmt)], max_bytes,
+                         weight_by="size", chunk_bytes=chunk_bytes)
+
+
+WEIGHT_BY = ("mix", "size")
+
+
+@dataclass(frozen=True)
+class TextGroup:
+    """One source of a tokenizer sample: ``inputs`` (files/globs) read as ``fmt`` with
+    ``text_column``, or ``node()`` (a document node: a ``datasets`` stream, the synthetic
+    corpus; its size is unknown before reading, ``label`` names it), with ``weight`` its share
+    of the budget when shares follow the mix. Why a group and not a file list: the sources of
+    a run config each have their own files, format, column and weight (issue 36)."""
+
+    name: str
+    inputs: tuple[str, ...] = ()
+    text_column: str = "text"
+    fmt: str = "auto"
+    weight: float = 1.0
+    node: Callable[[], Any] | None = None
+    label: str | None = None
+
+
+def _group_files(group: TextGroup, many: bool) -> list[str]:
+    where = f"source {group.name!r}: " if many else ""
+    try:
+        return resolve_inputs(group.inputs)[0]
+    except FileNotFoundError as e:
+        raise TextInputNotFoundError(f"{where}{e}; check the path (cwd {os.getcwd()})") from None
+    except (IsADirectoryError, ValueError) as e:
+        raise TextInputError(f"{where}{e}") from None
+
+
+def open_text_mix(groups: Sequence[TextGroup], max_bytes: int | None, *, weight_by: str = "mix",
+                  chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> TextSample:
+    """Text chunks from several sources, ``max_bytes`` UTF-8 bytes of them (``None``: all), with
+    an audit. Every input (file, or a group's node) gets a share: with ``weight_by="mix"`` its
+    group's ``weight`` (normalized) split between the group's files by the text each holds;
+    with ``"size"`` the text it holds over all inputs' (``text_sizes.text_estimate``:
+    compressed files by their uncompressed size). Inputs are read in ``text_sizes.plan``'s
+    order, each taking ``quota`` of what is left from its start, and what one cannot fill
+    passes to the rest. The audit records each input's source, estimate, ``quota``, what it
+    gave (``bytes_yielded``) and whether it was read to its end (``complete``).
+
+    Files are resolved and every text file sniffed up front, so a missing file, a binary file
+    or JSON read as text fails here, naming the file (and the source, of several), before any
+    training starts; so does a node group under ``weight_by="size"`` (its size is unknown)."""
+    from stacklm.data.sources.text_sizes import plan, quota, text_estimate
+
+    _check_sizes(max_bytes, chunk_bytes)
+    if weight_by not in WEIGHT_BY:
+        raise TextInputError(f"unknown weight_by {weight_by!r}; choose one of {', '.join(WEIGHT_BY)}")
+    many = len(groups) > 1
+    units: list[dict] = []  # per input: name, group, path/node, format, column, text estimate
+    seen: set[str] = set()
+    duplicates: list[str] = []
+    for g in groups:
+        if g.node is not None:
+            if weight_by == "size":
+                raise TextInputError(f"source {g.label or repr(g.name)} has no size known before reading; "
+                                     "use --weight-by mix (the weights), or name its files as a local source")
+            units.append({"name": g.label or g.name, "group": g, "est": None})
+            continue
+        for path in _group_files(g, many):
+            key = os.path.realpath(path)
+            if key in seen:
+                duplicates.append(path)
+                continue
+            seen.add(key)
+            f = input_format(path, g.fmt)
+            if f == "txt":
+                _sniff(path, g.fmt)
+            units.append({"name": path, "group": g, "path": path, "fmt": f,
+                          "est": text_estimate(path, f, g.text_column)})
+    if not units:
+        raise TextInputError(f"no input files: every path was listed twice ({duplicates[:3]})")
+    audit = SampleAudit([s for g in groups for s in (g.inputs or [g.label or g.name])], max_bytes, chunk_bytes)
+    audit.duplicate_paths, audit.weight_by = duplicates, weight_by
+    audit.file_sizes = {u["name"]: u["est"]["disk"] for u in units if u["est"] is not None}
+    audit.estimates = {u["name"]: {**(u["est"] or {"text": None}), "source": u["group"].name} for u in units}
+    total_weight = sum(g.weight for g in groups)
+    for g in groups:
+        members = [u for u in units if u["group"] is g]
+        texts = [u["est"]["text"] if u["est"] is not None else None for u in members]
+        known = None if None in texts else sum(texts)
+        share = g.weight / total_weight if weight_by == "mix" else None
+        for u, t in zip(members, texts):
+            if weight_by == "size":
+                u["weight"] = float(t)
+            else:  # the group's weight, split between its files by their text (equally when none is known)
+                u["weight"] = share * (t / known if known else 1 / len(members))
+        audit.sources[g.name] = {"weight": g.weight, "text": known, "inputs": [u["name"] for u in members],
+                                 "text_column": g.text_column, "share": share}
+    if weight_by == "size":
+        everything = sum(u["weight"] for u in units)
+        for info in audit.sources.values():
+            info["share"] = sum(u["weight"] for u in units if u["name"] in info["inputs"]) / everything if everything else 0.0
+    order = plan([u["weight"] for u in units], [u["est"]["text"] if u["est"] is not None else None for u in units])
     block = max(chunk_bytes, 64 * 1024)
 
-    sizes = {path: os.path.getsize(path) for path in files}
-    audit.file_sizes = dict(sizes)
-
-    def gen_files() -> Iterator[str]:
+    def gen() -> Iterator[str]:
         budget = _Budget(max_bytes)
-        for i, path in enumerate(files):
+        for k, i in enumerate(order):
             if budget.done:
                 break
-            # Each file's share of what is left, in proportion to its size among the files
-            # still to read: a file that yields less than its share (JSON overhead, a short
-            # compressed file) passes the rest on; the last file may take all that remains.
-            quota = share_of(budget.left, [sizes[p] for p in files[i:]])
-            audit._counts(path)["quota"] = quota if quota is not None else -1
-            part = _Budget(quota)
+            u = units[i]
+            q = quota(budget.left, u["weight"], sum(units[j]["weight"] for j in order[k:]), k == len(order) - 1)
+            counts = audit._counts(u["name"])
+            counts["quota"] = q if q is not None else -1
+            part = _Budget(q)
             before = audit.bytes_yielded
-            if formats[path] == "txt":
-                counts = audit._counts(path)
-                pieces = _file_pieces(path, part, block, counts)
+            if u["group"].node is not None:
+                yield from _records(u["group"].node(), u["name"], audit, part, chunk_bytes)
+            elif u["fmt"] == "txt":
+                pieces = _file_pieces(u["path"], part, block, counts)
                 try:
                     yield from _chunk_pieces(pieces, part, chunk_bytes, counts, audit)
                 finally:
                     pieces.close()
             else:
-                yield from _records(_record_node(path, text_column), path, audit, part, chunk_bytes)
+                yield from _records(_record_node(u["path"], u["group"].text_column), u["name"], audit, part, chunk_bytes)
+            audit.complete[u["name"]] = not part.done or q is None
             if budget.left is not None:
                 budget.left -= audit.bytes_yielded - before
         audit.budget_reached = budget.done
 
-    return TextSample(gen_files(), audit)
+    return TextSample(gen(), audit)
 
 
 def domain_texts_from_files(
@@ -316,14 +394,16 @@ def sample_spec(inputs: Sequence[str] | None, max_bytes: int | None, **read: Any
 
 
 def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int | None = None,
-                         files: Sequence[str] | None = None):
+                         files: Sequence[str] | None = None, groups: Sequence[TextGroup] | None = None):
     """The sample a ``sample_spec`` record names, read again with its recorded options
     (``max_bytes``: another budget over the same input). ``files``: where the user says the
     sample's files are (``tok-eval --train-input``). Paths recorded in the artifact are never
     opened: a name read from a data file does not lead out of it; the caller checks that what
     ``files`` hold is the recorded text (``SampleDigest`` against the record's sha256). A record
     that is not one is a ``TokenizerArtifactError`` naming ``source`` and the field; a sample of
-    files read without ``files`` is a ``TextInputError`` saying to give them."""
+    files read without ``files`` is a ``TextInputError`` saying to give them. A sample of a mix
+    (the record has ``groups``: ``train-tokenizer --config`` or ``--input PATH:COLUMN``) is read
+    from ``groups``, which the caller rebuilds from what the user names (the run config, the inputs)."""
     from stacklm.errors import TokenizerArtifactError
 
     budget = record.get("max_bytes") if max_bytes is None else max_bytes
@@ -334,6 +414,16 @@ def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int 
         from stacklm.data.sources.text_sample import sample_texts
 
         return sample_texts(iter_default_corpus(), budget, source="embedded default corpus (Python stdlib)")
+    if "groups" in record:
+        names = ", ".join(str(g.get("name")) for g in record["groups"] if isinstance(g, Mapping))[:200]
+        if not groups:
+            how = "its run config (the YAML given to --config)" if record.get("config") else "the same PATH:COLUMN inputs"
+            raise TextInputError(f"the tokenizer was trained on a mix of sources ({names}); give {how} with --train-input "
+                                 "(checked against the recorded sha256)")
+        weight_by = record.get("weight_by", "mix")
+        if weight_by not in WEIGHT_BY:
+            raise TokenizerArtifactError(f"{source}: field 'metadata.{TRAINING_SAMPLE}.weight_by': {weight_by!r} is not one of {WEIGHT_BY}")
+        return open_text_mix(groups, budget, weight_by=weight_by)
     known = ("inputs", "text_column", "fmt", "dataset", "dataset_config", "split", "data_files")
     read = {k: record[k] for k in known if k in record}
     bad = [k for k, v in read.items() if not (isinstance(v, str) or (k in ("inputs", "data_files") and isinstance(v, list)))]
@@ -352,4 +442,4 @@ def open_recorded_sample(record: Mapping[str, Any], source: str, max_bytes: int 
 
 __all__ = ["EMBEDDED_CORPUS", "FORMATS", "TRAINING_SAMPLE", "SampleDigest", "TextInputError", "TextInputNotFoundError",
            "check_text_head", "domain_texts_from_files", "input_format", "open_recorded_sample", "open_text_input",
-           "sample_spec", "share_of"]
+           "sample_spec", "TextGroup", "WEIGHT_BY", "open_text_mix"]

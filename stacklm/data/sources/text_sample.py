@@ -7,8 +7,8 @@ same rules to in-memory strings (e.g. ``stacklm.corpus.iter_default_corpus()``).
 
 Rules (both functions):
 
-* **Budget.** (``stream_sample``; ``inputs.open_text_input`` shares the budget between its
-  files in proportion to their sizes and applies this rule per file.) The yielded text is the first ``max_bytes`` UTF-8 bytes of the cleaned input
+* **Budget.** (``stream_sample``; ``text_input.open_text_mix`` shares the budget between its
+  inputs by weight or by the text each holds, ``text_sizes``, and applies this rule per input.) The yielded text is the first ``max_bytes`` UTF-8 bytes of the cleaned input
   stream, exactly. The one exception: when the budget falls inside a multi-byte character,
   that character is left out rather than split, so the sample is 1-3 bytes short. The last
   chunk is cut at the budget even mid-word (once per sample, recorded in the audit as
@@ -83,7 +83,14 @@ class SampleAudit:
         self.duplicate_paths: list[str] = []
         self.budget_reached = False
         self.budget_cut_mid_word = False
-        self.file_sizes: dict[str, int] = {}  # on-disk size per input file (open_text_input's shares)
+        self.file_sizes: dict[str, int] = {}  # on-disk size per input file
+        # per input (file, or a stream by its label): its source and the text it holds by estimate
+        # (``text_sizes.text_estimate``; ``None`` for a stream), what its share was decided on
+        self.estimates: dict[str, dict] = {}
+        # per source of a mix (``text_input.open_text_mix``): its weight and how the shares were set
+        self.sources: dict[str, dict] = {}
+        self.weight_by: str | None = None
+        self.complete: dict[str, bool] = {}  # per input read: True when read to its end, not stopped at its share
 
     def _counts(self, name: str) -> dict[str, int]:
         if name not in self.per_file:
@@ -120,28 +127,71 @@ class SampleAudit:
             "budget_cut_mid_word": self.budget_cut_mid_word,
             "duplicate_paths": list(self.duplicate_paths),
             "file_sizes": dict(self.file_sizes),
+            "estimates": {name: dict(e) for name, e in self.estimates.items()},
+            "sources": {name: dict(v) for name, v in self.sources.items()},
+            "weight_by": self.weight_by,
+            "complete": dict(self.complete),
             "totals": {k: self.total(k) for k in COUNTERS},
             "per_file": {name: dict(c) for name, c in self.per_file.items()},
         }
 
-    def summary(self, max_files: int = 20) -> list[str]:
-        """Printable lines: totals first, then every file that lost bytes (up to ``max_files``)."""
+    def _state(self) -> str:
+        """What ended the sample, in words that match what was read."""
+        if self.budget_reached:
+            return "budget reached"
+        if self.max_bytes is None:
+            return "every input read to its end"
+        stopped = [n for n, done in self.complete.items() if not done]
+        if not stopped:
+            return "input exhausted: every input read to its end"
+        short = self.max_bytes - self.bytes_yielded
+        left = sum(max(0, (self.estimates.get(n, {}).get("text") or 0) - self.per_file[n]["bytes_yielded"]) for n in stopped)
+        return (f"budget not filled: {short:,} B short, while {len(stopped):,} input(s) stopped at their share "
+                f"hold ~{left:,} B more by estimate")
+
+    def summary(self, max_inputs: int = 10, max_files: int = 20) -> list[str]:
+        """Printable lines: the header (text yielded, inputs and sources read, bytes read, what
+        ended it), one line per source of a mix, the ``max_inputs`` inputs that gave the most
+        plus one line for the rest (every input stays in ``to_dict()``), the byte loss and the
+        files that lost bytes (up to ``max_files``)."""
         budget = "no budget" if self.max_bytes is None else f"budget {self.max_bytes:,} B"
-        state = "budget reached" if self.budget_reached else "input exhausted"
-        lines = [
-            f"sample: {self.bytes_yielded:,} B in {self.total('chunks'):,} chunks from "
-            f"{len(self.per_file)} file(s) ({budget}, {state})"
-        ]
+        # every input of a mix, also one not read (a plain stream lists only the files that lost bytes)
+        names = list(dict.fromkeys([*self.file_sizes, *self.estimates]))
         total = self.bytes_yielded
-        for name, size in self.file_sizes.items():  # every input, also one that gave nothing
-            c = self.per_file.get(name, {})
-            got = c.get("bytes_yielded", 0)
+        gave = {n: c.get("bytes_yielded", 0) for n, c in self.per_file.items()} | {n: self.per_file.get(n, {}).get("bytes_yielded", 0) for n in names}
+        n_sources = len(self.sources)
+        lines = [
+            f"sample: {total:,} B of text from {sum(1 for g in gave.values() if g):,} of {len(gave):,} input(s)"
+            + (f" in {n_sources} sources" if n_sources > 1 else "")
+            + f" ({self.total('bytes_read'):,} B read; {budget}, {self._state()})"
+        ]
+
+        def pct(n: int) -> str:
+            return f"{n / total if total else 0:.1%}"
+
+        if n_sources > 1:
+            by = "weight" if self.weight_by == "mix" else "share of the text"
+            for src, info in sorted(self.sources.items(), key=lambda kv: -sum(gave[n] for n in kv[1]["inputs"])):
+                got = sum(gave[n] for n in info["inputs"])
+                est = info.get("text")
+                lines.append(f"  source {src!r}: {got:,} B ({pct(got)} of the sample; {by} {info['share']:.1%}) from "
+                             f"{len(info['inputs']):,} input(s)" + (f", ~{est:,} B of text" if est is not None else ""))
+        ranked = sorted(names, key=lambda n: -gave[n])
+        for name in ranked[:max_inputs]:
+            c, est = self.per_file.get(name, {}), self.estimates.get(name, {})
             quota = c.get("quota", -1)
+            size = self.file_sizes.get(name)
+            held = (f"of ~{est['text']:,} B of text ({size:,} B on disk" + (f", {est['how']}" if est.get("how") not in (None, "size") else "")
+                    + ")") if est.get("text") is not None and size is not None else (f"of {size:,} B on disk" if size is not None else "")
             lines.append(
-                f"  {name}: {got:,} B ({got / total if total else 0:.1%} of the sample) of {size:,} B on disk"
+                f"  {name}: {gave[name]:,} B ({pct(gave[name])} of the sample) {held}".rstrip()
                 + (f", share {quota:,} B" if quota >= 0 else "")
                 + ("" if name in self.per_file else ", not read (budget spent)")
             )
+        rest = ranked[max_inputs:]
+        if rest:
+            lines.append(f"  ... and {len(rest):,} more input(s): {sum(gave[n] for n in rest):,} B ({pct(sum(gave[n] for n in rest))} "
+                         "of the sample); every input is in the artifact's metadata.sample_audit.per_file")
         loss = ", ".join(f"{k}={self.total(k):,}" for k in _LOSS_COUNTERS)
         lines.append(f"  byte loss: {loss}; forced_cuts={self.total('forced_cuts'):,}")
         if self.duplicate_paths:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from stacklm.data.audit import INVALID_RECORDS
+from stacklm.data.stats import drops_by_reason
 from stacklm.data.storage.datafiles import check_data_dir, check_data_file, read_data_bytes
 from stacklm.data.storage.shards import atomic_write_shard_file
 from stacklm.errors import DataError
@@ -297,7 +298,7 @@ _BYTE_REPAIRS = ("invalid_utf8_replaced", "surrogates_replaced")
 
 
 def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, int]]:
-    """Per source: documents dropped by the filters, by decontamination (when configured), exact and near duplicates, copies of a
+    """Per source: documents dropped by the filters, by each user stage (``stage/reason``), by decontamination (when configured), exact and near duplicates, copies of a
     document kept in another split (``cross_split_dup``, the global dedup pass), empty/binary
     records, invalid records skipped (``invalid_records`` and one count per reason), bytes
     replaced by the audit, and what the mix budget cut."""
@@ -326,6 +327,9 @@ def drop_summary(stats: Mapping[str, Mapping[str, Mapping[str, int]]], realized:
             "empty_after_tokenize": int(mix.get("empty_docs", 0)),
             "truncated_to_budget": int(mix.get("truncated_docs", 0)),
             "tokens_cut_by_budget": int(mix.get("truncated_tokens", 0)),
+            # each user stage's drops by reason (``pipeline.stages``), keyed as the ledger keys them
+            **{f"{stage}/{r}": int(n) for stage, per in stats.items() if stage not in ("filter", "decontam") and drops_by_reason(stage)
+               for r, n in per.get(src, {}).items() if r != "kept"},
         }
     return out
 

@@ -1,0 +1,67 @@
+"""Progress where jobs run (``stacklm.progress_lines``): the line writer's interval, format and
+knobs, and the fit's bars -- on a terminal the Rich bar counts ``global_step`` of ``max_steps``
+after a resume, elsewhere the CLI picks the plain lines. A real fit and its resume with stdout
+and stderr in a file: ``tests/test_run_identity.py`` (its two fits, asserted on once more);
+prebuild: ``tests/prebuild/test_prebuild.py``; tokenizer training: ``tests/tokenizer/test_train.py``."""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import pytest
+
+from stacklm.progress_lines import SECONDS_ENV, STYLE_ENV, ProgressLines, duration, eta, rate, wants_lines
+
+LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d (?P<what>[^:]+): (?P<body>.*)$")
+
+
+def test_the_rich_bar_counts_steps_of_max_steps_after_a_resume(tmp_path):
+    """On a terminal: a fit resumed at step 21 of 26 shows 21/26, then 22/26 (Lightning's own bar
+    counted the epoch's batch index against the batches left: ``26/5``)."""
+    from stacklm.train.cli import _progress_bar
+    from stacklm.train.progress import LineProgressBar, StepProgressBar
+
+    (bar,) = _progress_bar({"callbacks": []}, [], terminal=True)
+    assert isinstance(bar, StepProgressBar)
+    assert [type(b) for b in _progress_bar({"callbacks": []}, [], terminal=False)] == [LineProgressBar]
+    trainer = L.Trainer(max_steps=26, callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit_loop.max_epochs = -1  # as fit() sets it for max_steps alone
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 21  # global_step
+    bar.setup(trainer, None, "fit")
+    bar.on_train_start(trainer, None)
+    bar.on_train_epoch_start(trainer, None)
+    task = bar.progress.tasks[bar.train_progress_bar_id]
+    assert (task.completed, task.total) == (21, 26)
+    assert task.speed is None  # the resumed steps are not counted as progress made now
+    trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 22
+    bar.on_train_batch_end(trainer, L.LightningModule(), None, None, batch_idx=25)
+    assert (task.completed, task.total) == (22, 26)
+    bar.teardown(trainer, None, "fit")
+
+
+def test_the_line_writer_and_its_knobs(monkeypatch):
+    import io
+
+    now = [100.0]
+    stream = io.StringIO()
+    lines = ProgressLines("job", seconds=30, every=5, stream=stream, clock=lambda: now[0])
+    assert not lines.due(4)
+    assert lines.due(5)  # every 5 units ...
+    now[0] += 30
+    assert lines.due(0)  # ... or 30 s, whichever first
+    text = lines.write([("", "done"), ("tokens", "1,000")], n=5)
+    assert LINE.match(text)["body"] == "done  tokens 1,000" and stream.getvalue() == text + "\n"
+    assert not lines.due(9) and lines.due(10)
+    assert (rate(8312), rate(1.2e6), rate(0.5), duration(3725), duration(90061), eta(0, 0), eta(10, 0), eta(100, 4)) == \
+        ("8.31k", "1.2M", "0.5", "1:02:05", "1d 1:01:01", "0:00:00", "?", "0:00:25")
+    monkeypatch.setenv(STYLE_ENV, "lines")
+    assert wants_lines()
+    monkeypatch.setenv(STYLE_ENV, "bar")
+    assert not wants_lines()
+    monkeypatch.setenv(STYLE_ENV, "fancy")
+    with pytest.raises(ValueError, match="STACKLM_PROGRESS='fancy': expected one of bar, lines"):
+        wants_lines()
+    monkeypatch.setenv(SECONDS_ENV, "soon")
+    with pytest.raises(ValueError, match="STACKLM_PROGRESS_SECONDS='soon'"):
+        ProgressLines("x")
