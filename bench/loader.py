@@ -56,6 +56,7 @@ recomputed exactly from the manifest's per-task counts) and the 1 -> 2 worker sp
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import tempfile
 import time
@@ -166,6 +167,8 @@ def bench_loading(args, tok) -> list[tuple[str, float]]:
         ("pack.collate on the same rows", timed(reference, batches, s)),
         ("derive_planes from lean, on CPU (for scale)", timed(derive_on_cpu, batches, s)),
     ]
+    results += bench_shards_loader(args, lean_ds, s)
+    results += bench_litdata(args, tmp, batches, s)
     for name, dataset, per_item in (("raw", RawDataset(), False), ("PackedMemmapDataset", ds, False),
                                     ("PackedMemmapDataset lean", lean_ds, False), ("PackedMemmapDataset per-item", ds, True)):
         t0 = time.process_time()
@@ -175,6 +178,79 @@ def bench_loading(args, tok) -> list[tuple[str, float]]:
             reps += 1
         results.append((f"DataLoader: {name}", reps * len(batches) / (time.process_time() - t0)))
     return results
+
+
+def cpu_all() -> float:
+    """CPU seconds of this process plus its finished children (loader workers, once joined)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def epochs_per_cpu(make_loader, seconds: float) -> float:
+    """Batches per CPU-second of every process involved (workers included): whole epochs of a
+    fresh loader until ``seconds`` of CPU, so each epoch's workers are joined and counted."""
+    for _ in make_loader():  # warm up: page cache, imports in the workers
+        pass
+    n, t0 = 0, cpu_all()
+    while cpu_all() - t0 < seconds or n == 0:
+        for _ in make_loader():
+            n += 1
+    return n / (cpu_all() - t0)
+
+
+def bench_shards_loader(args, lean_ds, seconds: float) -> list[tuple[str, float]]:
+    """The datamodule's own loader (``ShardsLoader``, lean planes) over one epoch of the rows, in
+    the main process and with ``--loader-workers`` workers (CPU of all processes)."""
+    from stacklm.datamodule.shards_loader import ShardsLoader
+
+    sampler = ElasticSampler(lean_ds, args.batch, seed=0, rank=0, world_size=1)
+
+    def make(workers):
+        return lambda: ShardsLoader(lean_ds, sampler, batch_size=args.batch, rank=0, world_size=1, num_workers=workers)
+    w = args.loader_workers
+    return [("ShardsLoader lean (main process)", epochs_per_cpu(make(0), seconds)),
+            (f"ShardsLoader lean ({w} workers, CPU of all)", epochs_per_cpu(make(w), seconds))]
+
+
+def bench_litdata(args, tmp: Path, batches: list[np.ndarray], seconds: float) -> list[tuple[str, float]]:
+    """litdata on the same rows (``bench/litdata_rows.py``): ``StreamingDataset`` + ``TokensLoader``
+    read per item for the same index batches and stacked (what its loader's collate does), and its
+    own ``StreamingDataLoader`` in its own shuffled order (main process). Both deliver the uint16
+    token block only: no targets, no document boundaries. Left out when litdata is not installed."""
+    try:
+        from litdata import StreamingDataLoader, StreamingDataset
+        from litdata.streaming.item_loader import TokensLoader
+        from litdata_rows import write_litdata
+    except ImportError:
+        print("litdata is not installed: its rows are left out (pip install litdata)")
+        return []
+    out = write_litdata(tmp / "litdata", tmp)
+    lit = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len), shuffle=False)
+    assert len(lit) == args.rows and torch.equal(lit[5].long(), torch.from_numpy(PackedMemmapDataset(tmp).rows(np.array([5]))[0].astype(np.int64)))
+
+    def per_item(b):
+        return torch.stack([lit[i] for i in b.tolist()])
+
+    def own_loader(n: int):
+        ds = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len), shuffle=True, seed=0)
+        loader = StreamingDataLoader(ds, batch_size=args.batch, num_workers=0)
+        t0, done = time.process_time(), 0
+        while done < n:
+            for _ in loader:
+                done += 1
+                if done == n:
+                    break
+        return done / (time.process_time() - t0)
+
+    own_loader(16)  # warm up: index files, first chunks mapped
+    n = max(64, round(timed(per_item, batches[:64], min(seconds, 1.0)) * seconds))
+
+    def with_workers():
+        ds = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len), shuffle=True, seed=0)
+        return StreamingDataLoader(ds, batch_size=args.batch, num_workers=args.loader_workers)
+    return [("litdata StreamingDataset[i] + stack (same rows)", timed(per_item, batches, seconds)),
+            ("litdata StreamingDataLoader (own order, main proc)", own_loader(n)),
+            (f"litdata StreamingDataLoader ({args.loader_workers} workers, CPU of all)", epochs_per_cpu(with_workers, seconds))]
 
 
 def _evict(paths: list[Path]) -> None:
@@ -450,6 +526,7 @@ def main() -> None:
     p.add_argument("--skip-remote", action="store_true", help="leave out part 4 (s3:// on moto vs local)")
     p.add_argument("--remote-only", action="store_true", help="run only part 4 (s3:// on moto vs local)")
     p.add_argument("--remote-rows", type=int, default=8192, help="rows in the shard set of part 4")
+    p.add_argument("--loader-workers", type=int, default=2, help="workers of the ShardsLoader and litdata rows (part 1)")
     p.add_argument("--stream-workers", type=int, default=2)
     p.add_argument("--stream-seconds", type=float, default=20.0, help="steady-state measurement of the stream loader")
     p.add_argument("--stream-text-bytes", type=int, default=30_000_000, help="real text behind the stream source")
@@ -497,9 +574,18 @@ def report_loading(args, tok, tokens_per_batch: int) -> None:
           "per CPU-second of the process")
     print(f"{'variant':46s} {'batches/s':>10s} {'M tok/s':>9s} {'vs raw':>7s}")
     for name, bps in results:
-        base = raw_loader if name.startswith("DataLoader") else raw
+        base = raw_loader if "Loader" in name else raw
         print(f"{name:46s} {bps:10,.0f} {bps * tokens_per_batch / 1e6:9.1f} {bps / base:7.0%}")
     full, lean = by["PackedMemmapDataset.get_batch (contract)"], by["PackedMemmapDataset.get_batch (lean planes)"]
+    lit = by.get("litdata StreamingDataLoader (own order, main proc)")
+    w = args.loader_workers
+    if lit is not None:
+        lit_items = by["litdata StreamingDataset[i] + stack (same rows)"]
+        lit_w = by[f"litdata StreamingDataLoader ({w} workers, CPU of all)"]
+        print(f"vs litdata (which delivers the uint16 block only), target >= 1.5x: ShardsLoader lean "
+              f"{by['ShardsLoader lean (main process)'] / lit:.2f}x its StreamingDataLoader in the main process, "
+              f"{by[f'ShardsLoader lean ({w} workers, CPU of all)'] / lit_w:.2f}x with {w} workers each; lean get_batch "
+              f"{lean / lit_items:.2f}x its per-item reads of the same rows")
     print(f"lean planes vs the four planes: get_batch {lean / full:.2f}x, through DataLoader "
           f"{by['DataLoader: PackedMemmapDataset lean'] / by['DataLoader: PackedMemmapDataset']:.2f}x; target >= 100 M tok/CPU-s "
           f"-> lean get_batch {lean * tokens_per_batch / 1e6:.0f} M tok/CPU-s ({lean / raw:.0%} of raw)")

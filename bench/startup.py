@@ -312,40 +312,12 @@ def prepare(root: Path, mb: float) -> dict[str, Path]:
                                                          "batch_size": BATCH, "pipeline": tiny}}))
     paths = {"tok": root / "tok", "shards": root / "shards", "pipeline": root / "pipeline.json", "tiny": root / "tiny.yaml"}
     try:
+        from litdata_rows import write_litdata  # bench/, beside this file
+
         paths["litdata"] = write_litdata(root / "litdata", root / "shards")
     except ImportError:
         print("litdata is not installed: its rows are left out (pip install litdata)")
     return paths
-
-
-def _rows_of(args):
-    """litdata optimize's fn: one shard file's rows, each a uint16 tensor of SEQ_LEN tokens."""
-    import numpy as np
-    import torch
-
-    path, n_rows = args
-    rows = np.fromfile(path, dtype=np.uint16).reshape(n_rows, SEQ_LEN)
-    for row in rows:
-        yield torch.from_numpy(row.copy())
-
-
-def write_litdata(out: Path, shards: Path) -> Path:
-    import contextlib
-    import io
-
-    from litdata import optimize
-    from litdata.streaming.item_loader import TokensLoader
-
-    from stacklm.data.storage.dataset import PackedMemmapDataset
-    from stacklm.data.storage.shards import tokens_path
-
-    ds = PackedMemmapDataset(shards, "train", verify_content=False)
-    assert ds.dtype.itemsize == 2
-    inputs = [(str(tokens_path(ds.path, n)), int(r)) for n, r in zip(ds.shard_names, ds.shard_rows)]
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        optimize(fn=_rows_of, inputs=inputs, output_dir=str(out), chunk_bytes="64MB", item_loader=TokensLoader(),
-                 num_workers=1, start_method="fork")
-    return out
 
 
 def run_child(cmd: list[str], repo: Path, scripts: Path, env_extra: dict | None = None) -> dict:

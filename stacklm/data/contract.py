@@ -99,20 +99,30 @@ def segment_starts(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> S
     """Where a segment starts in ``(B, L)`` windows: a ``bos``, the token after an ``eos``, where
     padding starts or stops, every column 0; which tokens are padding, in which rows. Vectorised;
     padding (rare) is only looked at in its rows. Shared by the four planes (``derive_batch``)
-    and the lean ones (``lean_batch``)."""
-    start = rows == bos_id
-    flat = start.reshape(-1)
-    flat[1:] |= rows.reshape(-1)[:-1] == eos_id  # entries crossing into the next row hit column 0: set below
-    is_pad = rows == pad_id
+    and the lean ones (``lean_batch``, which needs only the masks: ``_start_mask``)."""
+    start, is_pad, pad_rows = _start_mask(rows, bos_id, eos_id, pad_id)
+    L = rows.shape[1]
+    where = np.flatnonzero(start)
+    row, col = np.divmod(where, L)
+    starts = (where - row)[col < L - 1]  # b*T + c == b*L + c - b
+    return SegmentStarts(start, is_pad, pad_rows, where, row, col, starts)
+
+
+def _start_mask(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The ``(B, L)`` start mask, the padding mask and the rows holding padding. The eos shift is
+    or-ed in place (one pass fewer: this is the shards loader's hot path) and the per-row padding
+    pass runs only in rows that hold padding (most batches have none)."""
+    B, L = rows.shape
+    flat = rows.reshape(-1)
+    start = flat == bos_id
+    np.logical_or(start[1:], flat[:-1] == eos_id, out=start[1:])  # crossing into the next row hits column 0: set below
+    start = start.reshape(B, L)
+    is_pad = (flat == pad_id).reshape(B, L)
     pad_rows = np.flatnonzero(is_pad.any(axis=1)).tolist() if is_pad.any() else []
     for r in pad_rows:
         start[r, 1:] |= is_pad[r, 1:] != is_pad[r, :-1]
     start[:, 0] = True
-    L = rows.shape[1]
-    where = np.flatnonzero(flat)
-    row, col = np.divmod(where, L)
-    starts = (where - row)[col < L - 1]  # b*T + c == b*L + c - b
-    return SegmentStarts(start, is_pad, pad_rows, where, row, col, starts)
+    return start, is_pad, pad_rows
 
 
 def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
@@ -131,8 +141,9 @@ def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
         raise ValueError(f"expected windows of shape (batch, seq_len >= 2), got {rows.shape}")
     B, L = rows.shape
     T = L - 1
-    seg = segment_starts(rows, bos_id, eos_id, pad_id)
-    where = seg.starts
+    start, is_pad, pad_rows = _start_mask(rows, bos_id, eos_id, pad_id)
+    # the starts in the inputs, flat in (B, T): the columns < T of the (B, L) mask, indexed as they lie
+    where = np.flatnonzero(start[:, :T])
     n = len(where)
     cap = cu_capacity(B, T, n)
     buf = np.empty(B * T + cap + B, dtype=np.int32)
@@ -142,9 +153,9 @@ def lean_batch(rows: np.ndarray, bos_id: int, eos_id: int, pad_id: int) -> dict:
     input_ids[:] = rows[:, :T]
     cu[:n] = where
     cu[n:] = B * T  # the padding rule: repeat the last boundary
-    max_seqlen = int(np.diff(cu[: n + 1]).max()) if n else 0
+    max_seqlen = int((cu[1 : n + 1] - cu[:n]).max()) if n else 0
     last[:] = rows[:, T]
-    last[seg.start[:, T] | seg.is_pad[:, T]] = IGNORE_INDEX
+    last[start[:, T] | is_pad[:, T] if pad_rows else start[:, T]] = IGNORE_INDEX
     t = torch.from_numpy(buf)
     return {"input_ids": t[: B * T].view(B, T), "cu_seqlens": t[B * T : B * T + cap], "max_seqlen": max_seqlen,
             "last_targets": t[B * T + cap :], "pad_id": int(pad_id)}

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from stacklm.data.packing.nodes import DELIVERY_KEY
 from stacklm.datamodule.delivery import DeliveryCounter
+from stacklm.datamodule.handoff import MainBlocks, worker_pack
 from stacklm.datamodule.resume.logical import (
     LOGICAL_KEY,
     LogicalStreamDataset,
@@ -120,6 +121,8 @@ class StackDataLoader(DataLoader):
         snapshot_every_n_steps: int = 1000,
         **kwargs: Any,
     ) -> None:
+        if kwargs.get("batch_size", 1) is None:  # each item is a whole batch: by reused shared-memory blocks
+            kwargs.setdefault("collate_fn", worker_pack)
         super().__init__(*args, **kwargs)
         self.snapshot_every_n_steps = int(snapshot_every_n_steps)
         self.vocab_size = vocab_size
@@ -163,6 +166,7 @@ class StackDataLoader(DataLoader):
     def _open(self, start: dict[str, Any] | None) -> Iterator[Any]:
         """A ``DataLoader`` iterator whose workers start from ``start`` (a loader state), or afresh."""
         self._track = _Track(self.roles, start)
+        self._blocks = MainBlocks()  # this pass's workers' shared-memory blocks (``handoff``)
         ds = self.dataset
         ds.snapshot_every = self.snapshot_every_n_steps
         ds.worker_start = None if start is None else {"offset": int(start["next"]), "roles": start["roles"]}
@@ -214,7 +218,7 @@ class StackDataLoader(DataLoader):
                 batch = next(it)
             except StopIteration:
                 return
-            batch = dict(batch)
+            batch = dict(self._blocks.unpack(batch))
             self._track.handed_out(batch.pop(WORKER_KEY))
             ids = batch_input_ids(batch)
             check_vocab(ids, self.vocab_size, f"{getattr(self.dataset, 'split', 'data')} stream")

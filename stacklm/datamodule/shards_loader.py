@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stacklm.datamodule.handoff import MainBlocks, worker_pack
 from stacklm.datamodule.resume.shards import available_positions, start_position
 from stacklm.parent_death import WorkerInit
 
@@ -84,6 +85,7 @@ class ShardsLoader:
         self.step_log = None  # a ``steplog.StepLogWriter`` (training; set by the datamodule)
         self.gate = None  # a ``gate.InFlightGate`` on the first batches (training; set by the datamodule)
         self.last_rows: tuple[np.ndarray, int] | None = None  # (global rows, padding rows) of the last batch handed out
+        self.blocks = None  # a pass with workers: their shared-memory blocks (``handoff.MainBlocks``)
         # Stream positions never served (``skip_steps``): global ``[lo, hi)``, position = epoch x rows + row.
         self.skips = sorted((int(lo), int(hi)) for lo, hi in (skips or ()))
         self._set_position(position or start_position())
@@ -177,12 +179,23 @@ class ShardsLoader:
                 self.prefetcher.close()
                 self.prefetcher = None
 
-    def _serve(self, plan):
+    def _batches(self, plan):
+        if self.num_workers == 0:
+            # Why not a DataLoader here: in the main process it adds a profiler ``record_function``
+            # and ``default_convert`` per batch, ~50 us, a third of a lean batch's own cost
+            # (bench/loader.py, "ShardsLoader" rows), and gives nothing in return.
+            fetch = _BatchFetch(self.dataset)
+            return (fetch[item] for item in plan)
+        blocks = self.blocks = MainBlocks()  # the workers' shared-memory blocks, for this pass (``handoff``)
         loader = torch.utils.data.DataLoader(
             _BatchFetch(self.dataset), batch_size=None, sampler=_StepBatches(plan), num_workers=self.num_workers,
-            worker_init_fn=WorkerInit() if self.num_workers > 0 else None,  # workers die with this process
+            worker_init_fn=WorkerInit(),  # workers die with this process
+            collate_fn=worker_pack,
         )
-        for t, batch in enumerate(loader, start=1):
+        return (blocks.unpack(batch) for batch in loader)
+
+    def _serve(self, plan):
+        for t, batch in enumerate(self._batches(plan), start=1):
             if self.prefetcher is not None:  # steps < t are done: their shards may go
                 self.prefetcher.advance(t)
             # counted here, as the consumer takes each batch: the DataLoader fetches ahead

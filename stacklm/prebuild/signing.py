@@ -64,10 +64,12 @@ def signing_plan(config, tokenizer, splits, margin: float = SIGN_MARGIN) -> dict
     names = [e.name for e in config.mix.entries]
     for split in splits:
         share = config.holdout_fraction if split == "val" else 1.0 - config.holdout_fraction
+        if share <= 0:  # no holdout: the val split reads nothing it keeps, there is no prefix to sign
+            continue
         total = max(1, round(config.mix.total_tokens * config.holdout_fraction)) if split == "val" else config.mix.total_tokens
         budgets = TokenBudgetMixer(names, config.mix.weights, total, schedule=config.mix.schedule, size_scale=share).initial_plan.budgets[-1]
         for name, budget in zip(names, budgets.tolist()):
-            if name not in per_source:
+            if name not in per_source or budget <= 0:  # a source this split takes nothing from: nothing to reach
                 continue
             bpt, size = per_source[name]
             fraction = margin * budget * bpt / max(share, 1e-12) / max(size, 1)
@@ -104,7 +106,7 @@ def check_budget_met(realized: dict[str, dict[str, Any]], signed: dict[str, Any]
 
     for name, fraction in signed.get("fractions", {}).get(split, {}).items():
         r = realized[name]
-        if r["status"] == "ran_dry":
+        if r["status"] == "ran_dry" and r["tokens"] < r["planned_budget"]:
             raise PrebuildError(
                 f"prebuild {out}: split {split!r}: source {name!r} needed more than its signed prefix ({fraction:.1%} of each file's "
                 f"bytes; delivered {r['tokens']:,} of its {r['planned_budget']:,} tokens); delete {out} and re-run with a larger "

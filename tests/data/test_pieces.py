@@ -316,3 +316,29 @@ def test_a_small_build_signs_only_what_its_budget_reaches_and_says_so(tmp_path, 
     more = dataclasses.replace(cfg, mix=dataclasses.replace(cfg.mix, total_tokens=60_000))
     with pytest.raises(PrebuildError, match=r"source 'four' needed more than its signed prefix .*--sign-margin"):
         prebuild(more, tokenizer_512, tmp_path / "short", tokens_per_shard=64 * 32, splits=("train",), progress=False, sign_margin=0.2)
+
+
+def test_no_holdout_signs_no_val_prefix_and_a_zero_budget_is_met(tmp_path, tokenizer_512):
+    """``holdout_fraction: 0`` with a small budget over two sources: the val split (which keeps
+    nothing) signs no prefix, where it signed 0.0% of a source whose val budget rounded to 0 and
+    then stopped the build with "needed more than its signed prefix ... 0 of its 0 tokens"."""
+    from stacklm.data.pipeline import PipelineConfig
+    from stacklm.prebuild.signing import check_budget_met, signing_plan
+
+    for name in ("a", "b"):
+        with open(tmp_path / f"{name}.jsonl", "w") as f:
+            for i in range(400):
+                f.write(json.dumps({"text": f"{name} document {i}: " + " ".join(f"w{(i * 31 + j) % 997}" for j in range(40))}) + "\n")
+    cfg = PipelineConfig.from_dict({
+        "seq_len": 64, "batch_size": 2, "holdout_fraction": 0.0,
+        "mix": {"name": "t", "total_tokens": 2_000, "entries": [
+            {"name": n, "kind": "local", "path": str(tmp_path / f"{n}.jsonl"), "weight": w, "domain": "code", "filters": "none"}
+            for n, w in (("a", 0.7), ("b", 0.3))]},
+    })
+    plan = signing_plan(cfg, tokenizer_512, ("train", "val"))
+    assert plan["fractions"]["val"] == {} and set(plan["fractions"]["train"]) == {"a", "b"}
+    dry_at_zero = {"b": {"status": "ran_dry", "tokens": 0, "planned_budget": 0}}
+    check_budget_met(dry_at_zero, {"fractions": {"val": {"b": 0.0}}, "margin": 3.0}, "val", tmp_path)  # met: nothing asked
+    with pytest.raises(Exception, match="needed more than its signed prefix"):
+        check_budget_met({"b": {"status": "ran_dry", "tokens": 5, "planned_budget": 9}}, {"fractions": {"val": {"b": 0.1}}, "margin": 3.0},
+                         "val", tmp_path)
