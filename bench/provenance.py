@@ -64,7 +64,7 @@ def write_corpus(tmp: Path, text_bytes: int) -> int:
 
 def config(tmp: Path, args) -> PipelineConfig:
     return PipelineConfig.from_dict({
-        "seq_len": args.seq_len, "strategy": "best_fit", "shuffle_buffer": 1000, "pack_buffer_docs": 256,
+        "seq_len": args.seq_len, "batch_size": 8, "strategy": "best_fit", "shuffle_buffer": 1000, "pack_buffer_docs": 256,
         "holdout_fraction": 0.001, "num_threads": 1, "dedup": {"exact": True, "near": True},
         "mix": {"name": "bench", "total_tokens": args.tokens, "entries": [
             {"name": "web", "kind": "local", "path": str(tmp / "web" / "*.jsonl"), "weight": 0.75, "domain": "code"},

@@ -7,7 +7,7 @@ from are here (the way tiktoken's face is a handful of names over a fast core)::
 
     tok = stacklm.train_tokenizer(texts, vocab_size=32768).tokenizer   # or stacklm.StackTokenizer.load(path)
     tok.save("tok.json")
-    config = stacklm.PipelineConfig.from_dict(cfg)                    # cfg: a YAML's data.pipeline dict
+    config = stacklm.PipelineConfig.from_run_config("run.yaml")       # data.pipeline, seq_len/batch_size from data:
     pipe = config.build(tok)                                          # = stacklm.build_pipeline(config, tok)
     stacklm.prebuild_shards(config, tok, "shards/")                   # the same pipes, written once
     dm = stacklm.StackDataModule(mode="shards", tokenizer="tok.json", data_dir="shards/", seq_len=2048, batch_size=8)

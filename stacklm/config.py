@@ -40,6 +40,9 @@ _MISSING = dataclasses.MISSING
 # The one YAML layout (``python -m trainer fit``, ``stacklm prebuild``, the docs): ``data:`` holds
 # ``StackDataModule``'s arguments and the pipeline config (pre-training or SFT) sits here.
 PIPELINE_PATH = "data.pipeline"
+# Fields of a pipeline config that a run config gives one level up, in ``data:``: the pipeline
+# takes them from there when its own mapping leaves them out (``with_module_fields``).
+MODULE_FIELDS = ("seq_len", "batch_size", "seed")
 
 
 def nearest(name: str, options: Sequence[str]) -> str | None:
@@ -87,6 +90,12 @@ class Config:
     config_error = ConfigError  # type[ConfigError]: the ConfigError subclass this config raises
     hash_exclude = ()  # tuple[str, ...]: fields config_hash() leaves out
     renamed_fields = {}  # dict[str, str]: an earlier (or another tool's) field name -> ours, for the unknown-field hint
+    mapping_requires = ()  # tuple[str, ...]: fields with a default that a mapping (from_dict) must still give
+
+    @classmethod
+    def absent_message(cls, absent: Sequence[str], where: str) -> str:
+        """The refusal of a mapping without ``mapping_requires`` fields (``absent``)."""
+        return f"{where}: missing field(s) {list(absent)}"
 
     # ------------------------------------------------------------------ parse
     @classmethod
@@ -117,6 +126,9 @@ class Config:
         hints = _hints(cls)
         kw = {key: coerce(hints[key], value, join_path(path, key), err) if fields[key].metadata.get("coerce", True) else value
               for key, value in data.items()}
+        absent = [n for n in cls.mapping_requires if n not in data]
+        if absent:  # after the fields' own errors, which name a key that is there
+            raise err(cls.absent_message(absent, where))
         return cls(**kw)
 
     @classmethod
@@ -167,6 +179,75 @@ class Config:
 
     def build(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} describes settings; it builds nothing")
+
+
+def with_module_fields(pipeline: Mapping[str, Any], module: Mapping[str, Any]) -> dict[str, Any]:
+    """``pipeline`` (a ``data.pipeline`` mapping) with each of ``MODULE_FIELDS`` it leaves out
+    taken from ``module`` (the ``data:`` section's values): the rule by which the trainer, the
+    prebuild and ``PipelineSection.from_run_config`` read a run config."""
+    return {**{k: module[k] for k in MODULE_FIELDS if k in module and k not in pipeline}, **pipeline}
+
+
+class PipelineSection(Config):
+    """Base of the configs that sit at ``data.pipeline`` of a run config (``PipelineConfig``,
+    ``SFTConfig``).
+
+    Why: in a run config ``seq_len``, ``batch_size`` and ``seed`` sit one level up, in ``data:``
+    (``StackDataModule``'s arguments), and the pipeline takes them from there. ``from_dict`` of
+    the ``data.pipeline`` mapping alone cannot see them, and used to take 2048 and 8 silently;
+    it now refuses a mapping without ``seq_len`` and ``batch_size`` in one line that says where
+    they are, and ``from_run_config`` reads a whole run config (a file or its parsed mapping)
+    the way the trainer does."""
+
+    mapping_requires = ("seq_len", "batch_size")
+    modes = ()  # tuple[str, ...]: the data.mode values whose pipeline is this config
+
+    @classmethod
+    def absent_message(cls, absent: Sequence[str], where: str) -> str:
+        defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.name in absent}
+        return (f"{where}: no {' or '.join(repr(a) for a in absent)} in this mapping (the defaults "
+                f"{', '.join(f'{k}={v}' for k, v in defaults.items())} would be used silently). In a run config they sit one "
+                f"level up, in `data:` beside `pipeline:`: read the file with {cls.__name__}.from_run_config('run.yaml'), which "
+                f"takes them from there as the trainer does, or give them in this mapping")
+
+    @classmethod
+    def from_run_config(cls, config: str | Path | Mapping[str, Any]):
+        """The pipeline of a run config (a YAML file, or the mapping it holds), as the trainer
+        and the prebuild read it: ``data.pipeline``, with ``seq_len``, ``batch_size`` and ``seed``
+        from ``data:`` where the pipeline leaves them out (``data:``'s defaults where neither
+        gives them: those of ``StackDataModule``, the same numbers as this class's)."""
+        err = cls.config_error
+        if isinstance(config, Mapping):
+            doc, name = config, "run config"
+        else:
+            import yaml
+
+            name = str(config)
+            try:
+                doc = yaml.safe_load(Path(config).read_text())
+            except FileNotFoundError:
+                raise err(f"{name}: no such config file") from None
+            except yaml.YAMLError as e:
+                raise err(f"{name}: not valid YAML ({e})") from None
+        data = doc.get("data") if isinstance(doc, Mapping) else None
+        if not isinstance(data, Mapping) or not isinstance(data.get("pipeline"), Mapping):
+            raise err(f"{name}: no `data.pipeline` mapping (a run config holds the pipeline at {PIPELINE_PATH}, with seq_len "
+                      "and batch_size in data:)")
+        mode = data.get("mode", "shards")
+        if cls.modes and mode not in cls.modes:
+            raise err(f"{name}: data.mode is {mode!r}; {cls.__name__} is the pipeline of mode(s) {', '.join(cls.modes)}: read this "
+                      "file with the config class of its mode")
+        pipeline = data["pipeline"]
+        module = {**{f.name: f.default for f in dataclasses.fields(cls) if f.name in MODULE_FIELDS}, **data}
+        if mode == "stream":  # one place for the window's shape (the trainer refuses two)
+            for key in ("seq_len", "batch_size"):
+                if key in pipeline and pipeline[key] != module[key]:
+                    raise err(f"{name}: {PIPELINE_PATH}.{key} ({pipeline[key]}) differs from data.{key} ({module[key]}); set it in "
+                              "one place")
+        try:
+            return cls.from_dict(with_module_fields(pipeline, module), path=PIPELINE_PATH)
+        except ConfigError as e:
+            raise type(e)(e.args[0] if name in str(e) else f"{name}: {e}") from None
 
 
 def _plain(value: Any) -> Any:

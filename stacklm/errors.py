@@ -33,8 +33,9 @@ Every message names the file, field or package and says what to do. Both command
 ``<prog>: error: <message>`` and exit with status 2; ``--debug`` shows the traceback. Besides
 ``StackLMError``, an ``OSError`` (a path the user gave, a full disk: the message gets the fix for
 its errno) and a ``ModuleNotFoundError`` of an optional extra's package (the message names the
-extra) are shown the same way (``is_user_error``, ``user_error_message``). Any other exception is
-a bug in stacklm and keeps its traceback.
+extra) and Lightning refusing a trainer setting (``lightning_config_error``) are shown the same way
+(``is_user_error``, ``user_error_message``). Any other exception is a bug in stacklm and keeps
+its traceback.
 
 A class below a base exists only for a reason said in its docstring: a caller catches it by
 name (``except ConfigError`` to add where a value sits, ``except SourceError`` to skip a part,
@@ -319,9 +320,32 @@ def extra_of(exc: BaseException) -> tuple[str, str] | None:
     return None
 
 
+def lightning_config_error(exc: BaseException) -> str | None:
+    """The message of Lightning refusing a trainer setting, or ``None``.
+
+    Why: Lightning checks some settings only once the fit has its data (e.g. a
+    ``val_check_interval`` larger than the epoch's train batches, found in its fit loop's
+    ``setup_data``) and raises a plain ``ValueError`` or its ``MisconfigurationException``:
+    what the user set is wrong, so the command line shows it as one line, exit 2, like our own
+    config errors, not as a 20-line traceback. Recognized by the class name (no import of
+    Lightning here) or, for a ``ValueError``, by being raised in Lightning's own code (its
+    innermost frame); a ``ValueError`` from anywhere else is a bug and keeps its traceback."""
+    if isinstance(exc, StackLMError):
+        return None
+    if any(c.__name__ == "MisconfigurationException" for c in type(exc).__mro__):
+        return str(exc)
+    if type(exc) is ValueError:
+        tb = exc.__traceback__
+        while tb is not None and tb.tb_next is not None:
+            tb = tb.tb_next
+        if tb is not None and f"{os.sep}lightning{os.sep}" in tb.tb_frame.f_code.co_filename:
+            return str(exc)
+    return None
+
+
 def is_user_error(exc: BaseException) -> bool:
     """True for an error the user can fix: printed as one line instead of a traceback."""
-    return isinstance(exc, (StackLMError, OSError)) or extra_of(exc) is not None
+    return isinstance(exc, (StackLMError, OSError)) or extra_of(exc) is not None or lightning_config_error(exc) is not None
 
 
 # torch's DataLoader re-raises a worker's exception as the same type, its message replaced by
@@ -347,6 +371,8 @@ def user_error_message(exc: BaseException) -> str:
     """The message of a user error, on one line (two at most), naming what is wrong and the fix."""
     if isinstance(exc, StackLMError):
         text = _unwrap_worker(exc, str(exc))
+    elif (refused := lightning_config_error(exc)) is not None:
+        text = f"the trainer settings: {refused.strip()}"
     elif (found := extra_of(exc)) is not None:
         pkg, extra = found
         text = f"the optional package {pkg!r} is not installed ({exc}): pip install \"stacklm[{extra}]\""

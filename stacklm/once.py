@@ -9,15 +9,47 @@ first to see it in this process says so. The key names the event (kind, source, 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 _SEEN: set[tuple] = set()
+_UNSAID = [0]  # depth of ``unsaid()`` blocks
 
 
 def first_time(*key) -> bool:
-    """``True`` the first time this process sees ``key`` (and remembers it), ``False`` after."""
-    if key in _SEEN:
+    """``True`` the first time this process sees ``key`` (and remembers it), ``False`` after;
+    ``False`` without remembering inside ``unsaid()``."""
+    if _UNSAID[0] or key in _SEEN:
         return False
     _SEEN.add(key)
     return True
+
+
+@contextlib.contextmanager
+def unsaid() -> Iterator[None]:
+    """Check something that may never run without saying what it would say (and without using
+    up the one time each event is said): e.g. the trainer's command line checks each
+    ``--config``'s pipeline as it reads it, and a later ``--config`` may replace it; only the
+    pipeline the run builds then says its notices (the mix's normalized weights, ...)."""
+    _UNSAID[0] += 1
+    try:
+        yield
+    finally:
+        _UNSAID[0] -= 1
+
+
+def say_once(key: tuple, message: str) -> None:
+    """Information, not a warning: ``message`` as one line on stderr, the first time this
+    process sees ``key`` (``first_time``).
+
+    Why not ``warnings.warn``: some events are expected and need no action (a validation split
+    reading its small holdout to the end); a warning, with advice meant for the case where the
+    event is a problem, sends a user looking for a fault that is not there. Not ``logging``
+    either: an ``info`` record is shown by no handler unless the application configured one."""
+    if first_time("said", *key):
+        import sys
+
+        print(message, file=sys.stderr, flush=True)
 
 
 def in_loader_worker() -> bool:

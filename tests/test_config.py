@@ -94,11 +94,12 @@ def test_pipeline_config_typos_at_every_depth():
 
 def test_one_source_schema_for_pretraining_and_sft(tmp_path):
     src = {"name": "chats", "kind": "local", "path": [str(tmp_path / "*.jsonl")], "text_column": "messages"}
-    sft = SFTConfig.from_dict({"sources": [src], "pack_buffer_docs": 4})
+    shape = {"seq_len": 64, "batch_size": 2}
+    sft = SFTConfig.from_dict({"sources": [src], "pack_buffer_docs": 4, **shape})
     assert isinstance(sft.sources[0], SourceConfig) and sft.sources[0].domain == "chat"
     assert sft.sources[0].paths == [str(tmp_path / "*.jsonl")] and sft.pack_buffer_docs == 4
     pre = PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 10, "entries": [
-        {**src, "domain": "prose", "text_column": None}]}})
+        {**src, "domain": "prose", "text_column": None}]}, **shape})
     assert isinstance(pre.mix.entries[0], SourceConfig) and pre.mix.entries[0].text_column == "text"
     for old, new in [("files", "data_files"), ("column", "text_column")]:  # the SFT names before the merge
         with pytest.raises(ConfigError, match=f"did you mean '{new}'"):
@@ -122,11 +123,49 @@ def test_packaged_configs_resolve_by_name_and_share_one_layout(tmp_path):
         resolve_config("dmeo")
     import yaml
 
+    from stacklm.datamodule.section import DataConfig
+
     for name in packaged_configs():  # one layout: data.pipeline is a config of its mode
         data = yaml.safe_load(resolve_config(name).read_text())["data"]
         cls = SFTConfig if data["mode"] in ("sft", "preference") else PipelineConfig
-        cfg = cls.from_dict(data["pipeline"], path="data.pipeline")
+        cfg = cls.from_run_config(resolve_config(name))
+        built = DataConfig.from_dict(data, path="data").pipeline  # what the trainer and the prebuild build
+        assert cfg.config_hash() == built.config_hash() and (cfg.seq_len, cfg.batch_size) == (data["seq_len"], data["batch_size"])
         assert cls.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
+
+
+def test_a_pipeline_takes_seq_len_and_batch_size_from_where_the_run_config_gives_them(tmp_path):
+    """Issue 36: ``PipelineConfig.from_dict(yaml["data"]["pipeline"])``, as the README showed, took
+    seq_len 2048 and batch_size 8 because the run config gives them one level up, in ``data:``."""
+    import yaml
+
+    pipeline = {"mix": {"name": "m", "total_tokens": 1000, "entries": [
+        {"name": "w", "kind": "synthetic", "weight": 1.0, "domain": "prose", "num_docs": 10}]}, "shuffle_buffer": 4}
+    doc = {"data": {"mode": "stream", "seq_len": 256, "batch_size": 4, "seed": 7, "pipeline": pipeline}}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    cfg = PipelineConfig.from_run_config(path)
+    assert (cfg.seq_len, cfg.batch_size, cfg.seed, cfg.shuffle_buffer) == (256, 4, 7, 4)
+    assert PipelineConfig.from_run_config(doc) == cfg  # the parsed mapping too
+    with pytest.raises(ConfigError) as err:  # the mapping alone: refused in one line that says where they are
+        PipelineConfig.from_dict(yaml.safe_load(path.read_text())["data"]["pipeline"], path="data.pipeline")
+    msg = str(err.value)
+    assert "\n" not in msg and "no 'seq_len' or 'batch_size'" in msg and "`data:`" in msg and "from_run_config" in msg
+    with pytest.raises(ConfigError, match="no 'batch_size'"):  # one of them given: the other is still named
+        PipelineConfig.from_dict({**pipeline, "seq_len": 256})
+    assert PipelineConfig.from_dict({**pipeline, "seq_len": 256, "batch_size": 4}).seq_len == 256
+    # the pipeline's own value wins where it gives one (shards mode; stream mode refuses two values, as the trainer does)
+    shards = {"data": {**doc["data"], "mode": "shards", "pipeline": {**pipeline, "seq_len": 128}}}
+    assert PipelineConfig.from_run_config(shards).seq_len == 128
+    with pytest.raises(ConfigError, match=r"data.pipeline.seq_len \(128\) differs from data.seq_len \(256\)"):
+        PipelineConfig.from_run_config({"data": {**shards["data"], "mode": "stream"}})
+    with pytest.raises(ConfigError, match=r"data.mode is 'sft'; PipelineConfig is the pipeline of mode\(s\) shards, stream"):
+        PipelineConfig.from_run_config({"data": {**doc["data"], "mode": "sft"}})
+    with pytest.raises(ConfigError, match=r"run.yaml: unknown field 'data.pipeline.shuffle_bufer'"):
+        path.write_text(yaml.safe_dump({"data": {**doc["data"], "pipeline": {**pipeline, "shuffle_bufer": 4}}}))
+        PipelineConfig.from_run_config(path)
+    with pytest.raises(ConfigError, match="no `data.pipeline` mapping"):
+        PipelineConfig.from_run_config({"data": {"seq_len": 256}})
 
 
 @pytest.mark.parametrize("name", ["demo", "sft"])

@@ -64,13 +64,16 @@ def test_the_readme_library_example_runs_as_written(tmp_path, monkeypatch):
     words = "the quick brown fox jumps over a lazy dog while seven wise owls watch quietly from an old oak".split()
     rng = __import__("random").Random(0)
     texts = [" ".join(rng.choice(words) for _ in range(rng.randint(40, 120))) + "." for _ in range(300)]
-    cfg = {"seq_len": 128, "batch_size": 4, "holdout_fraction": 0.0,
-           "mix": {"name": "m", "total_tokens": 20_000, "entries": [
-               {"name": "words", "kind": "local", "path": str(tmp_path / "words.jsonl"), "weight": 1.0, "domain": "prose", "filters": "none"}]}}
+    # the run config the README reads, in the trainer's layout: seq_len and batch_size in data:, beside pipeline:
+    run = {"data": {"seq_len": 128, "batch_size": 4, "pipeline": {"holdout_fraction": 0.0, "mix": {
+        "name": "m", "total_tokens": 20_000, "entries": [
+            {"name": "words", "kind": "local", "path": str(tmp_path / "words.jsonl"), "weight": 1.0, "domain": "prose", "filters": "none"}]}}}}
+    (tmp_path / "run.yaml").write_text(__import__("json").dumps(run))  # JSON is YAML
     (tmp_path / "words.jsonl").write_text("".join(__import__("json").dumps({"text": t}) + "\n" for t in texts))
     monkeypatch.chdir(tmp_path)
-    scope = {"texts": texts, "text": texts[0], "cfg": cfg}
+    scope = {"texts": texts, "text": texts[0]}
     exec(compile(block, "README.md#Library", "exec"), scope)  # noqa: S102 -- the README's own code
+    assert (scope["cfg"].seq_len, scope["cfg"].batch_size) == (128, 4)  # from data:, where the run config gives them
     assert scope["first"]["input_ids"].shape == (8, 127)
     assert (tmp_path / "tok.json").exists() and (tmp_path / "shards").is_dir()
 

@@ -91,6 +91,30 @@ def test_fit_says_each_event_once(tmp_path, tok_dir):
         assert res.stderr.count(f"source 'mixed' ran dry in the {stream} stream") <= 1, res.stderr[-4000:]
 
 
+def test_a_val_split_that_reads_its_holdout_to_the_end_says_so_once_as_information(tmp_path, tok_dir, capfd, recwarn):
+    """Issue 36: every validation of a small holdout "ran dry" with a warning and advice meant
+    for training (more data, a lower weight or budget), once per pass and source and logical
+    stream. A val split reading its holdout to the end is expected: one line, information, for
+    the whole fit; the train stream keeps its warnings. Two loader workers (their own processes:
+    what they print reaches the captured stderr too), three validations (the sanity check's too)."""
+    import lightning as L
+
+    from stacklm.datamodule import StackDataModule
+    from tests.helpers.lightning import TinyLM
+
+    pipe = pipeline(tmp_path, 20_000)  # val budget 1,000 tokens; the holdout (5 % of 300 + 800 documents) holds less
+    dm = StackDataModule(mode="stream", tokenizer=str(tok_dir), pipeline=pipe, seq_len=32, batch_size=2, num_workers=2)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, val_check_interval=2, check_val_every_n_epoch=None, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        default_root_dir=str(tmp_path / "run"))
+    trainer.fit(TinyLM(512), datamodule=dm)
+    err = capfd.readouterr().err
+    assert err.count("stacklm: validation read the holdout of source") == 1, err
+    assert "Information only" in err and "val stream" not in err, err  # no worker's "ran dry" padding warning either
+    said = [str(w.message) for w in recwarn if "ran dry" in str(w.message)]
+    assert not [w for w in said if "val" in w], said  # no warning with training advice for the val split
+
+
 @pytest.mark.parametrize("mode", ["sft", "preference"])
 def test_sft_and_preference_rejections_are_logged_once(mode, tmp_path, tokenizer_1024, caplog):
     """A train and a val pipeline over the same file (what a fit builds): each reader counts the

@@ -152,7 +152,7 @@ def _inspect_step(args: argparse.Namespace) -> int:
         return 1 if unverified else 0
     if not args.tokenizer and Path(out["tokenizer"]).exists():  # the run's own tokenizer shows each piece's text
         args.tokenizer = out["tokenizer"]
-    check = ("" if out["mode"] != "stream" else
+    check = ("" if out["mode"] == "shards" else
              f"; {len(real) - unverified} of {len(real)} rebuilt from the source files and verified against the logged CRC")
     print(f"{args.input}: step {out['step']} ({out['mode']} mode, run {out['generation']}, {out['world_size']} rank(s)): "
           f"{len(real)} rows, {len(out['rows']) - len(real) - len(skipped)} padding rows{check}")
@@ -201,7 +201,8 @@ def _why_sources(args: argparse.Namespace) -> tuple[list[Path], object]:
                     else "holds no dedup evidence (dedup-evidence/ deleted, or its index was decided before stacklm kept it); rebuild it to ask why "
                     f"(`stacklm prebuild --config CONFIG --out NEW_DIR`)")
             raise UserError(f"{where} {said}")
-        return files, PipelineConfig.from_dict(top["build"]["config"])
+        # a build's content config leaves batch_size out (it does not change the tokens), nor does --why read it
+        return files, PipelineConfig.from_dict({"batch_size": 1, **top["build"]["config"]})
     from stacklm.prebuild import load_config
 
     config, _ = load_config(args.input)

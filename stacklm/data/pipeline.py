@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from stacklm.config import Config
+from stacklm.config import PipelineSection
 from stacklm.data.contract import PLANES
 from stacklm.data.dedup import DedupIndex, DedupNode, ExactDeduper, NearDeduper
 from stacklm.data.dedup.config import DedupConfig
@@ -49,12 +49,13 @@ READ_ORDERS = ("spread", "sequential")
 
 
 @dataclass(frozen=True)
-class PipelineConfig(Config):
+class PipelineConfig(PipelineSection):
     """Everything that decides the stream's content. ``config_hash`` guards resumes/prebuilds
     (``num_threads`` and ``planes`` are left out of it: they change speed and the batch's layout,
     not the stream)."""
 
     hash_exclude: ClassVar[tuple[str, ...]] = ("num_threads", "planes")
+    modes = ("shards", "stream")  # the data.mode values whose pipeline this is (from_run_config)
 
     mix: DataMix = field(metadata={"help": "a registered mix name such as 'stack-100m', or a mapping with name, total_tokens, entries"})
     seq_len: int = 2048

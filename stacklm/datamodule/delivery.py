@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from stacklm.once import first_time
+from stacklm.once import first_time, say_once
 
 # Document-length histogram bins (tokens, <bos>/<eos> included): powers of two up to 1M and beyond.
 HIST_EDGES = [0] + [2**k for k in range(3, 21)] + [2**62]
@@ -87,11 +87,23 @@ class DeliveryCounter:
         the delivered vs target share at that point."""
         if source in self.ran_dry:
             return
-        first_time("ran_dry", source)  # said here: the callback's data/ran_dry does not say it again
         share = self.shares().get(source, 0.0)
         target = self.target.get(source)
         self.ran_dry[source] = {"batch": self.batches, "rank": rank, "worker": worker, "delivered_share": share,
                                 "target_share": target}
+        if self.split == "val":
+            # The val split reads the holdout (holdout_fraction of each source), which a val budget
+            # of holdout_fraction x total_tokens outruns whenever the sources are smaller than
+            # the budget: expected, and nothing to fix for training. Said once per process, for
+            # the first source, as information (every validation pass used to warn with
+            # training advice for every source).
+            if rank == 0:
+                say_once(("val_ran_dry",),
+                         f"stacklm: validation read the holdout of source {source!r} to its end (val batch {self.batches} of "
+                         "rank 0; other sources may follow): the rest of each validation uses what the holdout has, padded "
+                         "rows carry no loss. Information only; data.val_batches sets how many val batches run.")
+            return
+        first_time("ran_dry", source)  # said here: the callback's data/ran_dry does not say it again
         warnings.warn(
             f"stacklm: source {source!r} ran dry in the {self.split + ' stream' if self.split else 'stream'}, rank {rank} "
             f"worker {worker}, at batch {self.batches} of this rank: "

@@ -237,8 +237,9 @@ class StackDataLoader(DataLoader):
             self.last_pieces = (delivery.get("pieces") if delivery is not None else None, len(ids))
             if self.step_log is not None:  # which rows this step trains on (``steplog``)
                 pieces = delivery.get("pieces", []) if delivery is not None else []
+                rows = len(batch["pair_ids"]) if "pair_ids" in batch else len(ids)  # a preference row: a pair, two sides in ids
                 self.step_log.add_pieces(self.epoch, self.batches_yielded - 1, pieces,
-                                         delivery.get("crc", []) if delivery is not None else [], len(ids) - len(pieces))
+                                         delivery.get("crc", []) if delivery is not None else [], rows - len(pieces))
             summary = batch.pop(SUMMARY_KEY, None)
             if summary is not None:  # after counting: the batch that carries it is delivered too
                 # one summary per logical stream (elastic stream mode, keyed by it), else per worker

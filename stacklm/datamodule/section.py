@@ -26,10 +26,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from stacklm.config import PIPELINE_PATH, Config
+from stacklm.config import MODULE_FIELDS, PIPELINE_PATH, Config, with_module_fields
 from stacklm.data.pipeline import PipelineConfig
 from stacklm.data.sft import SFTConfig
 from stacklm.errors import ConfigError, DataConfigError
+from stacklm.once import unsaid
 
 DATA_PATH = "data"
 MODE_NAMES = ("shards", "stream", "sft", "preference")  # == stacklm.datamodule.modes.MODES (a test checks)
@@ -71,7 +72,12 @@ def check_pipeline(value: Any) -> dict[str, Any]:
     except (TypeError, ValueError):  # not plain JSON (not from a YAML file): checked every time
         key = None
     if key is None or key not in _last_checked:
-        (SFTConfig if "sources" in d else PipelineConfig).from_dict(d, path=PIPELINE_PATH)
+        # unsaid: a later --config may replace this pipeline; the one the run builds (DataConfig) speaks
+        kind = SFTConfig if "sources" in d else PipelineConfig
+        # before the mode and data.seq_len / batch_size are known: their defaults stand in (parse_pipeline takes the real ones)
+        stand_in = {f.name: f.default for f in dataclasses.fields(kind) if f.name in MODULE_FIELDS}
+        with unsaid():
+            kind.from_dict(with_module_fields(d, stand_in), path=PIPELINE_PATH)
         _last_checked[:] = [key] if key is not None else []
     return d
 
@@ -93,9 +99,7 @@ def parse_pipeline(value: Any, mode: str, seq_len: int, batch_size: int, seed: i
         d = dict(_as_mapping(value))
         if not d:
             return None
-        for name, default in (("seq_len", seq_len), ("batch_size", batch_size), ("seed", seed)):
-            d.setdefault(name, default)
-        cfg = kind.from_dict(d, path=PIPELINE_PATH)
+        cfg = kind.from_dict(with_module_fields(d, {"seq_len": seq_len, "batch_size": batch_size, "seed": seed}), path=PIPELINE_PATH)
     if mode == "stream" and (cfg.seq_len, cfg.batch_size) != (seq_len, batch_size):
         raise DataConfigError(
             f"field '{PIPELINE_PATH}': its seq_len/batch_size ({cfg.seq_len}/{cfg.batch_size}) differ from the module's "

@@ -46,7 +46,6 @@ from stacklm.datamodule.resume.state import EpochReload
 from stacklm.datamodule.section import DataConfig, check_pipeline
 from stacklm.datamodule.transfer import after_transfer, to_device
 from stacklm.errors import DataConfigError
-from stacklm.once import first_time
 
 DEFAULT_SNAPSHOT_STEPS = 1000  # without a step checkpoint interval to follow; see StackDataModule
 _ARGUMENTS = frozenset(f.name for f in dataclasses.fields(DataConfig))  # read back as attributes (``__getattr__``)
@@ -103,8 +102,8 @@ class StackDataModule(L.LightningDataModule):
             dealt to (rank x worker) at run time, so a resume may change world size, workers and
             batch size. ``None``: the first run's ranks x workers. Pick a number many shapes
             divide (e.g. 8 or 16): a reader with no logical stream of its own trains on padding.
-        step_log: shards and stream modes: log which rows each global step trains on, so
-            ``stacklm inspect RUN --step S`` can say which documents were in step ``S``
+        step_log: log which rows each global step trains on, so ``stacklm inspect RUN --step S``
+            can say which documents (sft: conversations; preference: pairs) were in step ``S``
             (``stacklm.data.storage.steplog``; a fraction of a percent of the token bytes).
             ``True`` (default): under ``<trainer.default_root_dir>/steplog``; a path: there;
             ``False``: off.
@@ -321,15 +320,12 @@ class StackDataModule(L.LightningDataModule):
 
     def _step_log(self):
         """This fit's ``StepLogWriter`` (one generation per fit; ``steplog``), ``None`` when off
-        (``step_log=False``, sft/preference modes, or no trainer and no path)."""
+        (``step_log=False``, or no trainer and no path). Every mode writes one: shards mode the
+        global rows, the others each row's pieces (sft: the conversations packed in it;
+        preference: its pair) as their batches carry them."""
         step_log = self.config.step_log
         if self._step_log_writer is not None or step_log is False:
             return self._step_log_writer
-        if self.mode not in ("shards", "stream"):
-            if step_log is not True and first_time("step_log", self.mode):  # a path asked for one: say why there is none
-                warnings.warn(f"stacklm: step_log={step_log!r} is ignored: {self.mode} mode writes no step log (shards "
-                              "and stream modes do)", RuntimeWarning, stacklevel=2)
-            return None
         trainer = getattr(self, "trainer", None)
         if step_log is True and trainer is None:
             return None
@@ -383,12 +379,12 @@ class StackDataModule(L.LightningDataModule):
         position's source index into ``names`` (-1: padding, or not known). The batch's
         ``targets[:, t]`` is window position ``t + 1``. From the rows' provenance: stream mode's
         per-row document pieces, shards mode's global rows looked up in the prebuild's side
-        files. ``None`` when there is none (SFT and preference batches; a prebuild without
-        provenance; no batch yet). Read in the main process between the loader handing a batch
+        files, SFT's packed conversations. ``None`` when there is none (preference batches: a
+        row is a pair, not one window of targets; a prebuild without provenance; no batch yet). Read in the main process between the loader handing a batch
         out and the next one: Lightning does not fetch ahead of a loader with a length, so in a
         batch hook it is that batch's (``stacklm.source_loss``)."""
         loader = self._train_loader if split == "train" else getattr(self, "_val_loader", None)
-        if loader is None:
+        if loader is None or self.mode == "preference":
             return None
         from stacklm.data.storage import provenance
 

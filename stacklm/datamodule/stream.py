@@ -191,7 +191,7 @@ class _StreamIterator:
         try:
             batch = next(graph.batches)
         except StopIteration:
-            if self.padded == 0:
+            if self.padded == 0 and self.ds.split != "val":  # val: its holdout read to the end is expected (DeliveryCounter.note_dry)
                 warnings.warn(
                     f"stacklm: the {self.ds.split} stream of rank {self.shard.rank} worker {self.shard.worker} ran dry after "
                     f"{self.yielded} of {self.ds.n_batches} batches; padding the rest with fully masked batches so "

@@ -7,6 +7,10 @@ CRC-32 of its window: the tokens are rebuilt here from the source records, throu
 source nodes and tokenizer the run used (a record's text as the source yields it, encoded on
 the same fast path, wrapped ``<bos> ids <eos>``), and checked against the CRC, so a source
 file changed since the run shows up as ``"verified": false`` rather than as wrong tokens.
+SFT and preference modes logged the same: per row its conversations (sft: those packed in the
+row) or its pair (preference: one piece, the chosen side's range), each named by source, file and
+record; they are read back and rendered as the run rendered them (the source's loss policy and
+overlong rule) and checked against the logged CRC the same way.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ def step_provenance(path: str | Path, step: int) -> dict[str, Any]:
         fill = _shard_rows(meta)
     elif meta["mode"] == "stream":
         fill = _StreamRows(meta)
+    elif meta["mode"] in ("sft", "preference"):
+        fill = _ConversationRows(meta)
     else:
         raise DataError(f"{generation}: mode {meta['mode']!r} has no step log reader")
     for rec in records:
@@ -99,30 +105,34 @@ def _cwd(path: str) -> Iterator[None]:
         sources_log.setLevel(level)
 
 
-class _StreamRows:
-    """Rebuilds stream-mode rows from their pieces: each source opened once (one reader over
-    all its parts), each needed record read by scanning its file from the top."""
+class _SourceRows:
+    """Rebuilds the rows a run logged as pieces (stream, sft and preference modes) from the source
+    records they name: each source opened once (one reader over all its parts), each needed
+    record read by scanning its file from the top. A mode says how a source is opened
+    (``_node``), what a record becomes (``_store``) and how a row is put together and checked
+    against its logged CRC (``_row``)."""
 
-    def __init__(self, meta: dict[str, Any]) -> None:
-        from stacklm.data.pipeline import PipelineConfig
+    def __init__(self, meta: dict[str, Any], config: Any, names: Sequence[str]) -> None:
         from stacklm.data.storage.manifest import tokenizer_hash
         from stacklm.tokenizer.bpe import StackTokenizer
 
-        stream = meta["stream"]
-        self.config = PipelineConfig.from_dict(stream["pipeline"])
-        self.cwd = stream["cwd"]
+        self.config, self.names = config, list(names)
+        self.cwd = meta["stream"]["cwd"]
         self.seq_len = int(meta["seq_len"])
         self.tok = StackTokenizer.load(meta["tokenizer"])
         if tokenizer_hash(self.tok) != meta["tokenizer_hash"]:
             raise DataError(f"the tokenizer at {meta['tokenizer']} changed since the run; the rows cannot be rebuilt")
-        self.entries = list(self.config.mix.entries)
         self._labels: dict[int, list[str]] = {}
-        self._wrapped: dict[tuple[int, int, int], np.ndarray] = {}
+        self._built: dict[tuple[int, int, int], Any] = {}  # (source, file, record) -> what ``_store`` made of it
 
     def _node(self, src: int):
-        from stacklm.data.sources import ShardSpec, open_source
+        raise NotImplementedError
 
-        return open_source(self.entries[src], shard=ShardSpec())
+    def _store(self, docs: dict[tuple[int, int, int], dict]) -> None:
+        raise NotImplementedError
+
+    def _row(self, pieces: Sequence[Sequence[int]], crc: int) -> tuple[list[int] | None, bool]:
+        raise NotImplementedError
 
     def labels(self, src: int) -> list[str]:
         if src not in self._labels:
@@ -135,43 +145,66 @@ class _StreamRows:
         return self._labels[src]
 
     def _load(self, needed: set[tuple[int, int, int]]) -> None:
-        """Read and tokenize the records of ``needed`` (source, file, record) not read yet."""
+        """Read the records of ``needed`` (source, file, record) not read yet, and ``_store`` them."""
         from stacklm.data.sources.entry import part_documents
-        from stacklm.data.tokenizing import tokenize_docs
 
-        todo = sorted(needed - set(self._wrapped))
         by_part: dict[tuple[int, int], set[int]] = {}
-        for src, fid, rec in todo:
+        for src, fid, rec in sorted(needed - set(self._built)):
             by_part.setdefault((src, fid), set()).add(rec)
+        docs: dict[tuple[int, int, int], dict] = {}
         for (src, fid), records in by_part.items():
-            node = self._node(src)
-            docs = []
             with _cwd(self.cwd):
-                last = max(records)
-                for doc in part_documents(node, fid):
+                for doc in part_documents(self._node(src), fid):
                     r = int(doc.get("record", -1))
-                    if r > last:
+                    if r > max(records):
                         break
                     if r in records:
-                        docs.append(doc)
-            for doc in tokenize_docs(self.tok, docs, num_threads=1):
-                ids = np.asarray(doc["ids"], dtype=np.int32)
-                self._wrapped[(src, fid, int(doc["record"]))] = np.concatenate([[self.tok.bos_id], ids, [self.tok.eos_id]]).astype(np.int32)
+                        docs[(src, fid, r)] = doc
+        self._store(docs)
 
     def __call__(self, rec: dict[str, Any]) -> list[dict[str, Any]]:
-        from stacklm.data.packing.origins import window_crc
-
         self._load({(int(p[0]), int(p[1]), int(p[2])) for row in rec["pieces"] if row for p in row if None not in p[:3]})
         out = []
         for pieces, crc in zip(rec["pieces"], rec["crc"]):
             if pieces is None:  # a window restored from a checkpoint written before the packer kept pieces
                 out.append({"input_ids": None, "verified": False, "segments": None})
                 continue
-            window, verified = self._rebuild(pieces, int(crc), window_crc)
-            segments = [{"source": self.entries[s].name, "file": self.labels(s)[f] if f is not None and f < len(self.labels(s)) else None,
+            ids, verified = self._row(pieces, int(crc))
+            segments = [{"source": self.names[s], "file": self.labels(s)[f] if f is not None and f < len(self.labels(s)) else None,
                          "record": r, "row_start": a, "row_end": b, "doc_offset": off} for s, f, r, a, b, off in pieces]
-            out.append({"input_ids": None if window is None else window.tolist(), "verified": verified, "segments": segments})
+            out.append({"input_ids": ids, "verified": verified, "segments": segments})
         return out
+
+
+class _StreamRows(_SourceRows):
+    """Stream mode: a record's text as the source yields it, encoded on the same fast path and
+    wrapped ``<bos> ids <eos>``; a window is its pieces of those."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        from stacklm.data.pipeline import PipelineConfig
+
+        config = PipelineConfig.from_dict(meta["stream"]["pipeline"])
+        self.entries = list(config.mix.entries)
+        super().__init__(meta, config, [e.name for e in self.entries])
+
+    def _node(self, src: int):
+        from stacklm.data.sources import ShardSpec, open_source
+
+        return open_source(self.entries[src], shard=ShardSpec())
+
+    def _store(self, docs: dict[tuple[int, int, int], dict]) -> None:
+        from stacklm.data.tokenizing import tokenize_docs
+
+        keys = list(docs)
+        for key, doc in zip(keys, tokenize_docs(self.tok, [docs[k] for k in keys], num_threads=1)):
+            ids = np.asarray(doc["ids"], dtype=np.int32)
+            self._built[key] = np.concatenate([[self.tok.bos_id], ids, [self.tok.eos_id]]).astype(np.int32)
+
+    def _row(self, pieces: Sequence[Sequence[int]], crc: int) -> tuple[list[int] | None, bool]:
+        from stacklm.data.packing.origins import window_crc
+
+        window, verified = self._rebuild(pieces, crc, window_crc)
+        return (None if window is None else window.tolist()), verified
 
     def _rebuild(self, pieces: Sequence[Sequence[int]], crc: int, window_crc) -> tuple[np.ndarray | None, bool]:
         """The row's window from its records, and whether its CRC is the logged one. A document
@@ -181,7 +214,7 @@ class _StreamRows:
         window = np.full(self.seq_len, self.tok.pad_id, dtype=np.int32)
         last_may_be_cut = False
         for i, (src, fid, rec, a, b, off) in enumerate(pieces):
-            wrapped = self._wrapped.get((src, fid, rec))
+            wrapped = self._built.get((src, fid, rec))
             if wrapped is None or off is None or off + (b - a) > len(wrapped):
                 return None, False  # the record is gone or shorter: the source changed
             window[a:b] = wrapped[off : off + b - a]
@@ -199,3 +232,62 @@ class _StreamRows:
                 return cut, True
         return window, False
 
+
+class _ConversationRows(_SourceRows):
+    """SFT and preference modes: each named record rendered as the run rendered it (the
+    source's loss policy and overlong rule, the run's seq_len). An sft window is its
+    conversations' loss-tagged ids at their ranges (padding elsewhere), ``input_ids`` without the
+    tags; a preference row's CRC is that of its pair's tagged ids (both sides), ``input_ids`` its
+    chosen side."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        from stacklm.data.sft import SFTConfig
+
+        self.preference = meta["mode"] == "preference"
+        config = SFTConfig.from_dict(meta["stream"]["pipeline"])
+        self.specs = list(config.sources)
+        super().__init__(meta, config, [s.name for s in self.specs])
+
+    def _node(self, src: int):
+        from stacklm.data.sft.reader import ConversationSource
+        from stacklm.data.sources import ShardSpec
+
+        if self.preference:
+            from stacklm.data.sft.preference_pipeline import PreferenceSource as cls
+        else:
+            cls = ConversationSource
+        node = cls(self.specs[src], shard=ShardSpec(), role_aliases=self.config.role_aliases, on_invalid="skip")
+        node.log_rows = False  # the run reported its rejected records; a read-back does not again
+        return node
+
+    def _store(self, docs: dict[tuple[int, int, int], dict]) -> None:
+        for (src, fid, rec), doc in docs.items():
+            spec = self.specs[src]
+            overlong = spec.overlong or self.config.overlong
+            if self.preference:
+                from stacklm.data.sft.preference import render_pair
+
+                out = render_pair(doc["prompt"], doc["chosen"], doc["rejected"], self.tok, self.seq_len, overlong,
+                                  spec.loss_policy())[0]
+                self._built[(src, fid, rec)] = None if out is None else out.tagged()
+            else:
+                from stacklm.chat.render import render_for_sft
+
+                self._built[(src, fid, rec)] = render_for_sft(doc["turns"], self.tok, self.seq_len, overlong, spec.loss_policy())[0]
+
+    def _row(self, pieces: Sequence[Sequence[int]], crc: int) -> tuple[list[int] | None, bool]:
+        from stacklm.chat.render import untag_loss
+        from stacklm.data.packing.origins import window_crc
+
+        parts = [self._built.get((s, f, r)) for s, f, r, *_ in pieces]
+        if any(p is None for p in parts):  # gone from its file, or no longer renders
+            return None, False
+        if self.preference:  # one pair: its tagged ids are what the CRC covers; the chosen side is the row shown
+            tagged = parts[0]
+            ids = untag_loss(tagged[: pieces[0][4]])[0]
+        else:
+            tagged = np.full(self.seq_len, self.tok.pad_id, dtype=np.int32)
+            for (_, _, _, a, b, off), part in zip(pieces, parts):
+                tagged[a:b] = part[off : off + b - a] if off + (b - a) <= len(part) else self.tok.pad_id
+            ids = untag_loss(tagged)[0]
+        return ids.tolist(), window_crc(tagged) == crc

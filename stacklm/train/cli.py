@@ -25,7 +25,7 @@ import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
-from stacklm.errors import ConfigError, ResumeRefused, StackLMError, is_user_error, user_error_message
+from stacklm.errors import ConfigError, ResumeRefused, StackLMError, is_user_error, lightning_config_error, user_error_message
 from stacklm.once import one_line_warnings
 
 DEFAULT_DATAMODULE = "stacklm.datamodule.StackDataModule"
@@ -174,6 +174,16 @@ def _cli_class() -> type:
                 trainer_cfg["logger"] = continue_logger_config(trainer_cfg["logger"], self._saved_run,
                                                                trainer_cfg.get("default_root_dir"))
 
+        def _run_subcommand(self, subcommand: str) -> None:
+            # A run that fails before it has written anything but its start files (a refused
+            # setting, a refused resume, a data gate) leaves no log folder of its own behind.
+            new_dirs = _new_log_dirs(self.trainer)
+            try:
+                super()._run_subcommand(subcommand)
+            except Exception:
+                _remove_start_only(new_dirs)
+                raise
+
         def _instantiate_trainer(self, config, callbacks):
             from stacklm.run_identity import RunIdentity, continue_logger_config
 
@@ -187,6 +197,44 @@ def _cli_class() -> type:
             return super()._instantiate_trainer(config, callbacks)
 
     return StackCLI
+
+
+# What a fit writes into its log folder before its first step: LightningCLI's config copy and
+# the logger's hyperparameters. A folder holding only these is the trace of a failed start.
+_START_FILES = ("config.yaml", "hparams.yaml")
+
+
+def _new_log_dirs(trainer) -> list[Path]:
+    """The file loggers' folders this run is about to create (and their parents that do not
+    exist yet, then ``default_root_dir`` if it does not), deepest first. A folder that exists
+    already (a resume continuing its CSV version) is not among them."""
+    out: list[Path] = []
+    roots = [getattr(logger, "log_dir", None) for logger in trainer.loggers if type(logger).__name__ != "WandbLogger"]
+    for root in [*roots, trainer.default_root_dir]:
+        if not isinstance(root, str):
+            continue
+        d = Path(root).absolute()
+        while not d.exists() and d not in out:
+            out.append(d)
+            d = d.parent
+    return sorted(out, key=lambda p: len(p.parts), reverse=True)
+
+
+def _remove_start_only(dirs: list[Path]) -> None:
+    """Remove each of ``dirs`` that holds nothing but ``_START_FILES`` (deepest first, so a
+    parent emptied by its child goes too); a folder with anything else in it is kept."""
+    for d in dirs:
+        try:
+            entries = list(d.iterdir())
+        except OSError:
+            continue
+        if all(e.is_file() and e.name in _START_FILES for e in entries):
+            try:
+                for e in entries:
+                    e.unlink()
+                d.rmdir()
+            except OSError:
+                pass  # another process wrote there meanwhile: keep it
 
 
 def _progress_bar(config, callbacks, terminal: bool | None = None) -> list:
@@ -329,8 +377,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         text = user_error_message(e)
         config = _config_paths(_ARGS or [])
         # a refused resume is about the checkpoint and the data, not a value of the config: no config prefix
-        if (isinstance(e, ConfigError) and not isinstance(e, ResumeRefused) and config and not text.startswith("--")
-                and not any(c in text for c in config)):
+        if ((isinstance(e, ConfigError) and not isinstance(e, ResumeRefused) or lightning_config_error(e) is not None)
+                and config and not text.startswith("--") and not any(c in text for c in config)):
             text = f"{', '.join(config)}: {text}"  # a value of the config (or of its command-line overrides)
         print(f"stacklm-train{' ' + command if command else ''}: error: {text}", file=sys.stderr)
         sys.exit(2)

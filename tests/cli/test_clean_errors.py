@@ -194,6 +194,15 @@ def test_user_error_messages():
     from stacklm.errors import StackLMError
 
     assert user_error_message(StackLMError("a\nb\nc")).count("\n") == 1  # never more than two lines
+    # Lightning refusing a setting is the user's to fix; a ValueError raised in any other code is a bug
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    assert is_user_error(MisconfigurationException("`max_epochs` must be ...")), "Lightning's own class"
+    assert user_error_message(MisconfigurationException("x\ny")) == "the trainer settings: x\n  y"
+    try:
+        raise ValueError("a bug of ours")
+    except ValueError as e:
+        assert not is_user_error(e)
 
 
 # --- python -m trainer fit ------------------------------------------------------------------
@@ -279,6 +288,38 @@ def test_trainer_run_time_user_error(tmp_path, tok_dir):
     assert errors[0].startswith("stacklm-train fit: error: ") and "no-shards" in errors[0]
     res = subprocess.run([*base, "--debug"], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert res.returncode == 1 and "Traceback (most recent call last)" in res.stderr and "no-shards" in res.stderr
+
+
+def test_a_setting_lightning_refuses_is_one_line_and_only_the_pipeline_that_runs_is_announced(tmp_path, tok_dir):
+    """Issue 36: a ``val_check_interval`` larger than the epoch, which Lightning finds only once the
+    fit has its data, was a 20-line traceback that left an empty log folder; it is one line, exit
+    2, and the folder the fit started is gone. The second ``--config`` replaces the pipeline: only
+    its mix says its normalized weights (the first one's used to be announced as well)."""
+    cfg = trainer_config(tmp_path, tok_dir)
+    doc = json.loads(cfg.read_text())
+    run_dir = tmp_path / "run"
+    doc["trainer"].update(val_check_interval=100_000, check_val_every_n_epoch=1, default_root_dir=str(run_dir))
+    del doc["trainer"]["logger"]  # the default CSV logger: it made run/lightning_logs/version_0 before Lightning refused
+    for e, w in zip(doc["data"]["pipeline"]["mix"]["entries"], (2, 1)):
+        e["weight"] = w
+    doc["data"]["pipeline"]["mix"]["name"] = "first"
+    cfg.write_text(json.dumps(doc))
+    second = pipeline()
+    second["mix"]["name"] = "second"
+    for e, w in zip(second["mix"]["entries"], (3, 1)):
+        e["weight"] = w
+    more = tmp_path / "more.yaml"
+    more.write_text(json.dumps({"data": {"pipeline": second}}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("STACKLM_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "trainer", "fit", "--config", str(cfg), "--config", str(more)], cwd=tmp_path,
+                         capture_output=True, text=True, env=env)
+    errors = [line for line in res.stderr.splitlines() if "error:" in line]
+    assert res.returncode == 2 and "Traceback" not in res.stderr and len(errors) == 1, res.stderr[-3000:]
+    assert errors[0].startswith(f"stacklm-train fit: error: {cfg}, {more}: the trainer settings: `val_check_interval` (100000) "
+                                "must be less than or equal to the number of the training batches"), errors[0]
+    assert not run_dir.exists(), sorted(str(p) for p in run_dir.rglob("*"))  # nothing of the failed start is left
+    assert "data mix 'second': the weights (web=3, code=1) sum to 4" in res.stderr and "'first'" not in res.stderr, res.stderr
 
 
 def test_trainer_hf_data_files_matching_nothing(tmp_path, tok_dir):

@@ -169,7 +169,7 @@ def test_filters_a_user_can_steer_off_per_source_and_by_label(tmp_path, caplog):
     def counts(entry: dict, **pipeline) -> dict:
         cfg = PipelineConfig.from_dict({"mix": {"name": "m", "total_tokens": 100, "entries": [
             {"name": "a", "kind": "local", "path": str(tmp_path / "a.jsonl"), "weight": 1.0, **entry}]},
-            "holdout_fraction": 0.0, **pipeline})
+            "seq_len": 64, "batch_size": 2, "holdout_fraction": 0.0, **pipeline})
         node = document_chain(cfg, cfg.mix.entries[0], "train", ShardSpec())["filter"]
         node.reset(None)
         kept = len(list(node))

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stacklm.chat import IGNORE_INDEX, as_turns, render_conversation, sft_targets
-from stacklm.errors import ChatFormatError
+from stacklm.errors import ChatFormatError, ConfigError
 from stacklm.configs import CONFIG_DIR
 from stacklm.data.contract import BATCH_KEYS
 from stacklm.data.packing.masks import dense_mask
@@ -308,8 +308,11 @@ def test_config_file_and_bad_config(tmp_path):
     import yaml
 
     data = yaml.safe_load((CONFIG_DIR / "sft.yaml").read_text())["data"]["pipeline"]
-    cfg = SFTConfig.from_dict(data)
-    assert cfg.sources[0].kind == "hf" and cfg.seq_len == 2048 and cfg.overlong == "truncate"
+    cfg = SFTConfig.from_run_config(CONFIG_DIR / "sft.yaml")  # seq_len and batch_size from data:, as the trainer reads them
+    assert cfg.sources[0].kind == "hf" and (cfg.seq_len, cfg.batch_size) == (2048, 16) and cfg.overlong == "truncate"
+    with pytest.raises(ConfigError, match=r"no 'seq_len' or 'batch_size' in this mapping .* SFTConfig.from_run_config"):
+        SFTConfig.from_dict(data)  # the pipeline mapping alone: batch_size 16 is in data:, not here
+    data = {**data, "seq_len": 2048, "batch_size": 16}
     assert SFTConfig.from_dict(cfg.to_dict()).config_hash() == cfg.config_hash()
     with pytest.raises(ValueError, match="unknown field"):
         SFTConfig.from_dict({**data, "seqlen": 5})

@@ -110,15 +110,72 @@ def test_a_damaged_log_is_an_error_that_names_the_file(tmp_path):
         find_step(root, 0)
 
 
-def test_sft_mode_says_it_writes_no_step_log_when_given_a_path(tokenizer_dir, tmp_path):  # noqa: F811
+# ------------------------------------------------------------------ sft and preference modes (issue 36)
+class SeenMarkers(L.Callback):
+    """Per global step, the markers (``[[c17]]``: conversation / pair 17 of the file) each row of
+    the batches the model trained on holds, read off the batch's own tokens: the independent
+    record ``inspect --step`` is checked against."""
+
+    def __init__(self, tokenizer, key: str) -> None:
+        self.tok, self.key, self.steps = tokenizer, key, {}
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        import re
+
+        rows = self.steps.setdefault(trainer.global_step, [])
+        for row in batch[self.key]:
+            ids = [int(t) for t in row if int(t) != self.tok.pad_id]
+            rows.append(sorted(int(m) for m in re.findall(r"\[\[c(\d+)\]\]", self.tok.decode(ids))))
+
+
+def _conversation_fit(tok, tok_dir, root: Path, mode: str):
+    """A tiny fit of ``mode`` (one loader worker) over one jsonl whose record ``i`` (line ``i``)
+    carries the marker ``[[c<i>]]``; returns the markers seen per step."""
+    from tests.helpers.lightning import TinyDPO
     from tests.helpers.sft import make_conversations, write_jsonl
 
-    path = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in make_conversations(20)])
-    dm = StackDataModule(mode="sft", tokenizer=str(tokenizer_dir), pipeline={"sources": [{"name": "c", "path": [str(path)]}]},
-                         seq_len=128, batch_size=2, step_log=str(tmp_path / "log"))
-    with pytest.warns(RuntimeWarning, match=r"step_log=.* is ignored: sft mode writes no step log"):
-        assert dm._step_log() is None
-    assert not (tmp_path / "log").exists()
+    convs = make_conversations(48, seed=3)
+    if mode == "sft":
+        rows = [{"messages": [{"role": "user", "content": f"[[c{i}]] " + c[-2]["content"][:80]},
+                              {"role": "assistant", "content": c[-1]["content"][:80]}]} for i, c in enumerate(convs)]
+    else:
+        rows = [{"prompt": f"[[c{i}]] " + c[-2]["content"][:60], "chosen": c[-1]["content"][:60],
+                 "rejected": convs[(i + 1) % len(convs)][-1]["content"][:60]} for i, c in enumerate(convs)]
+    path = write_jsonl(root / "chats.jsonl", rows)
+    seen = SeenMarkers(tok, "input_ids" if mode == "sft" else "chosen_input_ids")
+    dm = StackDataModule(mode=mode, tokenizer=str(tok_dir), seq_len=128, batch_size=3, num_workers=1, val_batches=0,
+                         pipeline={"sources": [{"name": "chats", "kind": "local", "path": [str(path)]}], "shuffle_buffer": 8,
+                                   "pack_buffer_docs": 4, "holdout_fraction": 0.0})
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, max_epochs=1, callbacks=[seen], logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root / "run"))
+    trainer.fit((TinyLM if mode == "sft" else TinyDPO)(dm.vocab_size), datamodule=dm)
+    return seen.steps
+
+
+@pytest.mark.parametrize("mode", ["sft", "preference"])
+def test_sft_and_preference_steps_name_the_conversations_they_trained_on(mode, tokenizer_512, saved_tokenizer_dir, tmp_path,
+                                                                          capsys):
+    seen = _conversation_fit(tokenizer_512, saved_tokenizer_dir(tokenizer_512), tmp_path, mode)
+    assert sorted(seen) == list(range(6))
+    for step, markers in seen.items():
+        out = step_provenance(tmp_path / "run", step)
+        assert out["mode"] == mode and len(out["rows"]) == len(markers) == 3
+        for row, marked in zip(out["rows"], markers):
+            assert row["verified"], (step, row)  # each named record read back and rendered: the logged CRC
+            named = sorted(seg["record"] for seg in row["segments"])  # record i of chats.jsonl holds [[c<i>]]
+            assert named == marked and all(seg["source"] == "chats" and seg["file"].endswith("chats.jsonl")
+                                           for seg in row["segments"]), (step, row["segments"], marked)
+            if mode == "preference":
+                assert len(named) == 1  # one pair a row
+    named_total = sum(len(r) for m in seen.values() for r in m)
+    assert named_total == 18 if mode == "preference" else named_total > 18  # sft rows pack several conversations
+    step = max(seen)
+    assert stacklm_main(["inspect", str(tmp_path / "run"), "--step", str(step)]) == 0
+    text = capsys.readouterr().out
+    assert f"step {step} ({mode} mode" in text and "3 of 3 rebuilt from the source files and verified" in text
+    for m in seen[step][0]:
+        assert f"chats.jsonl  record {m} " in text and f"[[c{m}]]" in text  # named, and its text decoded
 
 
 # ------------------------------------------------------------------ stream mode, in-process Trainer

@@ -25,6 +25,7 @@ from stacklm.chat.turns import Turn, validate_conversation
 from stacklm.data.audit import KEPT
 from stacklm.data.quality.holdout import HoldoutNode
 from stacklm.data.packing.nodes import DELIVERY_KEY
+from stacklm.data.packing.origins import window_crc
 from stacklm.data.sft.sft_config import SFTConfig
 from stacklm.data.sft.sft_pipeline import SFTPipeline
 from stacklm.data.sft.preference import (
@@ -38,7 +39,7 @@ from stacklm.data.sft.reader import (
     ConversationSource,
     conversation_text,
 )
-from stacklm.data.sft.render_node import RenderNode
+from stacklm.data.sft.render_node import RenderNode, where_from
 from stacklm.data.shuffle import ShuffleNode
 from stacklm.data.sources import ShardSpec
 from stacklm.data.splits import check_split
@@ -71,7 +72,7 @@ class PreferenceSource(ConversationSource):
         self.stats.add(self.name, KEPT)
         doc_id = f"{self.name}/{os.path.basename(self._parts[self._assigned[self._k]])}/{row}"
         return {"prompt": prompt, "chosen": chosen, "rejected": rejected, "text": conversation_text(prompt),
-                "pair_id": pair_id(doc_id), "source": self.name, "domain": self.domain, "doc_id": doc_id}
+                "pair_id": pair_id(doc_id), "source": self.name, "domain": self.domain, "doc_id": doc_id, **self._provenance()}
 
 
 class PairRenderNode(RenderNode):
@@ -94,7 +95,7 @@ class PairRenderNode(RenderNode):
             tagged = out.tagged()
             self._counts += (1, len(tagged), int((tagged < 0).sum()))
             return {"ids": tagged, "n_chosen": len(out.chosen[0]), "n_prompt": out.n_prompt, "pair_id": doc["pair_id"],
-                    "source": src, "domain": doc.get("domain", "chat"), "doc_id": doc.get("doc_id")}
+                    "source": src, "domain": doc.get("domain", "chat"), "doc_id": doc.get("doc_id"), **where_from(doc)}
 
 
 class PairBatchNode(BaseNode[dict]):
@@ -165,7 +166,13 @@ class PairBatchNode(BaseNode[dict]):
         tokens = np.bincount(index, weights=per_row, minlength=n).astype(np.int64)
         lengths = np.array([(i, len(p["ids"])) for i, p in zip(index.tolist(), pairs)], dtype=np.int64).reshape(-1, 2)
         # plain lists: they travel pickled with the batch, not as shared-memory blocks (stacklm.data.packing.origins)
-        return {"tokens": tokens.tolist(), "docs": np.bincount(index, minlength=n).tolist(), "doc_lengths": lengths.tolist()}
+        out = {"tokens": tokens.tolist(), "docs": np.bincount(index, minlength=n).tolist(), "doc_lengths": lengths.tolist()}
+        # what the step log keeps of each row (stacklm.data.storage.steplog): its pair as one piece (source, file,
+        # record, the chosen side's [0, n_chosen), offset 0) and the CRC of the pair's rendered ids
+        out["pieces"] = [[(int(i), int(p["file"]), int(p["record"]), 0, int(p["n_chosen"]), 0)] if "file" in p else None
+                         for i, p in zip(index.tolist(), pairs)]
+        out["crc"] = [window_crc(p["ids"]) for p in pairs]
+        return out
 
     def summary(self) -> dict[str, Any]:
         batches, pairs, tokens, pad, pad_rows = (int(x) for x in self._counts)

@@ -232,7 +232,15 @@ class ConversationSource(PartNode):
             "source": self.name,
             "domain": self.domain,
             "doc_id": f"{self.name}/{os.path.basename(self._parts[self._assigned[self._k]])}/{row}",
+            **self._provenance(),
         }
+
+    def _provenance(self) -> dict[str, int]:
+        """``file`` (the part's index in the source's part list) and ``record`` (the 0-based row in
+        it: a JSON line, blank lines counted, or a parquet / hub row) of the record read last: the
+        packer keeps them per piece, so a run's step log names each conversation it trained on
+        (``stacklm.data.storage.steplog``), as pre-training documents carry them."""
+        return {"file": int(self._assigned[self._k]), "record": int(self._reader.record)}
 
     def _check_exhausted(self) -> None:
         if self._emitted:

@@ -16,6 +16,11 @@ from stacklm.chat.render import TURNS_CUT, render_for_sft
 from stacklm.data.stats import StageStats
 
 
+def where_from(doc: dict) -> dict[str, int]:
+    """The reader's ``file`` and ``record`` of ``doc`` (those it has), for the next stage's item."""
+    return {k: doc[k] for k in ("file", "record") if k in doc}
+
+
 class RenderNode(BaseNode[dict]):
     """Turns -> ``{"ids": loss-tagged int32, "source", "domain", "doc_id"}`` of at most
     ``seq_len`` tokens, loss per ``policy``; overlong conversations cut at a turn boundary
@@ -58,7 +63,8 @@ class RenderNode(BaseNode[dict]):
             if cut:
                 self.stats.add(src, TURNS_CUT, cut)
             self._counts += (1, len(piece), int((piece < 0).sum()))
-            return {"ids": piece, "source": src, "domain": conv.get("domain", "chat"), "doc_id": conv.get("doc_id")}
+            return {"ids": piece, "source": src, "domain": conv.get("domain", "chat"), "doc_id": conv.get("doc_id"),
+                    **where_from(conv)}
 
     def get_state(self) -> dict[str, Any]:
         return {self.SOURCE_KEY: self.source.state_dict(), "stats": self.stats.to_dict(), "counts": self._counts.copy()}

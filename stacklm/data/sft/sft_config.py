@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 from stacklm.chat.policy import OVERLONG_RULES
 from stacklm.chat.turns import DEFAULT_ROLE_ALIASES
-from stacklm.config import Config
+from stacklm.config import PipelineSection
 from stacklm.data.audit import ON_INVALID_SPELLINGS
 from stacklm.data.sources.schema import SourceConfig
 from stacklm.data.sft.reader import SFT_DOMAIN
@@ -18,7 +18,7 @@ SFT_KINDS = ("local", "hf")
 
 
 @dataclass(frozen=True)
-class SFTConfig(Config):
+class SFTConfig(PipelineSection):
     """Everything that decides the SFT stream. ``config_hash`` guards resumes.
 
     ``sources``: conversation datasets (``SourceConfig`` with ``kind`` ``local`` -- ``path``:
@@ -39,6 +39,8 @@ class SFTConfig(Config):
     ``raise`` stops at the first one (``drop`` is the earlier spelling of ``skip``). A source's
     own ``on_invalid`` overrides it.
     """
+
+    modes = ("sft", "preference")  # the data.mode values whose pipeline this is (from_run_config)
 
     sources: tuple[SourceConfig, ...] = field(metadata={"help": "a list of {name, kind, path, ...}"})
     seq_len: int = 2048

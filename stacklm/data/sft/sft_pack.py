@@ -133,5 +133,7 @@ class SFTPackNode(PackNode):
         sources: Sequence[str] | None = None,
     ) -> None:
         super().__init__(source, seq_len, "best_fit", bos_id, eos_id, pad_id, buffer_docs)
-        # ``sources``: track each token's source, so batches carry what they deliver (``PackBatchNode``)
-        self.packer = ConversationPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources=sources)
+        # ``sources``: track each token's source, so batches carry what they deliver (``PackBatchNode``),
+        # and each piece's conversation (provenance: source, file, record), which the step log keeps
+        self.packer = ConversationPacker(seq_len, bos_id, eos_id, pad_id, buffer_docs, sources=sources,
+                                         provenance=sources is not None)

@@ -9,7 +9,11 @@ would mean re-running the pipes from a snapshot; the log answers from a few byte
 * stream mode: each row's document pieces (source, file, record, token range in the row,
   offset in the document: ``stacklm.data.storage.provenance.PIECE_FIELDS``, carried on the batch by
   the packer) and a CRC-32 of the row's window, so ``stacklm inspect --step`` can rebuild the
-  tokens from the source files and check them.
+  tokens from the source files and check them;
+* sft and preference modes: the same pieces, one per conversation packed in the row (sft) or the
+  row's pair (preference: the chosen side's range), and the CRC of the row's loss-tagged ids
+  (preference: the pair's), so ``stacklm inspect --step`` names the conversations a step trained
+  on and renders them again to check.
 
 Layout: ``<root>/<generation>/`` per fit attempt (a generation: a fresh start or a resume),
 named by its start time, so they sort in the order they ran. In it, ``meta.json`` (rank 0:
@@ -252,8 +256,7 @@ def resolve_root(path: str | Path) -> Path:
             return candidate
     raise DataError(
         f"{p}: no step log here (looked for {p / DIR_NAME}/<run>/{META}); a shards- or stream-mode fit writes one under "
-        f"<trainer default_root_dir>/{DIR_NAME} unless StackDataModule(step_log=False) (sft and preference modes do not "
-        "write one); pass that directory"
+        f"<trainer default_root_dir>/{DIR_NAME} unless StackDataModule(step_log=False); pass that directory"
     )
 
 

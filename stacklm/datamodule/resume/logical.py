@@ -154,12 +154,13 @@ class _LogicalIterator:
                     continue
                 except StopIteration:
                     st["dry"] = True
-                    warnings.warn(
-                        f"stacklm: logical stream {l} of the {self.ds.split} stream ran dry with {st['left'] + 1} of its "
-                        f"{self.ds.quota} windows left; padding them with fully masked rows so every rank takes the same "
-                        "number of steps. Give the mix more data or lower the token budget.",
-                        stacklevel=2,
-                    )
+                    if self.ds.split != "val":  # val: its holdout read to the end is expected, said once by the loader (note_dry)
+                        warnings.warn(
+                            f"stacklm: logical stream {l} of the {self.ds.split} stream ran dry with {st['left'] + 1} of its "
+                            f"{self.ds.quota} windows left; padding them with fully masked rows so every rank takes the same "
+                            "number of steps. Give the mix more data or lower the token budget.",
+                            stacklevel=2,
+                        )
             n_pad += 1
         self.padded_rows += n_pad
         batch = self._collate(windows, origins, n_pad, used)
