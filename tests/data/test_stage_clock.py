@@ -46,7 +46,7 @@ def test_each_stage_is_charged_its_own_time():
     assert list(top) == [2] * 5
     own = clock.seconds()
     assert low.slept >= 5 * 0.02 and top.slept >= 5 * 0.05
-    assert own["source"] == pytest.approx(low.slept, abs=0.01) and own["batch"] == pytest.approx(top.slept, abs=0.01)
+    assert own["source"] == pytest.approx(low.slept, abs=0.02) and own["batch"] == pytest.approx(top.slept, abs=0.02)
 
 
 def test_the_graphs_stages_add_up_to_the_time_its_batches_took(tokenizer_1024):
