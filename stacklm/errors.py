@@ -272,7 +272,7 @@ def column_error(source: str, column: str, available: Sequence[str], where: str)
     )
     # for a caller that knows where the column was set (a run config's field, ``--input PATH:COLUMN``)
     # and says so in its own words (``stacklm.prebuild.settings.entry_column_error``, the tokenizer CLI)
-    err.column, err.available, err.hint = column, available, hint.strip()
+    err.column, err.available, err.hint, err.nearest = column, available, hint.strip(), close[0] if close else None
     return err
 
 

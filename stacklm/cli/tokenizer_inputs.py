@@ -67,7 +67,7 @@ def input_column_error(err: Exception, specs: Sequence[str], text_column: str) -
             continue
         if err.file in files:
             hint = f" {err.hint}" if err.hint else ""
-            column = err.hint.split("'")[1] if err.hint else "COLUMN"
+            column = err.nearest or "COLUMN"
             return UserError(f"--input {spec}: column {err.column!r} is not in {err.file}, whose columns are "
                              f"{err.available}.{hint} Name the column after the path: --input {path}:{column} "
                              "(PATH:COLUMN; --text-column sets it for every input)")
