@@ -264,12 +264,16 @@ def column_error(source: str, column: str, available: Sequence[str], where: str)
     available = sorted(map(str, available))
     close = difflib.get_close_matches(column, available, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    return TextColumnError(
+    err = TextColumnError(
         f"source {source!r}: text column {column!r} not found in {where}; available columns: {available}.{hint} "
         f"Set text_column to one of them.",
         source=source,
         file=where,
     )
+    # for a caller that knows where the column was set (a run config's field, ``--input PATH:COLUMN``)
+    # and says so in its own words (``stacklm.prebuild.settings.entry_column_error``, the tokenizer CLI)
+    err.column, err.available, err.hint, err.nearest = column, available, hint.strip(), close[0] if close else None
+    return err
 
 
 # ---------------------------------------------------------------------------------------

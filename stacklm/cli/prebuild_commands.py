@@ -54,7 +54,9 @@ DATATROVE_EXAMPLES = """examples:
 
 
 def cmd_prebuild(args: argparse.Namespace) -> int:
+    from stacklm.errors import TextColumnError
     from stacklm.prebuild import load_config, prebuild
+    from stacklm.prebuild.settings import entry_column_error
 
     config, settings = load_config(args.config)
     tok_path = args.tokenizer or settings["tokenizer"]
@@ -74,17 +76,20 @@ def cmd_prebuild(args: argparse.Namespace) -> int:
     else:
         was_complete = (Path(out) / "manifest.json").exists()
     t0 = time.perf_counter()
-    top = prebuild(
-        config,
-        tok_path,
-        out,
-        workers=args.workers or settings["workers"],
-        tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
-        splits=tuple(args.splits or settings["splits"]),
-        progress=not args.no_progress,
-        provenance=not args.no_provenance,
-        sign_margin=args.sign_margin,
-    )
+    try:
+        top = prebuild(
+            config,
+            tok_path,
+            out,
+            workers=args.workers or settings["workers"],
+            tokens_per_shard=args.tokens_per_shard or settings["tokens_per_shard"],
+            splits=tuple(args.splits or settings["splits"]),
+            progress=not args.no_progress,
+            provenance=not args.no_provenance,
+            sign_margin=args.sign_margin,
+        )
+    except TextColumnError as e:  # said as the config's field that sets the column
+        raise entry_column_error(e, args.config, config.mix.entries) from e
     # stdout, also with --no-progress (which hides only the live bar on stderr)
     print(summary_table(top, str(out), None if was_complete else time.perf_counter() - t0))
     return 0

@@ -60,7 +60,9 @@ def _training_sample(args: argparse.Namespace):
     """``(sample, metadata.inputs, metadata.training_sample without bytes/sha256)`` for the
     command's input: a run config's mix (``--config``), files (``--input``), a dataset, or the
     embedded corpus."""
-    from stacklm.cli.tokenizer_inputs import config_groups, groups_record, input_groups, input_paths
+    from stacklm.cli.tokenizer_inputs import config_groups, groups_record, input_column_error, input_groups, input_paths
+    from stacklm.errors import TextColumnError
+    from stacklm.prebuild.settings import entry_column_error
     from stacklm.data.sources.text_input import EMBEDDED_CORPUS, open_text_input, open_text_mix, sample_spec
     from stacklm.data.sources.text_sample import resolve_inputs, sample_texts
 
@@ -77,7 +79,10 @@ def _training_sample(args: argparse.Namespace):
     if args.config:
         groups, config = config_groups(args.config, _fmt(args))
         weight_by = args.weight_by or "mix"
-        sample = open_text_mix(groups, max_bytes, weight_by=weight_by)
+        try:
+            sample = open_text_mix(groups, max_bytes, weight_by=weight_by)
+        except TextColumnError as e:  # said as the config's field that sets the column (as the prebuild says it)
+            raise entry_column_error(e, args.config, groups) from e
         files = [os.path.abspath(p) for g in groups if g.node is None for p in resolve_inputs(g.inputs)[0]]
         streams = [f"dataset:{g.label}" for g in groups if g.node is not None]
         return sample, files + streams, groups_record(groups, weight_by, max_bytes, config)
@@ -85,10 +90,13 @@ def _training_sample(args: argparse.Namespace):
         groups = input_groups(args.input, _column(args), _fmt(args))
         weight_by = args.weight_by or "size"
         paths = input_paths(args.input, _column(args))
-        if len(groups) > 1 or weight_by != "size":
-            return open_text_mix(groups, max_bytes, weight_by=weight_by), paths, groups_record(groups, weight_by, max_bytes, None)
-        read = {**_read_options(args), "text_column": groups[0].text_column}  # PATH:COLUMN or --text-column
-        return open_text_input(paths, max_bytes, **read), paths, sample_spec(paths, max_bytes, **read)
+        try:
+            if len(groups) > 1 or weight_by != "size":
+                return open_text_mix(groups, max_bytes, weight_by=weight_by), paths, groups_record(groups, weight_by, max_bytes, None)
+            read = {**_read_options(args), "text_column": groups[0].text_column}  # PATH:COLUMN or --text-column
+            return open_text_input(paths, max_bytes, **read), paths, sample_spec(paths, max_bytes, **read)
+        except TextColumnError as e:  # said in --input's syntax: the fix is PATH:COLUMN
+            raise input_column_error(e, args.input, _column(args)) from e
     if args.dataset:
         return (_open(args, max_bytes, dataset=args.dataset), [f"dataset:{args.dataset}"],
                 sample_spec(None, max_bytes, **_read_options(args, args.dataset)))

@@ -21,11 +21,57 @@ _NOT_A_COLUMN = set("/\\*?[]{}")
 
 def split_input_spec(spec: str, default_column: str) -> tuple[str, str]:
     """``(path, column)`` of ``--input PATH:COLUMN``; a spec without ``:COLUMN`` (or an existing
-    file whose name holds a colon, a URL, a Windows drive) keeps ``default_column``."""
+    file whose name holds a colon, a URL, a Windows drive) keeps ``default_column``. ``PATH:``
+    (nothing after the colon) is refused: it would otherwise be looked for as a file named
+    ``PATH:``, and the error would say that file does not exist."""
     path, sep, column = spec.rpartition(":")
-    if sep and path and column and not (set(column) & _NOT_A_COLUMN) and not os.path.exists(spec):
-        return path, column
+    if sep and path and not os.path.exists(spec):
+        if not column:
+            raise UserError(f"--input {spec!r}: the column after ':' is empty; name it (--input {path}:COLUMN) or "
+                            f"leave ':' out to read the --text-column (default 'text')")
+        if not (set(column) & _NOT_A_COLUMN):
+            return path, column
     return spec, default_column
+
+
+def _refuse_text_columns(spec: str, path: str, fmt: str) -> None:
+    """A column given for plain-text files (``--input 'books/*.txt:body'``): a text file is one
+    document with no columns, so the column would be ignored without a word. Files that do not
+    resolve are left to the reader's own error."""
+    from stacklm.data.sources.text_input import input_format
+    from stacklm.data.sources.text_sample import resolve_inputs
+
+    try:
+        files = resolve_inputs(path)[0]
+    except (OSError, ValueError):
+        return
+    if files and all(input_format(f, fmt) == "txt" for f in files):
+        why = "--raw-text reads every file as plain text" if fmt == "txt" else f"{files[0]} is plain text"
+        raise UserError(f"--input {spec!r}: {why}, which has no columns (a file is one document); leave "
+                        f"':{split_input_spec(spec, '')[1]}' out, or give JSON lines / parquet files for a column")
+
+
+def input_column_error(err: Exception, specs: Sequence[str], text_column: str) -> Exception:
+    """``err`` (a ``TextColumnError`` of a file given with ``--input``) said as the input that
+    named the file and the fix in ``--input`` syntax (``PATH:COLUMN``); ``err`` itself when no
+    input names its file."""
+    from stacklm.data.sources.text_sample import resolve_inputs
+
+    if not hasattr(err, "available"):
+        return err
+    for spec in specs:
+        path, _ = split_input_spec(spec, text_column)
+        try:
+            files = resolve_inputs(path)[0]
+        except (OSError, ValueError):
+            continue
+        if err.file in files:
+            hint = f" {err.hint}" if err.hint else ""
+            column = err.nearest or "COLUMN"
+            return UserError(f"--input {spec}: column {err.column!r} is not in {err.file}, whose columns are "
+                             f"{err.available}.{hint} Name the column after the path: --input {path}:{column} "
+                             "(PATH:COLUMN; --text-column sets it for every input)")
+    return err
 
 
 def input_groups(specs: Sequence[str], text_column: str, fmt: str) -> list:
@@ -36,6 +82,8 @@ def input_groups(specs: Sequence[str], text_column: str, fmt: str) -> list:
     by_column: dict[str, list[str]] = {}
     for spec in specs:
         path, column = split_input_spec(spec, text_column)
+        if path != spec:  # a column given with the path
+            _refuse_text_columns(spec, path, fmt)
         by_column.setdefault(column, []).append(path)
     if len(by_column) == 1:
         (column, paths), = by_column.items()
@@ -117,4 +165,5 @@ def recorded_groups(record: dict, given: Sequence[str] | None, args: argparse.Na
     return input_groups(given, args.text_column or "text", "txt" if args.raw_text else "auto")
 
 
-__all__ = ["config_groups", "groups_record", "input_groups", "input_paths", "recorded_groups", "split_input_spec"]
+__all__ = ["config_groups", "groups_record", "input_column_error", "input_groups", "input_paths", "recorded_groups",
+           "split_input_spec"]

@@ -112,3 +112,21 @@ def load_config(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
         "cluster": section.cluster,
     }
     return config, settings
+
+
+def entry_column_error(err: Exception, config: str | os.PathLike, entries) -> Exception:
+    """``err`` (a ``TextColumnError``: a mix entry's ``text_column`` is not in its file) said
+    where the run config ``config`` sets that column: the file, the field
+    ``data.pipeline.mix.entries[i].text_column``, the columns the file has and the fix, on one
+    line. Why here: the source node that finds the column missing knows its file, not the
+    config it came from; the commands that read a config (``prebuild``, ``train-tokenizer
+    --config``) do. ``err`` itself when it names no entry of ``entries``."""
+    names = [e.name for e in entries]
+    if getattr(err, "source", None) not in names or not hasattr(err, "available"):
+        return err
+    i = names.index(err.source)
+    hint = f" {err.hint}" if err.hint else ""
+    return ConfigError(
+        f"{config}: field '{PIPELINE_PATH}.mix.entries[{i}].text_column' (source {err.source!r}): column {err.column!r} "
+        f"is not in {err.file}, whose columns are {err.available}.{hint} Set text_column to the column that holds the text"
+    )

@@ -121,6 +121,32 @@ def test_prebuild_user_errors_are_one_line(case, tmp_path, tok_dir, capsys):
     assert any(text in str(info.value) for text in must)
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_a_wrong_text_column_is_one_line_naming_the_config_field(fmt, tmp_path, tok_dir, capsys, caplog):
+    """Was, for JSON lines: 3 'skipped, counted as missing_text' warnings, then an error naming
+    neither the config nor the field. Now, as for parquet: one line with the config file, the
+    entry's field, the file's columns and the fix, before any row is read."""
+    rows = [{"id": i, "body": f"note {i} about the scheduler"} for i in range(150)]
+    if fmt == "jsonl":
+        path = tmp_path / "notes.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        path = tmp_path / "notes.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    entries = [{**local_entry(path)[0], "weight": 0.5}, {"name": "web", "kind": "synthetic", "weight": 0.5, "domain": "prose",
+                                                         "num_docs": 50}]
+    cfg = write_config(tmp_path, tok_dir, entries=entries[::-1])  # the file's source is entries[1]
+    rc, out, err = run_cli(capsys, "prebuild", "--config", str(cfg), "--out", str(tmp_path / "out"), "--no-progress")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "WARNING" not in err, err
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert err.startswith(f"stacklm prebuild: error: {cfg}: field 'data.pipeline.mix.entries[1].text_column' (source 'mine'): "
+                          f"column 'text' is not in {path}, whose columns are ['body', 'id']."), err
+    assert "Set text_column to the column" in err
+
+
 def test_debug_shows_the_traceback_in_a_real_process(tmp_path, tok_dir):
     cfg = write_config(tmp_path, tok_dir, shufle_buffer=4)
     base = [sys.executable, "-m", "stacklm.cli", "prebuild", "--config", str(cfg), "--out", str(tmp_path / "o")]

@@ -178,3 +178,38 @@ def test_weight_by_size_counts_compressed_text_uncompressed_and_refuses_a_stream
     assert rc == 2 and "not --config and --input" in err
     rc, out, err = _train(capsys, "--config", "missing.yaml", "--out", root / "refused")
     assert rc == 2 and "missing.yaml" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_wrong_column_and_bad_input_specs_are_one_line_with_the_fix(tmp_path, capsys, caplog, monkeypatch):
+    """A new user's mistakes (issue 36): a JSON-lines source whose text_column is not in it was 5
+    'skipped, counted as missing_text' warnings and then an error naming the file as the source;
+    it is one line, before anything is read: under --config the config, the entry's field and
+    name, under --input the input and the PATH:COLUMN fix. A column for plain text and an empty
+    column after ':' are refused in one line too (the latter said "file 'notes.jsonl:' does not exist")."""
+    monkeypatch.chdir(tmp_path)
+    with open("notes.jsonl", "w", encoding="utf-8") as f:
+        for i, d in enumerate(_docs(150, 3)):
+            f.write(json.dumps({"id": i, "body": d}) + "\n")
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("Once upon a time. " * 50)
+    (tmp_path / "run.yaml").write_text("data:\n  pipeline:\n    mix:\n      name: m\n      total_tokens: 1000\n      entries:\n"
+                                       "        - {name: notes, kind: local, path: notes.jsonl, text_column: txt, weight: 1.0, domain: prose}\n")
+    cases = {
+        ("--config", "run.yaml"): ["run.yaml: field 'data.pipeline.mix.entries[0].text_column' (source 'notes')",
+                                   "column 'txt' is not in notes.jsonl", "['body', 'id']", "Set text_column"],
+        ("--input", "notes.jsonl"): ["--input notes.jsonl: column 'text' is not in notes.jsonl", "['body', 'id']",
+                                     "--input notes.jsonl:COLUMN (PATH:COLUMN"],
+        ("--input", "books/*.txt:body"): ["--input 'books/*.txt:body'", "plain text, which has no columns", "leave ':body' out"],
+        ("--input", "notes.jsonl:"): ["--input 'notes.jsonl:'", "the column after ':' is empty", "notes.jsonl:COLUMN"],
+    }
+    for args, must in cases.items():
+        caplog.clear()
+        rc, out, err = _train(capsys, *args, "--out", tmp_path / "tok")
+        assert rc == 2 and len(err.strip().splitlines()) == 1 and "WARNING" not in err, (args, err)
+        assert not [r for r in caplog.records if r.levelname == "WARNING"], (args, caplog.text)
+        for text in must:
+            assert text in err, (args, text, err)
+        assert "source 'notes.jsonl'" not in err and "does not exist" not in err
+    assert not (tmp_path / "tok").exists()
+    rc, out, err = _train(capsys, "--input", "notes.jsonl:body", "--out", tmp_path / "tok")  # the fix works
+    assert rc == 0, err

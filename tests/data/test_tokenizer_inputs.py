@@ -156,7 +156,7 @@ def test_a_few_bad_bytes_are_still_text(tmp_path):
 def test_record_errors_name_the_file_the_line_and_the_fix(tmp_path, capsys):
     path = _write_jsonl(tmp_path / "d.jsonl", DOCS)
     rc, _, err = _train(capsys, tmp_path / "o1", "--input", path, "--text-column", "body")
-    assert rc == 2 and "'body'" in err and "available columns" in err and "'text'" in err
+    assert rc == 2 and "'body'" in err and "whose columns are ['id', 'meta', 'text']" in err and f"--input {path}:COLUMN" in err
     with open(path, "a") as f:
         f.write("{not json\n")
     rc, out, err = _train(capsys, tmp_path / "o2", "--input", path)  # a bad line is skipped and counted (on_invalid: skip)

@@ -8,9 +8,9 @@ from collections.abc import Sequence
 
 from stacklm.data.sources.parts import FIRST_ROWS_CHECK, TextPartSource
 from stacklm.data.sources.pieces import file_pieces, signed_prefix, spread_order
-from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader
+from stacklm.data.sources.readers import JsonlReader, ParquetReader, TextFileReader, missing_column
 from stacklm.data.sources.sharding import ShardSpec
-from stacklm.errors import SourceError, SourceNotFoundError
+from stacklm.errors import SourceError, SourceNotFoundError, column_error
 
 _FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".txt": "txt", ".text": "txt", ".md": "txt"}
 _COMPRESSIONS = (".gz", ".zst", ".zstd")
@@ -61,6 +61,7 @@ class LocalFileSource(TextPartSource):
         self.order_seed = order_seed
         # None: every piece; a fraction: only each file's signed prefix (``limit_to_signed``)
         self.signed_fraction: float | None = None
+        self._heads_checked: set[int] = set()  # JSON-lines files whose head showed the text column (``_open_part``)
 
     def _describe(self) -> str:
         return f"files {self.patterns}"
@@ -156,6 +157,11 @@ class LocalFileSource(TextPartSource):
         path = self._paths[part]
         fmt = self._formats[path]
         if fmt == "jsonl":
+            if part not in self._heads_checked:  # once per file and reader, as a parquet file's schema
+                keys = missing_column(path, self.text_column, self.first_rows_check)
+                if keys is not None:
+                    raise column_error(self.name, self.text_column, keys, path)
+                self._heads_checked.add(part)
             return JsonlReader(path, self.text_column, self.name, position, piece)
         if fmt == "txt":
             return TextFileReader(path, self.text_column, self.name, position)

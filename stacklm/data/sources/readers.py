@@ -102,6 +102,32 @@ def loads_json_line(raw: bytes, *, invalid_utf8: str) -> tuple[Any, bool]:
         return json.loads(raw.decode("utf-8", errors=invalid_utf8)), True
 
 
+def missing_column(path: str, text_column: str, rows: int) -> list[str] | None:
+    """The fields of ``path``'s JSON lines when its first ``rows`` records (every one, in a
+    shorter file) are all objects without ``text_column``: a wrong ``text_column``, said once
+    before any row is read, as a parquet file's schema says it (``ParquetReader``), instead of
+    ``rows`` rows each logged as ``missing_text`` before the file is refused anyway. ``None``
+    when a record has the column or a line is not a JSON object (the rows' own rules count
+    and name those)."""
+    keys: set[str] = set()
+    seen = 0
+    with open_binary(path) as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            try:
+                obj, _ = loads_json_line(raw, invalid_utf8="replace")
+            except (json.JSONDecodeError, RecursionError):
+                return None
+            if not isinstance(obj, dict) or text_column in obj:
+                return None
+            keys.update(map(str, obj))
+            seen += 1
+            if seen >= rows:
+                break
+    return sorted(keys) if seen else None
+
+
 class JsonlReader:
     """JSON lines; yields raw line bytes (``None`` for blank lines) so unowned rows in strided
     mode are never parsed. Position = decompressed byte offset and line number."""

@@ -126,11 +126,33 @@ def _sniff(path: str, fmt: str) -> None:
     check_text_head(path, head[:SNIFF_BYTES], complete=len(head) <= SNIFF_BYTES, json_ok=fmt == "txt")
 
 
-def _record_node(path: str, text_column: str):
-    """The data pipes' source node for one JSON-lines or parquet file."""
+def _record_node(name: str, path: str, text_column: str):
+    """The data pipes' source node for one JSON-lines or parquet file of source ``name``."""
     from stacklm.data.sources.files import LocalFileSource
 
-    return LocalFileSource(path, [path], "tokenizer", text_column=text_column)
+    return LocalFileSource(name, [path], "tokenizer", text_column=text_column)
+
+
+def _check_column(path: str, fmt: str, group: "TextGroup") -> None:
+    """Refuse a record file without ``group``'s text column up front (a parquet file by its
+    schema, JSON lines by their first records, as the source node does at open), before any
+    training starts: a ``TextColumnError`` naming the source, the file and its columns."""
+    from stacklm.data.sources.parts import FIRST_ROWS_CHECK
+    from stacklm.data.sources.readers import missing_column
+    from stacklm.errors import column_error
+
+    if fmt == "jsonl":
+        keys = missing_column(path, group.text_column, FIRST_ROWS_CHECK)
+    else:
+        import pyarrow.parquet as pq
+
+        try:
+            names = pq.ParquetFile(path).schema_arrow.names
+        except Exception:  # noqa: BLE001 -- not parquet after all: the reader says so, naming the file
+            return
+        keys = None if group.text_column in names else names
+    if keys is not None:
+        raise column_error(group.name, group.text_column, keys, path)
 
 
 def _dataset_node(path: str, config: str | None, split: str, data_files: Sequence[str] | None, text_column: str):
@@ -249,9 +271,9 @@ def open_text_mix(groups: Sequence[TextGroup], max_bytes: int | None, *, weight_
     passes to the rest. The audit records each input's source, estimate, ``quota``, what it
     gave (``bytes_yielded``) and whether it was read to its end (``complete``).
 
-    Files are resolved and every text file sniffed up front, so a missing file, a binary file
-    or JSON read as text fails here, naming the file (and the source, of several), before any
-    training starts; so does a node group under ``weight_by="size"`` (its size is unknown)."""
+    Files are resolved and every text file sniffed up front, so a missing file, a binary file,
+    JSON read as text or a record file without the text column (``_check_column``) fails here,
+    naming the file (and the source, of several), before any training starts; so does a node group under ``weight_by="size"`` (its size is unknown)."""
     from stacklm.data.sources.text_sizes import plan, quota, text_estimate
 
     _check_sizes(max_bytes, chunk_bytes)
@@ -277,6 +299,8 @@ def open_text_mix(groups: Sequence[TextGroup], max_bytes: int | None, *, weight_
             f = input_format(path, g.fmt)
             if f == "txt":
                 _sniff(path, g.fmt)
+            else:
+                _check_column(path, f, g)
             units.append({"name": path, "group": g, "path": path, "fmt": f,
                           "est": text_estimate(path, f, g.text_column)})
     if not units:
@@ -325,7 +349,7 @@ def open_text_mix(groups: Sequence[TextGroup], max_bytes: int | None, *, weight_
                 finally:
                     pieces.close()
             else:
-                yield from _records(_record_node(u["path"], u["group"].text_column), u["name"], audit, part, chunk_bytes)
+                yield from _records(_record_node(u["group"].name, u["path"], u["group"].text_column), u["name"], audit, part, chunk_bytes)
             audit.complete[u["name"]] = not part.done or q is None
             if budget.left is not None:
                 budget.left -= audit.bytes_yielded - before
