@@ -65,3 +65,31 @@ def test_the_line_writer_and_its_knobs(monkeypatch):
     monkeypatch.setenv(SECONDS_ENV, "soon")
     with pytest.raises(ValueError, match="STACKLM_PROGRESS_SECONDS='soon'"):
         ProgressLines("x")
+
+
+def test_the_fit_lines_leave_the_start_up_out_of_the_pace(tmp_path, capsys, monkeypatch):
+    """A resume at step 40 of 50 whose first step ends 60 s after the start (the checkpoint's
+    load, the loaders' first batches), then a step a second: the first line has no pace yet
+    (``ETA ?``; it read ``ETA 0:09:00`` for 9 s of work), the next ones the pace since then."""
+    import functools
+
+    import stacklm.train.progress as progress
+    from stacklm.train.progress import LineProgressBar
+
+    now = [1000.0]
+    monkeypatch.setattr(progress, "ProgressLines", functools.partial(progress.ProgressLines, clock=lambda: now[0]))
+    bar = LineProgressBar(every_n_steps=1, every_seconds=3600)
+    trainer = L.Trainer(max_steps=50, callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit_loop.max_epochs = -1
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.completed = 40
+    bar.setup(trainer, None, "fit")
+    bar.on_train_start(trainer, None)
+    for t, s in [(60, 41), (61, 42), (62, 43), (69, 50)]:
+        now[0], step.completed = 1000.0 + t, s
+        bar.on_train_batch_end(trainer, L.LightningModule(), {"loss": 1.0}, None, batch_idx=s)
+    bar.on_train_end(trainer, None)
+    lines = [LINE.match(line)["body"] for line in capsys.readouterr().err.splitlines()]
+    assert [line.split("  elapsed ")[1] for line in lines] == ["0:01:00  ETA ?", "0:01:01  ETA 0:00:08", "0:01:02  ETA 0:00:07",
+                                                               "0:01:09  ETA 0:00:00", "0:01:09"], lines
+    assert lines[0].startswith("step 41/50 (82%)") and lines[-1].startswith("done  step 50/50 (100%)"), lines
