@@ -20,11 +20,16 @@ def test_the_rich_bar_counts_steps_of_max_steps_after_a_resume(tmp_path):
     """On a terminal: a fit resumed at step 21 of 26 shows 21/26, then 22/26 (Lightning's own bar
     counted the epoch's batch index against the batches left: ``26/5``)."""
     from stacklm.train.cli import _progress_bar
+    from lightning.pytorch.callbacks import ModelSummary
+
     from stacklm.train.progress import LineProgressBar, StepProgressBar
 
     (bar,) = _progress_bar({"callbacks": []}, [], terminal=True)
     assert isinstance(bar, StepProgressBar)
-    assert [type(b) for b in _progress_bar({"callbacks": []}, [], terminal=False)] == [LineProgressBar]
+    # in a log: the plain lines, and Lightning's plain model summary (not Rich's box-drawn table)
+    assert [type(b) for b in _progress_bar({"callbacks": []}, [], terminal=False)] == [LineProgressBar, ModelSummary]
+    assert [type(b) for b in _progress_bar({"callbacks": [], "enable_model_summary": False}, [], terminal=False)] == [LineProgressBar]
+    assert [type(b) for b in _progress_bar({"callbacks": [LineProgressBar()]}, [], terminal=False)] == [ModelSummary]
     trainer = L.Trainer(max_steps=26, callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit_loop.max_epochs = -1  # as fit() sets it for max_steps alone
     trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 21  # global_step
