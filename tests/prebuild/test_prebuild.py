@@ -293,6 +293,15 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     assert stacklm_main(["prebuild", "--config", "demo", "--out", str(tmp_path / "x"),
                          "--tokenizer", str(tmp_path / "missing")]) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
+    # a repeated --config is refused (argparse kept the last file alone); the trainer merges them into one
+    for command in (["prebuild"], ["dedup-index"], ["prebuild-datatrove", "--out", "x"], ["train-tokenizer", "--out", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            stacklm_main([*command, "--config", "run.yaml", "--config", "stages.yaml"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+        assert (f"stacklm {command[0]}: error: argument --config: given twice (run.yaml, then stages.yaml): this command reads one "
+                "config file; merge them as the trainer does with `stacklm-train fit --config run.yaml --config stages.yaml "
+                "--print_config > merged.yaml` and pass --config merged.yaml") in err, err
     demo, settings = load_config("demo")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
     assert settings["tokenizer"] == "artifacts/demo/tokenizer" and settings["out"] == "artifacts/demo/shards"
