@@ -56,3 +56,20 @@ def int_pair(text: str) -> tuple[int, int]:
 
 
 __all__ = ["int_at_least", "int_pair", "non_negative_float", "non_negative_int", "positive_int"]
+
+
+class OneConfig(argparse.Action):
+    """``--config`` given at most once. ``stacklm-train fit`` merges repeated ``--config`` files
+    (jsonargparse: ``data:`` key by key, ``data.pipeline`` and ``prebuild:`` each as a whole);
+    argparse kept only the last, so ``stacklm prebuild --config run.yaml --config stages.yaml``
+    silently built without run.yaml. The refusal says how to get the trainer's merge as one file
+    (``--print_config``), which these commands read as it is."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        seen = getattr(namespace, self.dest, None)
+        if seen is not None:
+            raise argparse.ArgumentError(
+                self, f"given twice ({seen}, then {values}): this command reads one config file; merge them as the trainer "
+                f"does with `stacklm-train fit --config {seen} --config {values} --print_config > merged.yaml` "
+                "and pass --config merged.yaml")
+        setattr(namespace, self.dest, values)

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stacklm.cli.arg_types import int_at_least, non_negative_float, positive_int
+from stacklm.cli.arg_types import OneConfig, int_at_least, non_negative_float, positive_int
 from stacklm.errors import PrebuildError, UserError
 
 PREBUILD_EXAMPLES = """examples:
@@ -395,7 +395,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "resumable and identical for the same --workers.",
         epilog=PREBUILD_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--config", required=True, help="YAML config in the trainer's layout (data.pipeline), or a packaged config by name: demo, stack-100m")
+    p.add_argument("--config", required=True, action=OneConfig, help="YAML config in the trainer's layout (data.pipeline), or a packaged config by name: demo, stack-100m")
     p.add_argument("--out", help="output directory (default: data.data_dir of the config); re-run the same command to resume")
     p.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")
     p.add_argument("--workers", type=positive_int, help="parallel jobs (>= 1); the output is identical for the same N (default 1)")
@@ -437,7 +437,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "Runs here (--executor pool) or as datatrove stages on a local, Slurm or Ray executor (`pip install 'stacklm[scale]'`).",
         epilog=DEDUP_INDEX_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    x.add_argument("--config", required=True, help="a YAML path or a packaged config name (its data.pipeline sources)")
+    x.add_argument("--config", required=True, action=OneConfig, help="a YAML path or a packaged config name (its data.pipeline sources)")
     x.add_argument("--out", help="index file to write (.npz; default: the config's data.pipeline.dedup.index); "
                    "on slurm/ray on a filesystem every node sees; or a URL (s3://...: written in --stage-dir, then uploaded)")
     x.add_argument("--splits", nargs="+", choices=SPLITS, help="splits to index (default: all)")
@@ -459,7 +459,7 @@ def add_prebuild_subcommands(subparsers: argparse._SubParsersAction) -> None:
         "(stacklm.scale.datatrove_steps); needs `pip install 'stacklm[scale]'`.",
         epilog=DATATROVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    d.add_argument("--config", required=True, help="as for `prebuild`: a YAML path or a packaged config name")
+    d.add_argument("--config", required=True, action=OneConfig, help="as for `prebuild`: a YAML path or a packaged config name")
     d.add_argument("--out", help="output directory on a filesystem every node sees (default: data.data_dir); or a URL "
                    "(s3://...: built in --stage-dir, then uploaded as `prebuild --out URL` uploads)")
     d.add_argument("--tokenizer", help="tokenizer artifact or its directory (default: data.tokenizer of the config)")

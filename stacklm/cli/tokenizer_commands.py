@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from stacklm.cli.arg_types import int_at_least, int_pair, positive_int
+from stacklm.cli.arg_types import OneConfig, int_at_least, int_pair, positive_int
 from stacklm.errors import StackLMError, UserError
 from stacklm.tokenizer import ARTIFACT_NAME
 from stacklm.tokenizer.specials import N_BYTES, SPECIAL_TOKENS
@@ -410,7 +410,7 @@ def add_tokenizer_subcommands(sub: argparse._SubParsersAction) -> None:
         "a tiktoken ranks file and a Hugging Face tokenizer directory.",
         epilog=TRAIN_EXAMPLES, formatter_class=fmt,
     )
-    t.add_argument("--config", metavar="RUN_YAML",
+    t.add_argument("--config", metavar="RUN_YAML", action=OneConfig,
                    help="sample the training mix of a run config (the YAML of `stacklm prebuild`/`stacklm-train fit`, or a "
                    "packaged config by name): each source's files, format and text_column, by the mix's weights")
     t.add_argument("--input", nargs="+", action="extend", metavar="GLOB[:COLUMN]",

@@ -121,6 +121,7 @@ def prebuild(
             t = timed("jobs", t)
         top = finalize(plan, identity, summaries)
         timed("merge", t)
+        bar.finish(summaries, top.get("warnings", []))
     except BaseException:
         release_if_empty(plan)
         raise

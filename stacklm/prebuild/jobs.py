@@ -60,7 +60,10 @@ def run_job(
     state_dir = state_dir_of(plan.out)
     done_path = state_dir / f"{name}.done.json"
     if done_path.exists():
-        return json.loads(done_path.read_text())
+        summary = json.loads(done_path.read_text())
+        if on_progress is not None:  # a resumed build's progress counts the jobs done before too
+            on_progress(name, *summary_counts(summary))
+        return summary
     ckpt_path = state_dir / f"{name}.ckpt"
     split_dir = plan.out / split
     split_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +129,12 @@ def run_job(
     atomic_write_shard_file(done_path, json.dumps(summary, sort_keys=True).encode())
     ckpt_path.unlink(missing_ok=True)
     return summary
+
+
+def summary_counts(summary: dict[str, Any]) -> tuple[int, dict[str, int], int]:
+    """``(shards, tokens per source, docs)`` of a finished job's summary: its last progress report."""
+    realized = summary["realized"]
+    return len(summary["shards"]), {src: int(r["tokens"]) for src, r in realized.items()}, sum(int(r["docs"]) for r in realized.values())
 
 
 def read_summary(pipe) -> dict[str, dict[str, int]]:

@@ -193,7 +193,11 @@ def _cli_class() -> type:
                 config = {**config, "logger": logger if logger is not None else CSVLogger(save_dir=root)}
             if not any(isinstance(cb, RunIdentity) for cb in [*(config.get("callbacks") or []), *callbacks]):
                 callbacks = [*callbacks, RunIdentity()]  # every checkpoint keeps the run's logger ids
-            callbacks = [*callbacks, *_progress_bar(config, callbacks)]
+            extra = _progress_bar(config, callbacks)
+            if any(type(cb).__name__ == "ModelSummary" for cb in extra):
+                # ours stands for Lightning's default: without this it says it skipped adding one
+                config = {**config, "enable_model_summary": False}
+            callbacks = [*callbacks, *extra]
             return super()._instantiate_trainer(config, callbacks)
 
     return StackCLI
@@ -245,24 +249,28 @@ def _progress_bar(config, callbacks, terminal: bool | None = None) -> list:
     (None: ask). A bar the config names is kept as it is.
 
     The choice is put in ``STACKLM_PROGRESS``, so the ranks Lightning starts for DDP make the
-    same one: the line bar's counts are collectives, which every rank must join."""
+    same one: the line bar's counts are collectives, which every rank must join.
+
+    In lines mode the model summary is Lightning's plain ``ModelSummary`` too: the trainer adds
+    ``RichModelSummary`` whenever Rich is installed, and a log got its box-drawn table."""
     import importlib.util
 
-    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 
     from stacklm.progress_lines import STYLE_ENV, wants_lines
 
-    if config.get("enable_progress_bar") is False:
-        return []
-    if any(isinstance(cb, ProgressBar) for cb in [*(config.get("callbacks") or []), *callbacks]):
-        return []
+    given = [*(config.get("callbacks") or []), *callbacks]
+    lines = wants_lines() if terminal is None else not terminal
+    summary = [] if not lines or config.get("enable_model_summary") is False or any(isinstance(cb, ModelSummary) for cb in given) \
+        else [ModelSummary()]
+    if config.get("enable_progress_bar") is False or any(isinstance(cb, ProgressBar) for cb in given):
+        return summary
     from stacklm.train.progress import LineProgressBar, StepProgressBar
 
-    lines = wants_lines() if terminal is None else not terminal
     if terminal is None:
         os.environ[STYLE_ENV] = "lines" if lines else "bar"
     if lines:
-        return [LineProgressBar()]
+        return [LineProgressBar(), *summary]
     if importlib.util.find_spec("rich") is None:
         return []  # Lightning's default is the tqdm bar (which prints no epoch bound)
     return [StepProgressBar()]

@@ -77,7 +77,10 @@ class LineProgressBar(ProgressBar):
     ``tokens``: the tokens the training step received, from the datamodule's ``data_stats()``
     (``stacklm.datamodule.delivery``: summed over ranks; a resume continues the count); absent
     for a datamodule without it. ``tok/s``: tokens since the previous line over its wall time (the
-    last line: over the whole fit). The metrics are those the module logs with ``prog_bar=True``.
+    last line: since the first step). The first line, right after the run's first step, says
+    ``tok/s ?`` and ``ETA ?``: its only pace would count the start-up (the model's build, the
+    loaders' first batches, a checkpoint's load), and a fit that finished in 30 s read ``ETA
+    0:24:10`` there; the ETA is the pace since the first step. The metrics are those the module logs with ``prog_bar=True``.
     Under DDP only rank 0 writes; every rank takes part in the count at the same steps: there the
     interval is in steps, re-derived at each line from rank 0's pace so that the lines come about
     ``every_seconds`` apart (a time check on each rank's own clock could disagree and hang the sum).
@@ -141,9 +144,9 @@ class LineProgressBar(ProgressBar):
         self._lines = ProgressLines("fit", seconds=self.every_seconds, every=self.every_n_steps)
         self._start_step = self._seen_step = self._lines.last_n = trainer.global_step
         self._total: float = trainer.max_steps if counts_steps(trainer) else trainer.estimated_stepping_batches
-        self._start_tokens = self._last_tokens = self._gather(trainer, self._my_tokens(trainer))[0]
+        self._last_tokens = self._gather(trainer, self._my_tokens(trainer))[0]
         self._next_step = self._start_step + 1  # a first line after the first step: the run is alive, and its pace
-        self._first: tuple[int, float] | None = None  # (step, time) of the first line: the pace after start-up
+        self._first: tuple[int, float, int | None] | None = None  # (step, time, tokens) at the first line: the pace after start-up
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         step = trainer.global_step
@@ -165,27 +168,31 @@ class LineProgressBar(ProgressBar):
     def _line(self, trainer, step: int, outputs: Any, final: bool = False) -> None:
         lines = self._lines
         now = lines.clock()
-        if self._first is None or final:
+        if self._first is None:  # start-up included: only to place the next line under DDP, never shown
             pace = (step - self._start_step) / max(now - lines.started, 1e-9)
         else:
             pace = (step - self._first[0]) / max(now - self._first[1], 1e-9)
         # the next line's step (on rank 0's pace; every rank follows it under DDP)
         proposal = step + max(1, min(self.every_n_steps, int(lines.seconds * pace) or 1))
         tokens, self._next_step = self._gather(trainer, self._my_tokens(trainer), proposal)
-        if self._first is None:
-            self._first = (step, now)
+        first = self._first
+        if first is None:
+            self._first = (step, now, tokens)
         if trainer.is_global_zero and self._enabled:
             fields: list[tuple[str, str]] = [("", "done")] if final else []
             total = None if self._total == float("inf") else int(self._total)
             fields.append(("step", f"{step}/{'?' if total is None else total} ({percent(step, total)})"))
             if tokens is not None:
-                since = tokens - (self._start_tokens if final else self._last_tokens)
-                window = now - (lines.started if final else lines.last_time)
-                fields += [("tokens", count(tokens)), ("tok/s", rate(since / max(window, 1e-9)))]
+                if first is None or first[2] is None or step == first[0]:
+                    tok_s = "?"  # no pace yet: only the start-up's
+                else:
+                    since = tokens - (first[2] if final else self._last_tokens)
+                    tok_s = rate(since / max(now - (first[1] if final else lines.last_time), 1e-9))
+                fields += [("tokens", count(tokens)), ("tok/s", tok_s)]
             fields += self._metrics(trainer, outputs)
             fields += [("elapsed", duration(now - lines.started))]
             if not final:
-                fields += [("ETA", "?" if total is None else eta(total - step, pace))]
+                fields += [("ETA", "?" if total is None or first is None else eta(total - step, pace))]
             lines.write(fields, n=step)
         else:
             lines.last_time, lines.last_n = now, step

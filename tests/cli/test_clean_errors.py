@@ -424,6 +424,10 @@ def test_progress_moves_within_a_shard(tmp_path, tok_dir):
     docs = [r[3] for r in reports]
     assert tokens == sorted(tokens) and docs == sorted(docs) and docs[-1] > 0
     assert tokens[-1] == sum(r["tokens"] for r in summary["realized"].values())
+    # run again (a resumed build): the finished job reports its final counts, so the build's lines count it
+    again = []
+    assert len(run_job(plan, "train", 0, lambda *msg: again.append(msg))["shards"]) == shards
+    assert [(r[0], r[1], sum(r[2].values()), r[3]) for r in again] == [(reports[-1][0], shards, tokens[-1], docs[-1])]
 
 
 def test_progress_bar_shows_docs_and_rate(tmp_path, tok_dir, capsys, monkeypatch):

@@ -113,16 +113,23 @@ def test_progress_is_a_bar_on_a_terminal_and_plain_lines_in_a_log(tmp_path, tok_
     assert [p.split(" in ")[0] for p in phases] == ["global dedup pass: signing and deciding (no progress lines until it ends)",
                                                      "global dedup pass done"], lines
     lines = [line for line in lines if ": global dedup pass" not in line]
-    assert len(lines) >= 3, err  # the job's first report, one per shard, the last
-    fields = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d prebuild p: tokens ([\d,]+)/([\d,]+) \(\d+%\)  docs [\d,]+  "
-                        r"shards (\d+)  MB/s [\d.e+-]+  elapsed \d+:\d\d:\d\d  ETA \S+(  mix web=0\.\d+ code=0\.\d+ math=0\.\d+)?$")
-    parsed = [fields.match(line) for line in lines]
+    assert len(lines) >= 4, err  # the job's first report, one per shard, the last, done
+    parsed = [PROGRESS_LINE.match(line) for line in lines]
     assert all(parsed), lines
-    # the last line: the tokens the shards hold (the ledger's delivered, per source), of a budget of 4,000
+    assert [bool(p["done"]) for p in parsed] == [False] * (len(lines) - 1) + [True], lines
+    # the done line: the tokens the shards hold (the ledger's delivered, per source), of a budget of 4,000
     delivered = sum(s["tokens"]["delivered"] for s in top["ledger"]["train"]["sources"].values())
-    assert int(parsed[-1][1].replace(",", "")) == delivered and parsed[-1][2] == "4,000", lines[-1]
-    assert int(parsed[-1][3]) == top["splits"]["train"]["shards"]
+    done = parsed[-1]
+    assert (int(done["tokens"].replace(",", "")), done["budget"], done["end"]) == (delivered, "4,000", "budget met"), lines[-1]
+    assert int(done["shards"]) == top["splits"]["train"]["shards"]
     assert err.splitlines()[-1].startswith("prebuild: ")  # then the summary
+
+
+# a progress line of a prebuild of OUT 's' or 'p': its counts, and the outcome on the done line (else the ETA)
+PROGRESS_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d prebuild [sp]: (?P<done>done  )?tokens (?P<tokens>[\d,]+)/(?P<budget>[\d,]+) "
+                           r"\(\d+%\)  docs [\d,]+  shards (?P<shards>\d+)  MB/s [\d.e+-]+  elapsed \d+:\d\d:\d\d  "
+                           r"(?:ETA \S+|(?P<end>budget met|sources ran dry)(?P<dry>: [a-z ]+| \(ran dry: [a-z ]+\))?)"
+                           r"(  mix web=0\.\d+ code=0\.\d+ math=0\.\d+)?$")
 
 
 def test_rerun_is_a_noop_and_other_builds_are_refused(ref, tok_dir, tmp_path):
@@ -286,6 +293,15 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
     assert stacklm_main(["prebuild", "--config", "demo", "--out", str(tmp_path / "x"),
                          "--tokenizer", str(tmp_path / "missing")]) == 2
     assert "train one with `stacklm train-tokenizer" in capsys.readouterr().err
+    # a repeated --config is refused (argparse kept the last file alone); the trainer merges them into one
+    for command in (["prebuild"], ["dedup-index"], ["prebuild-datatrove", "--out", "x"], ["train-tokenizer", "--out", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            stacklm_main([*command, "--config", "run.yaml", "--config", "stages.yaml"])
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+        assert (f"stacklm {command[0]}: error: argument --config: given twice (run.yaml, then stages.yaml): this command reads one "
+                "config file; merge them as the trainer does with `stacklm-train fit --config run.yaml --config stages.yaml "
+                "--print_config > merged.yaml` and pass --config merged.yaml") in err, err
     demo, settings = load_config("demo")  # StackDataModule layout: data.pipeline
     assert demo.seq_len == 256 and demo.batch_size == 4 and [e.kind for e in demo.mix.entries] == ["synthetic"] * 3
     assert settings["tokenizer"] == "artifacts/demo/tokenizer" and settings["out"] == "artifacts/demo/shards"
@@ -295,11 +311,23 @@ def test_cli_subcommands_and_demo_config(ref, tmp_path, capsys):
         load_config(own_config(tmp_path, "tok", dedup={"nera": False}))
 
 
-def test_a_dry_source_is_a_warning_in_the_manifest(tmp_path, tok_dir):
+def test_a_dry_source_is_a_warning_in_the_manifest(tmp_path, tok_dir, capsys, monkeypatch):
+    from stacklm.progress_lines import SECONDS_ENV, STYLE_ENV
+
     section = data_section(total=30_000)
     section["mix"]["entries"][2]["num_docs"] = 6  # math: far too few documents for its 10%
+    # in a log, with a line due only every hour: the one progress line is the done line, with the build's totals
+    monkeypatch.setenv(STYLE_ENV, "lines")
+    monkeypatch.setenv(SECONDS_ENV, "3600")
     with pytest.warns(RuntimeWarning, match="source 'math' ran dry in train job 0"):
-        top = prebuild(PipelineConfig.from_dict(section), tok_dir, tmp_path / "s", tokens_per_shard=TOKENS_PER_SHARD, progress=False)
+        top = prebuild(PipelineConfig.from_dict(section), tok_dir, tmp_path / "s", tokens_per_shard=TOKENS_PER_SHARD, progress=True)
+    lines = [line for line in capsys.readouterr().err.splitlines() if " prebuild s: " in line and "global dedup pass" not in line]
+    assert len(lines) == 1 and PROGRESS_LINE.match(lines[0]), lines
+    done = PROGRESS_LINE.match(lines[0])
+    realized = sum(r["tokens"] for split in ("train", "val") for r in mf.read_manifest(tmp_path / "s" / split)["realized"].values())
+    assert int(done["tokens"].replace(",", "")) == realized and done["done"], lines
+    assert int(done["shards"]) == sum(s["shards"] for s in top["splits"].values()) > 1, lines
+    assert realized == 30_000 + 1_500 and (done["end"], done["dry"]) == ("budget met", " (ran dry: math)"), lines  # web and code filled math's share
     dry = [w for w in top["warnings"] if w["kind"] == "ran_dry" and w["split"] == "train"]
     assert [w["source"] for w in dry] == ["math"]
     assert dry[0]["delivered_share"] < dry[0]["target_share"] == pytest.approx(0.1)

@@ -20,11 +20,16 @@ def test_the_rich_bar_counts_steps_of_max_steps_after_a_resume(tmp_path):
     """On a terminal: a fit resumed at step 21 of 26 shows 21/26, then 22/26 (Lightning's own bar
     counted the epoch's batch index against the batches left: ``26/5``)."""
     from stacklm.train.cli import _progress_bar
+    from lightning.pytorch.callbacks import ModelSummary
+
     from stacklm.train.progress import LineProgressBar, StepProgressBar
 
     (bar,) = _progress_bar({"callbacks": []}, [], terminal=True)
     assert isinstance(bar, StepProgressBar)
-    assert [type(b) for b in _progress_bar({"callbacks": []}, [], terminal=False)] == [LineProgressBar]
+    # in a log: the plain lines, and Lightning's plain model summary (not Rich's box-drawn table)
+    assert [type(b) for b in _progress_bar({"callbacks": []}, [], terminal=False)] == [LineProgressBar, ModelSummary]
+    assert [type(b) for b in _progress_bar({"callbacks": [], "enable_model_summary": False}, [], terminal=False)] == [LineProgressBar]
+    assert [type(b) for b in _progress_bar({"callbacks": [LineProgressBar()]}, [], terminal=False)] == [ModelSummary]
     trainer = L.Trainer(max_steps=26, callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
     trainer.fit_loop.max_epochs = -1  # as fit() sets it for max_steps alone
     trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total.completed = 21  # global_step
@@ -65,3 +70,31 @@ def test_the_line_writer_and_its_knobs(monkeypatch):
     monkeypatch.setenv(SECONDS_ENV, "soon")
     with pytest.raises(ValueError, match="STACKLM_PROGRESS_SECONDS='soon'"):
         ProgressLines("x")
+
+
+def test_the_fit_lines_leave_the_start_up_out_of_the_pace(tmp_path, capsys, monkeypatch):
+    """A resume at step 40 of 50 whose first step ends 60 s after the start (the checkpoint's
+    load, the loaders' first batches), then a step a second: the first line has no pace yet
+    (``ETA ?``; it read ``ETA 0:09:00`` for 9 s of work), the next ones the pace since then."""
+    import functools
+
+    import stacklm.train.progress as progress
+    from stacklm.train.progress import LineProgressBar
+
+    now = [1000.0]
+    monkeypatch.setattr(progress, "ProgressLines", functools.partial(progress.ProgressLines, clock=lambda: now[0]))
+    bar = LineProgressBar(every_n_steps=1, every_seconds=3600)
+    trainer = L.Trainer(max_steps=50, callbacks=[bar], logger=False, enable_checkpointing=False, default_root_dir=tmp_path)
+    trainer.fit_loop.max_epochs = -1
+    step = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.step.total
+    step.completed = 40
+    bar.setup(trainer, None, "fit")
+    bar.on_train_start(trainer, None)
+    for t, s in [(60, 41), (61, 42), (62, 43), (69, 50)]:
+        now[0], step.completed = 1000.0 + t, s
+        bar.on_train_batch_end(trainer, L.LightningModule(), {"loss": 1.0}, None, batch_idx=s)
+    bar.on_train_end(trainer, None)
+    lines = [LINE.match(line)["body"] for line in capsys.readouterr().err.splitlines()]
+    assert [line.split("  elapsed ")[1] for line in lines] == ["0:01:00  ETA ?", "0:01:01  ETA 0:00:08", "0:01:02  ETA 0:00:07",
+                                                               "0:01:09  ETA 0:00:00", "0:01:09"], lines
+    assert lines[0].startswith("step 41/50 (82%)") and lines[-1].startswith("done  step 50/50 (100%)"), lines

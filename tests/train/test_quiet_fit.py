@@ -34,4 +34,6 @@ def test_a_max_steps_run_has_no_negative_epoch_bound(tmp_path):
                         default_root_dir=tmp_path)
     trainer.progress_bar_callback.setup(trainer, None, "fit")
     assert trainer.progress_bar_callback._get_train_description(1).strip() == "Epoch 1/1"
-    assert _progress_bar({"enable_progress_bar": False}, []) == []
+    assert _progress_bar({"enable_progress_bar": False}, [], terminal=True) == []
+    # no bar in a log either, but the model summary in plain text (Rich's default is box-drawn)
+    assert [type(b) for b in _progress_bar({"enable_progress_bar": False}, [], terminal=False)] == [L.pytorch.callbacks.ModelSummary]
