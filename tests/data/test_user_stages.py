@@ -400,10 +400,23 @@ def test_commands_that_never_run_the_stages_do_not_import_them(corpus, tokenizer
     assert stacklm_main(["train-tokenizer", "--config", str(tmp_path / "c.yaml"), "--vocab-size", "300",
                          "--max-bytes", "20000", "--out", str(tmp_path / "tok"), "--no-progress"]) == 0, capsys.readouterr().err
     assert any((tmp_path / "tok").iterdir())
-    # the same config where the stages run: refused, naming the module
-    with pytest.raises(ConfigError, match=r"field 'pipeline.stages\[0\].fn'.*cannot import 'stacklm_not_installed_here'"):
+    # the same config where the stages run: refused, naming the module, before anything is written
+    from stacklm.scale.datatrove_executors import dedup_index_executors, prebuild_executors
+
+    refused = r"field 'pipeline.stages\[0\].fn'.*cannot import 'stacklm_not_installed_here'"
+    with pytest.raises(ConfigError, match=refused):
         StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=pipeline(root, stages=stages),
                         seq_len=SEQ_LEN, batch_size=BATCH)
+    config = PipelineConfig.from_dict(pipeline(root, stages=stages))
+    with pytest.raises(ConfigError, match=refused):
+        prebuild_executors(config, tokenizer_dir, tmp_path / "dt", tasks=1)
+    with pytest.raises(ConfigError, match=refused):
+        dedup_index_executors(config, tmp_path / "dt-index" / "index.npz", tasks=1)
+    capsys.readouterr()
+    assert stacklm_main(["dedup-index", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "ix" / "index.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot import 'stacklm_not_installed_here'" in err, err
+    assert [p.name for p in tmp_path.iterdir() if p.name in ("dt", "dt-index", "ix")] == []
 
 
 def test_a_resume_refused_for_a_changed_stage_names_the_field(corpus, tokenizer_dir, tmp_path):
