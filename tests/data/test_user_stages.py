@@ -7,11 +7,14 @@ processes) -- with every drop count checked against a count this test makes by c
 same functions and datatrove filters on the input files itself, and the ledger adding up.
 Then: what a stage returns; a stateful stage resumes exactly through a weights-only
 checkpoint; a stage that raises ends the run in one line naming the document; a stage that
-cannot reach a worker is refused before any work; the stage set is part of the config hash."""
+cannot reach a worker (or fails to import, or takes other arguments) is refused before any work
+in one line, by the commands that run the stages only; the stage set is part of the config hash,
+and a stream resume's refusal names the changed field."""
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -384,7 +387,7 @@ def test_a_stage_no_worker_could_run_is_refused_before_work(corpus, tokenizer_di
     assert stacklm_main(["prebuild", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err and not (tmp_path / "out").exists(), err
-    assert __import__("re").search(words, err), err
+    assert re.search(words, err), err
 
 
 def test_commands_that_never_run_the_stages_do_not_import_them(corpus, tokenizer_dir, tmp_path, capsys):
