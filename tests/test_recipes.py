@@ -369,9 +369,9 @@ def test_recipe_j_user_stages_and_datatroves_filters(workdir, docs):
 def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid(tmp_path, monkeypatch):
     """Fast (not slow): the drift guard without running anything. Every recipe a-j has blocks;
     every shrink still matches the markdown; every config's ``data:`` section is accepted by
-    ``StackDataModule`` (an unknown key under ``data.pipeline`` is refused at construction, a
-    stage it cannot import too: the recipes' Python files are put on the path, as the recipe's
-    ``export PYTHONPATH`` does); the SFT recipe keeps the packaged ``sft.yaml``'s pipeline settings."""
+    ``StackDataModule`` (an unknown key under ``data.pipeline`` is refused at construction) and its
+    user stages import and build where they run (``check_stages_run``: the recipes' Python files
+    are put on the path, as the recipe's ``export PYTHONPATH`` does); the SFT recipe keeps the packaged ``sft.yaml``'s pipeline settings."""
     from stacklm.configs import resolve_config
     from stacklm.datamodule import StackDataModule
 
@@ -391,6 +391,8 @@ def test_every_recipe_is_tagged_and_its_configs_and_shrinks_are_valid(tmp_path, 
                     set_key(config, key, value)  # asserts the key exists
                 dm = StackDataModule(**yaml.safe_load(body)["data"])
                 assert dm.mode == config["data"]["mode"]
+                if getattr(dm.config.pipeline, "stages", None):  # a shards-mode module does not import them itself
+                    dm.config.pipeline.check_stages_run()
     sft = yaml.safe_load(next(t for _, name, t in blocks("g") if name == "sft.yaml"))["data"]
     packaged = yaml.safe_load(resolve_config("sft").read_text())["data"]
     assert sft["mode"] == packaged["mode"] == "sft"

@@ -126,6 +126,7 @@ def cmd_dedup_index(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, dedup=dataclasses.replace(config.dedup, exact=True, near=True, index=None))
     if not (config.dedup.exact or config.dedup.near):
         raise PrebuildError(f"{args.config}: dedup.exact and dedup.near are both off and no dedup.index is set; nothing to index")
+    config.check_stages_run()  # the readers run the user stages: refused before the output's folder is made
     splits = tuple(args.splits or settings["splits"])
     if args.wait and args.executor != "slurm":
         raise UserError("--wait is for --executor slurm (the other executors wait anyway)")

@@ -33,7 +33,7 @@ from stacklm.data.quality.decontam import DecontamConfig, DecontamNode, ensure_i
 from stacklm.data.quality.filters import FilterConfig, FilterNode
 from stacklm.data.graph import BuiltPipeline
 from stacklm.data.quality.holdout import HoldoutNode
-from stacklm.data.quality.user_stages import StageConfig, UserStageNode, check_stages
+from stacklm.data.quality.user_stages import StageConfig, UserStageNode, check_stages, import_stages
 from stacklm.data.mix.mix import MixNode
 from stacklm.data.packing.nodes import PackNode, batch_node
 from stacklm.data.packing.pack import Collate
@@ -111,9 +111,14 @@ class PipelineConfig(PipelineSection):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ConfigError(f"pipeline config: field 'dedup.shingle_size' must be an integer >= 1 or null (the {self.dedup.shingle} n-gram's "
                               f"length; null: {default_shingle_size(self.dedup.shingle)}), got {size!r}")
-        # imported here, at parse, so a stage that cannot reach a loader worker or an engine task
-        # is refused before any work (user_stages.check_stages)
+        # the spec only, at parse: importing waits for a command that runs the stages (check_stages_run)
         check_stages(self.stages, [e.name for e in self.mix.entries])
+
+    def check_stages_run(self) -> None:
+        """Import and build the user stages, refused in one line naming the field
+        (``user_stages.import_stages``): called where they are going to run (a prebuild, a
+        stream datamodule, an engine's launch), before any work starts."""
+        import_stages(self.stages)
 
     def config_hash(self, exclude=None) -> str:
         # without decontamination (or user stages) the hash is what it was before the section

@@ -404,6 +404,11 @@ class StreamMode(_WorkerStreamMode):
 
     name = "stream"
 
+    @classmethod
+    def check_arguments(cls, config: DataConfig) -> None:
+        super().check_arguments(config)
+        config.pipeline.check_stages_run()  # the loader workers run them: refused here, before any work
+
     def __init__(self, args: ModeArgs) -> None:
         super().__init__(args)
         # the checkpoint's stream record (``stream_state``) until the first train loader takes it

@@ -58,6 +58,7 @@ def prebuild(
     """
     from stacklm.data.storage import remote
 
+    config.check_stages_run()  # the jobs run the user stages: refused before the output is touched
     if remote.is_remote(out):  # build in a local staging dir, upload, manifests last (``remote``)
         kw = dict(workers=workers, tokens_per_shard=tokens_per_shard, splits=splits, progress=progress,
                   provenance=provenance, progress_interval=progress_interval, sign_margin=sign_margin)

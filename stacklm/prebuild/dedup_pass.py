@@ -152,6 +152,7 @@ def build_dedup_index(
 
     from stacklm.data.dedup.shards import load_shards, save_merged
 
+    config.check_stages_run()  # the readers run the user stages: refused before any work
     work = Path(tempfile.mkdtemp(prefix=".dedup-index-", dir=work_dir))
     try:
         paths = build_index_shards(config, splits, readers, work, work / "index", starmap)

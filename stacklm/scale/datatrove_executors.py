@@ -111,6 +111,7 @@ def prebuild_executors(
     from stacklm.prebuild.plan import BUILD_FILE, DEFAULT_TOKENS_PER_SHARD, STATE_DIR, PrebuildPlan
 
     _refuse_url(out, "prebuild-datatrove")
+    config.check_stages_run()  # the tasks run the user stages: refused at launch, not in a task's log
     cluster = _resolve_cluster(executor, cluster, executor_kwargs, "main")  # refused before the output directory is claimed
     tok = resolve_tokenizer(tokenizer)
     plan = PrebuildPlan(config, tok, Path(out).absolute(), int(tasks), int(tokens_per_shard or DEFAULT_TOKENS_PER_SHARD), tuple(splits))
@@ -179,6 +180,7 @@ def dedup_index_executors(
     if int(tasks) < 1 or int(dedup_ranges) < 1:
         raise ValueError(f"tasks and dedup_ranges must be >= 1, got {tasks} and {dedup_ranges}")
     _refuse_url(out_file, "dedup-index")
+    config.check_stages_run()  # the tasks run the user stages: refused at launch, not in a task's log
     cluster = _resolve_cluster(executor, cluster, executor_kwargs, "signatures")  # refused before anything is written
     out_file = Path(out_file).absolute()  # the tasks may run in another working directory (Ray workers)
     work = out_file.with_name(out_file.name + ".work")

@@ -7,11 +7,14 @@ processes) -- with every drop count checked against a count this test makes by c
 same functions and datatrove filters on the input files itself, and the ledger adding up.
 Then: what a stage returns; a stateful stage resumes exactly through a weights-only
 checkpoint; a stage that raises ends the run in one line naming the document; a stage that
-cannot reach a worker is refused before any work; the stage set is part of the config hash."""
+cannot reach a worker (or fails to import, or takes other arguments) is refused before any work
+in one line, by the commands that run the stages only; the stage set is part of the config hash,
+and a stream resume's refusal names the changed field."""
 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -325,22 +328,131 @@ def test_what_a_stage_returns_decides_and_an_edited_text_loses_its_position():
         run("tests.helpers.user_stages:count_words")
 
 
-@pytest.mark.parametrize("stage, field, words", [
-    ({"fn": "tests.helpers.user_stages:keep_all"}, "pipeline.stages[0].fn", "cannot be pickled"),
-    ({"fn": "tests.helpers.no_such_module:keep"}, "pipeline.stages[0].fn", "cannot import"),
-    ({"fn": "tests.helpers.user_stages:nothing"}, "pipeline.stages[0].fn", "has no 'nothing'"),
-    ({"fn": "__main__:keep"}, "pipeline.stages[0].fn", "move the stage into a module"),
-    ({"fn": "tests.helpers.user_stages:drop_marked", "sources": ["wbe"]}, "pipeline.stages[0].sources", "not sources of the mix"),
-    ({"fn": "tests.helpers.user_stages:drop_marked", "name": "dedup"}, "pipeline.stages[0].name", "built-in stage"),
+BROKEN = {  # stage modules that are found but fail to import (written per test: not importable from the repo)
+    "stacklm_broken_syntax": "def keep(doc):\n    return True +\n",
+    "stacklm_raises_at_import": "import os\nROOT = os.environ['STACKLM_NO_SUCH_VARIABLE']\n\ndef keep(doc):\n    return True\n",
+}
+
+
+@pytest.fixture
+def broken_modules(tmp_path, monkeypatch):
+    folder = tmp_path / "mods"
+    folder.mkdir()
+    for name, source in BROKEN.items():
+        (folder / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(folder))
+
+
+# "parse": refused when the config is read (no import); "run": the spec is fine, so the config
+# parses, but where the stages are going to run (a stream datamodule, a prebuild) it is refused
+# before any work, in one line naming the field
+@pytest.mark.parametrize("stage, at, field, words", [
+    ({"fn": "tests.helpers.user_stages:keep_all"}, "run", "pipeline.stages[0].fn", "cannot be pickled"),
+    ({"fn": "tests.helpers.no_such_module:keep"}, "run", "pipeline.stages[0].fn", "cannot import"),
+    ({"fn": "tests.helpers.user_stages:nothing"}, "run", "pipeline.stages[0].fn", "has no 'nothing'"),
+    ({"fn": "stacklm_broken_syntax:keep"}, "run", "pipeline.stages[0].fn",
+     r"importing 'stacklm_broken_syntax' raised SyntaxError: invalid syntax \(.*stacklm_broken_syntax.py, line 2\); "
+     r"fix the module so that `import stacklm_broken_syntax` works"),
+    ({"fn": "stacklm_raises_at_import:keep"}, "run", "pipeline.stages[0].fn",
+     r"importing 'stacklm_raises_at_import' raised KeyError: 'STACKLM_NO_SUCH_VARIABLE'; fix the module"),
+    ({"fn": "tests.helpers.user_stages:drop_marked", "kwargs": {"makrer": "XX"}}, "run", "pipeline.stages[0].kwargs",
+     r"drop_marked\(doc, marker='FORBIDDEN'\) does not take \['makrer'\] .*; give keyword arguments"),
+    ({"fn": "tests.helpers.user_stages:Threshold", "kwargs": {"treshold": 0.4}}, "run", "pipeline.stages[0].kwargs",
+     r"Threshold\(threshold=0.5\) does not take \['treshold'\] .*; give the constructor's arguments"),
+    ({"fn": "tests.helpers.user_stages:Threshold", "kwargs": {"threshold": 2}}, "run", "pipeline.stages[0].kwargs",
+     r"Threshold\(threshold=2\) raised ValueError: threshold must be in \[0, 1\], got 2; fix the constructor's arguments"),
+    ({"fn": "tests.helpers.user_stages:Threshold", "kwargs": {"threshold": "high"}}, "run", "pipeline.stages[0].kwargs",
+     r"Threshold\(threshold='high'\) raised TypeError: '<=' not supported .*; fix the constructor's arguments"),
+    ({"fn": "__main__:keep"}, "parse", "pipeline.stages[0].fn", "move the stage into a module"),
+    ({"fn": "keep"}, "parse", "pipeline.stages[0].fn", "as 'package.module:name'"),
+    ({"fn": "tests.helpers.user_stages:drop_marked", "sources": ["wbe"]}, "parse", "pipeline.stages[0].sources", "not sources of the mix"),
+    ({"fn": "tests.helpers.user_stages:drop_marked", "name": "dedup"}, "parse", "pipeline.stages[0].name", "built-in stage"),
 ])
-def test_a_stage_no_worker_could_run_is_refused_at_parse(corpus, tokenizer_dir, tmp_path, capsys, stage, field, words):
+def test_a_stage_no_worker_could_run_is_refused_before_work(corpus, tokenizer_dir, tmp_path, capsys, broken_modules,
+                                                            stage, at, field, words):
     root, _ = corpus
-    with pytest.raises(ConfigError, match=rf"field '{field.replace('[', '.').replace(']', '.')}'.*{words}"):
-        PipelineConfig.from_dict(pipeline(root, stages=[stage]))
-    with pytest.raises(ConfigError, match=words):  # the datamodule refuses at construction
+    field_re = field.replace("[", r"\[").replace("]", r"\]")
+    if at == "parse":
+        with pytest.raises(ConfigError, match=rf"field '{field_re}'.*{words}"):
+            PipelineConfig.from_dict(pipeline(root, stages=[stage]))
+    else:  # nothing imported at parse: a command that never runs the stages does not need their module
+        config = PipelineConfig.from_dict(pipeline(root, stages=[stage]))
+        with pytest.raises(ConfigError, match=rf"field '{field_re}'.*{words}") as e:
+            config.check_stages_run()
+        assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=words):  # a stream datamodule refuses at construction
         StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=pipeline(root, stages=[stage]),
                         seq_len=SEQ_LEN, batch_size=BATCH, num_workers=1)
     (tmp_path / "c.yaml").write_text(json.dumps({"data": {"tokenizer": str(tokenizer_dir), "pipeline": pipeline(root, stages=[stage])}}))
     assert stacklm_main(["prebuild", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "out"), "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and words in err and not (tmp_path / "out").exists(), err
+    assert len(err.splitlines()) == 1 and field in err and not (tmp_path / "out").exists(), err
+    assert re.search(words, err), err
+
+
+def test_commands_that_never_run_the_stages_do_not_import_them(corpus, tokenizer_dir, tmp_path, capsys):
+    """A shards-mode datamodule (it reads built shards) and ``train-tokenizer --config`` (it reads
+    the sources raw) take a config whose stage module is not importable here."""
+    root, texts = corpus
+    stages = [{"fn": "stacklm_not_installed_here:keep", "kwargs": {"anything": 1}}]
+    dm = StackDataModule(mode="shards", tokenizer=str(tokenizer_dir), data_dir=str(tmp_path / "shards"),
+                         pipeline=pipeline(root, stages=stages), seq_len=SEQ_LEN, batch_size=BATCH)
+    assert dm.config.pipeline.stages[0].fn == "stacklm_not_installed_here:keep"
+    (tmp_path / "c.yaml").write_text(json.dumps({"data": {"mode": "stream", "tokenizer": str(tokenizer_dir), "seq_len": SEQ_LEN,
+                                                          "batch_size": BATCH, "pipeline": pipeline(root, stages=stages)}}))
+    assert stacklm_main(["train-tokenizer", "--config", str(tmp_path / "c.yaml"), "--vocab-size", "300",
+                         "--max-bytes", "20000", "--out", str(tmp_path / "tok"), "--no-progress"]) == 0, capsys.readouterr().err
+    assert any((tmp_path / "tok").iterdir())
+    # the same config where the stages run: refused, naming the module, before anything is written
+    from stacklm.scale.datatrove_executors import dedup_index_executors, prebuild_executors
+
+    refused = r"field 'pipeline.stages\[0\].fn'.*cannot import 'stacklm_not_installed_here'"
+    with pytest.raises(ConfigError, match=refused):
+        StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=pipeline(root, stages=stages),
+                        seq_len=SEQ_LEN, batch_size=BATCH)
+    config = PipelineConfig.from_dict(pipeline(root, stages=stages))
+    with pytest.raises(ConfigError, match=refused):
+        prebuild_executors(config, tokenizer_dir, tmp_path / "dt", tasks=1)
+    with pytest.raises(ConfigError, match=refused):
+        dedup_index_executors(config, tmp_path / "dt-index" / "index.npz", tasks=1)
+    capsys.readouterr()
+    assert stacklm_main(["dedup-index", "--config", str(tmp_path / "c.yaml"), "--out", str(tmp_path / "ix" / "index.npz")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "cannot import 'stacklm_not_installed_here'" in err, err
+    assert [p.name for p in tmp_path.iterdir() if p.name in ("dt", "dt-index", "ix")] == []
+
+
+def test_a_resume_refused_for_a_changed_stage_names_the_field(corpus, tokenizer_dir, tmp_path):
+    """A stream checkpoint's data identity carries the pipeline config it hashed (plain data, read
+    back weights-only), so the refusal names what changed as a prebuild's does; the hash itself is
+    what it was before the config rode along (earlier checkpoints resume)."""
+    import hashlib
+
+    import torch
+
+    from stacklm.datamodule.resume.identity import check_identity, data_identity
+    from stacklm.errors import ResumeRefused
+
+    root, _ = corpus
+
+    def module(stages):
+        return StackDataModule(mode="stream", tokenizer=str(tokenizer_dir), pipeline=pipeline(root, stages=stages),
+                               seq_len=SEQ_LEN, batch_size=BATCH)
+
+    def identity(stages):
+        return data_identity(module(stages))
+
+    dm = module([{"fn": "tests.helpers.user_stages:drop_marked"}])
+    before = data_identity(dm)
+    torch.save({"identity": before}, tmp_path / "c.pt")
+    saved = torch.load(tmp_path / "c.pt", weights_only=True)["identity"]
+    check_identity(saved, before)  # the same run resumes
+    hashed = {k: v for k, v in dm.config.pipeline.to_dict().items() if k not in ("num_threads", "batch_size")}
+    old_hash = hashlib.sha256(json.dumps(hashed, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert saved["pipeline"] == old_hash
+    with pytest.raises(ResumeRefused, match=r"pipeline: checkpoint [0-9a-f]+ vs now [0-9a-f]+; "
+                                            r"changed: stages\[0\]\.kwargs\.marker \(absent -> 'XX'\)\)"):
+        check_identity(saved, identity([{"fn": "tests.helpers.user_stages:drop_marked", "kwargs": {"marker": "XX"}}]))
+    older = {k: v for k, v in saved.items() if k != "config"}  # a checkpoint from before: the hashes alone
+    with pytest.raises(ResumeRefused, match=r"pipeline: checkpoint [0-9a-f]+ vs now [0-9a-f]+\)"):
+        check_identity(older, identity([{"fn": "tests.helpers.user_stages:drop_marked", "kwargs": {"marker": "XX"}}]))

@@ -57,3 +57,16 @@ def shout_in_place(doc: dict) -> bool:
 def count_words(doc: dict) -> int:
     """Returns what no stage may return (an int): the run stops naming the stage."""
     return len(doc["text"].split())
+
+
+class Threshold:
+    """A class stage whose constructor checks its argument: ``threshold=2`` raises ValueError,
+    ``threshold="high"`` a TypeError of its own (a comparison), neither a kwarg it does not take."""
+
+    def __init__(self, threshold: float = 0.5) -> None:
+        if not 0 <= threshold <= 1:
+            raise ValueError(f"threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def __call__(self, doc: dict) -> bool:
+        return True

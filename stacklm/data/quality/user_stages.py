@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import importlib
+import inspect
 import json
 import pickle
 import re
@@ -76,62 +77,97 @@ class StageConfig(Config):
 
     def build(self, where: str = "pipeline.stages") -> Callable[[dict], Any]:
         """The callable a node calls per document (a fresh instance of a class: its state is
-        this node's)."""
+        this node's). ``kwargs`` are bound to the signature first, so a misspelled argument is
+        told apart from a constructor that raises (a TypeError of its own included)."""
         target = self.resolve(where)
         kwargs = dict(self.kwargs)
-        if isinstance(target, type):
-            try:
-                obj = target(**kwargs)
-            except TypeError as e:
-                raise ConfigError(f"field '{where}.kwargs': {self.fn} does not take {sorted(kwargs)} ({e}); "
-                                  f"give the constructor's arguments") from None
-            base = sys.modules.get("datatrove.pipeline.filters.base_filter")
-            if base is not None and isinstance(obj, base.BaseFilter):
-                return _DatatroveFilter(obj)
-            if not callable(obj):
-                raise ConfigError(f"field '{where}.fn': an instance of {self.fn} is not callable; give the class a "
-                                  f"__call__(self, doc), or name a function or a datatrove filter")
-            return obj
-        if not callable(target):
+        is_class = isinstance(target, type)
+        if not is_class and not callable(target):
             raise ConfigError(f"field '{where}.fn': {self.fn} is a {type(target).__name__}, not a function or class")
-        return functools.partial(target, **kwargs) if kwargs else target
+        _bind(target, is_class, kwargs, self.fn, where)
+        if not is_class:
+            return functools.partial(target, **kwargs) if kwargs else target
+        try:
+            obj = target(**kwargs)
+        except Exception as e:
+            args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+            raise ConfigError(f"field '{where}.kwargs': {self.fn}({args}) raised {type(e).__name__}: "
+                              f"{' '.join(str(e).split())}; fix the constructor's arguments under {where}.kwargs") from None
+        base = sys.modules.get("datatrove.pipeline.filters.base_filter")
+        if base is not None and isinstance(obj, base.BaseFilter):
+            return _DatatroveFilter(obj)
+        if not callable(obj):
+            raise ConfigError(f"field '{where}.fn': an instance of {self.fn} is not callable; give the class a "
+                              f"__call__(self, doc), or name a function or a datatrove filter")
+        return obj
+
+
+def _bind(target: Any, is_class: bool, kwargs: dict, fn: str, where: str) -> None:
+    """Refuse ``kwargs`` the signature does not take (a class: its constructor; a function: after
+    the document), when the config is checked rather than at the first document."""
+    try:
+        sig = inspect.signature(target)
+    except (TypeError, ValueError):  # no signature to read (some builtins): the call will tell
+        return
+    try:
+        sig.bind(**kwargs) if is_class else sig.bind(None, **kwargs)
+    except TypeError as e:
+        what = "the constructor's arguments" if is_class else "keyword arguments the function takes after the document"
+        empty = inspect.Parameter.empty  # the names and defaults say what it takes; annotations would be noise here
+        sig = sig.replace(parameters=[q.replace(annotation=empty) for q in sig.parameters.values()], return_annotation=empty)
+        raise ConfigError(f"field '{where}.kwargs': {fn}{sig} does not take {sorted(kwargs)} ({e}); give {what}") from None
+
+
+_FIX = "name a function or class at the top level of an importable module, as 'package.module:name'"
+
+
+def _split(path: str, where: str) -> tuple[str, str]:
+    """``(module, attribute)`` of an import path, refused when it has no module or names the
+    script being run; read at parse, without importing (``check_stages``)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(f"field '{where}.fn' is {path!r}: {_FIX}")
+    if module_name in ("__main__", "__mp_main__"):
+        raise ConfigError(f"field '{where}.fn' is {path!r}: the script being run cannot be imported by the loader "
+                          f"workers and engine tasks; move the stage into a module and {_FIX}")
+    return module_name, attr
 
 
 @functools.lru_cache(maxsize=64)
 def _resolve(path: str, where: str) -> Any:
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    fix = "name a function or class at the top level of an importable module, as 'package.module:name'"
-    if not module_name or not attr:
-        raise ConfigError(f"field '{where}.fn' is {path!r}: {fix}")
-    if module_name in ("__main__", "__mp_main__"):
-        raise ConfigError(f"field '{where}.fn' is {path!r}: the script being run cannot be imported by the loader "
-                          f"workers and engine tasks; move the stage into a module and {fix}")
+    module_name, attr = _split(path, where)
     try:
         obj: Any = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"field '{where}.fn' is {path!r}: cannot import {module_name!r} ({e}); {fix} "
+        raise ConfigError(f"field '{where}.fn' is {path!r}: cannot import {module_name!r} ({e}); {_FIX} "
                           f"(on the PYTHONPATH of every process that reads the data)") from None
+    except Exception as e:  # the module is found but fails: a SyntaxError, or an exception it raises at import
+        at = f" ({e.filename}, line {e.lineno})" if isinstance(e, SyntaxError) and e.filename else ""
+        raise ConfigError(f"field '{where}.fn' is {path!r}: importing {module_name!r} raised {type(e).__name__}: "
+                          f"{' '.join(str(e).split())}{at}; fix the module so that `import {module_name}` works") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ConfigError(f"field '{where}.fn' is {path!r}: module {module_name!r} has no {attr!r}; {fix}")
+            raise ConfigError(f"field '{where}.fn' is {path!r}: module {module_name!r} has no {attr!r}; {_FIX}")
         obj = getattr(obj, part)
     try:  # by reference: what a worker or a task does to find it again
         pickle.dumps(obj)
     except Exception as e:  # pickle raises PicklingError, TypeError or AttributeError
         raise ConfigError(f"field '{where}.fn' is {path!r}: it cannot be pickled for loader workers and engine tasks "
-                          f"({type(e).__name__}: {e}); {fix} (not a lambda, a nested function or an instance)") from None
+                          f"({type(e).__name__}: {e}); {_FIX} (not a lambda, a nested function or an instance)") from None
     return obj
 
 
 def check_stages(stages: tuple[StageConfig, ...], source_names: list[str], path: str = "pipeline.stages") -> None:
-    """Refuse, before any work, a stage that cannot be imported or pickled, names an unknown
-    source, has arguments that are not plain data, or a name that is taken."""
+    """Refuse, at parse, a stage whose import path is malformed or names the script being run,
+    that names an unknown source, has arguments that are not plain data, or a name that is
+    taken. Nothing is imported here: a command that never runs the stages (a shards-mode fit,
+    ``train-tokenizer``) does not need their module (``import_stages`` is for the others)."""
     seen: set[str] = set()
     for i, stage in enumerate(stages):
         where = f"{path}[{i}]"
-        stage.resolve(where)
+        _split(stage.fn, where)
         name = stage.stage_name
         if not _NAME.match(name) or name in BUILT_IN_STAGES or name in seen:
             why = ("is a built-in stage" if name in BUILT_IN_STAGES else "is taken by another stage" if name in seen
@@ -147,6 +183,15 @@ def check_stages(stages: tuple[StageConfig, ...], source_names: list[str], path:
         if unknown:
             raise ConfigError(f"field '{where}.sources' names {unknown}, which are not sources of the mix "
                               f"({sorted(source_names)}); list mix entry names, or leave sources out for all")
+
+
+def import_stages(stages: tuple[StageConfig, ...], path: str = "pipeline.stages") -> None:
+    """Import and build each stage once, refusing in one line naming the field a stage that cannot
+    be imported or pickled by name, a kwarg its signature does not take, or a constructor that
+    raises. Called where the stages are going to run (a prebuild, a stream datamodule, an
+    engine's launch), before any work starts there, so the error is not a worker's traceback."""
+    for i, stage in enumerate(stages):
+        stage.build(f"{path}[{i}]")
 
 
 def _is_plain(value: Any) -> bool:

@@ -17,7 +17,9 @@ dataset rebuilt at the same path is refused.
   the whole pipeline config but the batch size (part of the shape, which the datamodule checks
   and names on its own).
 
-``where`` (the shard directory) is stored for the refusal message only.
+``where`` (the shard directory) is stored for the refusal message only, and so is ``config``
+(stream and SFT modes: the pipeline config hashed into ``pipeline``), so a refusal names the
+fields that changed (``stages[0].kwargs.marker (absent -> 'XX')``), as a prebuild's does.
 """
 
 from __future__ import annotations
@@ -67,8 +69,9 @@ def identity_of(mode: str, *, tokenizer_hash: str, data_dir: str | None = None, 
         d = dict(config or {})
         data = _sha(d.get("mix", d.get("sources")))
         # the batch size is part of the shape, checked (and named) on its own
-        pipeline = _sha({k: v for k, v in d.items() if k not in ("num_threads", "batch_size")})
-        where = None
+        named = json.loads(json.dumps({k: v for k, v in d.items() if k not in ("num_threads", "batch_size")}))
+        pipeline = _sha(named)
+        return {"mode": mode, "data": data, "tokenizer": tokenizer_hash, "pipeline": pipeline, "where": None, "config": named}
     return {"mode": mode, "data": data, "tokenizer": tokenizer_hash, "pipeline": pipeline, "where": where}
 
 
@@ -87,6 +90,12 @@ def check_identity(saved: dict[str, Any], now: dict[str, Any]) -> None:
     diffs = [f"{k}: checkpoint {saved.get(k)} vs now {now[k]}" for k in COMPARED if saved.get(k) != now[k]]
     if not diffs:
         return
+    if saved.get("pipeline") != now["pipeline"] and isinstance(saved.get("config"), dict) and "config" in now:
+        from stacklm.data.storage.manifest import config_differences  # the prebuild's refusal names fields the same way
+
+        changed = config_differences(saved["config"], now["config"])
+        if changed:
+            diffs.append("changed: " + ", ".join(changed))
     where = ""
     if "data" in (d.split(":")[0] for d in diffs) and now.get("where"):
         where = (f" The checkpoint's shards were read from {saved.get('where')}; {now['where']} holds other content"
