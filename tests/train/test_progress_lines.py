@@ -94,7 +94,8 @@ def test_the_fit_lines_leave_the_start_up_out_of_the_pace(tmp_path, capsys, monk
         now[0], step.completed = 1000.0 + t, s
         bar.on_train_batch_end(trainer, L.LightningModule(), {"loss": 1.0}, None, batch_idx=s)
     bar.on_train_end(trainer, None)
-    lines = [LINE.match(line)["body"] for line in capsys.readouterr().err.splitlines()]
+    # the progress lines only: the Trainer may say its own things on stderr (GPU/TPU available, ...)
+    lines = [m["body"] for line in capsys.readouterr().err.splitlines() if (m := LINE.match(line))]
     assert [line.split("  elapsed ")[1] for line in lines] == ["0:01:00  ETA ?", "0:01:01  ETA 0:00:08", "0:01:02  ETA 0:00:07",
                                                                "0:01:09  ETA 0:00:00", "0:01:09"], lines
     assert lines[0].startswith("step 41/50 (82%)") and lines[-1].startswith("done  step 50/50 (100%)"), lines
