@@ -1,6 +1,10 @@
 """The same train rows as a litdata set, for the benchmarks that compare with litdata
-(``bench/loader.py``, ``bench/startup.py``). litdata is a bench-only dependency
-(``pip install litdata``); nothing in ``stacklm`` imports it.
+(``bench/loader.py``, ``bench/startup.py``). litdata is a bench-only dependency; nothing in
+``stacklm`` imports it. Install it into the dev environment without its dependencies'
+resolution, ``pip install --no-deps litdata==0.2.76 obstore tifffile``: a plain ``pip install
+litdata`` also pulls a torchvision built for another torch, and with it installed
+``import transformers`` (hence Lightning's imports here) fails with "operator torchvision::nms
+does not exist" (seen on this project's torch 2.13 CPU).
 
 Each row of a ``PackedMemmapDataset`` becomes one litdata item (a uint16 tensor of ``seq_len``
 tokens) written by ``litdata.optimize`` with ``TokensLoader``, so ``StreamingDataset(...,
