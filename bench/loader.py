@@ -222,7 +222,7 @@ def bench_litdata(args, tmp: Path, batches: list[np.ndarray], seconds: float) ->
         from litdata.streaming.item_loader import TokensLoader
         from litdata_rows import write_litdata
     except ImportError:
-        print("litdata is not installed: its rows are left out (pip install litdata)")
+        print("litdata is not installed: its rows are left out (pip install --no-deps litdata==0.2.76 obstore tifffile)")
         return []
     out = write_litdata(tmp / "litdata", tmp)
     lit = StreamingDataset(str(out), item_loader=TokensLoader(block_size=args.seq_len), shuffle=False)

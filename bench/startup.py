@@ -316,7 +316,7 @@ def prepare(root: Path, mb: float) -> dict[str, Path]:
 
         paths["litdata"] = write_litdata(root / "litdata", root / "shards")
     except ImportError:
-        print("litdata is not installed: its rows are left out (pip install litdata)")
+        print("litdata is not installed: its rows are left out (pip install --no-deps litdata==0.2.76 obstore tifffile)")
     return paths
 
 
