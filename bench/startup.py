@@ -46,7 +46,7 @@ run's ``import torch`` / 1.5.
 ``--baseline DIR`` measures another checkout (e.g. a worktree of main) in every round too, on
 the same data. ``--importtime`` also prints the import tree (``python -X importtime``) of each
 entry, pre-order, entries of at least ``--tree-ms`` (cumulative, wall). litdata is optional
-(``pip install litdata``; its rows are left out without it). With the defaults: ~20 s of
+(``pip install --no-deps litdata==0.2.76 obstore tifffile``; its rows are left out without it). With the defaults: ~20 s of
 set-up and ~2 minutes of measurements on an idle 2-core machine (``--baseline`` doubles them).
 """
 
