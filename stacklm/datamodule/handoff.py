@@ -56,14 +56,13 @@ class WorkerBlocks:
         if not tensors:
             return batch
         storages = {v.untyped_storage().data_ptr() for v in tensors.values()}
-        first = next(iter(tensors.values()))
         if len(storages) != 1 or any(v.device.type != "cpu" for v in tensors.values()):
             return batch
-        storage = first.untyped_storage()
+        storage = next(iter(tensors.values())).untyped_storage()
         nbytes = storage.nbytes()
         index, new = self._block_for(nbytes)
         block, view = self.blocks[index]
-        view[HEADER : HEADER + nbytes] = np.frombuffer(memoryview(storage_bytes(storage)), dtype=np.uint8)
+        view[HEADER : HEADER + nbytes] = storage_bytes(storage)
         view[0] = 1
         out = {k: v for k, v in batch.items() if k not in tensors}
         out[SLOT_KEY] = {
@@ -115,12 +114,11 @@ def worker_pack(batch: Any) -> Any:
     by block (``WorkerBlocks.pack``); in the main process, numpy planes as tensors, the rest as
     it is."""
     global _WORKER_BLOCKS
-    if torch.utils.data.get_worker_info() is None:
-        if isinstance(batch, dict):
-            return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+    if not isinstance(batch, dict):
         return torch.utils.data.default_convert(batch)
-    if isinstance(batch, dict):
-        batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+    batch = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+    if torch.utils.data.get_worker_info() is None:
+        return batch
     if _WORKER_BLOCKS is None:
         _WORKER_BLOCKS = WorkerBlocks()
     return _WORKER_BLOCKS.pack(batch)

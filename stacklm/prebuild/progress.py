@@ -77,8 +77,8 @@ class BuildProgress:
     def mix(self) -> dict[str, float]:
         """The train split's realized share per source so far."""
         mix: dict[str, int] = {}
-        for job_name, per in self.per_job.items():
-            if job_name.startswith("train"):
+        for job, per in self.per_job.items():
+            if job.startswith("train"):
                 for src, n in per.items():
                     mix[src] = mix.get(src, 0) + n
         total = sum(mix.values()) or 1
